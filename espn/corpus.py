@@ -1,0 +1,158 @@
+"""Streaming readers for corpora, queries and qrels: BEIR JSON lines (plain or .gz) and TSV.
+
+Nothing here holds a corpus in memory: `iter_corpus` yields one document at a time.
+Errors carry `file:line` so a user can find the bad line in a multi-GB file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import logging
+from pathlib import Path
+from typing import IO, Iterator
+
+from .errors import CorpusError
+
+__all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusDocument:
+    line: int
+    doc_id: str
+    title: str
+    text: str
+
+    @property
+    def full_text(self) -> str:
+        """Title and text joined, the way BEIR baselines encode a passage."""
+        return f"{self.title}. {self.text}" if self.title else self.text
+
+
+def _open_text(path: Path) -> IO[str]:
+    try:
+        raw: IO[bytes] = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+    except OSError as exc:
+        raise CorpusError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="strict", newline="\n")
+
+
+def detect_format(path: Path) -> str:
+    """'jsonl' or 'tsv', from the extension, else from the first non-blank character."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    if name.endswith((".jsonl", ".json")):
+        return "jsonl"
+    if name.endswith((".tsv", ".txt")):
+        return "tsv"
+    with _open_text(path) as f:
+        for line in f:
+            if line.strip():
+                return "jsonl" if line.lstrip().startswith("{") else "tsv"
+    return "jsonl"
+
+
+def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    number = 0
+    try:
+        with _open_text(path) as f:
+            for number, line in enumerate(f, start=1):
+                yield number, line
+    except UnicodeDecodeError as exc:
+        raise CorpusError(f"{path}:{number + 1}: not valid UTF-8 ({exc.reason})") from exc
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise CorpusError(f"{path}:{number + 1}: cannot read: {exc}") from exc
+
+
+def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str, str, str]:
+    """-> (id, title, text) or raise CorpusError naming file:line."""
+    where = f"{path}:{number}"
+    if fmt == "jsonl":
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        doc_id = obj.get("_id", obj.get("id"))
+        title, text = obj.get("title") or "", obj.get("text")
+        if doc_id is None or (isinstance(doc_id, str) and not doc_id.strip()):
+            raise CorpusError(f"{where}: missing '_id'")
+        if not isinstance(doc_id, (str, int)) or isinstance(doc_id, bool):
+            raise CorpusError(f"{where}: '_id' must be a string")
+        if text is None or not isinstance(text, str) or not isinstance(title, str):
+            raise CorpusError(f"{where}: 'text' (and 'title', if present) must be strings")
+        doc_id = str(doc_id)
+    else:
+        parts = line.rstrip("\r\n").split("\t")
+        if len(parts) < 2:
+            raise CorpusError(f"{where}: expected 'id<TAB>text', found no tab")
+        doc_id, title, text = parts[0], "", "\t".join(parts[1:]) if kind == "query" else parts[1]
+        if kind == "corpus" and len(parts) >= 3:  # id<TAB>text<TAB>title, as BEIR's TSV export
+            title = parts[2]
+        if not doc_id.strip():
+            raise CorpusError(f"{where}: empty id")
+    if not (title.strip() or text.strip()):
+        raise CorpusError(f"{where}: {kind} {doc_id!r} has no text")
+    return doc_id, title, text
+
+
+def iter_corpus(path: Path, skip_bad: bool = False) -> Iterator[CorpusDocument]:
+    """Documents in file order. Bad lines raise CorpusError, or are logged and skipped with skip_bad."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file")
+    fmt = detect_format(path)
+    skipped = 0
+    for number, line in _iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            doc_id, title, text = _parse(path, number, line, fmt, "corpus")
+        except CorpusError as exc:
+            if not skip_bad:
+                raise
+            skipped += 1
+            log.warning("skipped %s", exc)
+            continue
+        yield CorpusDocument(number, doc_id, title, text)
+    if skipped:
+        log.warning("%s: skipped %d bad line(s)", path, skipped)
+
+
+def read_queries(path: Path) -> list[tuple[str, str]]:
+    """(query_id, text) pairs: BEIR queries.jsonl or id<TAB>text. Queries are few, so a list."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file")
+    fmt = detect_format(path)
+    queries = []
+    for number, line in _iter_lines(path):
+        if line.strip():
+            query_id, title, text = _parse(path, number, line, fmt, "query")
+            queries.append((query_id, f"{title} {text}".strip()))
+    if not queries:
+        raise CorpusError(f"{path}: no queries")
+    return queries
+
+
+def read_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """BEIR qrels TSV (query-id, corpus-id, score; header optional) or TREC qrels (qid 0 docid rel)."""
+    path = Path(path)
+    qrels: dict[str, dict[str, int]] = {}
+    for number, line in _iter_lines(path):
+        parts = line.split()
+        if not parts or (number == 1 and not parts[-1].lstrip("-").isdigit()):
+            continue  # blank line or header
+        if len(parts) == 4:
+            parts = [parts[0], parts[2], parts[3]]
+        if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+            raise CorpusError(f"{path}:{number}: expected 'query-id corpus-id score'")
+        qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    if not qrels:
+        raise CorpusError(f"{path}: no judgements")
+    return qrels

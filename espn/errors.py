@@ -1,0 +1,44 @@
+"""Exceptions the library raises; the CLI and the server map them to exit codes and HTTP statuses."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EspnError",
+    "InvalidParameterError",
+    "CorpusError",
+    "IndexCorruptError",
+    "IndexExistsError",
+    "DocumentNotFoundError",
+    "BackendUnavailableError",
+]
+
+
+class EspnError(Exception):
+    """Base of every error the library raises on purpose."""
+
+
+class InvalidParameterError(EspnError, ValueError):
+    """A caller passed a parameter outside its allowed range; the message names it and the range."""
+
+
+class CorpusError(EspnError):
+    """A corpus or query file cannot be read as asked; the message carries `file:line` where known."""
+
+
+class IndexCorruptError(EspnError):
+    """An index directory is missing a file, or a file does not match the manifest."""
+
+
+class IndexExistsError(EspnError):
+    """The output index exists and overwriting it was not requested."""
+
+
+class DocumentNotFoundError(EspnError, KeyError):
+    """An external document id is not in the index."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message.
+        return str(self.args[0]) if self.args else "document not found"
+
+
+class BackendUnavailableError(EspnError):
+    """An optional backend (kvikio, CUDA) was requested but cannot be used here."""

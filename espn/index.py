@@ -1,0 +1,195 @@
+"""The index directory: manifest, file names, checksums, and the numpy-backed id map and text store.
+
+Everything opened here is memory-mapped (records, ids, text offsets), so worker
+processes that open one index share one copy of it in the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .errors import DocumentNotFoundError, IndexCorruptError
+from .results import Document
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FILES",
+    "IndexDirectory",
+    "IdMap",
+    "DocStore",
+    "sha256_file",
+    "write_manifest",
+    "read_manifest",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+#: Files every index holds (besides encoder/, which is checksummed file by file).
+FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
+#: Below this total size `verify="auto"` hashes every file on open; above it only sizes
+#: and the small files (hashing tens of GB at every start would take minutes).
+FULL_VERIFY_LIMIT = 2 << 30
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _index_files(directory: Path) -> list[str]:
+    names = [name for name in FILES if (directory / name).exists()]
+    encoder = directory / "encoder"
+    if encoder.is_dir():
+        names += sorted(str(p.relative_to(directory)) for p in encoder.rglob("*") if p.is_file())
+    return names
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Add size and sha256 of every file, then write manifest.json atomically (fsynced)."""
+    directory = Path(directory)
+    full = dict(manifest)
+    full["format_version"] = FORMAT_VERSION
+    full["files"] = {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+        for name in _index_files(directory)
+    }
+    write_json_atomic(directory / MANIFEST, full)
+    return full
+
+
+def update_manifest(directory: Path, **sections: Any) -> dict[str, Any]:
+    """Rewrite manifest sections (e.g. a calibrated score weight) keeping the file checksums."""
+    manifest = read_manifest(directory)
+    manifest.update(sections)
+    write_json_atomic(Path(directory) / MANIFEST, manifest)
+    return manifest
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise IndexCorruptError(f"{directory}: not an espn index (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IndexCorruptError(f"{path}: unreadable manifest ({exc})") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise IndexCorruptError(f"{path}: index format {version!r}, this espn reads format {FORMAT_VERSION}")
+    return manifest
+
+
+class IndexDirectory:
+    """An opened, validated index directory."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, path: Path | str, verify: str = "auto") -> "IndexDirectory":
+        """Validate against the manifest. verify: "full" (sha256 of all), "fast" (sizes, and
+        sha256 of files under 64 MiB), "auto" (full below 2 GiB), "none"."""
+        path = Path(path)
+        if not path.is_dir():
+            raise IndexCorruptError(f"{path}: no such index directory")
+        manifest = read_manifest(path)
+        files: dict[str, dict[str, Any]] = manifest.get("files", {})
+        missing = [name for name in FILES if name not in files]
+        if missing:
+            raise IndexCorruptError(f"{path}: manifest lists no {', '.join(missing)}")
+        if verify not in ("full", "fast", "auto", "none"):
+            raise ValueError(f"verify must be full, fast, auto or none, got {verify!r}")
+        if verify == "auto":
+            verify = "full" if sum(f["bytes"] for f in files.values()) <= FULL_VERIFY_LIMIT else "fast"
+        if verify != "none":
+            for name, expected in files.items():
+                file = path / name
+                if not file.is_file():
+                    raise IndexCorruptError(f"{file}: missing")
+                size = file.stat().st_size
+                if size != expected["bytes"]:
+                    raise IndexCorruptError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+                if (verify == "full" or size < 64 << 20) and sha256_file(file) != expected["sha256"]:
+                    raise IndexCorruptError(f"{file}: checksum mismatch (corrupted)")
+        return cls(path, manifest)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def load_array(self, name: str) -> np.ndarray:
+        try:
+            return np.load(self.path / name, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise IndexCorruptError(f"{self.path / name}: unreadable ({exc})") from None
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.manifest["counts"]["documents"])
+
+
+class IdMap:
+    """External id <-> internal doc number, backed by two memory-mapped arrays.
+
+    ids [N] fixed-width utf-8 bytes; order [N] int64 sorts them, for binary search.
+    """
+
+    def __init__(self, ids: np.ndarray, order: np.ndarray) -> None:
+        self.ids, self.order = ids, order
+
+    def external(self, doc_numbers: Iterable[int]) -> list[str]:
+        return [bytes(self.ids[n]).decode("utf-8") for n in doc_numbers]
+
+    def internal(self, doc_id: str) -> int:
+        """Binary search over `order`: O(log N) memory-mapped lookups, no sorted copy in RAM."""
+        raw = doc_id.encode("utf-8")
+        if not raw or len(raw) > self.ids.dtype.itemsize:
+            raise DocumentNotFoundError(f"no document with id {doc_id!r}")
+        key = np.bytes_(raw)
+        low, high = 0, len(self.order)
+        while low < high:
+            mid = (low + high) // 2
+            if self.ids[self.order[mid]] < key:
+                low = mid + 1
+            else:
+                high = mid
+        if low < len(self.order) and self.ids[self.order[low]] == key:
+            return int(self.order[low])
+        raise DocumentNotFoundError(f"no document with id {doc_id!r}")
+
+
+class DocStore:
+    """Passage text read by offset on demand: docs.jsonl plus docs_offsets [N+1] int64."""
+
+    def __init__(self, path: Path, offsets: np.ndarray) -> None:
+        self.path, self.offsets = Path(path), offsets
+
+    def get(self, doc_number: int) -> tuple[str, str]:
+        start, end = int(self.offsets[doc_number]), int(self.offsets[doc_number + 1])
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            obj = json.loads(f.read(end - start))
+        return obj.get("title", ""), obj.get("text", "")
+
+    def document(self, doc_id: str, doc_number: int) -> Document:
+        title, text = self.get(doc_number)
+        return Document(doc_id=doc_id, title=title, text=text)

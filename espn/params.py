@@ -1,0 +1,74 @@
+"""Per-request search parameters: defaults from the manifest, bounds checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from .errors import InvalidParameterError
+
+__all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K"]
+
+MAX_K = 10_000
+MAX_RERANK = 10_000
+MAX_PREFETCH_K = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchParams:
+    """What one search call may tune.
+
+    k:             results returned per query
+    nprobe:        η, IVF clusters visited (1 .. nlist)
+    prefetch_step: fraction of η after which each prefetch wave starts (0 < s <= 1);
+                   waves start after δ = ceil(s·η) clusters, then every δ clusters
+    prefetch_k:    candidates each prefetch wave reads (0 turns prefetching off)
+    rerank_count:  candidates re-ranked with MaxSim; below it the CLS order is kept
+    prefetch:      False runs the sequential reference path (same results, no thread)
+    """
+
+    k: int = 10
+    nprobe: int = 16
+    prefetch_step: float = 0.3
+    prefetch_k: int = 100
+    rerank_count: int = 100
+    prefetch: bool = True
+
+    def replace(self, **overrides: Any) -> "SearchParams":
+        """A copy with the given non-None overrides, validated."""
+        given = {key: value for key, value in overrides.items() if value is not None}
+        unknown = set(given) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise InvalidParameterError(f"unknown search parameter(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **given)
+
+    def validate(self, nlist: int, num_documents: int) -> "SearchParams":
+        """Raise InvalidParameterError naming the first parameter out of range."""
+        _check_int("k", self.k, 1, MAX_K)
+        _check_int("nprobe", self.nprobe, 1, nlist)
+        if not isinstance(self.prefetch_step, (int, float)) or isinstance(self.prefetch_step, bool) or not (
+            0.0 < float(self.prefetch_step) <= 1.0 and math.isfinite(self.prefetch_step)
+        ):
+            raise InvalidParameterError(f"prefetch_step must be in (0, 1], got {self.prefetch_step!r}")
+        _check_int("prefetch_k", self.prefetch_k, 0, MAX_PREFETCH_K)
+        _check_int("rerank_count", self.rerank_count, 0, MAX_RERANK)
+        if not isinstance(self.prefetch, bool):
+            raise InvalidParameterError(f"prefetch must be true or false, got {self.prefetch!r}")
+        del num_documents  # k above the corpus size is allowed: fewer hits come back
+        return self
+
+    @property
+    def candidates(self) -> int:
+        """How many ANN candidates the pipeline keeps: enough for k and for re-ranking."""
+        return max(self.k, self.rerank_count)
+
+    @classmethod
+    def from_manifest(cls, defaults: Mapping[str, Any]) -> "SearchParams":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in defaults.items() if key in known})
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidParameterError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -1,0 +1,52 @@
+"""What a search returns: plain dataclasses the server and CLI turn into JSON and run files."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["Hit", "SearchStats", "QueryResult", "Document"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One ranked document. `bow_score` is None below `rerank_count` (not re-ranked)."""
+
+    doc_id: str
+    score: float
+    cls_score: float
+    bow_score: Optional[float]
+
+
+@dataclasses.dataclass
+class SearchStats:
+    """Where the time went for one query's batch, and what the prefetcher achieved for it.
+
+    stage_ms:   milliseconds per stage of the batch (encode, quantizer, ann, prefetch_wait,
+                miss_read, miss_maxsim, aggregate, total); shared by the queries of a batch
+    hit_rate:   prefetched ∩ final candidates / final candidates (1.0 when nothing to re-rank)
+    bytes_read: bytes this query's candidates cost in reads (prefetch + misses)
+    ios:        read requests issued for this query
+    prefetched: documents the prefetch waves read for this query
+    missed:     final candidates read in the critical path
+    """
+
+    stage_ms: dict[str, float]
+    hit_rate: float
+    bytes_read: int
+    ios: int
+    prefetched: int
+    missed: int
+
+
+@dataclasses.dataclass
+class QueryResult:
+    hits: list[Hit]
+    stats: SearchStats
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    doc_id: str
+    title: str
+    text: str

@@ -1,0 +1,85 @@
+"""The on-disk embedding store: record format, writer, and the readers behind one contract.
+
+`READERS` maps the names the CLI and the server accept to reader classes; `open_reader`
+picks one (kvikio where CUDA and kvikio work, posix elsewhere) and fails with the install
+command when an optional backend is missing. Importing this package imports no optional
+dependency: kvikio is probed only when asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailableError, InvalidParameterError
+from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, ReadBatch, Reader, plan_extents
+from .format import RECORD_DTYPE, STORAGE_DTYPE, RecordWriter, StoreLayout, place_records, record_nbytes
+from .kvikio import KvikioReader
+from .memory import MemoryReader
+from .mmap import MmapReader
+from .posix import PosixReader
+
+__all__ = [
+    "RECORD_DTYPE",
+    "STORAGE_DTYPE",
+    "StoreLayout",
+    "RecordWriter",
+    "record_nbytes",
+    "place_records",
+    "ReadBatch",
+    "Reader",
+    "ExtentPlan",
+    "plan_extents",
+    "DEFAULT_MAX_EXTENT_BYTES",
+    "PosixReader",
+    "KvikioReader",
+    "MmapReader",
+    "MemoryReader",
+    "READERS",
+    "default_reader_name",
+    "open_reader",
+]
+
+#: Reader classes by the name users pass (`--reader`, manifest, Searcher option).
+READERS: dict[str, type[Reader]] = {
+    cls.name: cls for cls in (PosixReader, KvikioReader, MmapReader, MemoryReader)
+}
+
+
+def default_reader_name(device: str | torch.device | None = None) -> str:
+    """"kvikio" when CUDA and kvikio are both usable, else "posix".
+
+    With a CPU `device` the answer is "posix" even on a GPU machine: reading into GPU
+    memory only to copy the result back would be a detour.
+    """
+    if device is not None and torch.device(device).type != "cuda":
+        return PosixReader.name
+    return KvikioReader.name if KvikioReader.is_available() else PosixReader.name
+
+
+def open_reader(
+    name: str | None,
+    path: Path,
+    records: np.ndarray,
+    layout: StoreLayout,
+    device: str | torch.device = "cpu",
+    **options: Any,
+) -> Reader:
+    """Open the reader called `name` (None: `default_reader_name(device)`) on embeddings.bin.
+
+    Raises ValueError for an unknown name (listing the known ones) and
+    BackendUnavailableError, with the install command, for a backend that cannot run here.
+    """
+    if name is None:
+        name = default_reader_name(device)
+    try:
+        cls = READERS[name]
+    except KeyError:
+        raise InvalidParameterError(f"unknown reader {name!r}; choose one of {', '.join(sorted(READERS))}") from None
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    return cls(Path(path), records, layout, device, **options)

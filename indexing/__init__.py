@@ -1,0 +1,1 @@
+"""The offline index build job: encode a corpus into chunk files, then assemble an index."""

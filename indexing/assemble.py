@@ -1,0 +1,176 @@
+"""Assemble stage: chunk files -> a finished index directory, published by an atomic rename.
+
+Streams chunk by chunk: records go straight into embeddings.bin, CLS vectors into
+a temporary fp16 memmap that feeds IVF training (on a sample) and `add`; the only
+arrays sized by the corpus are numpy memmaps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from espn.ann import IVFConfig, build_ivf, default_nlist
+from espn.errors import CorpusError, IndexExistsError
+from espn.index import FORMAT_VERSION, write_manifest
+from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+
+from .chunks import chunk_path, read_chunk
+from .workdir import WorkDir
+
+__all__ = ["assemble", "publish", "default_search_params"]
+
+log = logging.getLogger(__name__)
+
+
+def default_search_params(nlist: int) -> dict[str, Any]:
+    """Defaults stored in the manifest; tuned on SciFact train queries (see README)."""
+    return {
+        "k": 10,
+        "nprobe": max(1, min(nlist, nlist // 2)),
+        "prefetch_step": 0.3,
+        "prefetch_k": 100,
+        "rerank_count": 100,
+    }
+
+
+def _chunk_list(work: WorkDir, partition: int, partitions: int) -> list[int]:
+    markers = work.markers()
+    if not markers:
+        raise CorpusError(f"{work.path}: no shard has finished encoding; run `espn index` first")
+    total = markers[0]["chunks"]
+    num_shards = markers[0]["num_shards"]
+    finished = {m["shard"] for m in markers if m["num_shards"] == num_shards}
+    missing_shards = sorted(set(range(num_shards)) - finished)
+    if missing_shards:
+        raise CorpusError(
+            f"{work.path}: shard(s) {', '.join(f'{s}/{num_shards}' for s in missing_shards)} not finished; "
+            f"run `espn index ... --shard I/{num_shards}` for them"
+        )
+    if total == 0 or markers[0]["documents"] == 0:
+        raise CorpusError(f"{work.job()['corpus']}: the corpus has no documents")
+    chunks = [c for c in range(total) if c % partitions == partition]
+    absent = [c for c in chunks if not chunk_path(work.path, c).is_file()]
+    if absent:
+        raise CorpusError(f"{work.path}: chunk file(s) {absent[:5]} missing; re-run `espn index` to encode them")
+    return chunks
+
+
+def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int = 1) -> dict[str, Any]:
+    """Write a complete index into `staging` from the work dir's chunks (every `partitions`-th chunk)."""
+    job = work.job()
+    chunks = _chunk_list(work, partition, partitions)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    encoder_config = job["encoder_config"]
+    layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"])
+
+    # Pass 1 (headers only): sizes of the memmaps.
+    n_docs, id_width = 0, 1
+    for c in chunks:
+        with np.load(chunk_path(work.path, c)) as z:
+            n_docs += len(z["counts"])
+            id_width = max(id_width, z["ids"].dtype.itemsize)
+    if n_docs == 0:
+        raise CorpusError(f"{job['corpus']}: the partition has no documents")
+
+    records = np.lib.format.open_memmap(staging / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n_docs,))
+    ids = np.lib.format.open_memmap(staging / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n_docs,))
+    docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
+    cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
+    docs_offsets[0] = 0
+    position = n_bow = 0
+    started = time.perf_counter()
+    with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
+        for c in chunks:
+            chunk = read_chunk(work.path, c)
+            rows = slice(position, position + len(chunk))
+            records[rows] = writer.append(chunk.cls, chunk.bow, chunk.counts)
+            ids[rows] = chunk.ids
+            cls_tmp[rows] = chunk.cls
+            docs.write(chunk.docs_blob.tobytes())
+            docs_offsets[position + 1 : position + len(chunk) + 1] = docs_offsets[position] + chunk.docs_offsets[1:]
+            position += len(chunk)
+            n_bow += int(chunk.counts.sum())
+        file_bytes = writer.close()
+        docs.flush()
+        os.fsync(docs.fileno())
+    for array in (records, ids, docs_offsets):
+        array.flush()
+
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
+    if len(dup):
+        first = int(dup[0])
+        raise CorpusError(
+            f"{job['corpus']}: duplicate document id {bytes(sorted_ids[first]).decode()!r} "
+            f"(documents #{int(order[first]) + 1} and #{int(order[first + 1]) + 1}); ids must be unique"
+        )
+    np.save(staging / "ids_sorted.npy", order)
+    del sorted_ids
+
+    ivf = IVFConfig(nlist=job.get("nlist") or default_nlist(n_docs), kind=job.get("ann", "flat"), pq_m=job.get("pq_m", 32))
+    rng = np.random.default_rng(ivf.seed)
+    sample = np.sort(rng.choice(n_docs, size=min(n_docs, ivf.nlist * ivf.train_points_per_list), replace=False))
+    index = build_ivf(ivf, layout.d_cls, cls_tmp[sample].astype(np.float32))
+    for start in range(0, n_docs, 65536):
+        index.add(np.asarray(cls_tmp[start : start + 65536], dtype=np.float32))
+    faiss.write_index(index, str(staging / "ann.faiss"))
+    del cls_tmp
+    (staging / "cls.tmp.npy").unlink()
+    shutil.copytree(work.encoder_dir, staging / "encoder")
+
+    weight = encoder_config.get("learned_weight")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "encoder": encoder_config,
+        "counts": {"documents": n_docs, "bow_vectors": n_bow},
+        "store": {"dtype": "float16", "block_size": layout.block_size, "d_cls": layout.d_cls,
+                  "d_bow": layout.d_bow, "file_bytes": file_bytes},
+        "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
+                "metric": "inner_product", "trained_on": int(len(sample))},
+        "score": {"w": weight if weight is not None else job.get("w", 0.3),
+                  "bow_reduction": encoder_config.get("bow_reduction", "mean"),
+                  "calibrated": weight is not None},
+        "search_defaults": default_search_params(ivf.nlist),
+        "partition": {"index": partition, "count": partitions},
+        "source": {"corpus": job["corpus"]},
+    }
+    manifest = write_manifest(staging, manifest)
+    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, n_bow, file_bytes / 1e6,
+             time.perf_counter() - started)
+    return manifest
+
+
+def publish(staging: Path, out: Path, force: bool) -> None:
+    """Move a finished staging directory to `out` by rename; an old index is replaced only with force."""
+    _fsync_dir(staging)
+    if out.exists():
+        if not force:
+            raise IndexExistsError(f"{out} exists; pass --force to replace it")
+        retired = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, retired)
+        os.replace(staging, out)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, out)
+    _fsync_dir(out.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,184 @@
+"""The build job end to end: fit the encoder once, encode this shard, assemble when complete.
+
+`build_index` is what `espn index` runs. With `num_shards > 1` each process encodes
+its share of the chunks and the last step is `merge_index` (`espn index-merge`).
+With `partitions > 1` the chunks are split into that many complete indexes
+(`OUT/part-0` ...) that share one encoder and projection, so their scores compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from espn.encoders import Encoder, encoder_from_spec, load_encoder
+from espn.errors import IndexExistsError, InvalidParameterError
+from espn.index import read_manifest, write_json_atomic
+
+from .assemble import assemble, publish
+from .encode import encode_corpus, read_sample
+from .workdir import WorkDir
+
+__all__ = ["BuildConfig", "build_index", "merge_index", "build_from_embeddings"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    corpus: Path
+    out: Path
+    encoder: str = "minilm"
+    bow_dim: int = 64
+    nlist: int | None = None
+    ann: str = "flat"
+    pq_m: int = 32
+    block_size: int = 4096
+    chunk_size: int = 1024
+    batch_size: int = 32
+    fit_sample: int = 256  # documents; ~60k token vectors, plenty for a 384x384 second moment
+    skip_bad: bool = False
+    force: bool = False
+    shard: int = 0
+    num_shards: int = 1
+    partitions: int = 1
+    loader_workers: int = 1
+    device: str | None = None
+    progress: bool = True
+
+    def validate(self) -> "BuildConfig":
+        if not 0 <= self.shard < self.num_shards:
+            raise InvalidParameterError(f"--shard must be I/N with 0 <= I < N, got {self.shard}/{self.num_shards}")
+        for name, low in (("chunk_size", 1), ("batch_size", 1), ("fit_sample", 1), ("partitions", 1), ("pq_m", 1)):
+            if getattr(self, name) < low:
+                raise InvalidParameterError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.nlist is not None and self.nlist < 1:
+            raise InvalidParameterError(f"--nlist must be >= 1, got {self.nlist}")
+        if self.ann not in ("flat", "pq"):
+            raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
+        if self.loader_workers not in (0, 1):
+            raise InvalidParameterError("--loader-workers must be 0 or 1 (one tokenising process keeps up with the model)")
+        return self
+
+    def job(self) -> dict[str, Any]:
+        """What makes two runs the same build (so the second resumes the first)."""
+        stat = Path(self.corpus).stat()
+        return {
+            "corpus": str(Path(self.corpus).absolute()),
+            "corpus_bytes": stat.st_size,
+            "corpus_mtime_ns": stat.st_mtime_ns,
+            "encoder": self.encoder,
+            "bow_dim": self.bow_dim,
+            "chunk_size": self.chunk_size,
+            "fit_sample": self.fit_sample,
+            "skip_bad": self.skip_bad,
+            "num_shards": self.num_shards,
+            "nlist": self.nlist,
+            "ann": self.ann,
+            "pq_m": self.pq_m,
+            "block_size": self.block_size,
+        }
+
+
+def _check_out(out: Path, partitions: int, force: bool) -> None:
+    targets = [out] if partitions == 1 else [out / f"part-{p}" for p in range(partitions)]
+    for target in targets:
+        if target.exists() and not force:
+            raise IndexExistsError(f"{target} exists; pass --force to replace it")
+
+
+def _prepare_encoder(config: BuildConfig, work: WorkDir) -> Encoder:
+    """Fit (first process) or load (later processes, resumed runs) the one shared encoder."""
+    with work.locked():
+        resumed = work.claim(config.job())
+        job = work.job()
+        if "encoder_config" in job and work.encoder_dir.is_dir():
+            if resumed:
+                log.info("resuming the build in %s", work.path)
+            return load_encoder(work.encoder_dir, job["encoder_config"], device=config.device)
+        encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device)
+        if encoder.needs_fit:
+            encoder.fit(read_sample(config.corpus, config.fit_sample, config.skip_bad))
+        staging = work.path / "encoder.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        encoder.save(staging)
+        os.replace(staging, work.encoder_dir)
+        encoder_config = dict(encoder.config())
+        encoder_config.setdefault("learned_weight", encoder.learned_weight)
+        encoder_config.setdefault("bow_reduction", encoder.bow_reduction)
+        write_json_atomic(work.job_file, {**job, "encoder_config": encoder_config})
+        return encoder
+
+
+def build_index(config: BuildConfig) -> dict[str, Any] | None:
+    """Run the build; returns the manifest, or None when other shards must still finish."""
+    config.validate()
+    out = Path(config.out).absolute()
+    _check_out(out, config.partitions, config.force)
+    work = WorkDir(out)
+    encoder = _prepare_encoder(config, work)
+    totals = encode_corpus(
+        config.corpus, work.path, encoder, chunk_size=config.chunk_size, batch_size=config.batch_size,
+        shard=config.shard, num_shards=config.num_shards, skip_bad=config.skip_bad,
+        loader_workers=config.loader_workers, progress=config.progress,
+    )
+    write_json_atomic(work.marker(config.shard, config.num_shards),
+                      {"shard": config.shard, "num_shards": config.num_shards, **totals})
+    if config.num_shards > 1:
+        log.info("shard %d/%d encoded; run `espn index-merge --out %s` once every shard is done",
+                 config.shard, config.num_shards, out)
+        return None
+    return merge_index(out, partitions=config.partitions, force=config.force)
+
+
+def merge_index(out: Path, partitions: int = 1, force: bool = False) -> dict[str, Any]:
+    """Assemble the encoded chunks into the index (or `partitions` indexes) and publish atomically."""
+    out = Path(out).absolute()
+    if partitions < 1:
+        raise InvalidParameterError(f"--partitions must be >= 1, got {partitions}")
+    _check_out(out, partitions, force)
+    work = WorkDir(out)
+    manifest: dict[str, Any] = {}
+    if partitions == 1:
+        manifest = assemble(work, work.path / "staging")
+        publish(work.path / "staging", out, force)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        for p in range(partitions):
+            staging = work.path / f"staging-{p}"
+            manifest = assemble(work, staging, partition=p, partitions=partitions)
+            publish(staging, out / f"part-{p}", force)
+    work.remove()
+    return manifest if partitions == 1 else read_manifest(out / "part-0")
+
+
+def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nlist: int | None = None,
+                          ann: str = "flat", pq_m: int = 32, chunk_size: int = 1024, corpus: Path | None = None,
+                          force: bool = False) -> dict[str, Any]:
+    """An index from precomputed embedding shards (any multi-vector model), no encoder run."""
+    from espn.encoders.precomputed import PrecomputedEncoder
+
+    from .precomputed import import_embeddings
+
+    out = Path(out).absolute()
+    _check_out(out, 1, force)
+    work = WorkDir(out)
+    work.remove()  # importing is cheap; always start clean
+    with work.locked():
+        totals = import_embeddings(Path(source), work.path, chunk_size, corpus=corpus)
+        encoder = PrecomputedEncoder(d_cls=totals["d_cls"], d_bow=totals["d_bow"])
+        encoder.save(work.encoder_dir)
+        encoder_config = {**encoder.config(), "learned_weight": encoder.learned_weight,
+                          "bow_reduction": encoder.bow_reduction}
+        write_json_atomic(work.job_file, {
+            "corpus": str(Path(source).absolute()), "block_size": block_size, "nlist": nlist, "ann": ann,
+            "pq_m": pq_m, "encoder_config": encoder_config,
+        })
+        chunks = -(-totals["documents"] // chunk_size)
+        write_json_atomic(work.marker(0, 1), {"shard": 0, "num_shards": 1, "documents": totals["documents"],
+                                              "chunks": chunks})
+    return merge_index(out, force=force)

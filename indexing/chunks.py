@@ -1,0 +1,95 @@
+"""Chunk files: the unit of work, resume and parallelism of the build job.
+
+A chunk is a run of consecutive documents (chunk c holds documents
+c*chunk_size .. (c+1)*chunk_size-1 of the corpus order). Encoders and the
+precomputed-embeddings importer both write chunks; the assembler reads them in
+order. A chunk file appears only once complete (written under a temporary
+name, then `os.replace`), so a crash leaves either a whole chunk or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "unpack_strings"]
+
+
+class Chunk:
+    """Embeddings and metadata of one chunk; arrays as stored (fp16 vectors)."""
+
+    __slots__ = ("index", "cls", "bow", "counts", "ids", "docs_blob", "docs_offsets")
+
+    def __init__(self, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
+                 ids: np.ndarray, docs_blob: np.ndarray, docs_offsets: np.ndarray) -> None:
+        self.index = index
+        self.cls, self.bow, self.counts = cls, bow, counts
+        self.ids = ids  # [n] bytes ('S') array of utf-8 external ids
+        self.docs_blob, self.docs_offsets = docs_blob, docs_offsets  # JSON lines of {title, text}
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
+def chunk_path(work_dir: Path, index: int) -> Path:
+    return Path(work_dir) / "chunks" / f"{index:07d}.npz"
+
+
+def pack_strings(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """utf-8 blob [bytes] uint8 and offsets [n+1] int64: text without n Python objects later."""
+    encoded = [s.encode("utf-8") for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
+    return blob, offsets
+
+
+def unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
+    raw = blob.tobytes()
+    return [raw[offsets[i] : offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
+
+
+def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
+                ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None) -> Path:
+    """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings)."""
+    n = len(counts)
+    if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):
+        raise ValueError(f"chunk {index}: {len(cls)} CLS rows, {len(ids)} ids, {n} counts, {len(bow)} BOW rows disagree")
+    titles = titles if titles is not None else [""] * n
+    texts = texts if texts is not None else [""] * n
+    lines = [json.dumps({"title": t, "text": x}, ensure_ascii=False) for t, x in zip(titles, texts)]
+    docs_blob, docs_offsets = pack_strings(lines)
+    path = chunk_path(work_dir, index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(
+            f,
+            cls=np.ascontiguousarray(cls, dtype=np.float16),
+            bow=np.ascontiguousarray(bow, dtype=np.float16),  # [sum(counts), d_bow]
+            counts=np.asarray(counts, dtype=np.int32),
+            ids=np.array([i.encode("utf-8") for i in ids], dtype=bytes) if n else np.zeros(0, dtype="S1"),
+            docs_blob=docs_blob,
+            docs_offsets=docs_offsets,
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_chunk(work_dir: Path, index: int) -> Chunk:
+    with np.load(chunk_path(work_dir, index), allow_pickle=False) as z:
+        return Chunk(index, z["cls"], z["bow"], z["counts"], z["ids"], z["docs_blob"], z["docs_offsets"])
+
+
+def finished_chunks(work_dir: Path) -> Iterator[int]:
+    """Indices of the chunk files present, in order."""
+    folder = Path(work_dir) / "chunks"
+    if not folder.is_dir():
+        return iter(())
+    return iter(sorted(int(p.stem) for p in folder.glob("*.npz")))
