@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="encode only shard I of N")
     p.add_argument("--partitions", type=int, default=1, help="write S index partitions OUT/part-0.. sharing one encoder")
+    p.add_argument("--score-weight", type=float, help="w in w·cls + (1-w)·bow (default: the model's, else 0.3; "
+                   "`espn calibrate` fits it)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--force", action="store_true", help="replace an existing index at --out")
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
@@ -127,7 +129,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     if args.embeddings is not None:
         manifest = build_from_embeddings(args.embeddings, args.out, block_size=args.block_size, nlist=args.nlist,
                                          ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
-                                         corpus=args.corpus, force=args.force)
+                                         corpus=args.corpus, force=args.force, score_weight=args.score_weight)
     else:
         if args.corpus is None:
             raise SystemExit("espn index: error: give a CORPUS file or --embeddings DIR")
@@ -136,7 +138,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
-            loader_workers=args.loader_workers, progress=not args.no_progress,
+            loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
         )
         manifest = build_index(config)
     if manifest is None:

@@ -129,7 +129,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     (staging / "cls.tmp.npy").unlink()
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
-    weight = encoder_config.get("learned_weight")
+    weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
     manifest = {
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -139,7 +139,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
                   "d_bow": layout.d_bow, "file_bytes": file_bytes},
         "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
                 "metric": "inner_product", "trained_on": int(len(sample))},
-        "score": {"w": weight if weight is not None else job.get("w", 0.3),
+        "score": {"w": weight if weight is not None else 0.3,
                   "bow_reduction": encoder_config.get("bow_reduction", "mean"),
                   "calibrated": weight is not None},
         "search_defaults": default_search_params(ivf.nlist),

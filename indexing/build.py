@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
-from espn.errors import IndexExistsError, InvalidParameterError
+from espn.errors import CorpusError, IndexExistsError, InvalidParameterError
 from espn.index import read_manifest, write_json_atomic
 
 from .assemble import assemble, publish
@@ -46,11 +46,14 @@ class BuildConfig:
     shard: int = 0
     num_shards: int = 1
     partitions: int = 1
+    score_weight: float | None = None  # None: the model's learned w, else 0.3 until calibrated
     loader_workers: int = 1
     device: str | None = None
     progress: bool = True
 
     def validate(self) -> "BuildConfig":
+        if not Path(self.corpus).is_file():
+            raise CorpusError(f"{self.corpus}: no such file")
         if not 0 <= self.shard < self.num_shards:
             raise InvalidParameterError(f"--shard must be I/N with 0 <= I < N, got {self.shard}/{self.num_shards}")
         for name, low in (("chunk_size", 1), ("batch_size", 1), ("fit_sample", 1), ("partitions", 1), ("pq_m", 1)):
@@ -58,6 +61,8 @@ class BuildConfig:
                 raise InvalidParameterError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.nlist is not None and self.nlist < 1:
             raise InvalidParameterError(f"--nlist must be >= 1, got {self.nlist}")
+        if self.score_weight is not None and not 0.0 <= self.score_weight <= 1.0:
+            raise InvalidParameterError(f"--score-weight must be in [0, 1], got {self.score_weight}")
         if self.ann not in ("flat", "pq"):
             raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
         if self.loader_workers not in (0, 1):
@@ -81,6 +86,7 @@ class BuildConfig:
             "ann": self.ann,
             "pq_m": self.pq_m,
             "block_size": self.block_size,
+            "w": self.score_weight,
         }
 
 
@@ -102,7 +108,10 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir) -> Encoder:
             return load_encoder(work.encoder_dir, job["encoder_config"], device=config.device)
         encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device)
         if encoder.needs_fit:
-            encoder.fit(read_sample(config.corpus, config.fit_sample, config.skip_bad))
+            sample = read_sample(config.corpus, config.fit_sample, config.skip_bad)
+            if not sample:
+                raise CorpusError(f"{config.corpus}: the corpus has no documents")
+            encoder.fit(sample)
         staging = work.path / "encoder.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         encoder.save(staging)
@@ -158,7 +167,7 @@ def merge_index(out: Path, partitions: int = 1, force: bool = False) -> dict[str
 
 def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nlist: int | None = None,
                           ann: str = "flat", pq_m: int = 32, chunk_size: int = 1024, corpus: Path | None = None,
-                          force: bool = False) -> dict[str, Any]:
+                          force: bool = False, score_weight: float | None = None) -> dict[str, Any]:
     """An index from precomputed embedding shards (any multi-vector model), no encoder run."""
     from espn.encoders.precomputed import PrecomputedEncoder
 
@@ -170,7 +179,9 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
     work.remove()  # importing is cheap; always start clean
     with work.locked():
         totals = import_embeddings(Path(source), work.path, chunk_size, corpus=corpus)
-        encoder = PrecomputedEncoder(d_cls=totals["d_cls"], d_bow=totals["d_bow"])
+        if score_weight is not None:
+            totals = {**totals, "score_weight": score_weight}
+        encoder = PrecomputedEncoder.from_import(totals)
         encoder.save(work.encoder_dir)
         encoder_config = {**encoder.config(), "learned_weight": encoder.learned_weight,
                           "bow_reduction": encoder.bow_reduction}

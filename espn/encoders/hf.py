@@ -161,10 +161,10 @@ class HFEncoder(Encoder):
             vectors = hidden[mask].double().cpu()
             moment += vectors.T @ vectors
             count += len(vectors)
-        if count < self.d_bow:
-            raise InvalidParameterError(
-                f"cannot fit a {self.d_bow}-d projection on {count} token vectors; index more text or raise bow_dim"
-            )
+        if count == 0:
+            raise InvalidParameterError("cannot fit the BOW projection: the sample has no token vectors")
+        if count < 10 * self.d_bow:
+            log.warning("fitting a %d-d projection on only %d token vectors; it will be rough", self.d_bow, count)
         eigenvalues, eigenvectors = torch.linalg.eigh(moment / count)
         top = torch.argsort(eigenvalues, descending=True)[: self.d_bow]
         basis = eigenvectors[:, top]

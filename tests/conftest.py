@@ -1,0 +1,42 @@
+"""Shared fixtures: the SciFact data by path (skipped cleanly where absent), small corpora, built indexes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import run_espn, write_scifact_subset
+
+ROOT = Path(__file__).resolve().parents[1]
+SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
+SAMPLE_CORPUS = ROOT / "espn" / "data" / "sample_corpus.jsonl"
+
+
+@pytest.fixture(scope="session")
+def scifact_dir() -> Path:
+    if not (SCIFACT / "corpus.jsonl.gz").is_file():
+        pytest.skip(f"SciFact data not found at {SCIFACT} (set ESPN_SCIFACT to its directory)")
+    return SCIFACT
+
+
+@pytest.fixture(scope="session")
+def scifact_subset(scifact_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first 160 SciFact abstracts as a plain corpus.jsonl."""
+    return write_scifact_subset(scifact_dir, tmp_path_factory.mktemp("corpus") / "corpus.jsonl", 160)
+
+
+@pytest.fixture(scope="session")
+def scifact_index(scifact_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An index of the subset built through the CLI; small chunks so resume and shards have work to split."""
+    out = tmp_path_factory.mktemp("index") / "scifact-160"
+    run_espn("index", scifact_subset, "--out", out, "--chunk-size", "32", "--nlist", "4", "--no-progress")
+    return out
+
+
+@pytest.fixture(scope="session")
+def sample_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample corpus (300 passages), indexed through the CLI."""
+    out = tmp_path_factory.mktemp("sample") / "index"
+    run_espn("index", SAMPLE_CORPUS, "--out", out, "--no-progress")
+    return out

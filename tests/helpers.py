@@ -1,0 +1,34 @@
+"""Helpers the tests import (`from helpers import ...`); fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_espn(*args: object, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real `espn` command line in a subprocess."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "espn.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"espn {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def write_scifact_subset(scifact: Path, path: Path, count: int) -> Path:
+    with gzip.open(scifact / "corpus.jsonl.gz", "rt", encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        for number, line in enumerate(src):
+            if number >= count:
+                break
+            dst.write(line)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
