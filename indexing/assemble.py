@@ -49,7 +49,7 @@ def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
     }
 
 
-def _chunk_list(work: WorkDir, partition: int, partitions: int) -> list[int]:
+def _chunk_list(work: WorkDir) -> list[int]:
     markers = work.markers()
     if not markers:
         raise CorpusError(f"{work.path}: no shard has finished encoding; run `espn index` first")
@@ -64,17 +64,26 @@ def _chunk_list(work: WorkDir, partition: int, partitions: int) -> list[int]:
         )
     if total == 0 or markers[0]["documents"] == 0:
         raise CorpusError(f"{work.job()['corpus']}: the corpus has no documents")
-    chunks = [c for c in range(total) if c % partitions == partition]
+    chunks = list(range(total))
     absent = [c for c in chunks if not chunk_path(work.path, c).is_file()]
     if absent:
         raise CorpusError(f"{work.path}: chunk file(s) {absent[:5]} missing; re-run `espn index` to encode them")
     return chunks
 
 
+def _mine(first: int, size: int, partition: int, partitions: int) -> np.ndarray:
+    """Which of the documents first .. first+size-1 belong to `partition`."""
+    return (np.arange(first, first + size) % partitions) == partition
+
+
 def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int = 1) -> dict[str, Any]:
-    """Write a complete index into `staging` from the work dir's chunks (every `partitions`-th chunk)."""
+    """Write a complete index into `staging` from the work dir's chunks.
+
+    With `partitions` > 1 it takes every `partitions`-th document (document i goes to
+    partition i mod S), so partitions are balanced whatever the chunk size.
+    """
     job = work.job()
-    chunks = _chunk_list(work, partition, partitions)
+    chunks = _chunk_list(work)
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
@@ -82,10 +91,11 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"])
 
     # Pass 1 (headers only): sizes of the memmaps.
-    n_docs, id_width = 0, 1
+    n_docs, id_width, first = 0, 1, 0
     for c in chunks:
         with np.load(chunk_path(work.path, c)) as z:
-            n_docs += len(z["counts"])
+            n_docs += int(_mine(first, len(z["counts"]), partition, partitions).sum())
+            first += len(z["counts"])
             id_width = max(id_width, z["ids"].dtype.itemsize)
     if n_docs == 0:
         raise CorpusError(f"{job['corpus']}: the partition has no documents")
@@ -95,11 +105,15 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
     cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
     docs_offsets[0] = 0
-    position = n_bow = 0
+    position = n_bow = first = 0
     started = time.perf_counter()
     with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
             chunk = read_chunk(work.path, c)
+            size = len(chunk)
+            if partitions > 1:
+                chunk = chunk.select(_mine(first, size, partition, partitions))
+            first += size
             rows = slice(position, position + len(chunk))
             records[rows] = writer.append(chunk.cls, chunk.bow, chunk.counts)
             ids[rows] = chunk.ids

@@ -34,6 +34,13 @@ class Chunk:
     def __len__(self) -> int:
         return len(self.counts)
 
+    def select(self, keep: np.ndarray) -> "Chunk":
+        """The documents where `keep` [n] bool is True, as a new chunk (for index partitions)."""
+        bow_rows = np.repeat(keep, self.counts)
+        texts = unpack_strings(self.docs_blob, self.docs_offsets)
+        blob, offsets = pack_strings([t for t, k in zip(texts, keep) if k])
+        return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets)
+
 
 def chunk_path(work_dir: Path, index: int) -> Path:
     return Path(work_dir) / "chunks" / f"{index:07d}.npz"

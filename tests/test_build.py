@@ -205,3 +205,19 @@ def test_full_disk_gives_one_line_and_no_index(tmp_path: Path) -> None:
         assert not (mount / "index").exists()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_partitions_split_documents_evenly(tmp_path: Path) -> None:
+    tsv = tmp_path / "collection.tsv"
+    tsv.write_text("".join(f"p{i}\tpassage {i} about {['rivers', 'stars', 'bread', 'trains'][i % 4]}\n" for i in range(31)))
+    run_espn("index", tsv, "--out", tmp_path / "parts", "--partitions", "3", "--no-progress")
+    seen = []
+    encoders = set()
+    for p in range(3):
+        part = IndexDirectory.open(tmp_path / "parts" / f"part-{p}", verify="full")
+        assert part.manifest["partition"] == {"index": p, "count": 3}
+        seen += [bytes(x).decode() for x in part.load_array("ids.npy")]
+        encoders.add(part.manifest["files"]["encoder/projection.npy"]["sha256"])
+        assert part.num_documents in (10, 11)
+    assert sorted(seen) == sorted(f"p{i}" for i in range(31))
+    assert len(encoders) == 1  # one shared projection: scores compare across partitions
