@@ -37,6 +37,7 @@ def _add_search_params(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-step", type=float, help="fraction of nprobe per prefetch wave, in (0, 1]")
     p.add_argument("--prefetch-k", type=int, help="candidates each prefetch wave reads (0 = off)")
     p.add_argument("--rerank-count", type=int, help="candidates re-ranked with MaxSim")
+    p.add_argument("--prefetch-waves", type=int, help="most prefetch waves (1 = the paper's single prefetch)")
     p.add_argument("--no-prefetch", action="store_true", help="sequential reference path (same results)")
     p.add_argument("--reader", help="embedding reader: posix, kvikio, mmap or memory (default: best available)")
 
@@ -44,7 +45,7 @@ def _add_search_params(p: argparse.ArgumentParser) -> None:
 def _search_overrides(args: argparse.Namespace) -> dict:
     return {
         "nprobe": args.nprobe, "prefetch_step": args.prefetch_step, "prefetch_k": args.prefetch_k,
-        "rerank_count": args.rerank_count, "prefetch": False if args.no_prefetch else None,
+        "rerank_count": args.rerank_count, "prefetch_waves": args.prefetch_waves, "prefetch": False if args.no_prefetch else None,
     }
 
 

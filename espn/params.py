@@ -23,16 +23,20 @@ class SearchParams:
     nprobe:        η, IVF clusters visited (1 .. nlist)
     prefetch_step: fraction of η after which each prefetch wave starts (0 < s <= 1);
                    waves start after δ = ceil(s·η) clusters, then every δ clusters
-    prefetch_k:    candidates each prefetch wave reads (0 turns prefetching off)
+    prefetch_k:    candidates each prefetch wave reads (0 turns prefetching off;
+                   None follows rerank_count, so a deeper re-rank prefetches deeper)
     rerank_count:  candidates re-ranked with MaxSim; below it the CLS order is kept
+    prefetch_waves: most prefetch waves per search (None: one after every segment
+                   but the last; 1: the paper's single prefetch after δ clusters)
     prefetch:      False runs the sequential reference path (same results, no thread)
     """
 
     k: int = 10
     nprobe: int = 16
     prefetch_step: float = 0.3
-    prefetch_k: int = 100
+    prefetch_k: int | None = None
     rerank_count: int = 100
+    prefetch_waves: int | None = None
     prefetch: bool = True
 
     def replace(self, **overrides: Any) -> "SearchParams":
@@ -51,12 +55,20 @@ class SearchParams:
             0.0 < float(self.prefetch_step) <= 1.0 and math.isfinite(self.prefetch_step)
         ):
             raise InvalidParameterError(f"prefetch_step must be in (0, 1], got {self.prefetch_step!r}")
-        _check_int("prefetch_k", self.prefetch_k, 0, MAX_PREFETCH_K)
+        if self.prefetch_k is not None:
+            _check_int("prefetch_k", self.prefetch_k, 0, MAX_PREFETCH_K)
         _check_int("rerank_count", self.rerank_count, 0, MAX_RERANK)
+        if self.prefetch_waves is not None:
+            _check_int("prefetch_waves", self.prefetch_waves, 1, 1000)
         if not isinstance(self.prefetch, bool):
             raise InvalidParameterError(f"prefetch must be true or false, got {self.prefetch!r}")
         del num_documents  # k above the corpus size is allowed: fewer hits come back
         return self
+
+    @property
+    def wave_size(self) -> int:
+        """Candidates per prefetch wave."""
+        return self.rerank_count if self.prefetch_k is None else self.prefetch_k
 
     @property
     def candidates(self) -> int:

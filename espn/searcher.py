@@ -14,7 +14,6 @@ give the same ranking.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -177,17 +176,17 @@ class Searcher:
         timer.lap("quantizer")
 
         segments = segment_bounds(params.nprobe, params.prefetch_step)
-        use_prefetch = params.prefetch and params.prefetch_k > 0 and params.rerank_count > 0 and len(segments) > 1
+        use_prefetch = params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
         waves: list[Future] = []
         submitted = [np.zeros(0, dtype=np.int64) for _ in range(batch)]
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         for a, b in segments:
             part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
             top = merge_topk(top, part, candidates)
-            if use_prefetch and b < params.nprobe:
+            if use_prefetch and b < params.nprobe and len(waves) < (params.prefetch_waves or len(segments)):
                 wave = []
                 for i in range(batch):
-                    current = top[1][i, : params.prefetch_k]
+                    current = top[1][i, : params.wave_size]
                     new = current[(current >= 0) & ~np.isin(current, submitted[i])]
                     submitted[i] = np.concatenate([submitted[i], new])
                     wave.append(new)
