@@ -108,25 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", type=Path)
 
     p = sub.add_parser("serve", help="serve an index over HTTP (FastAPI under uvicorn)")
-    try:
-        from server.cli import add_serve_arguments
-    except ImportError:  # the server package is optional for library-only installs
-        add_serve_arguments = None
-    if add_serve_arguments is not None:
-        add_serve_arguments(p)
+    from server.cli import add_serve_arguments
+    from server.router import add_route_arguments
+
+    add_serve_arguments(p)
     p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
-    try:
-        from server.router import add_route_arguments
-    except ImportError:
-        add_route_arguments = None
-    if add_route_arguments is not None:
-        add_route_arguments(p)
+    add_route_arguments(p)
     return parser
 
 
 def cmd_index(args: argparse.Namespace) -> int:
     from indexing.build import BuildConfig, build_from_embeddings, build_index
 
+    manifest: dict | None
     if args.embeddings is not None:
         manifest = build_from_embeddings(args.embeddings, args.out, block_size=args.block_size, nlist=args.nlist,
                                          ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
@@ -189,8 +183,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         batch = queries[start : start + args.batch_size]
         ids = [qid for qid, _ in batch]
         if args.exhaustive:
-            q = embeddings[start : start + len(batch)] if embeddings is not None else searcher.encoder.encode_queries(
-                [text for _, text in batch])
+            if embeddings is not None:
+                q = embeddings[start : start + len(batch)]
+            else:
+                assert searcher.encoder is not None  # opened with_encoder above
+                q = searcher.encoder.encode_queries([text for _, text in batch])
             hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=args.rerank_count or 1000)
         else:
             if embeddings is not None:

@@ -36,7 +36,7 @@ class CorpusDocument:
 
 def _open_text(path: Path) -> IO[str]:
     try:
-        raw: IO[bytes] = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+        raw: IO[bytes] = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # type: ignore[assignment]
     except OSError as exc:
         raise CorpusError(f"{path}: cannot open: {exc.strerror or exc}") from exc
     return io.TextIOWrapper(raw, encoding="utf-8", errors="strict", newline="\n")

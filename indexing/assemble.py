@@ -44,7 +44,7 @@ def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
         "k": 10,
         "nprobe": int(min(nlist, max(1, math.ceil(budget / per_list)))),
         "prefetch_step": 0.3,
-        "prefetch_k": 100,
+        "prefetch_k": None,  # follow rerank_count
         "rerank_count": 100,
     }
 

@@ -309,7 +309,7 @@ def import_embeddings(source_dir: Path, work_dir: Path, chunk_size: int, corpus:
         cls = np.concatenate([p[0] for p in pieces])
         bow = np.concatenate([p[1] for p in pieces])
         counts = np.concatenate([p[2] for p in pieces])
-        shard_ids = [i for p in pieces for i in p[3]] if pieces[0][3] is not None else None
+        shard_ids = [i for p in pieces for i in (p[3] or [])] if pieces[0][3] is not None else None
         titles: list[str] | None = None
         texts: list[str] | None = None
         if documents is not None:

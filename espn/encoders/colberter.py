@@ -540,6 +540,7 @@ class ColBERTerEncoder(Encoder):
         convention of espn.maxsim). A brute-force reference for tests and small corpora.
         """
         w = self.learned_weight
+        assert w is not None  # ColBERTer always has a learned weight
         q_cls, d_cls = torch.as_tensor(queries.cls, dtype=torch.float32), torch.as_tensor(documents.cls, dtype=torch.float32)
         q_bow, q_mask = torch.as_tensor(queries.bow, dtype=torch.float32), torch.as_tensor(queries.mask)
         d_bow = torch.as_tensor(documents.bow, dtype=torch.float32)

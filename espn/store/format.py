@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class RecordWriter:
         self.layout = layout
         self.path = Path(path)
         mode = "r+b" if resume_at and self.path.exists() else "wb"
-        self._file: BinaryIO = open(self.path, mode)
+        self._file: IO[bytes] = open(self.path, mode)
         self._file.truncate(resume_at)
         self._file.seek(resume_at)
         self.position = resume_at
@@ -99,7 +99,7 @@ class RecordWriter:
         if len(cls) != len(counts) or len(bow) != int(counts.sum()):
             raise ValueError(f"{len(cls)} CLS rows and {len(bow)} BOW rows do not match counts (n={len(counts)}, "
                              f"sum={int(counts.sum())})")
-        lengths = record_nbytes(counts, lay)
+        lengths = np.asarray(record_nbytes(counts, lay))
         offsets, end = place_records(lengths, lay.block_size, self.position)
 
         # Assemble the chunk's bytes in one buffer, then one write.

@@ -38,7 +38,7 @@ class MemoryReader(Reader):
         super().__init__(path, records, layout, device, **options)
         self._array = np.empty(self.file_size, dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as file:
-            view = memoryview(self._array)
+            view = self._array.data  # a writable memoryview over the array
             got = 0
             while got < self.file_size:
                 n = file.readinto(view[got:])

@@ -161,6 +161,7 @@ class PosixReader(Reader):
         got = 0
         while got < want:
             fd = self._fd_direct if self.direct and got % self.layout.block_size == 0 else self._fd_buffered
+            assert fd is not None, "reader is closed"
             try:
                 n = os.preadv(fd, [view[got:]], file_offset + got)
             except OSError as exc:
