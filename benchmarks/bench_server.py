@@ -1,0 +1,274 @@
+"""HTTP serving benchmark: memory of N workers sharing one index, and latency under load.
+
+For each worker count it starts `espn serve INDEX --workers N` on a free loopback port,
+drives a bounded closed loop of POST /v1/search requests (SciFact test queries) at each
+concurrency, then measures the proportional set size (PSS) of every worker process:
+PSS = private pages + each shared page / number of processes sharing it, read per
+mapping from /proc/PID/smaps via psutil `memory_maps()`. Summed over the workers it is
+what they really cost together; the script breaks it down by what the pages hold
+(index files, encoder weights, shared libraries, anonymous heap).
+
+    .venv/bin/python benchmarks/bench_server.py                     # builds the SciFact index if absent
+    .venv/bin/python benchmarks/bench_server.py --index PATH --workers 1 4 --concurrency 1 8 32
+
+Not a test: it prints tables for the README. The load generator runs on the same
+machine, so on a small box it competes with the server for CPU; the numbers say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_index(index: Path, corpus: Path) -> Path:
+    if (index / "manifest.json").is_file():
+        return index
+    print(f"building {index} from {corpus} (once) ...", file=sys.stderr, flush=True)
+    subprocess.run([str(BIN / "espn"), "index", str(corpus), "--out", str(index), "--no-progress"], check=True)
+    return index
+
+
+def load_queries(path: Path, qrels: Optional[Path]) -> list[str]:
+    wanted: Optional[set[str]] = None
+    if qrels is not None and qrels.is_file():
+        wanted = {line.split("\t")[0] for line in qrels.read_text().splitlines()[1:] if line.strip()}
+    queries = []
+    with open(path) as lines:
+        for line in lines:
+            row = json.loads(line)
+            if wanted is None or row["_id"] in wanted:
+                queries.append(row["text"])
+    return queries
+
+
+@contextlib.contextmanager
+def serve(index: Path, workers: int, extra: list[str], log_path: Path) -> Iterator[tuple[str, psutil.Process]]:
+    """`espn serve` in its own session; yields (base URL, supervisor process); always stops it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ESPN_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    command = [str(BIN / "espn"), "serve", str(index), "--port", str(port), "--workers", str(workers),
+               "--log-level", "info", *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process, workers, log_path)
+        yield base, psutil.Process(process.pid)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # stray workers of this run's session only
+
+
+def wait_ready(base: str, process: subprocess.Popen, workers: int, log_path: Path, timeout: float = 600) -> None:
+    """Every worker has opened and warmed the index: each logs one `ready` line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"espn serve exited {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        ready = sum(1 for line in log_path.read_text(errors="replace").splitlines()
+                    if line.startswith("{") and json.loads(line).get("msg") == "ready")
+        if ready >= workers:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready after {timeout} s:\n{log_path.read_text()[-4000:]}")
+
+
+def worker_processes(supervisor: psutil.Process) -> list[psutil.Process]:
+    """The processes that serve requests: the uvicorn workers, or the server itself with one worker."""
+    children = [child for child in supervisor.children(recursive=True)
+                if "resource_tracker" not in " ".join(child.cmdline())]
+    return children or [supervisor]
+
+
+def classify(path: str, index: Path) -> str:
+    if path.startswith(str(index)):
+        return "index files"
+    if path.endswith(".safetensors") or path.endswith(".bin") and "model" in path:
+        return "encoder weights (file)"
+    if ".so" in os.path.basename(path):
+        return "shared libraries"
+    if path in ("", "[heap]", "[anon]") or path.startswith("[anon") or path.startswith("/dev/shm") \
+            or path.startswith("/memfd"):
+        return "anonymous (heap, tensors)"
+    return "other files"
+
+
+def pss_breakdown(processes: list[psutil.Process], index: Path) -> dict[str, dict[str, int]]:
+    """Per process kind: PSS and USS summed over the processes, by mapping category (bytes)."""
+    totals: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.defaultdict(int))
+    for process in processes:
+        for mapping in process.memory_maps(grouped=True):
+            kind = classify(mapping.path, index)
+            uss = mapping.private_clean + mapping.private_dirty
+            totals["pss"][kind] += mapping.pss
+            totals["uss"][kind] += uss
+            totals["rss"][kind] += mapping.rss
+    return totals
+
+
+async def load(base: str, queries: list[str], concurrency: int, requests: int, k: int) -> dict[str, float]:
+    """A closed loop: `concurrency` clients, each sends its next query when the last one answered."""
+    latencies: list[float] = []
+    errors = 0
+    counter = iter(range(requests))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=120.0, limits=limits) as client:
+
+        async def client_loop() -> None:
+            nonlocal errors
+            for i in counter:
+                body = {"query": queries[i % len(queries)], "k": k}
+                started = time.perf_counter()
+                response = await client.post("/v1/search", json=body)
+                latencies.append(time.perf_counter() - started)
+                if response.status_code != 200:
+                    errors += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "qps": len(latencies) / wall,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "mean_ms": 1000 * statistics.fmean(latencies),
+        "errors": errors,
+        "requests": len(latencies),
+    }
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M))
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--index", type=Path, default=ROOT / ".espn" / "scifact-index")
+    parser.add_argument("--corpus", type=Path, default=SCIFACT / "corpus.jsonl.gz", help="to build --index if absent")
+    parser.add_argument("--queries", type=Path, default=SCIFACT / "queries.jsonl")
+    parser.add_argument("--qrels", type=Path, default=SCIFACT / "qrels" / "test.tsv", help="keep these query ids")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=300, help="requests per concurrency level (bounded loop)")
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra flag for espn serve (repeatable)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    index = ensure_index(args.index.resolve(), args.corpus)
+    queries = load_queries(args.queries, args.qrels)
+    print(f"index {index} ({sum(f.stat().st_size for f in index.rglob('*') if f.is_file()) / 2**20:.0f} MiB on disk), "
+          f"{len(queries)} queries, {os.cpu_count()} CPUs, load generator on the same machine", flush=True)
+
+    results: dict[str, Any] = {"memory": {}, "load": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        for workers in args.workers:
+            log_path = Path(tmp) / f"serve-{workers}.log"
+            with serve(index, workers, args.serve_arg, log_path) as (base, supervisor):
+                # Warm every worker's code paths before timing (connections spread over workers).
+                asyncio.run(load(base, queries, max(args.concurrency), 4 * max(args.concurrency), args.k))
+                for concurrency in args.concurrency:
+                    before = httpx.get(f"{base}/metrics").text
+                    stats = asyncio.run(load(base, queries, concurrency, args.requests, args.k))
+                    after = httpx.get(f"{base}/metrics").text
+                    batches = metric_sum(after, "espn_search_batch_size_count") - metric_sum(before, "espn_search_batch_size_count")
+                    queried = metric_sum(after, "espn_search_batch_size_sum") - metric_sum(before, "espn_search_batch_size_sum")
+                    rate_n = metric_sum(after, "espn_prefetch_hit_rate_count") - metric_sum(before, "espn_prefetch_hit_rate_count")
+                    rate_s = metric_sum(after, "espn_prefetch_hit_rate_sum") - metric_sum(before, "espn_prefetch_hit_rate_sum")
+                    stats["mean_batch"] = queried / batches if batches else float("nan")
+                    stats["hit_rate"] = rate_s / rate_n if rate_n else float("nan")
+                    results["load"][f"{workers}x{concurrency}"] = {"workers": workers, "concurrency": concurrency, **stats}
+                    print(f"workers={workers} concurrency={concurrency}: {stats['qps']:.1f} QPS, "
+                          f"p50 {stats['p50_ms']:.1f} ms, p99 {stats['p99_ms']:.1f} ms, "
+                          f"mean batch {stats['mean_batch']:.2f}, errors {stats['errors']}", flush=True)
+                serving = worker_processes(supervisor)
+                breakdown = pss_breakdown(serving, index)
+                extra = [p for p in [supervisor, *supervisor.children(recursive=True)] if p not in serving]
+                helper_pss = sum(sum(pss_breakdown([p], index)["pss"].values()) for p in extra)
+                results["memory"][workers] = {
+                    "processes": len(serving),
+                    "pss_total": sum(breakdown["pss"].values()),
+                    "uss_total": sum(breakdown["uss"].values()),
+                    "rss_total": sum(breakdown["rss"].values()),
+                    "pss_by_kind": dict(breakdown["pss"]),
+                    "uss_by_kind": dict(breakdown["uss"]),
+                    "supervisor_and_helpers_pss": helper_pss,
+                }
+
+    print("\n## Memory of the serving processes (after load)\n")
+    kinds = sorted({kind for m in results["memory"].values() for kind in m["pss_by_kind"]})
+    header = "| workers | total PSS MiB | total USS MiB | sum of RSS MiB | " + " | ".join(f"PSS {k}" for k in kinds) + \
+        " | supervisor+helpers PSS MiB |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for workers, m in results["memory"].items():
+        cells = " | ".join(mib(m["pss_by_kind"].get(kind, 0)) for kind in kinds)
+        print(f"| {workers} | {mib(m['pss_total'])} | {mib(m['uss_total'])} | {mib(m['rss_total'])} | {cells} | "
+              f"{mib(m['supervisor_and_helpers_pss'])} |")
+    if len(results["memory"]) >= 2:
+        counts = sorted(results["memory"])
+        low, high = results["memory"][counts[0]], results["memory"][counts[-1]]
+        ratio = high["pss_total"] / low["pss_total"]
+        everything = (high["pss_total"] + high["supervisor_and_helpers_pss"]) / \
+            (low["pss_total"] + low["supervisor_and_helpers_pss"])
+        print(f"\n{counts[-1]} workers / {counts[0]} worker, total PSS of the workers: {ratio:.2f}x "
+              f"({'within' if ratio <= 1.3 else 'ABOVE'} the 1.3x target); with the supervisor: {everything:.2f}x; "
+              f"private (USS) per worker: {mib(high['uss_total'] / high['processes'])} MiB")
+        results["pss_ratio"] = ratio
+        results["pss_ratio_all_processes"] = everything
+
+    print("\n## Latency under load (POST /v1/search, k=%d, closed loop)\n" % args.k)
+    print("| workers | clients | QPS | p50 ms | p99 ms | mean batch | prefetch hit rate | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in results["load"].values():
+        print(f"| {row['workers']} | {row['concurrency']} | {row['qps']:.1f} | {row['p50_ms']:.1f} | "
+              f"{row['p99_ms']:.1f} | {row['mean_batch']:.2f} | {row['hit_rate']:.3f} | {row['errors']} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

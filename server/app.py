@@ -1,0 +1,150 @@
+"""The FastAPI app: `build_app(settings)` builds it; its lifespan opens the index.
+
+uvicorn starts every worker with `server.app:create_app` as a factory (`--factory`):
+the settings come from the `ESPN_*` environment that `espn serve` set up, so all
+workers build the same app. Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib.metadata
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from .batching import MicroBatcher
+from .deps import AppState, require_api_key
+from .errors import register_exception_handlers
+from .metrics import ServerMetrics
+from .middleware import AccessMiddleware, BodyLimitMiddleware
+from .routes import documents, health, search
+from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from espn import Searcher
+    from espn.results import QueryResult
+
+__all__ = ["build_app", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("espn")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _open_searcher(settings: ServerSettings) -> "Searcher":
+    import torch  # the library imports it anyway; here only to size its thread pool
+
+    from espn import Searcher
+
+    # N workers x all cores each would oversubscribe the CPU; give each its share.
+    torch.set_num_threads(settings.effective_torch_threads)
+    return Searcher.open(settings.index, reader=settings.reader, device=settings.device)
+
+
+def _batch_search(searcher: "Searcher", metrics: ServerMetrics):  # noqa: ANN202 (closure)
+    def search(queries: list[str], params: Mapping[str, Any]) -> Sequence["QueryResult"]:
+        results = searcher.search(queries, **params)
+        if results:  # stage times belong to the call, not to each query
+            metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+        return results
+
+    return search
+
+
+async def _warm(state: AppState) -> None:
+    searcher = state.require_searcher()
+    if state.settings.warmup:
+        state.status = "warming"
+        await asyncio.to_thread(searcher.warmup)
+    state.status, state.ready = "ready", True
+    state.metrics.ready.set(1)
+    logger.info("ready", extra={"index": str(state.settings.index), "documents": searcher.num_documents})
+
+
+def _log_warm_failure(task: "asyncio.Task[None]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("warm-up failed; /readyz stays 503", exc_info=task.exception())
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Open the index (failing start-up if it cannot), warm it in the background, drain at exit."""
+    state: AppState = app.state.espn
+    settings = state.settings
+    state.metrics.ready.set(0)
+    searcher = await asyncio.to_thread(_open_searcher, settings)
+    executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
+    batcher: MicroBatcher[QueryResult] = MicroBatcher(
+        _batch_search(searcher, state.metrics),
+        executor,
+        max_batch_size=settings.max_batch_size,
+        max_wait_s=settings.batch_wait_ms / 1000.0,
+        max_concurrent=settings.search_threads,
+        max_pending=settings.max_pending,
+        on_batch=lambda size, seconds: state.metrics.queued.set(batcher.pending),
+    )
+    batcher.start()
+    state.searcher, state.batcher = searcher, batcher
+    warm = asyncio.create_task(_warm(state), name="espn-warmup")
+    warm.add_done_callback(_log_warm_failure)
+    try:
+        yield
+    finally:
+        # uvicorn has already let in-flight requests finish (--graceful-timeout) by now.
+        state.ready, state.status = False, "draining"
+        state.metrics.ready.set(0)
+        await asyncio.wait([warm])
+        await batcher.close()
+        executor.shutdown(wait=True)
+        searcher.close()
+        state.metrics.close()
+        logger.info("index closed")
+
+
+def build_app(settings: ServerSettings) -> FastAPI:
+    """The app for one worker. The index opens in the lifespan, not here."""
+    app = FastAPI(
+        title="ESPN search",
+        version=_version(),
+        summary="Multi-vector retrieval with the embedding table on SSD",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    metrics = ServerMetrics()
+    app.state.espn = AppState(settings=settings, metrics=metrics)
+
+    register_exception_handlers(app)
+    protected = [Depends(require_api_key)]
+    app.include_router(search.router, dependencies=protected)
+    app.include_router(documents.router, dependencies=protected)
+    app.include_router(health.router)
+
+    # Added innermost first: the access log sees every response, 413s and CORS included.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+        )
+    # The API routes themselves (not the included-router wrappers) give the endpoint labels.
+    api_routes = [*search.router.routes, *documents.router.routes, *health.router.routes]
+    app.add_middleware(AccessMiddleware, metrics=metrics, routes=api_routes)
+    return app
+
+
+def create_app() -> FastAPI:
+    """uvicorn factory (`server.app:create_app --factory`): settings from ESPN_* variables."""
+    return build_app(ServerSettings())  # type: ignore[call-arg]  # index comes from ESPN_INDEX

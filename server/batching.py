@@ -1,0 +1,221 @@
+"""Micro-batching: concurrent single-query requests become one batched search call.
+
+Requests are queued per parameter set (only queries with identical parameters may share
+a `Searcher.search` call, so results equal unbatched ones). One dispatcher task forms
+batches: a queue is flushed when it holds `max_batch_size` queries or when its oldest
+query has waited `max_wait_s`, and only when one of `max_concurrent` search slots is
+free, so under load the batches grow by themselves while the slots are busy. The
+search runs in a thread pool: the event loop never blocks on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Generic, Hashable, Mapping, Optional, Sequence, TypeVar
+
+__all__ = ["MicroBatcher", "BatchedResult", "QueueFullError", "BatcherClosedError"]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+SearchFn = Callable[[list[str], Mapping[str, Any]], Sequence[R]]
+
+
+class QueueFullError(RuntimeError):
+    """More queries are waiting than `max_pending`; the caller should retry later."""
+
+
+class BatcherClosedError(RuntimeError):
+    """The batcher is shutting down and takes no new queries."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedResult(Generic[R]):
+    """One query's result and how it was batched."""
+
+    result: R
+    queue_ms: float  # from submit to the start of its search call
+    batch_size: int  # queries in that call
+
+
+@dataclasses.dataclass
+class _Item:
+    query: str
+    future: "asyncio.Future[Any]"
+    enqueued: float
+
+
+def _params_key(params: Mapping[str, Any]) -> Hashable:
+    return tuple(sorted(params.items()))
+
+
+class MicroBatcher(Generic[R]):
+    """Queue single queries, run them in batches of identical parameters.
+
+    search:          `search(queries, params) -> results`, one result per query in order;
+                     called in `executor`, so it may block
+    max_batch_size:  most queries in one call
+    max_wait_s:      how long the oldest queued query may wait for company
+    max_concurrent:  search calls in flight at once (size `executor` to match)
+    max_pending:     queued queries beyond which `submit` raises QueueFullError
+    on_batch:        called with (batch size, seconds the call took) after each call
+    """
+
+    def __init__(
+        self,
+        search: SearchFn[R],
+        executor: concurrent.futures.Executor,
+        *,
+        max_batch_size: int = 32,
+        max_wait_s: float = 0.002,
+        max_concurrent: int = 1,
+        max_pending: int = 4096,
+        on_batch: Optional[Callable[[int, float], None]] = None,
+    ) -> None:
+        if max_batch_size < 1 or max_concurrent < 1 or max_pending < 1 or max_wait_s < 0:
+            raise ValueError("max_batch_size, max_concurrent, max_pending must be >= 1 and max_wait_s >= 0")
+        self._search = search
+        self._executor = executor
+        self._max_batch_size = max_batch_size
+        self._max_wait_s = max_wait_s
+        self._max_pending = max_pending
+        self._on_batch = on_batch
+        self._queues: dict[Hashable, collections.deque[_Item]] = {}
+        self._params: dict[Hashable, Mapping[str, Any]] = {}
+        self._pending = 0
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._running: set[asyncio.Task[None]] = set()
+        self._dispatcher: Optional[asyncio.Task[None]] = None
+        self._closing = False
+
+    @property
+    def pending(self) -> int:
+        """Queries queued and not yet handed to a search call."""
+        return self._pending
+
+    def start(self) -> None:
+        """Start the dispatcher; call from the running event loop (e.g. in the app lifespan)."""
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch(), name="espn-batcher")
+
+    async def submit(self, query: str, params: Mapping[str, Any]) -> BatchedResult[R]:
+        """Search one query; resolves when its batch has run."""
+        return (await self.submit_many([query], params))[0]
+
+    async def submit_many(self, queries: Sequence[str], params: Mapping[str, Any]) -> list[BatchedResult[R]]:
+        """Search several queries with the same parameters; they may share batches with others."""
+        if self._closing or self._dispatcher is None or self._dispatcher.done():
+            raise BatcherClosedError("the search queue is closed")
+        if self._pending + len(queries) > self._max_pending:
+            raise QueueFullError(f"{self._pending} queries are queued (limit {self._max_pending})")
+        loop = asyncio.get_running_loop()
+        key = _params_key(params)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+            self._params[key] = dict(params)
+        now = time.monotonic()
+        futures = []
+        for query in queries:
+            future: asyncio.Future[BatchedResult[R]] = loop.create_future()
+            queue.append(_Item(query, future, now))
+            futures.append(future)
+        self._pending += len(queries)
+        self._wakeup.set()
+        # If the caller is cancelled (client gone), gather cancels the futures and the
+        # dispatcher drops them instead of searching them. return_exceptions: a failed
+        # batch must not leave the other futures' exceptions unretrieved.
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
+
+    async def close(self) -> None:
+        """Stop taking queries, search everything already queued, wait for it."""
+        self._closing = True
+        self._wakeup.set()
+        if self._dispatcher is not None:
+            await self._dispatcher
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _oldest_key(self) -> Optional[Hashable]:
+        oldest: Optional[Hashable] = None
+        oldest_time = float("inf")
+        for key in list(self._queues):
+            queue = self._queues[key]
+            while queue and queue[0].future.done():  # cancelled while waiting
+                queue.popleft()
+                self._pending -= 1
+            if not queue:
+                del self._queues[key], self._params[key]
+            elif queue[0].enqueued < oldest_time:
+                oldest, oldest_time = key, queue[0].enqueued
+        return oldest
+
+    async def _dispatch(self) -> None:
+        while True:
+            key = self._oldest_key()
+            if key is None:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            queue = self._queues[key]
+            wait = queue[0].enqueued + self._max_wait_s - time.monotonic()
+            if len(queue) < self._max_batch_size and wait > 0 and not self._closing:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._slots.acquire()
+            # Queries that arrived while we waited for a slot join this batch.
+            params = self._params[key]
+            items: list[_Item] = []
+            while queue and len(items) < self._max_batch_size:
+                item = queue.popleft()
+                self._pending -= 1
+                if not item.future.done():
+                    items.append(item)
+            if not queue:
+                del self._queues[key], self._params[key]
+            if not items:
+                self._slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._run(items, params))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _run(self, items: list[_Item], params: Mapping[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        try:
+            results = await loop.run_in_executor(self._executor, self._search, [i.query for i in items], params)
+            if len(results) != len(items):
+                raise RuntimeError(f"search returned {len(results)} results for {len(items)} queries")
+        except Exception as exc:  # delivered to every waiter of this batch, not swallowed
+            for item in items:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        finally:
+            self._slots.release()
+        elapsed = time.monotonic() - started
+        for item, result in zip(items, results):
+            if not item.future.done():
+                queue_ms = (started - item.enqueued) * 1000.0
+                item.future.set_result(BatchedResult(result, queue_ms, len(items)))
+        if self._on_batch is not None:
+            self._on_batch(len(items), elapsed)

@@ -1,0 +1,199 @@
+"""`espn serve INDEX`: flags -> ESPN_* environment -> ServerSettings -> uvicorn workers.
+
+Each flag overrides its environment variable (`--port` over `ESPN_PORT`), which overrides
+the default. The API key is read only from `ESPN_API_KEY`, never from a flag, so it does
+not show in `ps`. The settings are validated and printed once, here; uvicorn then starts
+`server.app:create_app` as a factory in each worker, and each worker rebuilds the same
+settings from the environment this function exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from .settings import ENV_PREFIX, READER_NAMES, ServerSettings
+
+__all__ = ["add_serve_arguments", "run_serve"]
+
+logger = logging.getLogger(__name__)
+
+# prometheus_client picks its multiprocess value class when first imported, so this is
+# set before anything imports it (server.metrics names the same variable).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Flag destination -> ServerSettings field, for the flags that map one to one.
+_FLAG_FIELDS = {
+    "index": "index",
+    "host": "host",
+    "port": "port",
+    "workers": "workers",
+    "reader": "reader",
+    "device": "device",
+    "batch_wait_ms": "batch_wait_ms",
+    "max_batch_size": "max_batch_size",
+    "search_threads": "search_threads",
+    "torch_threads": "torch_threads",
+    "max_body_bytes": "max_body_bytes",
+    "max_batch_queries": "max_batch_queries",
+    "graceful_timeout": "graceful_timeout_s",
+    "log_level": "log_level",
+}
+
+
+def _reader_choices() -> list[str]:
+    try:  # the library's registry names the readers; fall back if it cannot be imported
+        from espn.store import READERS
+
+        return ["auto", *READERS]
+    except ImportError:
+        return ["auto", *READER_NAMES]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `espn serve`; every one but INDEX defaults to its ESPN_* variable."""
+    parser.add_argument("index", type=Path, metavar="INDEX", help="index directory built by `espn index`")
+    net = parser.add_argument_group("listening")
+    net.add_argument("--host", help="interface to bind (ESPN_HOST, default 127.0.0.1)")
+    net.add_argument("--port", type=int, help="TCP port, 0 for any free one (ESPN_PORT, default 8000)")
+    net.add_argument("--workers", type=int, help="worker processes sharing the mmapped index (ESPN_WORKERS, default 1)")
+    net.add_argument("--no-preload", action="store_true",
+                     help="start workers as fresh interpreters (spawn) instead of forking a preloaded parent")
+    net.add_argument("--graceful-timeout", type=int, metavar="S",
+                     help="seconds in-flight requests get after SIGTERM (ESPN_GRACEFUL_TIMEOUT_S, default 30)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--reader", choices=_reader_choices(),
+                        help="embedding reader (ESPN_READER, default: the library's choice for this machine)")
+    search.add_argument("--device", help="torch device for re-ranking (ESPN_DEVICE)")
+    search.add_argument("--batch-wait-ms", type=float, metavar="MS",
+                        help="how long a query waits for others to batch with (ESPN_BATCH_WAIT_MS, default 2)")
+    search.add_argument("--max-batch-size", type=int, metavar="N",
+                        help="most queries per search call (ESPN_MAX_BATCH_SIZE, default 32)")
+    search.add_argument("--search-threads", type=int, metavar="N",
+                        help="search calls in flight per worker (ESPN_SEARCH_THREADS, default 1)")
+    search.add_argument("--torch-threads", type=int, metavar="N",
+                        help="torch threads per worker (ESPN_TORCH_THREADS, default cores / workers)")
+    limits = parser.add_argument_group("requests")
+    limits.add_argument("--max-body-bytes", type=int, metavar="B",
+                        help="largest request body (ESPN_MAX_BODY_BYTES, default 1 MiB)")
+    limits.add_argument("--max-batch-queries", type=int, metavar="N",
+                        help="most queries in one /v1/search/batch (ESPN_MAX_BATCH_QUERIES, default 256)")
+    limits.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN",
+                        help="allow this browser origin; repeatable (ESPN_CORS_ORIGINS, default: CORS off)")
+    ops = parser.add_argument_group("operations")
+    ops.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
+                     help="(ESPN_LOG_LEVEL, default info)")
+    ops.add_argument("--no-warmup", action="store_true", help="report ready without warming the index (ESPN_WARMUP)")
+    parser.epilog = (
+        "Set ESPN_API_KEY to require `Authorization: Bearer <key>` on /v1/*. "
+        "Every flag can also be given as an ESPN_* environment variable."
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str]:
+    """ESPN_* variables for the flags given on the command line."""
+    env: dict[str, str] = {}
+    for dest, field in _FLAG_FIELDS.items():
+        value: Any = getattr(args, dest, None)
+        if value is not None:
+            env[ENV_PREFIX + field.upper()] = str(value)
+    if getattr(args, "cors_origins", None):
+        env[ENV_PREFIX + "CORS_ORIGINS"] = json.dumps(args.cors_origins)
+    if getattr(args, "no_warmup", False):
+        env[ENV_PREFIX + "WARMUP"] = "false"
+    if getattr(args, "no_preload", False):
+        env[ENV_PREFIX + "PRELOAD"] = "false"
+    return env
+
+
+def _fork_workers() -> bool:
+    """Preload the heavy imports here and have uvicorn fork its workers from this process.
+
+    uvicorn starts workers with `spawn`: each is a fresh interpreter that imports torch
+    (~140 MB of private heap) and transformers' model code (~100 MB, it pulls in
+    torch._dynamo) on its own. Forked from a parent that imported them once, the
+    workers share those pages copy-on-write; gc.freeze() keeps the collector from
+    touching (and so copying) them. Only imports happen here: no index, no model, no
+    torch op (an initialised OpenMP pool must not be forked), no thread.
+    uvicorn has no public switch for this; its spawn context is a module attribute,
+    checked here so that another uvicorn version falls back to spawn instead of failing.
+    """
+    from uvicorn import _subprocess
+
+    if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(_subprocess, "spawn"):
+        logger.warning("cannot fork uvicorn workers here; each worker imports torch on its own")
+        return False
+    import espn.searcher  # noqa: F401  torch, faiss, numpy, the encoders
+    import transformers.modeling_utils  # noqa: F401  torch._dynamo & co, imported by every HF model
+
+    import server.app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)
+
+    gc.collect()
+    gc.freeze()
+    _subprocess.spawn = multiprocessing.get_context("fork")  # type: ignore[assignment]
+    return True
+
+
+def _print_errors(error: ValidationError) -> None:
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "settings"
+        print(f"espn serve: {field} ({ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Validate the settings, print them once, and serve until SIGTERM/SIGINT. Returns an exit code."""
+    os.environ.update(_overrides(args))
+    try:
+        settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
+    except ValidationError as error:
+        _print_errors(error)
+        return 2
+    # Normalised values (resolved index path, ...) are what every worker will read.
+    os.environ.update(settings.to_env())
+    print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)
+
+    multiproc_dir: Optional[str] = None
+    if settings.workers > 1 and MULTIPROC_ENV not in os.environ:
+        # Each worker writes its metric samples here; /metrics aggregates them all.
+        multiproc_dir = tempfile.mkdtemp(prefix="espn-metrics-")
+        os.environ[MULTIPROC_ENV] = multiproc_dir
+
+    import uvicorn  # after validation: a bad flag fails without importing the server stack
+
+    from .logs import logging_config
+
+    try:
+        if settings.workers > 1 and settings.preload:
+            _fork_workers()
+        uvicorn.run(
+            "server.app:create_app",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_config=logging_config(settings.log_level),
+            log_level=settings.log_level,
+            access_log=False,  # server.middleware.AccessMiddleware logs each request once
+            server_header=False,
+            timeout_graceful_shutdown=settings.graceful_timeout_s,
+            # Loading torch and the index can take a while on a busy machine.
+            timeout_worker_healthcheck=60,
+        )
+    except SystemExit as exit_:  # uvicorn exits 3 when the app fails to start (bad index, ...)
+        return exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        if multiproc_dir is not None:
+            os.environ.pop(MULTIPROC_ENV, None)
+            shutil.rmtree(multiproc_dir, ignore_errors=True)
+    return 0

@@ -1,0 +1,64 @@
+"""What routes depend on: the per-app state and the API-key check."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from typing import TYPE_CHECKING, Optional
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .errors import ApiError, ServiceUnavailableError
+from .metrics import ServerMetrics
+from .settings import ServerSettings
+
+if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the type
+    from espn import Searcher
+
+    from .batching import MicroBatcher
+
+__all__ = ["AppState", "get_state", "require_api_key"]
+
+
+@dataclasses.dataclass
+class AppState:
+    """Everything one app instance owns; created by build_app, filled by its lifespan."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    searcher: Optional["Searcher"] = None
+    batcher: Optional["MicroBatcher"] = None
+    ready: bool = False
+    status: str = "starting"  # starting | warming | ready | draining
+
+    def require_searcher(self) -> "Searcher":
+        if self.searcher is None:
+            raise ServiceUnavailableError(f"index is not open ({self.status})", retry_after_s=5)
+        return self.searcher
+
+    def require_batcher(self) -> "MicroBatcher":
+        if self.batcher is None:
+            raise ServiceUnavailableError(f"index is not open ({self.status})", retry_after_s=5)
+        return self.batcher
+
+
+def get_state(request: Request) -> AppState:
+    return request.app.state.espn
+
+
+_bearer = HTTPBearer(auto_error=False, description="the value of ESPN_API_KEY, when it is set")
+
+
+async def require_api_key(
+    request: Request, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)
+) -> None:
+    """Check `Authorization: Bearer <ESPN_API_KEY>` when a key is configured."""
+    expected = get_state(request).settings.api_key
+    if expected is None:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    # compare_digest: the time taken does not reveal how much of the key matched.
+    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                       headers={"WWW-Authenticate": "Bearer"})

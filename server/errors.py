@@ -1,0 +1,137 @@
+"""Every error the server answers on purpose, mapped to a status in one registry.
+
+Each error body is an `ErrorResponse`: `{"error": code, "message": text, "errors": [...]}`.
+Nothing here catches bare `Exception`: a bug stays a bug (uvicorn logs the traceback and
+the client gets Starlette's plain 500 with no traceback in it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from espn.errors import DocumentNotFoundError, InvalidParameterError
+
+from .batching import BatcherClosedError, QueueFullError
+
+__all__ = ["ApiError", "ServiceUnavailableError", "error_response", "register_exception_handlers"]
+
+logger = logging.getLogger(__name__)
+
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "too_many_requests",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the server raises itself, with its status and code."""
+
+    def __init__(self, status_code: int, message: str, *, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code or _CODES.get(status_code, "error")
+        self.message = message
+        self.headers = headers
+
+
+class ServiceUnavailableError(ApiError):
+    """Not ready yet, shutting down, or the queue is full: retry later (503 + Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(503, message, code="unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+def error_response(status_code: int, code: str, message: str, *,
+                   errors: Optional[list[dict[str, Any]]] = None,
+                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": code, "message": message}
+    if errors is not None:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def _jsonable_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validation errors without the offending input (it may be 10 MB) and JSON-safe."""
+    out = []
+    for error in errors:
+        item = {"type": error.get("type"), "loc": list(error.get("loc", ())), "msg": error.get("msg")}
+        ctx = error.get("ctx")
+        if ctx:
+            item["ctx"] = json.loads(json.dumps(ctx, default=str))
+        out.append(item)
+    return out
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error", "JSON decode error")
+            position = list(error.get("loc", ()))[-1:]
+            where = f" at byte {position[0]}" if position and isinstance(position[0], int) else ""
+            return error_response(400, "malformed_json", f"request body is not valid JSON: {reason}{where}")
+    errors = _jsonable_errors(errors)
+    first = errors[0] if errors else {}
+    location = ".".join(str(part) for part in first.get("loc", []) if part != "body")
+    message = f"{location}: {first.get('msg')}" if location else str(first.get("msg", "invalid request"))
+    return error_response(422, "invalid_request", message, errors=errors)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    message = str(exc.detail)
+    code = _CODES.get(exc.status_code, "error")
+    # FastAPI turns any non-JSONDecodeError failure of the body parser into this 400;
+    # name the usual cause (bytes that are not UTF-8) instead of "error parsing the body".
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+        code, message = "invalid_utf8", f"request body is not valid UTF-8: {exc.__cause__.reason}"
+    return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status_code, exc.code, exc.message, headers=exc.headers)
+
+
+async def _on_invalid_parameter(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(422, "invalid_parameter", str(exc))
+
+
+async def _on_document_not_found(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(404, "document_not_found", str(exc))
+
+
+async def _on_queue_full(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "overloaded", f"search queue is full: {exc}", headers={"Retry-After": "1"})
+
+
+async def _on_batcher_closed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "shutting_down", "the server is shutting down", headers={"Retry-After": "1"})
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    """The one place where exceptions become HTTP statuses."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
+    app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)
+    app.add_exception_handler(QueueFullError, _on_queue_full)
+    app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

@@ -1,0 +1,126 @@
+"""Prometheus metrics of one server, single- or multi-process.
+
+With `--workers N > 1`, `espn serve` points PROMETHEUS_MULTIPROC_DIR at a fresh temporary
+directory before the workers start: each worker then writes its samples to files there
+(prometheus_client picks its value class from that variable when it is first imported)
+and /metrics, whichever worker answers it, aggregates all of them. With one worker the
+metrics live in a private registry of the app, so several apps in one process (tests)
+do not collide.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    multiprocess,
+    values,
+)
+
+__all__ = ["ServerMetrics", "MULTIPROC_ENV", "CONTENT_TYPE_LATEST"]
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+class ServerMetrics:
+    """The metrics the server exports; `render()` gives the /metrics body."""
+
+    def __init__(self) -> None:
+        self.multiprocess = MULTIPROC_ENV in os.environ
+        if self.multiprocess:
+            # prometheus_client chooses its value class when first imported. A worker forked
+            # from `espn serve` inherits that choice, made before PROMETHEUS_MULTIPROC_DIR was
+            # set if any module imported prometheus_client early; choose again (allowed while
+            # no metric of ours exists, which is the case here).
+            values.ValueClass = values.get_value_class()
+        # In multiprocess mode samples go to files, not to a registry; /metrics collects them.
+        self.registry: Optional[CollectorRegistry] = None if self.multiprocess else CollectorRegistry()
+        if self.registry is not None:
+            ProcessCollector(registry=self.registry)
+        reg = self.registry
+
+        self.requests = Counter(
+            "espn_http_requests", "HTTP requests answered", ["endpoint", "method", "status"], registry=reg
+        )
+        self.request_seconds = Histogram(
+            "espn_http_request_duration_seconds", "HTTP request latency", ["endpoint"],
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )
+        self.in_flight = Gauge(
+            "espn_http_requests_in_flight", "HTTP requests being handled", ["endpoint"],
+            multiprocess_mode="livesum", registry=reg,
+        )
+        self.queries = Counter("espn_search_queries", "queries searched", registry=reg)
+        self.batch_size = Histogram(
+            "espn_search_batch_size", "queries per Searcher.search call (micro-batch)",
+            buckets=_BATCH_BUCKETS, registry=reg,
+        )
+        self.queue_seconds = Histogram(
+            "espn_search_queue_duration_seconds", "time a query waited for its micro-batch",
+            buckets=_STAGE_BUCKETS, registry=reg,
+        )
+        self.stage_seconds = Histogram(
+            "espn_search_stage_duration_seconds", "time per pipeline stage, per Searcher.search call",
+            ["stage"], buckets=_STAGE_BUCKETS, registry=reg,
+        )
+        self.hit_rate = Histogram(
+            "espn_prefetch_hit_rate", "per query: prefetched ∩ final candidates / final candidates",
+            buckets=_RATE_BUCKETS, registry=reg,
+        )
+        self.prefetched = Counter("espn_prefetched_documents", "documents read by prefetch waves", registry=reg)
+        self.missed = Counter("espn_missed_documents", "final candidates read in the critical path", registry=reg)
+        self.bytes_read = Counter("espn_read_bytes", "bytes read from the embedding store", registry=reg)
+        self.ios = Counter("espn_read_ios", "read requests issued to the embedding store", registry=reg)
+        self.queued = Gauge(
+            "espn_search_queued_queries", "queries waiting for a micro-batch", multiprocess_mode="livesum",
+            registry=reg,
+        )
+        self.ready = Gauge(
+            "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=reg
+        )
+
+    def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, method, str(status)).inc()
+        self.request_seconds.labels(endpoint).observe(seconds)
+
+    def observe_batch(self, size: int, stage_ms: Mapping[str, float]) -> None:
+        """Once per Searcher.search call: its size and its per-stage times (shared by its queries)."""
+        self.batch_size.observe(size)
+        self.queries.inc(size)
+        for stage, ms in stage_ms.items():
+            self.stage_seconds.labels(stage).observe(ms / 1000.0)
+
+    def observe_query(self, *, queue_ms: float, hit_rate: float, prefetched: int, missed: int,
+                      bytes_read: int, ios: int) -> None:
+        self.queue_seconds.observe(queue_ms / 1000.0)
+        self.hit_rate.observe(hit_rate)
+        self.prefetched.inc(prefetched)
+        self.missed.inc(missed)
+        self.bytes_read.inc(bytes_read)
+        self.ios.inc(ios)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (CONTENT_TYPE_LATEST)."""
+        if self.registry is not None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+    def close(self) -> None:
+        """Drop this process's live gauges from the multiprocess directory (worker exit)."""
+        if self.multiprocess:
+            multiprocess.mark_process_dead(os.getpid())

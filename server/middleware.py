@@ -1,0 +1,157 @@
+"""Pure ASGI middleware: the request log and metrics, and the request body limit.
+
+Pure ASGI (not BaseHTTPMiddleware) so that nothing buffers responses or changes how
+cancellation reaches the routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+from .logs import ACCESS_LOGGER
+from .metrics import ServerMetrics
+
+__all__ = ["AccessMiddleware", "BodyLimitMiddleware", "LOG_EXTRA_KEY"]
+
+access_logger = logging.getLogger(ACCESS_LOGGER)
+
+# Routes put fields for the request's log line in request.state under this name.
+LOG_EXTRA_KEY = "log_extra"
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class AccessMiddleware:
+    """Counts, times and logs every HTTP request (one structured line each); sets X-Request-ID."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes  # matched in order to label a request by its route template
+
+    def _endpoint(self, scope: Scope) -> str:
+        # The template ("/v1/documents/{doc_id}"), never the raw path: bounded label cardinality.
+        partial = "other"
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return getattr(route, "path_format", None) or getattr(route, "path", "other")
+            if match is Match.PARTIAL and partial == "other":  # right path, wrong method
+                partial = getattr(route, "path_format", None) or getattr(route, "path", "other")
+        return partial
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = _header(scope, b"x-request-id")
+        request_id = incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        status = 500  # what the client gets if the app raises before answering
+        started = time.perf_counter()
+        endpoint = self._endpoint(scope)
+        in_flight = self.metrics.in_flight.labels(endpoint)
+        in_flight.inc()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            in_flight.dec()
+            seconds = time.perf_counter() - started
+            self.metrics.observe_request(endpoint, scope["method"], status, seconds)
+            extra: dict[str, Any] = {}
+            state = scope.get("state")
+            if isinstance(state, dict) and isinstance(state.get(LOG_EXTRA_KEY), dict):
+                extra = state[LOG_EXTRA_KEY]
+            client = scope.get("client")
+            access_logger.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "endpoint": endpoint,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000.0, 3),
+                    "client": f"{client[0]}:{client[1]}" if client else None,
+                    **extra,
+                },
+            )
+
+
+class BodyLimitMiddleware:
+    """Reads the request body up to `max_bytes`, answering 413 beyond it.
+
+    A declared Content-Length over the limit is refused before reading anything; a
+    chunked body is counted as it arrives. The body is buffered (it is small by then)
+    and replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await error_response(400, "bad_request", "invalid Content-Length header")(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        buffered = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": buffered, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as Starlette expects
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes",
+                                  headers={"Connection": "close"})
+        await response(scope, receive, send)

@@ -1,0 +1,494 @@
+"""The router: one endpoint in front of an index split into partitions.
+
+`espn index CORPUS --out DIR --partitions S` writes S complete indexes that share one
+encoder and one projection, so a score from one partition compares with a score from
+another. Each partition is served by `espn serve` (replicas behind one address each: a
+Kubernetes Service, a load balancer). The router fans every query out to all of them at
+once, waits at most `timeout_ms` for each, and merges their top-k by score. A partition
+that errors or does not answer in time is left out: the answer is then marked
+`"partial": true` and names the missing partitions in `failed_shards`, instead of the
+whole request failing or waiting on the slowest machine.
+
+Exactness: partition p returns its own top-k, so the merged top-k is the top-k of the
+union. When every partition's candidate pool is exhaustive (nprobe = nlist and
+rerank_count >= its documents) that is exactly the ranking of one index over the whole
+corpus. With smaller pools each partition re-ranks its own top `rerank_count`, so the
+union re-ranks S x rerank_count candidates, a superset of one index's pool.
+
+Nothing here is a cluster manager: the shard list is static configuration, and
+scheduling, discovery, restarts and load balancing over replicas belong to the platform.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import heapq
+import logging
+import sys
+import time
+from typing import Annotated, Any, AsyncIterator, Optional, Sequence
+from urllib.parse import quote, urlsplit
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .schemas import (
+    BatchSearchRequest,
+    ErrorResponse,
+    HealthResponse,
+    SearchHit,
+    SearchRequest,
+    SearchResponse,
+)
+
+__all__ = [
+    "RouterSettings",
+    "ShardFailure",
+    "RoutedSearchResponse",
+    "RoutedBatchResponse",
+    "merge_hits",
+    "build_router_app",
+    "add_route_arguments",
+    "run_route",
+]
+
+logger = logging.getLogger(__name__)
+
+ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
+# Request headers passed on to the shards: the API key, and a request id for tracing.
+_FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class RouterSettings(BaseSettings):
+    """Configuration of `espn route`; each field is `ESPN_ROUTER_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
+
+    shards: Annotated[list[str], NoDecode] = Field(
+        description="base URL of each partition's service, e.g. http://espn-part-0:8000 (comma-separated in env)"
+    )
+    timeout_ms: float = Field(2000.0, gt=0.0, le=600_000.0, description="per-shard time limit of one request")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
+    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
+
+    @field_validator("shards", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("shards")
+    @classmethod
+    def _check_shards(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one shard URL is needed")
+        urls = []
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"shard URL must be http(s)://host[:port][/prefix], got {url!r}")
+            if parts.query or parts.fragment:
+                raise ValueError(f"shard URL must not carry a query or fragment, got {url!r}")
+            urls.append(url.rstrip("/"))
+        duplicates = sorted({u for u in urls if urls.count(u) > 1})
+        if duplicates:
+            raise ValueError(f"shard URLs repeat: {', '.join(duplicates)}")
+        return urls
+
+
+# ---------------------------------------------------------------------------------------
+# Response models: the server's, plus what the router adds
+
+
+class ShardFailure(BaseModel):
+    shard: str = Field(description="base URL of the partition that did not answer")
+    error: str = Field(description="timeout, unreachable, http_<status> or bad_response")
+    message: str
+
+
+class RoutedStats(BaseModel):
+    """The partitions' stats combined: time is the slowest partition's (they run at once),
+    counts are sums."""
+
+    stage_ms: dict[str, float] = Field(description="per stage, the maximum over the partitions that answered")
+    queue_ms: float
+    batch_size: int
+    hit_rate: float = Field(description="mean over the partitions that answered")
+    bytes_read: int
+    ios: int
+    prefetched: int
+    missed: int
+    shards_answered: int
+    shards_total: int
+    route_ms: float = Field(description="milliseconds in the router, fan-out to merged answer")
+
+
+class RoutedSearchResponse(BaseModel):
+    query: str
+    results: list[SearchHit]
+    stats: RoutedStats
+    partial: bool = Field(description="true when a partition's results are missing")
+    failed_shards: list[ShardFailure]
+
+
+class RoutedBatchResponse(BaseModel):
+    responses: list[RoutedSearchResponse]
+    partial: bool
+    failed_shards: list[ShardFailure]
+
+
+class ShardsBatch(BaseModel):
+    """What a shard's /v1/search/batch answers (validated: a garbled answer is a failure)."""
+
+    responses: list[SearchResponse]
+
+
+# ---------------------------------------------------------------------------------------
+# Merging
+
+
+def merge_hits(per_shard: Sequence[Sequence[SearchHit]], k: int) -> list[SearchHit]:
+    """Top-k of the union by score, descending; ties keep shard order, then rank order.
+
+    Each input list is one partition's ranking (descending). Partitions hold disjoint
+    documents, so no de-duplication is needed; if the same id came twice (a document
+    indexed in two partitions by mistake) only its first, highest-scored copy is kept.
+    """
+    merged: list[SearchHit] = []
+    seen: set[str] = set()
+    streams = [[(-hit.score, shard, rank, hit) for rank, hit in enumerate(hits)] for shard, hits in enumerate(per_shard)]
+    for _, _, _, hit in heapq.merge(*streams, key=lambda item: item[:3]):
+        if hit.id in seen:
+            continue
+        seen.add(hit.id)
+        merged.append(hit)
+        if len(merged) == k:
+            break
+    return merged
+
+
+def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: float) -> RoutedStats:
+    stats = [response.stats for response in answered]
+    stage_ms: dict[str, float] = {}
+    for item in stats:
+        for stage, ms in item.stage_ms.items():
+            stage_ms[stage] = max(stage_ms.get(stage, 0.0), ms)
+    return RoutedStats(
+        stage_ms=stage_ms,
+        queue_ms=max((s.queue_ms for s in stats), default=0.0),
+        batch_size=max((s.batch_size for s in stats), default=0),
+        hit_rate=sum(s.hit_rate for s in stats) / len(stats) if stats else 0.0,
+        bytes_read=sum(s.bytes_read for s in stats),
+        ios=sum(s.ios for s in stats),
+        prefetched=sum(s.prefetched for s in stats),
+        missed=sum(s.missed for s in stats),
+        shards_answered=len(stats),
+        shards_total=total,
+        route_ms=round(route_ms, 3),
+    )
+
+
+def _merge_responses(query: str, answered: Sequence[SearchResponse], k: int, total: int,
+                     failures: list[ShardFailure], route_ms: float) -> RoutedSearchResponse:
+    return RoutedSearchResponse(
+        query=query,
+        results=merge_hits([response.results for response in answered], k),
+        stats=_combine_stats(answered, total, route_ms),
+        partial=bool(failures),
+        failed_shards=failures,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Fan-out
+
+
+# Statuses that mean the request itself is wrong: every partition would say the same, so
+# the caller gets it as is. Any other failure (404 from a misconfigured URL, 408, 429, 5xx)
+# is the partition's problem and only makes the answer partial.
+_CALLER_ERRORS = frozenset({400, 401, 403, 413, 415, 422})
+
+
+class ClientError(Exception):
+    """A shard refused the request itself (a status in _CALLER_ERRORS): passed on."""
+
+    def __init__(self, status_code: int, body: Any) -> None:
+        super().__init__(f"shard answered {status_code}")
+        self.status_code, self.body = status_code, body
+
+
+@dataclasses.dataclass
+class _Fanout:
+    client: httpx.AsyncClient
+    shards: list[str]
+    timeout_s: float
+    metrics: "_RouterMetrics"
+
+    async def call(self, shard: str, method: str, path: str, headers: dict[str, str],
+                   json_body: Optional[dict[str, Any]]) -> httpx.Response | ShardFailure:
+        try:
+            # wait_for bounds the whole exchange (connect, queueing for a pooled connection,
+            # response), which httpx's per-phase timeouts alone do not.
+            response = await asyncio.wait_for(
+                self.client.request(method, shard + path, json=json_body, headers=headers), self.timeout_s
+            )
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            return self.record_failure(shard, "timeout", f"no answer within {self.timeout_s * 1000:.0f} ms")
+        except httpx.TransportError as exc:
+            return self.record_failure(shard, "unreachable", f"{type(exc).__name__}: {exc}")
+        return response
+
+    def record_failure(self, shard: str, error: str, message: str) -> ShardFailure:
+        self.metrics.shard_failures.labels(shard=shard, error=error).inc()
+        logger.warning("shard %s failed: %s (%s)", shard, error, message)
+        return ShardFailure(shard=shard, error=error, message=message)
+
+    async def search(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     model: type[BaseModel]) -> tuple[list[Any], list[ShardFailure]]:
+        """POST `body` to every shard at once; returns (parsed answers, failures)."""
+        calls = [self.call(shard, "POST", path, headers, body) for shard in self.shards]
+        answers: list[Any] = []
+        failures: list[ShardFailure] = []
+        client_errors: list[ClientError] = []
+        for shard, outcome in zip(self.shards, await asyncio.gather(*calls)):
+            if isinstance(outcome, ShardFailure):
+                failures.append(outcome)
+                continue
+            status = outcome.status_code
+            if status in _CALLER_ERRORS:
+                client_errors.append(ClientError(status, _json_or_text(outcome)))
+                continue
+            if status != 200:
+                failures.append(self.record_failure(shard, f"http_{status}", _message(outcome)))
+                continue
+            try:
+                answers.append(model.model_validate_json(outcome.content))
+            except ValidationError as exc:
+                failures.append(self.record_failure(shard, "bad_response", f"unexpected body: {exc.error_count()} error(s)"))
+        if client_errors:
+            # Every partition validates the same request the same way: pass the first on.
+            raise client_errors[0]
+        return answers, failures
+
+
+def _json_or_text(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {"error": "shard_error", "message": response.text[:500]}
+
+
+def _message(response: httpx.Response) -> str:
+    body = _json_or_text(response)
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"]
+    return response.reason_phrase or f"HTTP {response.status_code}"
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics
+
+
+class _RouterMetrics:
+    """Per-app registry, so two routers (or a router and a server) in one process never
+    collide on metric names."""
+
+    def __init__(self) -> None:
+        # Imported here: `espn serve` builds the CLI parser (and so imports this module)
+        # before it sets up prometheus multiprocess mode for its workers.
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("espn_router_requests_total", "Requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("espn_router_request_seconds", "Time from request to merged answer",
+                                 ["endpoint"], registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.partial = Counter("espn_router_partial_responses_total", "Answers with a partition missing",
+                               ["endpoint"], registry=self.registry)
+        self.shard_failures = Counter("espn_router_shard_failures_total", "Shard calls that failed, by reason",
+                                      ["shard", "error"], registry=self.registry)
+
+
+# ---------------------------------------------------------------------------------------
+# The app
+
+
+def _error(status_code: int, code: str, message: str, **extra: Any) -> JSONResponse:
+    body = ErrorResponse(error=code, message=message).model_dump(exclude_none=True)
+    return JSONResponse({**body, **extra}, status_code=status_code)
+
+
+def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.AsyncBaseTransport] = None) -> FastAPI:
+    """The router as a FastAPI app. `transport` replaces the network (tests)."""
+    metrics = _RouterMetrics()
+    timeout_s = settings.timeout_ms / 1000.0
+    fanout: dict[str, _Fanout] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=settings.max_connections * len(settings.shards),
+                              max_keepalive_connections=settings.max_connections * len(settings.shards))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport,
+                                     trust_env=False) as client:
+            fanout["client"] = _Fanout(client, list(settings.shards), timeout_s, metrics)
+            logger.info("routing to %d shard(s): %s", len(settings.shards), ", ".join(settings.shards))
+            yield
+            fanout.clear()
+
+    app = FastAPI(
+        title="ESPN router",
+        summary="Fans queries out to the partitions of an index and merges their top-k",
+        lifespan=lifespan,
+    )
+
+    def get_fanout() -> _Fanout:
+        return fanout["client"]
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return _error(422, "invalid_request", "the request does not match the schema", errors=errors)
+
+    @app.exception_handler(ClientError)
+    async def _passed_on(request: Request, exc: ClientError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status_code)
+
+    def _headers(request: Request) -> dict[str, str]:
+        return {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+
+    def _unavailable(endpoint: str, failures: list[ShardFailure]) -> JSONResponse:
+        metrics.requests.labels(endpoint=endpoint, status="503").inc()
+        return _error(503, "no_shard_answered", f"none of the {len(settings.shards)} shard(s) answered",
+                      failed_shards=[f.model_dump() for f in failures])
+
+    @app.post("/v1/search", response_model=RoutedSearchResponse, summary="Search one query over every partition",
+              responses={422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+    async def search(body: SearchRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        answers, failures = await get_fanout().search(
+            "/v1/search", body.model_dump(exclude_none=True), _headers(request), SearchResponse)
+        if not answers:
+            return _unavailable("search", failures)
+        merged = _merge_responses(body.query, answers, body.k, len(settings.shards), failures,
+                                  (time.perf_counter() - started) * 1000)
+        _observe("search", started, merged.partial)
+        return merged
+
+    @app.post("/v1/search/batch", response_model=RoutedBatchResponse,
+              summary="Search several queries over every partition",
+              responses={422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+    async def search_batch(body: BatchSearchRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        answers, failures = await get_fanout().search(
+            "/v1/search/batch", body.model_dump(exclude_none=True), _headers(request), ShardsBatch)
+        if not answers:
+            return _unavailable("batch", failures)
+        if any(len(answer.responses) != len(body.queries) for answer in answers):
+            return _error(502, "bad_gateway", "a shard answered a different number of queries than asked")
+        route_ms = (time.perf_counter() - started) * 1000
+        responses = [
+            _merge_responses(query, [answer.responses[i] for answer in answers], body.k, len(settings.shards),
+                             failures, route_ms)
+            for i, query in enumerate(body.queries)
+        ]
+        _observe("batch", started, bool(failures))
+        return RoutedBatchResponse(responses=responses, partial=bool(failures), failed_shards=failures)
+
+    @app.get("/v1/documents/{doc_id:path}", summary="A document, from whichever partition holds it",
+             responses={404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+    async def document(doc_id: str, request: Request) -> Any:
+        fan = get_fanout()
+        path = "/v1/documents/" + quote(doc_id, safe="")
+        outcomes = await asyncio.gather(*(fan.call(s, "GET", path, _headers(request), None) for s in fan.shards))
+        failures = []
+        for shard, outcome in zip(fan.shards, outcomes):
+            if isinstance(outcome, ShardFailure):
+                failures.append(outcome)
+            elif outcome.status_code == 200:
+                return JSONResponse(_json_or_text(outcome))
+            elif outcome.status_code in (401, 403):
+                return JSONResponse(_json_or_text(outcome), status_code=outcome.status_code)
+            elif outcome.status_code != 404:
+                failures.append(fan.record_failure(shard, f"http_{outcome.status_code}", _message(outcome)))
+        if failures:  # it may live in a partition that did not answer
+            return _error(503, "unavailable", f"document {doc_id!r} not found in the partitions that answered",
+                          failed_shards=[f.model_dump() for f in failures])
+        return _error(404, "not_found", f"no document with id {doc_id!r}")
+
+    @app.get("/healthz", response_model=HealthResponse, summary="Liveness: the router answers")
+    async def healthz() -> HealthResponse:
+        return HealthResponse(status="ok")
+
+    @app.get("/readyz", response_model=HealthResponse,
+             summary="Readiness: at least one partition is ready",
+             responses={503: {"model": HealthResponse}})
+    async def readyz() -> Response:
+        fan = get_fanout()
+        outcomes = await asyncio.gather(*(fan.call(s, "GET", "/readyz", {}, None) for s in fan.shards))
+        ready = [s for s, o in zip(fan.shards, outcomes) if isinstance(o, httpx.Response) and o.status_code == 200]
+        detail = f"{len(ready)} of {len(fan.shards)} shard(s) ready"
+        if ready:
+            return JSONResponse(HealthResponse(status="ready", detail=detail).model_dump())
+        return JSONResponse(HealthResponse(status="unavailable", detail=detail).model_dump(), status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/metrics", summary="Prometheus metrics of the router", response_class=Response)
+    async def prometheus() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _observe(endpoint: str, started: float, partial: bool) -> None:
+        metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        metrics.requests.labels(endpoint=endpoint, status="200").inc()
+        if partial:
+            metrics.partial.labels(endpoint=endpoint).inc()
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------
+# Command line: `espn route`
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `espn route`; each defaults to its ESPN_ROUTER_* variable."""
+    parser.add_argument("--shards", metavar="URL,URL",
+                        help="base URL of each partition's server, comma-separated (ESPN_ROUTER_SHARDS)")
+    parser.add_argument("--timeout-ms", type=float, metavar="MS",
+                        help="per-shard time limit; a shard slower than this is left out and the answer "
+                             "marked partial (ESPN_ROUTER_TIMEOUT_MS, default 2000)")
+    parser.add_argument("--host", help="interface to bind (ESPN_ROUTER_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port (ESPN_ROUTER_PORT, default 8080)")
+    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
+                        help="(ESPN_ROUTER_LOG_LEVEL, default info)")
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Validate the settings and serve until SIGTERM/SIGINT. Returns an exit code."""
+    import uvicorn
+
+    given = {name: getattr(args, name, None) for name in ("shards", "timeout_ms", "host", "port", "log_level")}
+    try:
+        settings = RouterSettings(**{name: value for name, value in given.items() if value is not None})
+    except ValidationError as error:
+        for item in error.errors():
+            field = ".".join(str(part) for part in item["loc"]) or "settings"
+            print(f"espn route: {field} ({ROUTER_ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
+        return 2
+    print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
+          f"listening on {settings.host}:{settings.port}", file=sys.stderr)
+    uvicorn.run(build_router_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=30)
+    return 0

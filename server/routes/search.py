@@ -1,0 +1,110 @@
+"""POST /v1/search and /v1/search/batch: queries go through the micro-batcher."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from fastapi import APIRouter, Depends, Request
+
+from ..batching import BatchedResult
+from ..deps import AppState, get_state
+from ..errors import ApiError
+from ..middleware import LOG_EXTRA_KEY
+from ..schemas import (
+    BatchSearchRequest,
+    BatchSearchResponse,
+    ErrorResponse,
+    SearchHit,
+    SearchOptions,
+    SearchRequest,
+    SearchResponse,
+    SearchStatsModel,
+)
+
+if TYPE_CHECKING:
+    from espn import Searcher
+    from espn.results import Document, QueryResult
+
+router = APIRouter(prefix="/v1/search", tags=["search"])
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds"},
+    503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full"},
+}
+
+
+# exclude_unset: title and text appear only when return_text asked for them.
+@router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
+             responses=_ERRORS)
+async def search(body: SearchRequest, request: Request, state: AppState = Depends(get_state)) -> SearchResponse:
+    (response,) = await _search(state, request, [body.query], body)
+    return response
+
+
+@router.post("/batch", response_model=BatchSearchResponse, response_model_exclude_unset=True,
+             summary="Search several queries", responses=_ERRORS)
+async def search_batch(
+    body: BatchSearchRequest, request: Request, state: AppState = Depends(get_state)
+) -> BatchSearchResponse:
+    limit = state.settings.max_batch_queries
+    if len(body.queries) > limit:
+        raise ApiError(422, f"queries: at most {limit} queries per batch, got {len(body.queries)}",
+                       code="invalid_request")
+    return BatchSearchResponse(responses=await _search(state, request, body.queries, body))
+
+
+async def _search(
+    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions
+) -> list[SearchResponse]:
+    batcher = state.require_batcher()
+    searcher = state.require_searcher()
+    setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
+    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, options.search_kwargs())
+    documents: Optional[dict[str, Document]] = None
+    if options.return_text:
+        wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
+        documents = await asyncio.to_thread(_documents, searcher, wanted)
+    responses = []
+    for query, item in zip(queries, batched):
+        stats = item.result.stats
+        state.metrics.observe_query(
+            queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
+            missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios,
+        )
+        responses.append(_to_response(query, item, documents))
+    batch_sizes = sorted({item.batch_size for item in batched})
+    setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
+    return responses
+
+
+def _documents(searcher: "Searcher", doc_ids: Sequence[str]) -> dict[str, "Document"]:
+    return {doc_id: searcher.document(doc_id) for doc_id in doc_ids}
+
+
+def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]]) -> SearchResponse:
+    stats = item.result.stats
+    hits = []
+    for hit in item.result.hits:
+        fields = {"id": hit.doc_id, "score": hit.score, "cls_score": hit.cls_score, "bow_score": hit.bow_score}
+        if documents is not None:
+            document = documents[hit.doc_id]
+            fields.update(title=document.title, text=document.text)
+        hits.append(SearchHit(**fields))
+    return SearchResponse(
+        query=query,
+        results=hits,
+        stats=SearchStatsModel(
+            stage_ms=stats.stage_ms,
+            queue_ms=round(item.queue_ms, 3),
+            batch_size=item.batch_size,
+            hit_rate=stats.hit_rate,
+            bytes_read=stats.bytes_read,
+            ios=stats.ios,
+            prefetched=stats.prefetched,
+            missed=stats.missed,
+        ),
+    )

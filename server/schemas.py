@@ -1,0 +1,134 @@
+"""Request and response models of the HTTP API, with explicit bounds.
+
+Requests are strict (`"k": "10"` is a type error, not 10) and closed (`extra="forbid"`:
+a misspelled parameter is an error, not silently ignored). The bounds here are the
+HTTP contract; the library checks its own (e.g. nprobe <= nlist) and its
+InvalidParameterError becomes a 422 as well.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+__all__ = [
+    "MAX_QUERY_CHARS",
+    "MAX_K",
+    "MAX_BATCH_QUERIES",
+    "SearchOptions",
+    "SearchRequest",
+    "BatchSearchRequest",
+    "SearchHit",
+    "SearchStatsModel",
+    "SearchResponse",
+    "BatchSearchResponse",
+    "DocumentResponse",
+    "HealthResponse",
+    "ErrorResponse",
+]
+
+MAX_QUERY_CHARS = 4096
+MAX_K = 1000
+# Hard ceiling of the schema; ServerSettings.max_batch_queries (<= this) is the live limit.
+MAX_BATCH_QUERIES = 10_000
+MAX_DOC_ID_CHARS = 512
+
+QueryText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
+
+
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("query must contain a non-whitespace character")
+    return value
+
+
+class SearchOptions(BaseModel):
+    """Parameters shared by /v1/search and /v1/search/batch; None keeps the index default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    k: int = Field(10, ge=1, le=MAX_K, description="results per query")
+    nprobe: Optional[int] = Field(None, ge=1, le=1 << 20, description="IVF clusters visited (<= nlist)")
+    prefetch_step: Optional[float] = Field(
+        None, gt=0.0, le=1.0, description="fraction of nprobe after which prefetching starts"
+    )
+    prefetch_k: Optional[int] = Field(None, ge=0, le=10_000, description="candidates each prefetch wave reads")
+    rerank_count: Optional[int] = Field(None, ge=0, le=10_000, description="candidates re-ranked with MaxSim")
+    return_text: bool = Field(False, description="include each hit's title and text")
+
+    def search_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for Searcher.search (None = index default)."""
+        return {
+            "k": self.k,
+            "nprobe": self.nprobe,
+            "prefetch_step": self.prefetch_step,
+            "prefetch_k": self.prefetch_k,
+            "rerank_count": self.rerank_count,
+        }
+
+
+class SearchRequest(SearchOptions):
+    query: QueryText = Field(description="query text")
+
+    _check_query = field_validator("query")(_non_blank)
+
+
+class BatchSearchRequest(SearchOptions):
+    queries: list[QueryText] = Field(min_length=1, max_length=MAX_BATCH_QUERIES, description="query texts")
+
+    @field_validator("queries")
+    @classmethod
+    def _check_queries(cls, values: list[str]) -> list[str]:
+        for value in values:
+            _non_blank(value)
+        return values
+
+
+class SearchHit(BaseModel):
+    id: str
+    score: float
+    cls_score: float
+    bow_score: Optional[float] = Field(description="None below rerank_count (not re-ranked)")
+    title: Optional[str] = None
+    text: Optional[str] = None
+
+
+class SearchStatsModel(BaseModel):
+    stage_ms: dict[str, float] = Field(description="milliseconds per stage of the batch this query ran in")
+    queue_ms: float = Field(description="milliseconds the query waited for its micro-batch")
+    batch_size: int = Field(description="queries in the Searcher.search call this query ran in")
+    hit_rate: float = Field(description="prefetched ∩ final candidates / final candidates")
+    bytes_read: int
+    ios: int
+    prefetched: int
+    missed: int
+
+
+class SearchResponse(BaseModel):
+    query: str
+    results: list[SearchHit]
+    stats: SearchStatsModel
+
+
+class BatchSearchResponse(BaseModel):
+    responses: list[SearchResponse]
+
+
+class DocumentResponse(BaseModel):
+    id: str
+    title: str
+    text: str
+
+
+class HealthResponse(BaseModel):
+    status: str
+    detail: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Body of every 4xx/5xx the server sends on purpose."""
+
+    error: str = Field(description="machine-readable code, e.g. invalid_parameter")
+    message: str = Field(description="what went wrong, for a human")
+    errors: Optional[list[dict[str, Any]]] = Field(None, description="per-field validation errors")

@@ -1,0 +1,98 @@
+"""Helpers for the HTTP server tests: run `espn serve` as a real process on a free port.
+
+Imported by tests/test_server.py (tests/conftest.py belongs to the library tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now (bind port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(index: Path, *flags: str) -> list[str]:
+    return [str(BIN / "espn"), "serve", str(index), *flags]
+
+
+class ServerProcess:
+    """A running `espn serve` on 127.0.0.1:<free port>, its log captured to a file."""
+
+    def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str]) -> None:
+        self.command = command
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        # A new session: the test can signal the server (and its workers) without touching itself.
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        cwd=REPO, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-6000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+
+    def terminate(self, timeout: float = 30.0) -> Optional[int]:
+        """SIGTERM, wait, then SIGKILL the whole process group if it is still there."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        # Workers of a killed supervisor could outlive it: end the group we created.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self._log.close()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def running_server(index: Path, log_dir: Path, *flags: str, env: Optional[dict[str, str]] = None,
+                   name: str = "server") -> Iterator[ServerProcess]:
+    """Start `espn serve INDEX --port <free>` with `flags`, wait for /readyz, always stop it."""
+    port = free_port()
+    full_env = {key: value for key, value in os.environ.items() if not key.startswith("ESPN_")}
+    full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    full_env.update(env or {})
+    command = serve_command(index, "--host", "127.0.0.1", "--port", str(port), *flags)
+    server = ServerProcess(command, port, log_dir / f"{name}.log", full_env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.terminate()

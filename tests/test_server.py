@@ -1,0 +1,496 @@
+"""The HTTP server, tested as users meet it: a real `espn serve` process on a loopback port.
+
+Unit tests of the micro-batcher and the settings need no index; everything else runs
+against a server started on the sample-corpus index (conftest's session `sample_index`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import httpx
+import pytest
+
+from server.batching import BatcherClosedError, MicroBatcher, QueueFullError
+from server.settings import ServerSettings
+
+from server_fixtures import running_server
+
+API_KEY = "test-key-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+QUERIES = [
+    "how do vaccines train the immune system",
+    "effects of climate change on ocean temperature",
+    "neural networks for image recognition",
+    "causes of the french revolution",
+    "what is the speed of light",
+    "protein folding and amino acids",
+    "history of the roman empire",
+    "solar panels convert sunlight to electricity",
+]
+
+
+# -- micro-batcher (no index) --------------------------------------------------------
+
+
+class _RecordingSearch:
+    """A fake search: result = (query, params); records each call's batch."""
+
+    def __init__(self, delay: float = 0.0, fail_on: str | None = None) -> None:
+        self.calls: list[tuple[list[str], dict[str, Any]]] = []
+        self.delay = delay
+        self.fail_on = fail_on
+        self.lock = threading.Lock()
+
+    def __call__(self, queries: list[str], params: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        with self.lock:
+            self.calls.append((list(queries), dict(params)))
+        time.sleep(self.delay)
+        if self.fail_on is not None and self.fail_on in queries:
+            raise ValueError(f"bad query {self.fail_on!r}")
+        return [(query, dict(params)) for query in queries]
+
+
+def _run_batcher(search: _RecordingSearch, coro_factory, **kwargs: Any) -> Any:
+    async def main() -> Any:
+        with concurrent.futures.ThreadPoolExecutor(kwargs.get("max_concurrent", 1)) as executor:
+            batcher = MicroBatcher(search, executor, **kwargs)
+            batcher.start()
+            try:
+                return await coro_factory(batcher)
+            finally:
+                await batcher.close()
+
+    return asyncio.run(main())
+
+
+def test_batcher_groups_concurrent_queries_and_caps_batch_size() -> None:
+    search = _RecordingSearch()
+    queries = [f"q{i}" for i in range(10)]
+
+    async def go(batcher: MicroBatcher) -> list:
+        return await asyncio.gather(*(batcher.submit(q, {"k": 5}) for q in queries))
+
+    results = _run_batcher(search, go, max_batch_size=4, max_wait_s=0.05)
+    assert [r.result for r in results] == [(q, {"k": 5}) for q in queries]
+    assert [len(call[0]) for call in search.calls] == [4, 4, 2]
+    assert [r.batch_size for r in results] == [4] * 8 + [2] * 2
+
+
+def test_batcher_never_mixes_parameters() -> None:
+    search = _RecordingSearch()
+
+    async def go(batcher: MicroBatcher) -> list:
+        jobs = [batcher.submit(f"q{i}", {"k": 5 + i % 3}) for i in range(9)]
+        return await asyncio.gather(*jobs)
+
+    results = _run_batcher(search, go, max_batch_size=32, max_wait_s=0.05)
+    for i, item in enumerate(results):
+        assert item.result == (f"q{i}", {"k": 5 + i % 3})
+    assert sorted(len(call[0]) for call in search.calls) == [3, 3, 3]
+    for queries, params in search.calls:
+        assert {int(q[1:]) % 3 for q in queries} == {params["k"] - 5}
+
+
+def test_batcher_failure_reaches_only_its_batch() -> None:
+    search = _RecordingSearch(fail_on="bad")
+
+    async def go(batcher: MicroBatcher) -> tuple:
+        failing = asyncio.gather(batcher.submit("bad", {"k": 1}), batcher.submit("ok1", {"k": 1}),
+                                 return_exceptions=True)
+        fine = batcher.submit("ok2", {"k": 2})
+        return await failing, await fine
+
+    (bad, ok1), ok2 = _run_batcher(search, go, max_batch_size=8, max_wait_s=0.02)
+    assert isinstance(bad, ValueError) and isinstance(ok1, ValueError)
+    assert ok2.result == ("ok2", {"k": 2})
+
+
+def test_batcher_rejects_when_full_and_after_close() -> None:
+    search = _RecordingSearch(delay=0.2)
+
+    async def go(batcher: MicroBatcher) -> None:
+        first = asyncio.ensure_future(batcher.submit_many(["a", "b", "c"], {}))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError):
+            await batcher.submit_many(["d", "e"], {})
+        assert len(await first) == 3
+        await batcher.close()
+        with pytest.raises(BatcherClosedError):
+            await batcher.submit("late", {})
+
+    _run_batcher(search, go, max_batch_size=8, max_wait_s=0.01, max_pending=4)
+
+
+def test_batcher_close_drains_queued_queries() -> None:
+    search = _RecordingSearch(delay=0.05)
+
+    async def go(batcher: MicroBatcher) -> list:
+        jobs = [asyncio.ensure_future(batcher.submit(f"q{i}", {})) for i in range(6)]
+        await asyncio.sleep(0)
+        await batcher.close()  # long wait window, but closing flushes at once
+        return [job.result().result[0] for job in jobs]
+
+    assert _run_batcher(search, go, max_batch_size=2, max_wait_s=10.0) == [f"q{i}" for i in range(6)]
+
+
+def test_batcher_drops_cancelled_queries() -> None:
+    search = _RecordingSearch()
+
+    async def go(batcher: MicroBatcher) -> None:
+        gone = asyncio.ensure_future(batcher.submit("gone", {}))
+        await asyncio.sleep(0)
+        gone.cancel()
+        assert (await batcher.submit("stays", {})).result[0] == "stays"
+
+    _run_batcher(search, go, max_batch_size=8, max_wait_s=0.02)
+    assert all("gone" not in queries for queries, _ in search.calls)
+
+
+# -- settings (no index) -----------------------------------------------------------
+
+
+@pytest.fixture()
+def fake_index(tmp_path: Path) -> Path:
+    (tmp_path / "manifest.json").write_text("{}")
+    return tmp_path
+
+
+def test_settings_from_environment(fake_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESPN_INDEX", str(fake_index))
+    monkeypatch.setenv("ESPN_PORT", "9123")
+    monkeypatch.setenv("ESPN_CORS_ORIGINS", "https://a.example, https://b.example")
+    monkeypatch.setenv("ESPN_API_KEY", API_KEY)
+    settings = ServerSettings()
+    assert settings.port == 9123 and settings.index == fake_index.resolve()
+    assert settings.cors_origins == ["https://a.example", "https://b.example"]
+    assert settings.describe()["api_key"] == "***" and API_KEY not in json.dumps(settings.describe())
+    # to_env() is how `espn serve` hands the settings to its workers: it must round-trip.
+    for key in list(os.environ):
+        if key.startswith("ESPN_"):
+            monkeypatch.delenv(key)
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    assert ServerSettings() == settings
+
+
+@pytest.mark.parametrize(
+    "env, field",
+    [
+        ({"ESPN_INDEX": "/nonexistent/index"}, "index"),
+        ({"ESPN_READER": "floppy"}, "reader"),
+        ({"ESPN_PORT": "70000"}, "port"),
+        ({"ESPN_WORKERS": "0"}, "workers"),
+        ({"ESPN_API_KEY": "short"}, "api_key"),
+        ({"ESPN_MAX_BATCH_SIZE": "2000"}, "max_batch_size"),
+    ],
+)
+def test_settings_fail_fast(fake_index: Path, monkeypatch: pytest.MonkeyPatch, env: dict, field: str) -> None:
+    monkeypatch.setenv("ESPN_INDEX", str(fake_index))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=field):
+        ServerSettings()
+
+
+def test_serve_refuses_a_missing_index(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "server", str(tmp_path / "nope"), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "not an ESPN index directory" in done.stderr
+
+
+# -- a real server on the sample index ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def searcher(sample_index: Path):
+    from espn import Searcher
+
+    opened = Searcher.open(sample_index)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def server(sample_index: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One worker, API key on, short batching window."""
+    with running_server(sample_index, tmp_path_factory.mktemp("logs"), "--batch-wait-ms", "5",
+                        env={"ESPN_API_KEY": API_KEY}, name="main") as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60.0) as http:
+        yield http
+
+
+def _ids_and_scores(results: list[dict]) -> tuple[list[str], list[float]]:
+    return [hit["id"] for hit in results], [hit["score"] for hit in results]
+
+
+def _assert_same_ranking(got: list[dict], want: list[dict]) -> None:
+    got_ids, got_scores = _ids_and_scores(got)
+    want_ids, want_scores = _ids_and_scores(want)
+    assert got_ids == want_ids
+    assert got_scores == pytest.approx(want_scores, abs=1e-5)
+
+
+def test_health_ready_and_docs(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    for path in ("/v1/search", "/v1/search/batch", "/v1/documents/{doc_id}", "/healthz", "/readyz", "/metrics"):
+        assert path in spec["paths"]
+    bounds = spec["components"]["schemas"]["SearchRequest"]["properties"]["k"]
+    assert bounds["minimum"] == 1 and bounds["maximum"] == 1000
+
+
+def test_search_equals_library(client: httpx.Client, searcher) -> None:
+    for query in QUERIES[:4]:
+        response = client.post("/v1/search", json={"query": query, "k": 10})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        (expected,) = searcher.search([query], k=10)
+        want = [{"id": h.doc_id, "score": h.score, "cls_score": h.cls_score, "bow_score": h.bow_score}
+                for h in expected.hits]
+        _assert_same_ranking(body["results"], want)
+        for got, hit in zip(body["results"], want):
+            assert got["cls_score"] == pytest.approx(hit["cls_score"], abs=1e-5)
+            assert (got["bow_score"] is None) == (hit["bow_score"] is None)
+        stats = body["stats"]
+        assert stats["stage_ms"]["total"] > 0 and 0.0 <= stats["hit_rate"] <= 1.0
+        assert stats["batch_size"] >= 1 and body["query"] == query
+
+
+def test_search_parameters_and_text(client: httpx.Client, searcher) -> None:
+    query = QUERIES[1]
+    params = {"k": 5, "nprobe": 2, "prefetch_step": 0.5, "rerank_count": 3}
+    body = client.post("/v1/search", json={"query": query, "return_text": True, **params}).json()
+    (expected,) = searcher.search([query], **params)
+    _assert_same_ranking(body["results"], [{"id": h.doc_id, "score": h.score} for h in expected.hits])
+    assert len(body["results"]) == 5
+    assert all(hit["bow_score"] is None for hit in body["results"][3:])
+    for hit in body["results"]:
+        assert hit["text"] == searcher.document(hit["id"]).text
+
+
+def test_batch_equals_single_requests(client: httpx.Client) -> None:
+    batch = client.post("/v1/search/batch", json={"queries": QUERIES, "k": 7})
+    assert batch.status_code == 200, batch.text
+    responses = batch.json()["responses"]
+    assert [r["query"] for r in responses] == QUERIES
+    for query, response in zip(QUERIES, responses):
+        single = client.post("/v1/search", json={"query": query, "k": 7}).json()
+        _assert_same_ranking(response["results"], single["results"])
+
+
+def test_document_lookup(client: httpx.Client, searcher) -> None:
+    hit = client.post("/v1/search", json={"query": QUERIES[0], "k": 1}).json()["results"][0]
+    document = client.get(f"/v1/documents/{hit['id']}")
+    assert document.status_code == 200
+    expected = searcher.document(hit["id"])
+    assert document.json() == {"id": expected.doc_id, "title": expected.title, "text": expected.text}
+
+
+BAD_INPUTS = [
+    # (name, method, path, body bytes or JSON, content type, status, error code)
+    ("malformed JSON", "POST", "/v1/search", b'{"query": "x", ', "application/json", 400, "malformed_json"),
+    ("not an object", "POST", "/v1/search", b'["x"]', "application/json", 422, "invalid_request"),
+    ("missing query", "POST", "/v1/search", {"k": 3}, None, 422, "invalid_request"),
+    ("empty query", "POST", "/v1/search", {"query": ""}, None, 422, "invalid_request"),
+    ("blank query", "POST", "/v1/search", {"query": "   "}, None, 422, "invalid_request"),
+    ("query is a number", "POST", "/v1/search", {"query": 42}, None, 422, "invalid_request"),
+    ("k is a string", "POST", "/v1/search", {"query": "x", "k": "10"}, None, 422, "invalid_request"),
+    ("k is a float", "POST", "/v1/search", {"query": "x", "k": 2.5}, None, 422, "invalid_request"),
+    ("k = 0", "POST", "/v1/search", {"query": "x", "k": 0}, None, 422, "invalid_request"),
+    ("k = 10^6", "POST", "/v1/search", {"query": "x", "k": 10**6}, None, 422, "invalid_request"),
+    ("unknown field", "POST", "/v1/search", {"query": "x", "topk": 3}, None, 422, "invalid_request"),
+    ("prefetch_step 0", "POST", "/v1/search", {"query": "x", "prefetch_step": 0}, None, 422, "invalid_request"),
+    ("nprobe > nlist", "POST", "/v1/search", {"query": "x", "nprobe": 1 << 20}, None, 422, "invalid_parameter"),
+    ("query too long", "POST", "/v1/search", {"query": "x" * 5000}, None, 422, "invalid_request"),
+    ("10 MB body", "POST", "/v1/search", b'{"query": "' + b"a" * (10 << 20) + b'"}', "application/json", 413,
+     "body_too_large"),
+    ("invalid UTF-8", "POST", "/v1/search", b'{"query": "caf\xe9 \xff"}', "application/json", 400, "invalid_utf8"),
+    ("batch of 10^5", "POST", "/v1/search/batch", {"queries": ["q"] * 100_000}, None, 422, "invalid_request"),
+    ("batch over limit", "POST", "/v1/search/batch", {"queries": ["q"] * 257}, None, 422, "invalid_request"),
+    ("empty batch", "POST", "/v1/search/batch", {"queries": []}, None, 422, "invalid_request"),
+    ("batch of numbers", "POST", "/v1/search/batch", {"queries": [1, 2]}, None, 422, "invalid_request"),
+    ("unknown document", "GET", "/v1/documents/no-such-doc-123", None, None, 404, "document_not_found"),
+    ("unknown route", "GET", "/v1/nothing", None, None, 404, "not_found"),
+    ("wrong method", "GET", "/v1/search", None, None, 405, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize("name, method, path, body, content_type, status, code", BAD_INPUTS,
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_gets_a_json_4xx(client: httpx.Client, name: str, method: str, path: str, body: Any,
+                                   content_type: str | None, status: int, code: str) -> None:
+    kwargs: dict[str, Any] = {}
+    if isinstance(body, bytes):
+        kwargs = {"content": body, "headers": {"Content-Type": content_type}}
+    elif body is not None:
+        kwargs = {"json": body}
+    response = client.request(method, path, **kwargs)
+    assert response.status_code == status, response.text[:500]
+    payload = response.json()
+    assert payload["error"] == code and isinstance(payload["message"], str) and payload["message"]
+    assert "Traceback" not in response.text
+    # ... and the server goes on answering normally.
+    after = client.post("/v1/search", json={"query": QUERIES[0], "k": 3})
+    assert after.status_code == 200 and len(after.json()["results"]) == 3
+
+
+def test_api_key_is_required(server) -> None:
+    query = {"query": QUERIES[0], "k": 1}
+    assert httpx.post(f"{server.base_url}/v1/search", json=query).status_code == 401
+    wrong = httpx.post(f"{server.base_url}/v1/search", json=query, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
+    assert wrong.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server.base_url}/v1/documents/x").status_code == 401
+    assert httpx.get(f"{server.base_url}/healthz").status_code == 200  # probes need no key
+    # CORS is off unless configured: no Access-Control headers, even for a preflight.
+    preflight = httpx.options(f"{server.base_url}/v1/search", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_concurrent_clients_match_serial(client: httpx.Client, server) -> None:
+    serial = {}
+    for query in QUERIES:
+        serial[query] = client.post("/v1/search", json={"query": query, "k": 10}).json()["results"]
+
+    errors: list[str] = []
+    batch_sizes: list[int] = []
+    lock = threading.Lock()
+
+    def worker(worker_id: int) -> None:
+        with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60.0) as http:
+            for i in range(50):
+                query = QUERIES[(worker_id + i) % len(QUERIES)]
+                response = http.post("/v1/search", json={"query": query, "k": 10})
+                with lock:
+                    if response.status_code != 200:
+                        errors.append(f"{response.status_code}: {response.text[:200]}")
+                        continue
+                    body = response.json()
+                    batch_sizes.append(body["stats"]["batch_size"])
+                    try:
+                        _assert_same_ranking(body["results"], serial[query])
+                    except AssertionError as mismatch:
+                        errors.append(f"{query!r}: {mismatch}")
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(worker, range(16)))
+    assert errors == []
+    assert len(batch_sizes) == 16 * 50
+    assert max(batch_sizes) > 1, "concurrent requests were never micro-batched"
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(key) == value for key, value in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def test_metrics_move(client: httpx.Client) -> None:
+    before = client.get("/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    for query in QUERIES[:3]:
+        assert client.post("/v1/search", json={"query": query}).status_code == 200
+    assert client.post("/v1/search", json={"query": ""}).status_code == 422
+    after = client.get("/metrics").text
+    requests = {"endpoint": "/v1/search", "method": "POST"}
+    assert _metric(after, "espn_http_requests_total", status="200", **requests) - \
+        _metric(before.text, "espn_http_requests_total", status="200", **requests) == 3
+    assert _metric(after, "espn_http_requests_total", status="422", **requests) - \
+        _metric(before.text, "espn_http_requests_total", status="422", **requests) == 1
+    assert _metric(after, "espn_search_queries_total") - _metric(before.text, "espn_search_queries_total") == 3
+    assert _metric(after, "espn_prefetch_hit_rate_count") - _metric(before.text, "espn_prefetch_hit_rate_count") == 3
+    assert _metric(after, "espn_search_stage_duration_seconds_count", stage="total") > 0
+    assert _metric(after, "espn_search_batch_size_count") > 0
+    assert _metric(after, "espn_read_bytes_total") >= _metric(before.text, "espn_read_bytes_total")
+    assert "espn_http_requests_in_flight" in after and "espn_http_request_duration_seconds_bucket" in after
+
+
+def test_request_log_is_one_json_line_per_request(client: httpx.Client, server) -> None:
+    response = client.post("/v1/search", json={"query": QUERIES[2]}, headers={"X-Request-ID": "trace-abc.123"})
+    assert response.headers["x-request-id"] == "trace-abc.123"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        mine = [line for line in lines if line.get("request_id") == "trace-abc.123"]
+        if mine:
+            break
+        time.sleep(0.1)
+    assert len(mine) == 1
+    (line,) = mine
+    assert line["status"] == 200 and line["endpoint"] == "/v1/search" and line["queries"] == 1
+    assert line["duration_ms"] > 0
+    # The settings were printed once, at start-up, with the key masked.
+    settings_lines = [line for line in lines if line.get("event") == "settings"]
+    assert len(settings_lines) == 1 and settings_lines[0]["api_key"] == "***"
+    assert API_KEY not in server.log()
+
+
+# -- several workers: shared metrics, CORS, graceful shutdown -------------------------
+
+
+def test_workers_share_metrics_and_drain_on_sigterm(sample_index: Path, tmp_path: Path) -> None:
+    with running_server(sample_index, tmp_path, "--workers", "2", "--cors-origin", "https://app.example",
+                        name="workers") as server:
+        base = server.base_url
+        # Connections spread over both workers; /metrics must count all of them.
+        for query in QUERIES:
+            with httpx.Client(base_url=base, timeout=60.0) as fresh:
+                assert fresh.post("/v1/search", json={"query": query}).status_code == 200
+        text = httpx.get(f"{base}/metrics").text
+        assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == len(QUERIES)
+        assert _metric(text, "espn_search_queries_total") == len(QUERIES)
+
+        cors = httpx.post(f"{base}/v1/search", json={"query": "x"}, headers={"Origin": "https://app.example"})
+        assert cors.headers["access-control-allow-origin"] == "https://app.example"
+
+        # A long batch is in flight when SIGTERM arrives: it must still complete.
+        outcome: dict[str, Any] = {}
+
+        def long_request() -> None:
+            body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
+            outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{base}/metrics").text
+            if _metric(text, "espn_http_requests_in_flight", endpoint="/v1/search/batch") >= 1:
+                break
+            time.sleep(0.005)
+        else:
+            pytest.fail("the batch request never showed as in flight")
+        os.kill(server.pid, signal.SIGTERM)
+        thread.join(120)
+        response = outcome["response"]
+        assert response.status_code == 200, response.text[:300]
+        assert len(response.json()["responses"]) == 256
+        assert server.process.wait(60) == 0
