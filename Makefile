@@ -21,7 +21,9 @@ serve-sample: install
 	@test -f $(SAMPLE_INDEX)/manifest.json || $(ESPN) index espn/data/sample_corpus.jsonl --out $(SAMPLE_INDEX)
 	$(ESPN) serve $(SAMPLE_INDEX)
 
+# Type check, then the test suite.
 test: install
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 clean:

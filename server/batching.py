@@ -132,10 +132,12 @@ class MicroBatcher(Generic[R]):
         # dispatcher drops them instead of searching them. return_exceptions: a failed
         # batch must not leave the other futures' exceptions unretrieved.
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        results: list[BatchedResult[R]] = []
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return list(outcomes)
+            results.append(outcome)
+        return results
 
     async def close(self) -> None:
         """Stop taking queries, search everything already queued, wait for it."""

@@ -50,9 +50,9 @@ class AccessMiddleware:
         for route in self.routes:
             match, _ = route.matches(scope)
             if match is Match.FULL:
-                return getattr(route, "path_format", None) or getattr(route, "path", "other")
+                return str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
             if match is Match.PARTIAL and partial == "other":  # right path, wrong method
-                partial = getattr(route, "path_format", None) or getattr(route, "path", "other")
+                partial = str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
         return partial
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

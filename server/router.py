@@ -325,7 +325,7 @@ class _RouterMetrics:
 
 
 def _error(status_code: int, code: str, message: str, **extra: Any) -> JSONResponse:
-    body = ErrorResponse(error=code, message=message).model_dump(exclude_none=True)
+    body = ErrorResponse(error=code, message=message, errors=None).model_dump(exclude_none=True)
     return JSONResponse({**body, **extra}, status_code=status_code)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "request body too large"},
@@ -89,11 +89,12 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     stats = item.result.stats
     hits = []
     for hit in item.result.hits:
-        fields = {"id": hit.doc_id, "score": hit.score, "cls_score": hit.cls_score, "bow_score": hit.bow_score}
         if documents is not None:
             document = documents[hit.doc_id]
-            fields.update(title=document.title, text=document.text)
-        hits.append(SearchHit(**fields))
+            hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score,
+                                  title=document.title, text=document.text))
+        else:
+            hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
     return SearchResponse(
         query=query,
         results=hits,
