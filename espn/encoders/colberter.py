@@ -41,7 +41,6 @@ downloaded at run time; a Hub name is fetched once by ``from_pretrained`` and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -54,6 +53,7 @@ import torch
 from torch import nn
 
 from ..errors import IndexCorruptError, InvalidParameterError
+from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
 
 __all__ = [
@@ -234,14 +234,6 @@ def _load_strict(model: ColBERTerModel, state: dict[str, torch.Tensor], source: 
     if problems:
         raise CheckpointError(f"{source}: checkpoint does not match the ColBERTer architecture: " + "; ".join(problems))
     model.load_state_dict(state, strict=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _resolve(path_or_hub_name: str | Path) -> Path:
@@ -566,7 +558,7 @@ class ColBERTerEncoder(Encoder):
             "bow_reduction": self.bow_reduction,
             "learned_weight": self.learned_weight,
             "weights": self.weights_file,
-            "weights_sha256": _sha256(self.source / self.weights_file),
+            "weights_sha256": sha256_file(self.source / self.weights_file),
         }
 
     def save(self, directory: Path) -> None:

@@ -9,7 +9,6 @@ and normalised again, so both scores are cosines on one scale.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
+from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
 
 __all__ = ["HFEncoder", "default_model_dir"]
@@ -46,14 +46,6 @@ def default_model_dir() -> Path:
 
 def _auto_device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class HFEncoder(Encoder):
@@ -189,7 +181,7 @@ class HFEncoder(Encoder):
             "query_max_length": self.query_max_length,
             "projection": "projection.npy" if self.projection is not None else None,
             "bow_reduction": self.bow_reduction,
-            "weights_sha256": _sha256(weights) if weights else None,
+            "weights_sha256": sha256_file(weights) if weights else None,
         }
 
     def save(self, directory: Path) -> None:
