@@ -10,6 +10,7 @@ settings from the environment this function exported.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import logging
@@ -151,6 +152,24 @@ def _print_errors(error: ValidationError) -> None:
         print(f"espn serve: {field} ({ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
 
 
+def _return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the OS, in this process and the workers it forks.
+
+    A search allocates tens of MB of short-lived tensors per batch. By default glibc
+    raises its mmap threshold after such frees and then keeps the memory in per-thread
+    arenas, so each worker's private heap grows to its worst batch. A fixed threshold
+    (which also turns the dynamic one off) and two arenas keep workers small; this is
+    the run-time form of MALLOC_MMAP_THRESHOLD_ and MALLOC_ARENA_MAX.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_mmap_threshold, m_arena_max = -3, -8
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+    libc.mallopt(m_arena_max, 2)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Validate the settings, print them once, and serve until SIGTERM/SIGINT. Returns an exit code."""
     os.environ.update(_overrides(args))
@@ -170,6 +189,8 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[MULTIPROC_ENV] = multiproc_dir
 
     import uvicorn  # after validation: a bad flag fails without importing the server stack
+
+    _return_freed_memory()
 
     from .logs import logging_config
 
