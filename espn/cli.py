@@ -32,14 +32,14 @@ def _shard(value: str) -> tuple[int, int]:
     return i, n
 
 
-def _add_search_params(p: argparse.ArgumentParser) -> None:
+def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
     p.add_argument("--nprobe", type=int, help="IVF clusters visited (default: the index's)")
     p.add_argument("--prefetch-step", type=float, help="fraction of nprobe per prefetch wave, in (0, 1]")
     p.add_argument("--prefetch-k", type=int, help="candidates each prefetch wave reads (0 = off)")
     p.add_argument("--rerank-count", type=int, help="candidates re-ranked with MaxSim")
     p.add_argument("--prefetch-waves", type=int, help="most prefetch waves (1 = the paper's single prefetch)")
     p.add_argument("--no-prefetch", action="store_true", help="sequential reference path (same results)")
-    p.add_argument("--reader", help="embedding reader: posix, kvikio, mmap or memory (default: best available)")
+    p.add_argument("--reader", choices=readers, help="embedding reader (default: kvikio with CUDA, else posix)")
 
 
 def _search_overrides(args: argparse.Namespace) -> dict:
@@ -94,8 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
     p.add_argument("--tag", default="espn")
-    _add_search_params(p)
-    p.set_defaults(readers=sorted(READERS))
+    _add_search_params(p, sorted(READERS))
 
     p = sub.add_parser("calibrate", help="fit the score weight w on training queries; stored in the manifest")
     p.add_argument("index", type=Path)
