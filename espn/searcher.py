@@ -13,6 +13,7 @@ give the same ranking.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import cls_scores, maxsim
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
-from .store import open_reader
+from .store import ReadBatch, open_reader
 from .store.format import StoreLayout
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
@@ -64,7 +65,7 @@ class Searcher:
     """One opened index, safe to share between threads. Open with `Searcher.open(path)`."""
 
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
-                 device: str | None = None, prefetch_threads: int = 4) -> None:
+                 device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None) -> None:
         self.index = index
         self.manifest = index.manifest
         self.encoder = encoder
@@ -83,17 +84,21 @@ class Searcher:
         self.bow_reduction = score.get("bow_reduction", "mean")
         self.defaults = SearchParams.from_manifest(self.manifest["search_defaults"]).validate(
             self.nlist, self.num_documents)
+        # Early re-ranking in the prefetch thread pays where MaxSim runs on a GPU. On a CPU it
+        # would take cores from the ANN scan it overlaps, so there waves only read (I/O
+        # releases the GIL and needs no core) and MaxSim runs once the ANN is done.
+        self.early_rerank = self.device.startswith("cuda") if early_rerank is None else early_rerank
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
-             with_encoder: bool = True) -> "Searcher":
+             with_encoder: bool = True, early_rerank: bool | None = None) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available)."""
         index = IndexDirectory.open(path, verify=verify)
         encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
-        return cls(index, encoder, reader_name=reader, device=device)
+        return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank)
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -177,7 +182,7 @@ class Searcher:
 
         segments = segment_bounds(params.nprobe, params.prefetch_step)
         use_prefetch = params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
-        waves: list[Future] = []
+        waves: list[tuple[list[np.ndarray], Future]] = []
         submitted = [np.zeros(0, dtype=np.int64) for _ in range(batch)]
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         for a, b in segments:
@@ -190,33 +195,46 @@ class Searcher:
                     new = current[(current >= 0) & ~np.isin(current, submitted[i])]
                     submitted[i] = np.concatenate([submitted[i], new])
                     wave.append(new)
-                waves.append(self._pool.submit(self._score, q_cls, q_bow, q_mask, wave))
+                task = self._score if self.early_rerank else self._read
+                waves.append((wave, self._pool.submit(task, q_cls, q_bow, q_mask, wave)))
         timer.lap("ann")
 
         rerank = [row[row >= 0][: params.rerank_count] for row in top[1]]
         scored: list[list[Scored]] = [[] for _ in range(batch)]
         bytes_read = ios = 0
-        for future in waves:
-            result, nbytes, nios, _ = future.result()  # re-raises a worker failure here
-            bytes_read, ios = bytes_read + nbytes, ios + nios
-            for i in range(batch):
-                scored[i].append(result[i])
+        fetched_waves: list[tuple[list[np.ndarray], _Fetched]] = []
+        for wave, future in waves:
+            outcome = future.result()  # re-raises a worker failure here
+            if isinstance(outcome, _Fetched):
+                fetched_waves.append((wave, outcome))
+                fetched = outcome
+            else:
+                result, fetched = outcome
+                for i in range(batch):
+                    scored[i].append(result[i])
+            bytes_read, ios = bytes_read + fetched.bytes_read, ios + fetched.ios
         timer.lap("prefetch_wait")
+        # Read-only waves: score now, and only what made the final list.
+        for wave, fetched in fetched_waves:
+            final = [docs[np.isin(docs, rerank[i])] for i, docs in enumerate(wave)]
+            for i, item in enumerate(self._maxsim(q_cls, q_bow, q_mask, final, fetched)):
+                scored[i].append(item)
+        timer.lap("prefetch_maxsim")
 
         misses = [docs[~np.isin(docs, submitted[i])] for i, docs in enumerate(rerank)]
-        result, nbytes, nios, read_ms = self._score(q_cls, q_bow, q_mask, misses)
-        bytes_read, ios = bytes_read + nbytes, ios + nios
+        result, fetched = self._score(q_cls, q_bow, q_mask, misses)
+        bytes_read, ios = bytes_read + fetched.bytes_read, ios + fetched.ios
         for i in range(batch):
             scored[i].append(result[i])
-        timer.ms["miss_read"] = read_ms
+        timer.ms["miss_read"] = fetched.read_ms
         timer.lap("miss_maxsim")
-        timer.ms["miss_maxsim"] -= read_ms
+        timer.ms["miss_maxsim"] -= fetched.read_ms
 
         out = []
         for i in range(batch):
             hits = self._aggregate(top[0][i], top[1][i], rerank[i], scored[i], params.k)
-            final = len(rerank[i])
-            hit_rate = float(np.isin(rerank[i], submitted[i]).sum() / final) if final else 1.0
+            n_final = len(rerank[i])
+            hit_rate = float(np.isin(rerank[i], submitted[i]).sum() / n_final) if n_final else 1.0
             out.append((hits, hit_rate, len(submitted[i]), len(misses[i])))
         timer.lap("aggregate")
         stage_ms = timer.total()
@@ -228,29 +246,38 @@ class Searcher:
             for i, (hits, hit_rate, prefetched, missed) in enumerate(out)
         ]
 
-    def _score(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
-               docs: list[np.ndarray]) -> tuple[list[Scored], int, int, float]:
-        """Read the union of every query's documents once, then exact CLS and MaxSim per query.
-
-        Returns per query (docs, cls, bow), bytes read, I/Os and the read time in ms.
-        """
+    def _read(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
+              docs: list[np.ndarray]) -> "_Fetched":
+        """Read the union of every query's documents once (the query tensors are unused; the
+        signature matches `_score` so either can be a prefetch task)."""
         union = np.unique(np.concatenate(docs)) if docs else np.zeros(0, np.int64)
-        empty = np.zeros(0, np.float32)
         if len(union) == 0:
-            return [(d, empty, empty) for d in docs], 0, 0, 0.0
+            return _Fetched(union, None, 0, 0, 0.0)
         started = time.perf_counter()
         data = self.reader.read(union)
-        read_ms = (time.perf_counter() - started) * 1000
+        return _Fetched(union, data, data.bytes_read, data.ios, (time.perf_counter() - started) * 1000)
+
+    def _maxsim(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
+                docs: list[np.ndarray], fetched: "_Fetched") -> list[Scored]:
+        """Exact CLS and MaxSim of each query's documents, all present in `fetched`."""
+        empty = np.zeros(0, np.float32)
         scored: list[Scored] = []
         for i, mine in enumerate(docs):
-            if len(mine) == 0:
+            if len(mine) == 0 or fetched.data is None:
                 scored.append((mine, empty, empty))
                 continue
-            rows = torch.from_numpy(np.searchsorted(union, mine)).to(data.bow.device)
+            data = fetched.data
+            rows = torch.from_numpy(np.searchsorted(fetched.union, mine)).to(data.bow.device)
             bow = maxsim(q_bow[i], q_mask[i], data.bow[rows], data.mask[rows], self.bow_reduction)
             cls = cls_scores(q_cls[i], data.cls[rows])
             scored.append((mine, cls.cpu().numpy(), bow.cpu().numpy()))
-        return scored, data.bytes_read, data.ios, read_ms
+        return scored
+
+    def _score(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
+               docs: list[np.ndarray]) -> tuple[list[Scored], "_Fetched"]:
+        """Read, then score: per query (docs, cls, bow), and what the read cost."""
+        fetched = self._read(q_cls, q_bow, q_mask, docs)
+        return self._maxsim(q_cls, q_bow, q_mask, docs, fetched), fetched
 
     def _aggregate(self, ann_scores: np.ndarray, ann_docs: np.ndarray, rerank: np.ndarray,
                    scored: list[Scored], k: int) -> list[Hit]:
@@ -304,10 +331,21 @@ class Searcher:
         for i in range(len(queries)):
             ann_docs, ann_scores = best_docs[i].numpy(), best_scores[i].numpy()
             rerank = ann_docs[: min(rerank_count, len(ann_docs))]
-            scored, _, _, _ = self._score(xq, q_bow, q_mask, [rerank if j == i else np.zeros(0, np.int64)
+            scored, _ = self._score(xq, q_bow, q_mask, [rerank if j == i else np.zeros(0, np.int64)
                                                               for j in range(len(queries))])
             results.append(self._aggregate(ann_scores, ann_docs, rerank, [scored[i]], k))
         return results
+
+
+@dataclasses.dataclass
+class _Fetched:
+    """Documents read for one wave or for the misses: sorted doc numbers and their embeddings."""
+
+    union: np.ndarray
+    data: ReadBatch | None
+    bytes_read: int
+    ios: int
+    read_ms: float
 
 
 def _share(total: int, i: int, n: int) -> int:

@@ -119,3 +119,13 @@ def test_bad_queries(searcher: Searcher, queries) -> None:
 def test_k_larger_than_corpus_returns_everything(searcher: Searcher) -> None:
     hits = searcher.search(["volcano"], k=5000, nprobe=searcher.nlist)[0].hits
     assert len(hits) == searcher.num_documents == len({h.doc_id for h in hits})
+
+
+def test_early_rerank_in_the_prefetch_thread_gives_the_same_ranking(sample_index: Path, searcher: Searcher) -> None:
+    """The GPU behaviour (MaxSim inside the prefetch waves), forced on the CPU."""
+    with Searcher.open(sample_index, early_rerank=True) as early:
+        assert early.early_rerank and not searcher.early_rerank
+        a = early.search(QUERIES, k=20, prefetch_step=0.2)
+        b = searcher.search(QUERIES, k=20, prefetch_step=0.2)
+    assert ranking(a) == ranking(b)
+    assert [r.stats.hit_rate for r in a] == [r.stats.hit_rate for r in b]

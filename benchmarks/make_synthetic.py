@@ -1,0 +1,219 @@
+"""Generate a large synthetic ESPN index whose geometry comes from a real encoder.
+
+    python -m benchmarks.make_synthetic --out /tmp/espn-synth-2m              # 2 M docs (default)
+    python -m benchmarks.make_synthetic --out /tmp/espn-synth --docs 20000    # small
+    python -m benchmarks.make_synthetic --out /tmp/msmarco-scale --docs 8841823   # MS MARCO v1 scale
+
+Geometry: the "centres" are the real MiniLM outputs of the SciFact corpus, read from a
+built SciFact index (`--source`, default /tmp/w/scifact): its CLS vectors projected by
+PCA to `--d-cls` (128, as ColBERTer's) and its BOW vectors projected by PCA to
+`--d-bow` (32). Each synthetic document mixes two real documents' CLS vectors plus
+Gaussian jitter (so the IVF clusters have the uneven, topical structure of real data,
+not the flat structure of uniform noise), and draws its BOW vectors from the first
+one's real BOW vectors, jittered. Queries (`OUT.queries.npz`, the format of
+`espn search --query-embeddings`) are drawn the same way around random centres, with
+8–24 BOW vectors, like short questions.
+
+BOW counts per passage follow a clipped log-normal with mean ~30 vectors (MS MARCO v1:
+16.8 GB of 32-d fp16 BOW vectors over 8.8 M passages = 29.8 vectors per passage),
+range 8..120, so a record of 128 + n*32 fp16 values is 0.8–7.9 KB, mostly one 4 KB
+block. 2 M documents give an embedding file of about 5 GB; `--docs 8841823` reaches
+MS MARCO v1 scale (about 19 GB of records, 16.8 GB of BOW).
+
+The index is written through the real build path: chunk files (`indexing.chunks.
+write_chunk`) into the build's work directory, then `indexing.build.merge_index`
+(the normal assembler: RecordWriter, IVF training, manifest, atomic publish). It is
+streaming: memory stays at one chunk whatever `--docs` is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import SCIFACT_INDEX
+
+log = logging.getLogger("make_synthetic")
+
+
+def _pca(x: np.ndarray, d: int, sample: int = 200_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(mean [D], components [D, d]) fitted on a sample of rows of x."""
+    rng = np.random.default_rng(seed)
+    rows = x if len(x) <= sample else x[rng.choice(len(x), sample, replace=False)]
+    rows = rows.astype(np.float64)
+    mean = rows.mean(0)
+    cov = np.cov((rows - mean).T)
+    vals, vecs = np.linalg.eigh(cov)
+    return mean.astype(np.float32), vecs[:, ::-1][:, :d].astype(np.float32)
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+
+
+def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
+    """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index."""
+    from espn.index import IndexDirectory
+    from espn.store import open_reader
+    from espn.store.format import StoreLayout
+
+    index = IndexDirectory.open(source)
+    store = index.manifest["store"]
+    layout = StoreLayout(store["d_cls"], store["d_bow"], store["block_size"])
+    records = index.load_array("records.npy")
+    reader = open_reader("memory", index.file("embeddings.bin"), records, layout)
+    n = len(records)
+    cls_parts: list[np.ndarray] = []
+    bow_parts: list[np.ndarray] = []
+    count_parts: list[np.ndarray] = []
+    for start in range(0, n, 512):
+        batch = reader.read(np.arange(start, min(n, start + 512)))
+        cls_parts.append(batch.cls.float().numpy())
+        mask = batch.mask.numpy()
+        bow_parts.append(batch.bow.float().numpy()[mask])
+        count_parts.append(mask.sum(1))
+    reader.close()
+    cls = np.concatenate(cls_parts)
+    bow = np.concatenate(bow_parts)
+    counts = np.concatenate(count_parts).astype(np.int64)
+    keep = counts > 0
+    mean_c, comp_c = _pca(cls, min(d_cls, cls.shape[1]))
+    mean_b, comp_b = _pca(bow, min(d_bow, bow.shape[1]))
+    cls_p = _normalize((cls - mean_c) @ comp_c)
+    bow_p = _normalize((bow - mean_b) @ comp_b)
+    if cls_p.shape[1] < d_cls or bow_p.shape[1] < d_bow:
+        raise SystemExit(f"--source has d_cls={cls.shape[1]}, d_bow={bow.shape[1]}: too small for the request")
+    offsets = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return {"cls": cls_p[keep], "bow": bow_p, "start": offsets[:-1][keep], "count": counts[keep]}
+
+
+def draw_counts(rng: np.random.Generator, n: int, mean: float, low: int, high: int) -> np.ndarray:
+    """BOW vectors per passage: log-normal (sigma 0.45) with the given mean, clipped to [low, high]."""
+    sigma = 0.45
+    mu = np.log(mean) - sigma**2 / 2
+    return np.clip(np.round(rng.lognormal(mu, sigma, n)), low, high).astype(np.int64)
+
+
+def draw(rng: np.random.Generator, centres: dict[str, np.ndarray], counts: np.ndarray, cls_noise: float,
+         bow_noise: float, mix: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CLS [n, d_cls] and flattened BOW [sum(counts), d_bow] (fp16) around random real centres; also the centres."""
+    n = len(counts)
+    c_cls, c_bow = centres["cls"], centres["bow"]
+    first = rng.integers(0, len(c_cls), n)
+    second = rng.integers(0, len(c_cls), n)
+    cls = c_cls[first] + mix * c_cls[second]
+    cls += rng.standard_normal(cls.shape, dtype=np.float32) * (cls_noise / np.sqrt(cls.shape[1]))
+    cls = _normalize(cls)
+    owner = np.repeat(first, counts)
+    pick = centres["start"][owner] + (rng.random(len(owner)) * centres["count"][owner]).astype(np.int64)
+    bow = c_bow[pick]
+    bow += rng.standard_normal(bow.shape, dtype=np.float32) * (bow_noise / np.sqrt(bow.shape[1]))
+    bow = _normalize(bow)
+    return cls.astype(np.float16), bow.astype(np.float16), first
+
+
+def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 32, mean_bow: float = 30.0,
+             min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
+             nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
+             cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5) -> dict:
+    from espn.encoders.precomputed import PrecomputedEncoder
+    from espn.index import write_json_atomic
+    from indexing.build import merge_index
+    from indexing.chunks import write_chunk
+    from indexing.workdir import WorkDir
+
+    out = Path(out).absolute()
+    if out.exists() and not force:
+        raise SystemExit(f"{out} exists; pass --force to replace it")
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    centres = load_centres(source, d_cls, d_bow)
+    log.info("%d real centres, %d real BOW vectors from %s", len(centres["cls"]), len(centres["bow"]), source)
+
+    work = WorkDir(out)
+    work.remove()
+    with work.locked():
+        encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
+                                     source="synthetic")
+        encoder.save(work.encoder_dir)
+        encoder_config = {**encoder.config(), "learned_weight": encoder.learned_weight,
+                          "bow_reduction": encoder.bow_reduction}
+        write_json_atomic(work.job_file, {"corpus": f"synthetic:{docs}:{seed}", "block_size": 4096, "nlist": nlist,
+                                          "ann": ann, "pq_m": pq_m, "encoder_config": encoder_config})
+        n_chunks = -(-docs // chunk_size)
+        total_bow = 0
+        gen_started = time.perf_counter()
+        for c in range(n_chunks):
+            n = min(chunk_size, docs - c * chunk_size)
+            counts = draw_counts(rng, n, mean_bow, min_bow, max_bow)
+            cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix)
+            ids = [f"d{i}" for i in range(c * chunk_size, c * chunk_size + n)]
+            write_chunk(work.path, c, cls, bow, counts, ids)
+            total_bow += int(counts.sum())
+            if c % 16 == 0 or c == n_chunks - 1:
+                done = c * chunk_size + n
+                log.info("generated %d/%d docs (%.0f docs/s)", done, docs, done / (time.perf_counter() - gen_started))
+        gen_s = time.perf_counter() - gen_started
+        write_json_atomic(work.marker(0, 1), {"shard": 0, "num_shards": 1, "documents": docs, "chunks": n_chunks})
+
+    # Queries around the same centres: 8-24 BOW vectors, tighter jitter than documents.
+    q_counts = rng.integers(8, 25, queries)
+    q_cls, q_bow, q_centre = draw(rng, centres, q_counts, cls_noise * 0.8, bow_noise * 0.8, mix)
+    queries_path = out.with_name(out.name + ".queries.npz")
+    np.savez(queries_path, cls=q_cls.astype(np.float32), bow=q_bow.astype(np.float32), counts=q_counts,
+             ids=np.array([f"q{i}" for i in range(queries)]), centre=q_centre)
+
+    asm_started = time.perf_counter()
+    manifest = merge_index(out, force=force)
+    asm_s = time.perf_counter() - asm_started
+    info = {
+        "out": str(out), "queries": str(queries_path), "documents": docs, "bow_vectors": total_bow,
+        "mean_bow": total_bow / docs, "file_bytes": manifest["store"]["file_bytes"],
+        "bow_bytes": total_bow * d_bow * 2, "nlist": manifest["ann"]["nlist"], "ann": ann,
+        "generate_s": gen_s, "assemble_s": asm_s, "total_s": time.perf_counter() - started,
+        "docs_per_s_generate": docs / gen_s, "docs_per_s_total": docs / (time.perf_counter() - started),
+        "params": {"d_cls": d_cls, "d_bow": d_bow, "mean_bow": mean_bow, "min_bow": min_bow, "max_bow": max_bow,
+                   "cls_noise": cls_noise, "bow_noise": bow_noise, "mix": mix, "seed": seed, "source": str(source)},
+    }
+    (out.with_name(out.name + ".synthetic.json")).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--docs", type=int, default=2_000_000, help="documents (default 2M; 8841823 = MS MARCO v1)")
+    p.add_argument("--quick", action="store_true", help="20,000 documents")
+    p.add_argument("--source", type=Path, default=SCIFACT_INDEX, help="built index whose vectors give the geometry")
+    p.add_argument("--queries", type=int, default=2000)
+    p.add_argument("--d-cls", type=int, default=128)
+    p.add_argument("--d-bow", type=int, default=32)
+    p.add_argument("--mean-bow", type=float, default=30.0)
+    p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: the assembler's, ~4*sqrt(N))")
+    p.add_argument("--ann", choices=("flat", "pq"), default="pq",
+                   help="IVF-PQ by default: an IVF-Flat of 128-d fp32 CLS would hold 0.5 KB/doc in RAM")
+    p.add_argument("--chunk-size", type=int, default=16384)
+    p.add_argument("--cls-noise", type=float, default=1.5, help="CLS jitter (norm of the noise vector)")
+    p.add_argument("--bow-noise", type=float, default=0.5, help="BOW jitter (norm of the noise vector)")
+    p.add_argument("--mix", type=float, default=0.5, help="weight of the second real centre in a CLS vector")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    docs = 20_000 if args.quick else args.docs
+    info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=args.d_bow, mean_bow=args.mean_bow,
+                    queries=args.queries, chunk_size=args.chunk_size, nlist=args.nlist, ann=args.ann,
+                    seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

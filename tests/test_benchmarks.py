@@ -1,0 +1,136 @@
+"""Every benchmark script runs in its quick mode on a tiny synthetic index, so none can rot.
+
+The numbers are not checked (a loaded CI machine makes them meaningless); the scripts
+must finish, print their markdown table and write their JSON (and PNG). Parts that need
+root (cgroups, dropping the page cache), fio, or the SciFact data skip with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2,000 synthetic documents around the real vectors of a built SciFact index, else skip."""
+    if not (common.SCIFACT_INDEX / "manifest.json").is_file():
+        pytest.skip(f"no built SciFact index at {common.SCIFACT_INDEX} (its vectors give the synthetic geometry; "
+                    "set ESPN_SCIFACT_INDEX)")
+    from benchmarks.make_synthetic import generate
+
+    out = tmp_path_factory.mktemp("synth") / "tiny"
+    info = generate(out, 2000, common.SCIFACT_INDEX, queries=64, chunk_size=512, nlist=16, ann="flat")
+    assert info["documents"] == 2000 and (out / "manifest.json").is_file()
+    assert 20 <= info["mean_bow"] <= 40  # MS MARCO-like bags
+    return out
+
+
+@pytest.fixture()
+def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def _check(results: Path, name: str, capsys: pytest.CaptureFixture, png: bool = True) -> dict:
+    out = capsys.readouterr().out
+    assert "|---" in out, out
+    payload = json.loads((results / f"{name}.json").read_text())
+    if png:
+        assert (results / f"{name}.png").stat().st_size > 0
+    return payload
+
+
+def test_synthetic_index_searches(tiny_index: Path) -> None:
+    from espn import Searcher
+
+    queries = common.load_queries(tiny_index.with_name(tiny_index.name + ".queries.npz"))
+    with Searcher.open(tiny_index, reader="posix", verify="none") as s:
+        batch = common.take_queries(queries, [0, 1, 2])
+        fast = s.search_embeddings(batch, k=5, prefetch=True)
+        slow = s.search_embeddings(batch, k=5, prefetch=False)
+    assert [[h.doc_id for h in r.hits] for r in fast] == [[h.doc_id for h in r.hits] for r in slow]
+
+
+def test_bench_prefetch(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_prefetch
+
+    assert bench_prefetch.main(["--index", str(tiny_index), "--scifact", "", "--quick", "--steps", "0.1,0.3"]) == 0
+    payload = _check(results, "prefetch", capsys)
+    rows = next(iter(payload["studies"].values()))
+    assert len(rows) == 4 and all(0.0 <= r["hit_rate"] <= 1.0 for r in rows)
+
+
+def test_bench_batch(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_batch
+
+    assert bench_batch.main(["--index", str(tiny_index), "--quick", "--reranks", "16,64", "--queries", "8"]) == 0
+    payload = _check(results, "batch", capsys)
+    assert {r["batch"] for r in payload["runs"]} == {1, 4, 16}
+
+
+def test_bench_io(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_io
+
+    argv = ["--index", str(tiny_index), "--quick", "--seconds", "0.3"]
+    if shutil.which("fio") is None:
+        argv.append("--no-fio")  # the script itself degrades too; this keeps the test fast
+    assert bench_io.main(argv) == 0
+    payload = _check(results, "io", capsys)
+    assert payload["rounds"][0]["posix16_blocks"]["iops"] > 0
+
+
+def test_bench_memory(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_memory
+
+    reason = common.cgroup_unavailable_reason()
+    if reason:
+        pytest.skip(f"memory cgroups unavailable here: {reason}")
+    argv = ["--index", str(tiny_index), "--quick", "--fractions", "0.5", "--n", "5", "--warmup", "2"]
+    assert bench_memory.main(argv) == 0
+    payload = _check(results, "memory_limits", capsys)
+    ok = [r for r in payload["runs"] if "error" not in r]
+    assert {(r["reader"], r["prefetch"]) for r in ok} == {("mmap", 0), ("posix", 0), ("posix", 1)}
+    assert all(r["limit"] for r in ok)
+
+
+def test_bench_footprint(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_footprint
+
+    assert bench_footprint.main(["--index", str(tiny_index), "--quick", "--n", "5"]) == 0
+    payload = _check(results, "footprint", capsys)
+    assert {r["reader"] for r in payload["runs"]} == {"posix", "memory", "mmap"}
+
+
+def test_bench_rerank(results: Path, capsys) -> None:
+    from benchmarks import bench_rerank
+
+    if not (common.SCIFACT_INDEX / "manifest.json").is_file() or not (common.SCIFACT / "queries.jsonl").is_file():
+        pytest.skip("SciFact data or its built index not found (ESPN_SCIFACT, ESPN_SCIFACT_INDEX)")
+    assert bench_rerank.main(["--quick", "--limit", "10", "--counts", "16,100"]) == 0
+    payload = _check(results, "rerank", capsys)
+    assert [r["rerank_count"] for r in payload["rows"]] == [16, 100]
+
+
+def test_bench_build(results: Path, capsys) -> None:
+    from benchmarks import bench_build
+
+    if not (common.SCIFACT / "corpus.jsonl.gz").is_file():
+        pytest.skip(f"SciFact corpus not found at {common.SCIFACT}")
+    pytest.importorskip("psutil")
+    assert bench_build.main(["--quick", "--docs", "8"]) == 0
+    payload = _check(results, "build", capsys)
+    kinds = {(r["corpus"], r["kind"]) for r in payload["runs"]}
+    assert kinds == {("x1", "bare"), ("x1", "build"), ("x2", "build")}
