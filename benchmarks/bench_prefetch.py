@@ -1,6 +1,6 @@
 """Prefetcher (the paper's Fig. 7): hit rate against prefetch step, for two nprobe values.
 
-    python -m benchmarks.bench_prefetch --index /tmp/espn-synth-2m --scifact /tmp/w/scifact
+    python -m benchmarks.bench_prefetch --index /data/synth2m --scifact .espn/scifact-index
     python -m benchmarks.bench_prefetch --index /tmp/espn-synth --quick
 
 Hit rate = |prefetched ∩ re-ranked| / |re-ranked| per query, averaged over queries. A

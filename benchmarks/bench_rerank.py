@@ -1,6 +1,6 @@
 """Partial re-ranking (the paper's Fig. 6): effectiveness against rerank count on SciFact.
 
-    python -m benchmarks.bench_rerank                     # SciFact test, index /tmp/w/scifact
+    python -m benchmarks.bench_rerank                     # SciFact test, index .espn/scifact-index
     python -m benchmarks.bench_rerank --quick             # 60 queries, 4 counts
 
 nDCG@10 and MRR@10 (ir_measures) of the 300 SciFact test queries, re-ranking only the

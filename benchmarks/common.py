@@ -29,7 +29,8 @@ __all__ = [
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("ESPN_BENCH_RESULTS", ROOT / "benchmarks" / "results"))
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
-SCIFACT_INDEX = Path(os.environ.get("ESPN_SCIFACT_INDEX", "/tmp/w/scifact"))
+#: Built by `espn index ../shared/data/scifact/corpus.jsonl.gz --out .espn/scifact-index` (bench_server.py builds it too).
+SCIFACT_INDEX = Path(os.environ.get("ESPN_SCIFACT_INDEX", ROOT / ".espn" / "scifact-index"))
 
 
 def machine() -> dict[str, Any]:

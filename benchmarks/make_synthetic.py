@@ -5,7 +5,7 @@
     python -m benchmarks.make_synthetic --out /tmp/msmarco-scale --docs 8841823   # MS MARCO v1 scale
 
 Geometry: the "centres" are the real MiniLM outputs of the SciFact corpus, read from a
-built SciFact index (`--source`, default /tmp/w/scifact): its CLS vectors projected by
+built SciFact index (`--source`, default .espn/scifact-index): its CLS vectors projected by
 PCA to `--d-cls` (128, as ColBERTer's) and its BOW vectors projected by PCA to
 `--d-bow` (32). Each synthetic document mixes two real documents' CLS vectors plus
 Gaussian jitter (so the IVF clusters have the uneven, topical structure of real data,

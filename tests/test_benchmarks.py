@@ -24,15 +24,16 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
-def tiny_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2,000 synthetic documents around the real vectors of a built SciFact index, else skip."""
-    if not (common.SCIFACT_INDEX / "manifest.json").is_file():
-        pytest.skip(f"no built SciFact index at {common.SCIFACT_INDEX} (its vectors give the synthetic geometry; "
-                    "set ESPN_SCIFACT_INDEX)")
+def tiny_index(tmp_path_factory: pytest.TempPathFactory, sample_index: Path) -> Path:
+    """2,000 synthetic documents around the real vectors of an index built in this session.
+
+    The full SciFact index gives the README's geometry; the bundled sample corpus keeps
+    the test self-contained on a fresh machine.
+    """
     from benchmarks.make_synthetic import generate
 
     out = tmp_path_factory.mktemp("synth") / "tiny"
-    info = generate(out, 2000, common.SCIFACT_INDEX, queries=64, chunk_size=512, nlist=16, ann="flat")
+    info = generate(out, 2000, sample_index, queries=64, chunk_size=512, nlist=16, ann="flat")
     assert info["documents"] == 2000 and (out / "manifest.json").is_file()
     assert 20 <= info["mean_bow"] <= 40  # MS MARCO-like bags
     return out
@@ -114,12 +115,18 @@ def test_bench_footprint(tiny_index: Path, results: Path, capsys) -> None:
     assert {r["reader"] for r in payload["runs"]} == {"posix", "memory", "mmap"}
 
 
-def test_bench_rerank(results: Path, capsys) -> None:
+def test_bench_rerank(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """On the bundled sample corpus's queries and qrels, laid out as a BEIR directory."""
+    import shutil
+
     from benchmarks import bench_rerank
 
-    if not (common.SCIFACT_INDEX / "manifest.json").is_file() or not (common.SCIFACT / "queries.jsonl").is_file():
-        pytest.skip("SciFact data or its built index not found (ESPN_SCIFACT, ESPN_SCIFACT_INDEX)")
-    assert bench_rerank.main(["--quick", "--limit", "10", "--counts", "16,100"]) == 0
+    data = common.ROOT / "espn" / "data"
+    (tmp_path / "qrels").mkdir()
+    shutil.copy(data / "sample_queries.jsonl", tmp_path / "queries.jsonl")
+    shutil.copy(data / "sample_qrels.tsv", tmp_path / "qrels" / "test.tsv")
+    assert bench_rerank.main(["--index", str(sample_index), "--data", str(tmp_path), "--quick", "--limit", "10",
+                              "--counts", "16,100"]) == 0
     payload = _check(results, "rerank", capsys)
     assert [r["rerank_count"] for r in payload["rows"]] == [16, 100]
 
