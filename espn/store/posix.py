@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_IO_THREADS = 16
 #: Per-thread read buffers up to this size are kept for the next call (a fresh anonymous
 #: mapping costs a page fault per 4 KiB); larger ones are one-off.
-_REUSE_LIMIT = 16 << 20  # a 100-document read of SciFact is ~4 MB; batches are one-off
+_REUSE_LIMIT = 4 << 20  # one query's read (100 SciFact docs ~4 MB, MS MARCO ~0.4 MB); batches are one-off
 
 _warned_lock = threading.Lock()
 _warned_no_direct = False
