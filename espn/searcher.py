@@ -214,10 +214,12 @@ class Searcher:
                     scored[i].append(result[i])
             bytes_read, ios = bytes_read + fetched.bytes_read, ios + fetched.ios
         timer.lap("prefetch_wait")
-        # Read-only waves: score now, and only what made the final list.
-        for wave, fetched in fetched_waves:
-            final = [docs[np.isin(docs, rerank[i])] for i, docs in enumerate(wave)]
-            for i, item in enumerate(self._maxsim(q_cls, q_bow, q_mask, final, fetched)):
+        # Read-only waves: score now, only what made the final list, in one MaxSim call.
+        if fetched_waves:
+            merged = _merge_fetched([fetched for _, fetched in fetched_waves])
+            final = [np.concatenate([wave[i] for wave, _ in fetched_waves]) for i in range(batch)]
+            final = [docs[np.isin(docs, rerank[i])] for i, docs in enumerate(final)]
+            for i, item in enumerate(self._maxsim(q_cls, q_bow, q_mask, final, merged)):
                 scored[i].append(item)
         timer.lap("prefetch_maxsim")
 
@@ -346,6 +348,30 @@ class _Fetched:
     bytes_read: int
     ios: int
     read_ms: float
+
+
+def _merge_fetched(parts: list[_Fetched]) -> _Fetched:
+    """One sorted `_Fetched` from several waves' (their documents are disjoint)."""
+    present = [p for p in parts if p.data is not None]
+    if len(present) <= 1:
+        return present[0] if present else parts[0]
+    width = max(int(p.data.bow.shape[1]) for p in present if p.data is not None)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[1])) if t.dim() == 3 else \
+            torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+    union = np.concatenate([p.union for p in present])
+    batches = [p.data for p in present if p.data is not None]
+    order = torch.from_numpy(np.argsort(union, kind="stable")).to(batches[0].cls.device)
+    data = ReadBatch(
+        cls=torch.cat([b.cls for b in batches])[order],
+        bow=torch.cat([padded(b.bow) for b in batches])[order],
+        mask=torch.cat([padded(b.mask) for b in batches])[order],
+        bytes_read=sum(b.bytes_read for b in batches),
+        ios=sum(b.ios for b in batches),
+    )
+    return _Fetched(union[order.cpu().numpy()], data, data.bytes_read, data.ios, sum(p.read_ms for p in present))
 
 
 def _share(total: int, i: int, n: int) -> int:
