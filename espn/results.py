@@ -23,10 +23,11 @@ class SearchStats:
     """Where the time went for one query's batch, and what the prefetcher achieved for it.
 
     stage_ms:   milliseconds per stage of the batch (encode, quantizer, ann, prefetch_wait,
-                miss_read, miss_maxsim, aggregate, total); shared by the queries of a batch
+                prefetch_maxsim, miss_read, miss_maxsim, aggregate, total); shared by the
+                queries of a batch
     hit_rate:   prefetched ∩ final candidates / final candidates (1.0 when nothing to re-rank)
-    bytes_read: bytes this query's candidates cost in reads (prefetch + misses)
-    ios:        read requests issued for this query
+    bytes_read: this query's share of the batch's reads in bytes (prefetch + misses)
+    ios:        this query's share of the batch's read requests
     prefetched: documents the prefetch waves read for this query
     missed:     final candidates read in the critical path
     """

@@ -1,14 +1,16 @@
-"""The query pipeline: encode -> coarse quantizer -> ANN over cluster segments, with prefetch waves
-reading and early-re-ranking the current top candidates while the ANN goes on -> read
-the misses -> aggregate `w · cls + (1 − w) · bow` over the re-ranked top.
+"""The query pipeline: encode -> coarse quantizer -> ANN over cluster segments, with prefetch
+waves reading the current top candidates while the ANN goes on -> read the misses ->
+aggregate `w · cls + (1 − w) · bow` over the re-ranked top.
 
 After every segment of δ clusters but the last, a wave takes the top `prefetch_k`
-candidates found so far that no earlier wave took and scores them on a worker
-thread (FAISS, torch and preadv release the GIL, so the ANN search really goes on).
-Several waves instead of the paper's single one: on a small corpus the first
-clusters hold few of the final candidates, and the later waves catch the rest
-off the critical path. `prefetch=False` is the sequential reference path; both
-give the same ranking.
+candidates found so far that no earlier wave took and reads them on a worker thread
+(FAISS, torch and preadv release the GIL, so the ANN search really goes on). On a GPU
+the wave also re-ranks them (MaxSim on the device); on a CPU MaxSim would take a core
+from the ANN scan, so the waves only read and one MaxSim call scores what they read
+once the ANN is done. Several waves instead of the paper's single one: the first
+clusters hold few of the final candidates, and the later waves catch the rest off the
+critical path. `prefetch=False` is the sequential reference path; all paths give the
+same ranking.
 """
 
 from __future__ import annotations
