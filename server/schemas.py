@@ -55,6 +55,8 @@ class SearchOptions(BaseModel):
     )
     prefetch_k: Optional[int] = Field(None, ge=0, le=10_000, description="candidates each prefetch wave reads")
     rerank_count: Optional[int] = Field(None, ge=0, le=10_000, description="candidates re-ranked with MaxSim")
+    prefetch_waves: Optional[int] = Field(None, ge=1, le=1000, description="most prefetch waves (1 = one prefetch)")
+    prefetch: Optional[bool] = Field(None, description="false: read candidates after the ANN (faster on small CPUs)")
     return_text: bool = Field(False, description="include each hit's title and text")
 
     def search_kwargs(self) -> dict[str, Any]:
@@ -65,6 +67,8 @@ class SearchOptions(BaseModel):
             "prefetch_step": self.prefetch_step,
             "prefetch_k": self.prefetch_k,
             "rerank_count": self.rerank_count,
+            "prefetch_waves": self.prefetch_waves,
+            "prefetch": self.prefetch,
         }
 
 

@@ -288,6 +288,17 @@ def test_search_parameters_and_text(client: httpx.Client, searcher) -> None:
         assert hit["text"] == searcher.document(hit["id"]).text
 
 
+def test_prefetch_switches_keep_the_ranking(client: httpx.Client) -> None:
+    query = QUERIES[2]
+    default = client.post("/v1/search", json={"query": query, "k": 10}).json()
+    for switch in ({"prefetch": False}, {"prefetch_waves": 1, "prefetch_step": 0.2}):
+        body = client.post("/v1/search", json={"query": query, "k": 10, **switch}).json()
+        _assert_same_ranking(body["results"], default["results"])
+    off = client.post("/v1/search", json={"query": query, "k": 10, "prefetch": False}).json()
+    assert off["stats"]["prefetched"] == 0
+    assert client.post("/v1/search", json={"query": query, "prefetch": "no"}).status_code == 422
+
+
 def test_batch_equals_single_requests(client: httpx.Client) -> None:
     batch = client.post("/v1/search/batch", json={"queries": QUERIES, "k": 7})
     assert batch.status_code == 200, batch.text
