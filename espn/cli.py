@@ -50,6 +50,7 @@ def _search_overrides(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from espn.evaluation import DEFAULT_MEASURES
     from espn.store import READERS
 
     parser = argparse.ArgumentParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", type=Path)
     p.add_argument("--queries", type=Path, required=True)
     p.add_argument("--qrels", type=Path, required=True)
-    p.add_argument("--measure", default="nDCG@10")
+    p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
 
     p = sub.add_parser("verify", help="check every file of an index against its manifest checksums")
@@ -234,9 +235,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     best_w, best = None, -1.0
     for w in np.round(np.arange(0.0, 1.0001, 0.05), 2):
         run = {qid: {d: float(w * c + (1 - w) * b) for d, c, b in hits} for qid, hits in heads.items()}
-        value = evaluate(run, qrels)[args.measure] if args.measure in ("nDCG@10", "RR@10", "R@100", "R@1000") else None
-        if value is None:
-            raise SystemExit(f"espn calibrate: error: --measure must be nDCG@10, RR@10, R@100 or R@1000")
+        value = evaluate(run, qrels)[args.measure]
         log.debug("w=%.2f %s=%.4f", w, args.measure, value)
         if value > best + 1e-9:
             best_w, best = float(w), value

@@ -115,9 +115,9 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
             bar.update(len(item["rows"]))
             if item["last"]:
                 index = int(item["chunk"])
-                chunk = reorder_chunk(pending.pop(index)["parts"]) if state["parts"] else None
+                chunk = reorder_chunk(pending.pop(index)["parts"])
                 ids, titles, texts = zip(*state["meta"])
-                assert chunk is not None and len(chunk) == len(ids)
+                assert len(chunk) == len(ids)
                 write_chunk(work_dir, index, chunk.cls, chunk.bow, chunk.counts, ids, titles, texts)
                 log.debug("chunk %d written (%d documents)", index, len(ids))
     return totals
