@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, ReadBatch, Reader, plan_extents
+from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, plan_extents
+from .engines import ENGINE_ORDER, ENGINES
 from .format import RECORD_DTYPE, STORAGE_DTYPE, RecordWriter, StoreLayout, place_records, record_nbytes
 from .kvikio import KvikioReader
 from .memory import MemoryReader
@@ -30,6 +31,9 @@ __all__ = [
     "record_nbytes",
     "place_records",
     "ReadBatch",
+    "PendingRead",
+    "ENGINES",
+    "ENGINE_ORDER",
     "Reader",
     "ExtentPlan",
     "plan_extents",

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import logging
+import mmap
+import threading
 from pathlib import Path
 from typing import Any, ClassVar, Union
 
@@ -25,6 +28,9 @@ from .format import RECORD_DTYPE, STORAGE_DTYPE, StoreLayout
 
 __all__ = [
     "ReadBatch",
+    "PendingRead",
+    "Fetch",
+    "BufferPool",
     "Reader",
     "ExtentPlan",
     "plan_extents",
@@ -43,24 +49,143 @@ Buffer = Union[np.ndarray, torch.Tensor]
 
 @dataclasses.dataclass
 class ReadBatch:
-    """The embeddings of `n` documents, padded to the longest bag of BOW vectors.
+    """The embeddings of `n` documents: CLS rows, and every BOW vector concatenated.
 
     cls:        [n, d_cls] float16 on the reader's device
-    bow:        [n, L, d_bow] float16, L = max n_bow among the docs (>= 1); zeros where
-                mask is False, so padding contributes nothing even unmasked
-    mask:       [n, L] bool, True for the first n_bow[i] positions of row i
+    vectors:    [T, d_bow] float16, the BOW vectors of document 0, then 1, ... (no padding)
+    offsets:    [n + 1] int64 (numpy): document i owns vectors[offsets[i]:offsets[i + 1]]
     bytes_read: bytes actually requested from storage (0 for memory; an estimate for mmap)
     ios:        read requests issued (after coalescing)
+
+    `bow` and `mask` give the padded view ([n, L, d_bow] with zeros past each document's
+    vectors, [n, L] bool, L = max(1, longest)) for callers that want one; the search path
+    scores the flat form and never pads.
     """
 
     cls: torch.Tensor
-    bow: torch.Tensor
-    mask: torch.Tensor
+    vectors: torch.Tensor
+    offsets: np.ndarray
     bytes_read: int
     ios: int
 
     def __len__(self) -> int:
         return int(self.cls.shape[0])
+
+    @property
+    def n_bow(self) -> np.ndarray:
+        """[n] int64 BOW vectors per document."""
+        return np.diff(self.offsets)
+
+    @functools.cached_property
+    def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n_bow = self.n_bow
+        n, length = len(n_bow), max(1, int(n_bow.max()) if len(n_bow) else 0)
+        device = self.vectors.device
+        mask = torch.arange(length, device=device)[None, :] < torch.from_numpy(n_bow).to(device)[:, None]
+        bow = torch.zeros((n, length, self.vectors.shape[1]), dtype=self.vectors.dtype, device=device)
+        bow[mask] = self.vectors
+        return bow, mask
+
+    @property
+    def bow(self) -> torch.Tensor:
+        return self._padded[0]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._padded[1]
+
+
+class Fetch(abc.ABC):
+    """One backend read in flight (what `Reader._submit` returns)."""
+
+    @abc.abstractmethod
+    def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
+        """Wait for the read; (buffer, starts, bytes_read, ios) as `Reader._fetch` returns them."""
+
+    def release(self) -> None:
+        """The buffer has been parsed: give it back (pooled backends)."""
+
+
+class _DeferredFetch(Fetch):
+    """The default for backends without asynchronous reads: `_fetch` runs at `complete`."""
+
+    def __init__(self, reader: "Reader", offsets: np.ndarray, lengths: np.ndarray) -> None:
+        self._call = (reader, offsets, lengths)
+
+    def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
+        reader, offsets, lengths = self._call
+        return reader._fetch(offsets, lengths)
+
+
+class PendingRead:
+    """A read submitted with `Reader.submit`; `result()` waits for it and parses it, once.
+
+    Call `result()` (or `discard()`) on the thread that submitted: ring-based engines keep a
+    ring per thread. Until then the reads go on without any Python work.
+    """
+
+    def __init__(self, reader: "Reader", fetch: Fetch | None, n_bow: np.ndarray) -> None:
+        self._reader = reader
+        self._fetch = fetch
+        self._n_bow = n_bow
+        self._result: ReadBatch | None = None
+
+    def result(self) -> ReadBatch:
+        if self._result is None:
+            self._result = self._reader._complete(self._fetch, self._n_bow)
+            self._fetch = None
+        return self._result
+
+    def discard(self) -> None:
+        """Wait for the reads without parsing them (a search that failed part-way)."""
+        fetch, self._fetch = self._fetch, None
+        if fetch is not None:
+            try:
+                fetch.complete()
+            finally:
+                fetch.release()
+
+
+class BufferPool:
+    """Page-aligned anonymous buffers, reused across reads.
+
+    A fresh mapping costs a page fault per 4 KiB on first touch; reusing buffers keeps that
+    off the read path. Buffers are kept in power-of-two size classes up to `retain_bytes`
+    in total; beyond that a released buffer is dropped.
+    """
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self, retain_bytes: int = 64 << 20) -> None:
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._retained = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        return max(BufferPool.MIN_BYTES, 1 << (max(1, nbytes) - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> mmap.mmap:
+        size = self._size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._retained -= size
+                return free.pop()
+        return mmap.mmap(-1, size)
+
+    def release(self, buf: mmap.mmap) -> None:
+        size = len(buf)
+        with self._lock:
+            if size == self._size_class(size) and self._retained + size <= self.retain_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._retained += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._retained = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +343,9 @@ class Reader(abc.ABC):
         """True when this backend's dependencies (and hardware) are present."""
         return cls.unavailable_reason() is None
 
-    @abc.abstractmethod
     def _fetch(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[Buffer, np.ndarray, int, int]:
-        """Bring the records into memory.
+        """Bring the records into memory (the hook of synchronous backends; async ones
+        override `_submit` instead).
 
         offsets, lengths: [n] int64, n >= 1, in request order (duplicates possible).
         Returns (buffer, starts, bytes_read, ios): buffer is 1-D uint8 (numpy, or a torch
@@ -228,6 +353,16 @@ class Reader(abc.ABC):
         record i in it (even, like every offset and length, so the buffer can be viewed as
         fp16). The buffer must not be shared with a concurrent call.
         """
+        raise NotImplementedError(f"{type(self).__name__} implements neither _fetch nor _submit")
+
+    @property
+    def engine(self) -> str:
+        """What moves the bytes (the posix reader names its I/O engine; others their own name)."""
+        return self.name
+
+    def describe(self) -> dict[str, Any]:
+        """What `/readyz` and the stats report about this reader."""
+        return {"reader": self.name, "engine": self.engine, "device": str(self.device)}
 
     def close(self) -> None:
         """Release files, threads and buffers; idempotent."""
@@ -242,21 +377,23 @@ class Reader(abc.ABC):
     def read(self, doc_numbers: np.ndarray) -> ReadBatch:
         """Embeddings of `doc_numbers` ([n] integers in [0, N)), rows in the order given.
 
-        Duplicates are allowed (each gets its row); an empty request gives n = 0, L = 1.
+        Duplicates are allowed (each gets its row); an empty request gives n = 0.
         Raises InvalidParameterError (a ValueError) when a number is out of range.
+        """
+        return self.submit(doc_numbers).result()
+
+    def submit(self, doc_numbers: np.ndarray) -> PendingRead:
+        """Start reading `doc_numbers` and return at once; `result()` gives the ReadBatch.
+
+        Backends with asynchronous I/O (posix) have every read in flight when this returns;
+        the others (memory, mmap) do the work in `result()`.
         """
         if self.closed:
             raise ValueError(f"the {self.name} reader of {self.path} is closed")
         docs = self._validate(doc_numbers)
         lay = self.layout
         if len(docs) == 0:
-            return ReadBatch(
-                cls=torch.zeros((0, lay.d_cls), dtype=torch.float16, device=self.device),
-                bow=torch.zeros((0, 1, lay.d_bow), dtype=torch.float16, device=self.device),
-                mask=torch.zeros((0, 1), dtype=torch.bool, device=self.device),
-                bytes_read=0,
-                ios=0,
-            )
+            return PendingRead(self, None, np.zeros(0, dtype=np.int64))
         rows = self.records[docs]
         offsets = np.asarray(rows["offset"], dtype=np.int64)
         lengths = np.asarray(rows["length"], dtype=np.int64)
@@ -268,11 +405,30 @@ class Reader(abc.ABC):
                 f"record of doc {bad} does not match the layout d_cls={lay.d_cls}, d_bow={lay.d_bow}: "
                 f"{self.records[bad]}"
             )
-        buffer, starts, bytes_read, ios = self._fetch(offsets, lengths)
-        cls, bow, mask = gather_records(buffer, starts, n_bow, lay)
+        return PendingRead(self, self._submit(offsets, lengths), n_bow)
+
+    def _submit(self, offsets: np.ndarray, lengths: np.ndarray) -> Fetch:
+        """Start a fetch; the default defers `_fetch` to `complete()`. Async backends override it."""
+        return _DeferredFetch(self, offsets, lengths)
+
+    def _complete(self, fetch: Fetch | None, n_bow: np.ndarray) -> ReadBatch:
+        lay = self.layout
+        if fetch is None:
+            return ReadBatch(
+                cls=torch.zeros((0, lay.d_cls), dtype=torch.float16, device=self.device),
+                vectors=torch.zeros((0, lay.d_bow), dtype=torch.float16, device=self.device),
+                offsets=np.zeros(1, dtype=np.int64),
+                bytes_read=0,
+                ios=0,
+            )
+        try:
+            buffer, starts, bytes_read, ios = fetch.complete()
+            cls, vectors, offsets = gather_records(buffer, starts, n_bow, lay)
+        finally:
+            fetch.release()
         if cls.device != self.device:
-            cls, bow, mask = (t.to(self.device) for t in (cls, bow, mask))
-        return ReadBatch(cls=cls, bow=bow, mask=mask, bytes_read=int(bytes_read), ios=int(ios))
+            cls, vectors = cls.to(self.device), vectors.to(self.device)
+        return ReadBatch(cls=cls, vectors=vectors, offsets=offsets, bytes_read=int(bytes_read), ios=int(ios))
 
     def _validate(self, doc_numbers: Any) -> np.ndarray:
         docs = np.asarray(doc_numbers)
@@ -302,39 +458,31 @@ class Reader(abc.ABC):
 
 def gather_records(
     buffer: Buffer, starts: np.ndarray, n_bow: np.ndarray, layout: StoreLayout
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """Parse records out of one byte buffer with index arrays, on the buffer's device.
 
-    buffer: 1-D uint8 (numpy or torch), even length where records are; starts [n] int64
-    even byte positions; n_bow [n]. Returns cls [n, d_cls] fp16, bow [n, L, d_bow] fp16
-    (zeros past n_bow), mask [n, L] bool with L = max(1, max n_bow).
+    buffer: 1-D uint8 (numpy or torch); starts [n] int64 even byte positions; n_bow [n].
+    Returns cls [n, d_cls] fp16, vectors [sum n_bow, d_bow] fp16 (each document's BOW
+    vectors in turn) and offsets [n + 1] int64 (numpy).
 
-    The buffer is viewed as fp16 and then as overlapping windows of d_cls / d_bow
-    elements (a strided view, no copy), so one index per vector, not per element, picks
-    the rows: the index array is n x L, not n x L x d_bow.
+    The buffer is viewed as fp16 and then as overlapping windows of d_cls / d_bow elements
+    (a strided view, no copy), so one index per vector, not per element, picks the rows.
     """
     d_cls, d_bow = layout.d_cls, layout.d_bow
-    if isinstance(buffer, np.ndarray):
-        flat_u8 = torch.from_numpy(buffer)
-    else:
-        flat_u8 = buffer
-    flat_u8 = flat_u8[: flat_u8.numel() - flat_u8.numel() % 2]
-    flat = flat_u8.view(torch.float16)
+    flat_u8 = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
+    flat = flat_u8[: flat_u8.numel() - flat_u8.numel() % 2].view(torch.float16)
     device = flat.device
-    n = len(starts)
-    counts = torch.from_numpy(np.asarray(n_bow, dtype=np.int64)).to(device)
-    first = torch.from_numpy(np.asarray(starts, dtype=np.int64) // 2).to(device)
-    max_bow = int(np.max(n_bow)) if n else 0
-    length = max(1, max_bow)
-
-    cls = flat.unfold(0, d_cls, 1)[first]  # [n, d_cls]
-    mask = torch.arange(length, device=device)[None, :] < counts[:, None]  # [n, L]
-    if max_bow == 0:
-        bow = torch.zeros((n, length, d_bow), dtype=torch.float16, device=device)
+    n_bow = np.asarray(n_bow, dtype=np.int64)
+    first = np.asarray(starts, dtype=np.int64) // 2
+    offsets = np.zeros(len(n_bow) + 1, dtype=np.int64)
+    np.cumsum(n_bow, out=offsets[1:])
+    total = int(offsets[-1])
+    # Element position of every BOW vector: the record's first BOW element + t·d_bow.
+    within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
+    rows = np.repeat(first + d_cls, n_bow) + within * d_bow
+    cls = flat.unfold(0, d_cls, 1)[torch.from_numpy(first).to(device)]
+    if total:
+        vectors = flat.unfold(0, d_bow, 1)[torch.from_numpy(rows).to(device)]
     else:
-        rows = first[:, None] + d_cls + torch.arange(length, device=device)[None, :] * d_bow
-        # Padding positions may point past the buffer: send them to row 0, zero them below.
-        rows = torch.where(mask, rows, torch.zeros((), dtype=rows.dtype, device=device))
-        bow = flat.unfold(0, d_bow, 1)[rows]  # [n, L, d_bow]
-        bow.masked_fill_(~mask[:, :, None], 0)
-    return cls, bow, mask
+        vectors = torch.zeros((0, d_bow), dtype=torch.float16, device=device)
+    return cls, vectors, offsets

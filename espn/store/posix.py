@@ -1,10 +1,13 @@
-"""The default reader without a GPU: parallel `O_DIRECT` reads with `os.preadv`.
+"""The default reader without a GPU: `O_DIRECT` reads, all in flight at once, through a
+native read engine.
 
 `O_DIRECT` bypasses the page cache, so what a read costs is what the SSD costs (the
 setting the paper measures), and RAM stays free for the ANN index. The records of one
-call are planned into few aligned extents (`plan_extents`: adjacent blocks coalesced),
-read into one page-aligned buffer by a thread pool (`os.preadv` releases the GIL, so
-`io_threads` requests are in flight at once), then parsed by the base class.
+call are planned into few aligned extents (`plan_extents`: adjacent blocks coalesced)
+and handed to the read engine in one call (`espn.store.engines`: io_uring, then Linux
+AIO, then a thread pool), which reads them into one page-aligned pooled buffer. `submit`
+returns with the reads in flight, so the search goes on scanning while the SSD works;
+the base class parses the buffer when the result is asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +24,17 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, Reader, plan_extents
+from .base import DEFAULT_MAX_EXTENT_BYTES, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .engines import EngineRead, open_engine
+from .engines.threads import read_fully
 from .format import StoreLayout
 
-__all__ = ["PosixReader", "DEFAULT_IO_THREADS"]
+__all__ = ["PosixReader", "DEFAULT_IO_DEPTH"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_IO_THREADS = 16
-#: Per-thread read buffers up to this size are kept for the next call (a fresh anonymous
-#: mapping costs a page fault per 4 KiB); larger ones are one-off.
-_REUSE_LIMIT = 4 << 20  # one query's read (100 SciFact docs ~4 MB, MS MARCO ~0.4 MB); batches are one-off
+#: Extents in flight at once (the engine's queue depth, or its threads).
+DEFAULT_IO_DEPTH = 64
 
 _warned_lock = threading.Lock()
 _warned_no_direct = False
@@ -52,17 +54,48 @@ def _warn_no_direct(path: Path, reason: str) -> None:
     )
 
 
+class _PosixFetch(Fetch):
+    def __init__(self, reader: "PosixReader", plan: ExtentPlan, buf: mmap.mmap, fd: int, pending: EngineRead) -> None:
+        self._reader = reader
+        self._plan = plan
+        self._buf = buf
+        self._fd = fd
+        self._pending = pending
+
+    def complete(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        plan, array = self._plan, np.frombuffer(self._buf, dtype=np.uint8, count=self._plan.nbytes)
+        try:
+            counts = self._pending.wait()
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self._fd != self._reader._fd_direct:
+                raise
+            # A filesystem that took O_DIRECT at open but refuses this read: buffered from now on.
+            self._reader._disable_direct(f"read: {exc.strerror}")
+            counts = self._reader._engine.submit(self._reader._fd_buffered, plan.file_offsets, plan.lengths, array,
+                                                 plan.buffer_offsets).wait()
+        short = np.flatnonzero(counts < plan.lengths)
+        for i in short.tolist():  # only at the end of an unpadded file
+            at, end = int(plan.buffer_offsets[i] + counts[i]), int(plan.buffer_offsets[i] + plan.lengths[i])
+            array[at:end] = 0
+        return array, plan.starts, plan.nbytes, len(plan)
+
+    def release(self) -> None:
+        self._reader._pool.release(self._buf)
+
+
 class PosixReader(Reader):
-    """`O_DIRECT` reads of coalesced, block-aligned extents from a thread pool.
+    """`O_DIRECT` reads of coalesced, block-aligned extents through a read engine.
 
     Options:
-      io_threads:       reads in flight at once (default 16)
+      io_engine:        "io_uring", "aio", "threads", or None / "auto" (the best this host allows)
+      io_depth:         extents in flight at once (default 64; threads for the threads engine)
       max_extent_bytes: cap on one coalesced request (default 1 MiB, rounded to blocks)
       direct:           try `O_DIRECT` (default True); False forces buffered reads
 
-    `self.direct` says whether `O_DIRECT` is in use: filesystems that refuse it (tmpfs on
-    older kernels, some FUSE and network filesystems) get buffered reads with
-    `POSIX_FADV_RANDOM` and one warning. bytes_read = sum of extent sizes, ios = extents.
+    `self.engine` names the engine in use; `self.direct` says whether `O_DIRECT` is in use:
+    filesystems that refuse it (tmpfs on older kernels, some FUSE and network
+    filesystems) get buffered reads with `POSIX_FADV_RANDOM` and one warning.
+    bytes_read = sum of extent sizes, ios = extents.
     """
 
     name = "posix"
@@ -74,20 +107,24 @@ class PosixReader(Reader):
         layout: StoreLayout,
         device: str | torch.device = "cpu",
         *,
-        io_threads: int = DEFAULT_IO_THREADS,
+        io_engine: str | None = None,
+        io_depth: int = DEFAULT_IO_DEPTH,
         max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES,
         direct: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(path, records, layout, device, **options)
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= 1024:
-            raise InvalidParameterError(f"io_threads must be an integer in [1, 1024], got {io_threads!r}")
+        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= 4096:
+            raise InvalidParameterError(f"io_depth must be an integer in [1, 4096], got {io_depth!r}")
         if isinstance(max_extent_bytes, bool) or not isinstance(max_extent_bytes, int) or max_extent_bytes < 1:
             raise InvalidParameterError(f"max_extent_bytes must be a positive integer, got {max_extent_bytes!r}")
-        self.io_threads = io_threads
+        if not isinstance(direct, bool):
+            raise InvalidParameterError(f"direct must be true or false, got {direct!r}")
+        self.io_depth = io_depth
         self.max_extent_bytes = max(layout.block_size, max_extent_bytes - max_extent_bytes % layout.block_size)
-        self._local = threading.local()
-        # The buffered descriptor serves the fallback and the odd unaligned tail read.
+        self._engine = open_engine(io_engine, io_depth)
+        self._pool = BufferPool()
+        # The buffered descriptor serves the fallback where O_DIRECT is refused.
         self._fd_buffered = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._fd_direct: int | None = None
         self.direct = False
@@ -95,7 +132,15 @@ class PosixReader(Reader):
             self._open_direct()
         if not self.direct:
             self._advise_random()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="espn-posix-io")
+
+    @property
+    def engine(self) -> str:
+        """The read engine in use: "io_uring", "aio" or "threads"."""
+        return self._engine.name
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "io_depth": self.io_depth, "direct": self.direct,
+                "max_extent_bytes": self.max_extent_bytes}
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -116,7 +161,7 @@ class PosixReader(Reader):
         if self.file_size:
             probe = mmap.mmap(-1, self.layout.block_size)
             try:
-                os.preadv(fd, [memoryview(probe)], 0)
+                read_fully(fd, memoryview(probe), 0)
             except OSError as exc:
                 os.close(fd)
                 if exc.errno != errno.EINVAL:
@@ -141,75 +186,24 @@ class PosixReader(Reader):
 
     # -- reading --------------------------------------------------------------------------
 
-    def _buffer(self, nbytes: int) -> mmap.mmap:
-        """A page-aligned buffer of at least `nbytes`, private to the calling thread.
-
-        Reusing it across calls is safe: the base copies what it gathers out of it before
-        `read` returns, and another thread never sees it.
-        """
-        buf = getattr(self._local, "buf", None)
-        if buf is not None and len(buf) >= nbytes:
-            return buf
-        buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
-        if nbytes <= _REUSE_LIMIT:
-            self._local.buf = buf
-        return buf
-
-    def _read_extent(self, view: memoryview, file_offset: int) -> None:
-        """Fill `view` from `file_offset`; zero what lies past the end of the file."""
-        want = len(view)
-        got = 0
-        while got < want:
-            fd = self._fd_direct if self.direct and got % self.layout.block_size == 0 else self._fd_buffered
-            assert fd is not None, "reader is closed"
-            try:
-                n = os.preadv(fd, [view[got:]], file_offset + got)
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                if exc.errno == errno.EINVAL and fd == self._fd_direct:
-                    self._disable_direct(f"read: {exc.strerror}")
-                    continue
-                raise
-            if n == 0:  # end of file: an unpadded file; the tail is not part of any record
-                view[got:] = bytes(want - got)
-                return
-            got += n
-
-    def _read_group(self, buf: mmap.mmap, plan: ExtentPlan, indices: range) -> None:
-        whole = memoryview(buf)
-        try:
-            for i in indices:
-                start = int(plan.buffer_offsets[i])
-                self._read_extent(whole[start : start + int(plan.lengths[i])], int(plan.file_offsets[i]))
-        finally:
-            whole.release()
-
-    def _fetch(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    def _submit(self, offsets: np.ndarray, lengths: np.ndarray) -> Fetch:
         plan = plan_extents(offsets, lengths, self.layout.block_size, self.max_extent_bytes)
-        buf = self._buffer(plan.nbytes)
-        m = len(plan)
-        workers = min(m, self.io_threads)
-        if workers <= 1:
-            self._read_group(buf, plan, range(m))
-        else:
-            # Interleaved groups, one task per worker: `workers` requests in flight with
-            # a handful of futures instead of one per extent.
-            futures = [self._pool.submit(self._read_group, buf, plan, range(w, m, workers)) for w in range(workers)]
-            # Wait for all before raising: a straggler must not write into this thread's
-            # buffer after the call has returned.
-            wait(futures)
-            for future in futures:
-                future.result()  # re-raises an I/O error from a worker here
-        array = np.frombuffer(buf, dtype=np.uint8, count=plan.nbytes)
-        return array, plan.starts, plan.nbytes, m
+        buf = self._pool.acquire(plan.nbytes)
+        array = np.frombuffer(buf, dtype=np.uint8)
+        fd = self._fd_direct if self.direct and self._fd_direct is not None else self._fd_buffered
+        try:
+            pending = self._engine.submit(fd, plan.file_offsets, plan.lengths, array, plan.buffer_offsets)
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        return _PosixFetch(self, plan, buf, fd, pending)
 
     def close(self) -> None:
         if self.closed:
             return
         super().close()
-        self._pool.shutdown(wait=True)
-        self._local = threading.local()  # drops the calling thread's buffer now
+        self._engine.close()
+        self._pool.clear()
         for fd in (self._fd_direct, self._fd_buffered):
             if fd is not None:
                 os.close(fd)
