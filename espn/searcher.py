@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -67,7 +67,8 @@ class Searcher:
     """One opened index, safe to share between threads. Open with `Searcher.open(path)`."""
 
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
-                 device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None) -> None:
+                 device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None,
+                 reader_options: Mapping[str, Any] | None = None) -> None:
         self.index = index
         self.manifest = index.manifest
         self.encoder = encoder
@@ -80,7 +81,8 @@ class Searcher:
         self.ids = IdMap(index.load_array("ids.npy"), index.load_array("ids_sorted.npy"))
         self.docs = DocStore(index.file("docs.jsonl"), index.load_array("docs_offsets.npy"))
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.reader = open_reader(reader_name, index.file("embeddings.bin"), self.records, self.layout, device=self.device)
+        self.reader = open_reader(reader_name, index.file("embeddings.bin"), self.records, self.layout,
+                                  device=self.device, **dict(reader_options or {}))
         score = self.manifest["score"]
         self.weight = float(score["w"])
         self.bow_reduction = score.get("bow_reduction", "mean")
@@ -96,11 +98,17 @@ class Searcher:
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
-             with_encoder: bool = True, early_rerank: bool | None = None) -> "Searcher":
-        """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available)."""
+             with_encoder: bool = True, early_rerank: bool | None = None,
+             reader_options: Mapping[str, Any] | None = None) -> "Searcher":
+        """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
+
+        reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
+        None = best available), `io_depth`, `max_extent_bytes`, `direct`.
+        """
         index = IndexDirectory.open(path, verify=verify)
         encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
-        return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank)
+        return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
+                   reader_options=reader_options)
 
     # -- properties ------------------------------------------------------------------
     @property
