@@ -30,6 +30,8 @@ class SearchStats:
     ios:        this query's share of the batch's read requests
     prefetched: documents the prefetch waves read for this query
     missed:     final candidates read in the critical path
+    read_amplification: documents read for this query ÷ documents re-ranked (1.0 = no waste)
+    engine:     what moved the bytes ("io_uring", "aio", "threads" under posix; else the reader)
     """
 
     stage_ms: dict[str, float]
@@ -38,6 +40,8 @@ class SearchStats:
     ios: int
     prefetched: int
     missed: int
+    read_amplification: float = 1.0
+    engine: str = ""
 
 
 @dataclasses.dataclass
