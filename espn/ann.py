@@ -24,6 +24,7 @@ __all__ = [
     "search_preassigned",
     "merge_topk",
     "segment_bounds",
+    "list_sizes",
 ]
 
 
@@ -73,7 +74,18 @@ def load_ivf(path: Path, mmap: bool = True) -> faiss.IndexIVF:
     index = faiss.read_index(str(path), flags)
     ivf = faiss.extract_index_ivf(index)
     ivf.referenced_objects = [index]  # type: ignore[attr-defined]  # the extracted view does not own `index`; keep it alive
+    # search_preassigned runs serially under the default parallel_mode 0; mode 3 splits a
+    # batch's queries over the OpenMP threads (one query is unchanged). Set once, here: the
+    # attribute is shared, so it must never change per call.
+    ivf.parallel_mode = 3
     return ivf
+
+
+def list_sizes(index: faiss.IndexIVF) -> np.ndarray:
+    """[nlist] int64 codes per inverted list (what a probe of each list costs to scan)."""
+    invlists = index.invlists
+    assert invlists is not None, "an IVF index always has inverted lists"
+    return np.array([invlists.list_size(i) for i in range(index.nlist)], dtype=np.int64)
 
 
 def coarse_assign(index: faiss.IndexIVF, xq: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,25 +1,143 @@
-"""Batched, masked MaxSim: sum over query vectors of the best dot product with any document vector.
+"""MaxSim over (query, document) pairs for a whole batch in one call, without padding documents.
 
-Storage is fp16; on the CPU the product is computed in fp32 (fp16 matmul is slow
-there and loses precision), on CUDA in fp16 with fp32 accumulation by cuBLAS.
+The documents' BOW vectors arrive concatenated (`ReadBatch.vectors`, `offsets`). For every
+query the vectors of its pairs are laid end to end, the queries of a chunk side by side in
+one `[G, T, D]` tensor (padded only to the longest query's total, which varies little: it
+is a sum over ~100 documents), one batched matmul gives the similarities `[G, Lq, T]`, and
+a segment max along T gives each pair's best match per query vector. Similarities are
+computed and accumulated in fp32 on every device, so CPU and GPU rank near-ties alike.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["maxsim", "cls_scores"]
+__all__ = ["maxsim", "maxsim_pairs", "cls_pairs"]
+
+#: Most fp32 elements of gathered document vectors per chunk (32 MiB): bounds the memory a
+#: batch of 256 queries × 1000 re-ranked documents needs.
+MAX_CHUNK_ELEMENTS = 1 << 23
+
+
+def maxsim_pairs(
+    q_bow: torch.Tensor,
+    q_mask: torch.Tensor,
+    vectors: torch.Tensor,
+    offsets: np.ndarray,
+    pair_query: np.ndarray,
+    pair_doc: np.ndarray,
+    reduction: str = "sum",
+    max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """MaxSim of each pair (query `pair_query[p]`, document `pair_doc[p]`) -> [P] float32.
+
+    q_bow [B, Lq, D], q_mask [B, Lq] bool; vectors [T, D] (any float dtype, on the scoring
+    device); offsets [n + 1] int64: document j owns vectors[offsets[j]:offsets[j + 1]];
+    pair_query, pair_doc [P] int64. Masked query vectors are not summed; a document with
+    no vectors scores 0. reduction "mean" divides by the query's vector count (a cosine,
+    on the scale of the CLS score); "sum" is ColBERT's raw sum.
+
+    >>> q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]); qm = torch.tensor([[True, True]])
+    >>> v = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])
+    >>> maxsim_pairs(q, qm, v, np.array([0, 2, 3]), np.array([0, 0]), np.array([0, 1])).tolist()
+    [1.7999999523162842, 1.0]
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    pair_query = np.asarray(pair_query, dtype=np.int64)
+    pair_doc = np.asarray(pair_doc, dtype=np.int64)
+    device = vectors.device
+    out = torch.zeros(len(pair_query), dtype=torch.float32)
+    if len(pair_query) == 0:
+        return out.to(device)
+    lengths = offsets[pair_doc + 1] - offsets[pair_doc]
+    order = np.argsort(pair_query, kind="stable")
+    queries, first = np.unique(pair_query[order], return_index=True)
+    per_query = np.add.reduceat(lengths[order], first)  # vectors per query
+    bounds = np.append(first, len(order))
+    d = int(vectors.shape[1])
+    a = 0
+    while a < len(queries):  # chunks of queries, each under the element budget
+        b = a + 1
+        while b < len(queries) and (b + 1 - a) * int(per_query[a: b + 1].max()) * d <= max_chunk_elements:
+            b += 1
+        chunk = order[bounds[a]: bounds[b]]
+        out[torch.from_numpy(chunk)] = _chunk_maxsim(
+            q_bow[torch.from_numpy(queries[a:b])], q_mask[torch.from_numpy(queries[a:b])], vectors, offsets,
+            pair_doc[chunk], lengths[chunk], np.repeat(np.arange(b - a), bounds[a + 1: b + 1] - bounds[a:b]),
+        ).cpu()
+        a = b
+    if reduction == "mean":
+        out /= q_mask.sum(dim=1).clamp(min=1).cpu().to(torch.float32)[torch.from_numpy(pair_query)]
+    return out.to(device)
+
+
+def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tensor, offsets: np.ndarray,
+                  docs: np.ndarray, lengths: np.ndarray, group: np.ndarray) -> torch.Tensor:
+    """Raw MaxSim sums of pairs grouped by query: group [P] in 0..G-1, non-decreasing."""
+    device = vectors.device
+    n_groups = int(group[-1]) + 1
+    totals = np.bincount(group, weights=lengths, minlength=n_groups).astype(np.int64)
+    cum = np.cumsum(lengths) - lengths
+    group_first = np.searchsorted(group, np.arange(n_groups))
+    starts_in_group = cum - cum[group_first][group]  # where each pair's vectors begin in its row
+    width = max(1, int(totals.max()))
+    total = int(lengths.sum())
+    # Source row of every vector, and its slot in the [G * width] layout.
+    within = np.arange(total, dtype=np.int64) - np.repeat(cum, lengths)
+    src = np.repeat(offsets[docs], lengths) + within
+    dst = np.repeat(group * width + starts_in_group, lengths) + within
+    x = torch.zeros((n_groups * width, vectors.shape[1]), dtype=torch.float32, device=device)
+    if total:
+        x[torch.from_numpy(dst).to(device)] = vectors[torch.from_numpy(src).to(device)].float()
+    q = q_bow.to(device=device, dtype=torch.float32)
+    sim = torch.bmm(q, x.view(n_groups, width, -1).transpose(1, 2))  # [G, Lq, width]
+    lq = sim.shape[1]
+    flat = sim.permute(1, 0, 2).reshape(lq, n_groups * width)  # the groups side by side
+    nonempty = lengths > 0
+    seg_starts = (group * width + starts_in_group)[nonempty]
+    # Every pair's segment must end where it ends, not at the next pair: padding after a
+    # group's last pair becomes a segment of its own, dropped below.
+    pad_starts = (np.arange(n_groups) * width + totals)[totals < width]
+    lead = np.zeros(0 if len(seg_starts) and seg_starts.min() == 0 else 1, dtype=np.int64)  # cover [0, first)
+    cuts = np.concatenate([seg_starts, pad_starts, lead])
+    keep = np.concatenate([np.ones(len(seg_starts), bool), np.zeros(len(pad_starts) + len(lead), bool)])
+    order = np.argsort(cuts, kind="stable")
+    best = torch.zeros((len(docs), lq), dtype=torch.float32)
+    if len(seg_starts):
+        if flat.is_cuda:
+            reduced = torch.segment_reduce(flat.T.contiguous(), "max", lengths=torch.from_numpy(
+                np.diff(np.append(cuts[order], n_groups * width))).to(device), axis=0).T.cpu()
+        else:
+            reduced = torch.from_numpy(np.maximum.reduceat(flat.contiguous().numpy(), cuts[order], axis=1))
+        segs = reduced[:, torch.from_numpy(_undo(order, keep))]
+        best[torch.from_numpy(np.flatnonzero(nonempty))] = segs.T
+    mask = q_mask.cpu()[torch.from_numpy(group)]  # [P, Lq]
+    return torch.where(mask, best, torch.zeros((), dtype=torch.float32)).sum(dim=1)
+
+
+def _undo(order: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Columns of the reduced (sorted) segments that belong to real pairs, in pair order."""
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    return position[np.flatnonzero(keep)]
+
+
+def cls_pairs(q_cls: torch.Tensor, cls: torch.Tensor, pair_query: np.ndarray, pair_doc: np.ndarray) -> torch.Tensor:
+    """Exact CLS dot products of pairs: q_cls [B, D], cls [n, D] (any float dtype) -> [P] float32."""
+    device = cls.device
+    rows = cls[torch.from_numpy(np.asarray(pair_doc, dtype=np.int64)).to(device)].float()
+    queries = q_cls.to(device=device, dtype=torch.float32)[torch.from_numpy(np.asarray(pair_query, np.int64)).to(device)]
+    return (rows * queries).sum(dim=1)
 
 
 def maxsim(
     q_bow: torch.Tensor, q_mask: torch.Tensor, d_bow: torch.Tensor, d_mask: torch.Tensor, reduction: str = "sum"
 ) -> torch.Tensor:
-    """MaxSim of one query against C documents.
+    """Reference MaxSim of one query against C padded documents (kept for tests and tools).
 
     q_bow [Lq, D], q_mask [Lq] bool, d_bow [C, Ld, D], d_mask [C, Ld] bool -> [C] float32.
-    Padding never scores: masked document positions are -inf before the max, masked
-    query positions are dropped from the sum; a document with no vectors scores 0.
-    reduction "mean" divides by the number of query vectors (a cosine, like the CLS score).
 
     >>> q = torch.tensor([[1.0, 0.0], [0.0, 1.0]]); qm = torch.tensor([True, True])
     >>> d = torch.tensor([[[1.0, 0.0], [0.6, 0.8]]]); dm = torch.tensor([[True, True]])
@@ -30,9 +148,8 @@ def maxsim(
     """
     if d_bow.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float32, device=d_bow.device)
-    dtype = torch.float16 if d_bow.is_cuda else torch.float32
-    q = q_bow.to(device=d_bow.device, dtype=dtype)
-    sim = torch.einsum("qd,cld->cql", q, d_bow.to(dtype)).float()  # [C, Lq, Ld]
+    q = q_bow.to(device=d_bow.device, dtype=torch.float32)
+    sim = torch.einsum("qd,cld->cql", q, d_bow.float())  # [C, Lq, Ld]
     sim.masked_fill_(~d_mask[:, None, :].to(sim.device), float("-inf"))
     best = sim.amax(dim=2)  # [C, Lq]
     keep = q_mask.to(sim.device)[None, :] & torch.isfinite(best)
@@ -42,8 +159,3 @@ def maxsim(
     elif reduction != "sum":
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     return total
-
-
-def cls_scores(q_cls: torch.Tensor, d_cls: torch.Tensor) -> torch.Tensor:
-    """Exact dot products of one query CLS [D] with C document CLS vectors [C, D] -> [C] float32."""
-    return d_cls.float() @ q_cls.to(device=d_cls.device, dtype=torch.float32)

@@ -32,6 +32,7 @@ class SearchStats:
     missed:     final candidates read in the critical path
     read_amplification: documents read for this query ÷ documents re-ranked (1.0 = no waste)
     engine:     what moved the bytes ("io_uring", "aio", "threads" under posix; else the reader)
+    waves:      prefetch waves the batch started; waves_skipped: those the cost model skipped
     """
 
     stage_ms: dict[str, float]
@@ -42,6 +43,8 @@ class SearchStats:
     missed: int
     read_amplification: float = 1.0
     engine: str = ""
+    waves: int = 0
+    waves_skipped: int = 0
 
 
 @dataclasses.dataclass

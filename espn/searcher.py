@@ -1,16 +1,21 @@
 """The query pipeline: encode -> coarse quantizer -> ANN over cluster segments, with prefetch
-waves reading the current top candidates while the ANN goes on -> read the misses ->
-aggregate `w · cls + (1 − w) · bow` over the re-ranked top.
+waves submitting reads of the current top candidates while the ANN goes on -> read the
+misses -> aggregate `w · cls + (1 − w) · bow` over the re-ranked top.
 
-After every segment of δ clusters but the last, a wave takes the top `prefetch_k`
-candidates found so far that no earlier wave took and reads them on a worker thread
-(FAISS, torch and preadv release the GIL, so the ANN search really goes on). On a GPU
-the wave also re-ranks them (MaxSim on the device); on a CPU MaxSim would take a core
-from the ANN scan, so the waves only read and one MaxSim call scores what they read
-once the ANN is done. Several waves instead of the paper's single one: the first
-clusters hold few of the final candidates, and the later waves catch the rest off the
-critical path. `prefetch=False` is the sequential reference path; all paths give the
-same ranking.
+After every segment of δ clusters but the last, a wave takes the (query, document) pairs
+that entered the current top `prefetch_k` since the last wave and submits their reads to
+the reader (`Reader.submit`): with the posix reader the read engine (io_uring) has them in
+flight when the call returns, so the main thread goes straight on scanning and no thread
+competes with FAISS for a core. Once the ANN is done each wave is scored, in one batched
+MaxSim call (`maxsim_pairs`), for the pairs that made the final list only; their scores
+land in one preallocated array per batch, so nothing is concatenated or padded. The
+pairs the waves missed are read and scored on the critical path. A cost model skips waves
+that the remaining scan cannot hide (`_wave_pays`), and readers whose reads are CPU work
+(memory, mmap) take no waves at all: there is nothing to overlap.
+
+On a GPU (`early_rerank`) a worker thread reads and re-ranks each wave while the ANN goes
+on, as in the paper. `prefetch=False` is the sequential reference path; all paths give
+the same ranking.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .ann import coarse_assign, load_ivf, merge_topk, search_preassigned, segment_bounds
+from .ann import coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
 from .encoders import Encoder, QueryEmbeddings, load_encoder
 from .errors import InvalidParameterError
 from .index import DocStore, IdMap, IndexDirectory
-from .maxsim import cls_scores, maxsim
+from .maxsim import cls_pairs, maxsim_pairs
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
-from .store import ReadBatch, open_reader
+from .store import PendingRead, ReadBatch, open_reader
 from .store.format import StoreLayout
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
@@ -68,7 +73,7 @@ class Searcher:
 
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
                  device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None,
-                 reader_options: Mapping[str, Any] | None = None) -> None:
+                 reader_options: Mapping[str, Any] | None = None, min_hidden_codes: int = 2048) -> None:
         self.index = index
         self.manifest = index.manifest
         self.encoder = encoder
@@ -92,6 +97,10 @@ class Searcher:
         # would take cores from the ANN scan it overlaps, so there waves only read (I/O
         # releases the GIL and needs no core) and MaxSim runs once the ANN is done.
         self.early_rerank = self.device.startswith("cuda") if early_rerank is None else early_rerank
+        # Codes per query the ANN must still scan for a wave to be worth its fixed cost
+        # (~0.1 ms of planning, submission and a separate parse; a scan does ~20k codes/ms).
+        self.min_hidden_codes = min_hidden_codes
+        self._list_sizes = list_sizes(self.ann)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
@@ -99,16 +108,18 @@ class Searcher:
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
              with_encoder: bool = True, early_rerank: bool | None = None,
-             reader_options: Mapping[str, Any] | None = None) -> "Searcher":
+             reader_options: Mapping[str, Any] | None = None, min_hidden_codes: int = 2048) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
 
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
-        None = best available), `io_depth`, `max_extent_bytes`, `direct`.
+        None = best available), `io_depth`, `max_extent_bytes`, `direct`. min_hidden_codes: a
+        prefetch wave starts only while at least this many codes per query remain to be
+        scanned (0: always; the cost model of `_wave_pays`).
         """
         index = IndexDirectory.open(path, verify=verify)
         encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
         return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
-                   reader_options=reader_options)
+                   reader_options=reader_options, min_hidden_codes=min_hidden_codes)
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -181,128 +192,145 @@ class Searcher:
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer) -> list[QueryResult]:
-        batch = len(q)
+        batch, n_docs = len(q), self.num_documents
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
-        q_cls = torch.from_numpy(xq)
-        q_bow = torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32))
-        q_mask = torch.from_numpy(np.asarray(q.mask, dtype=bool))
+        queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
+                                torch.from_numpy(np.asarray(q.mask, dtype=bool)))
         candidates = params.candidates
         coarse_scores, lists = coarse_assign(self.ann, xq, params.nprobe)
         timer.lap("quantizer")
 
         segments = segment_bounds(params.nprobe, params.prefetch_step)
-        use_prefetch = params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
-        waves: list[tuple[list[np.ndarray], Future]] = []
-        submitted = [np.zeros(0, dtype=np.int64) for _ in range(batch)]
+        use_prefetch = (params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
+                        and (self.reader.asynchronous or self.early_rerank))
+        max_waves = params.prefetch_waves or len(segments)
+        waves: list[_Wave] = []
+        skipped = 0
+        submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
+        rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
-        for a, b in segments:
-            part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
-            top = merge_topk(top, part, candidates)
-            if use_prefetch and b < params.nprobe and len(waves) < (params.prefetch_waves or len(segments)):
-                wave = []
-                for i in range(batch):
-                    current = top[1][i, : params.wave_size]
-                    new = current[(current >= 0) & ~np.isin(current, submitted[i])]
-                    submitted[i] = np.concatenate([submitted[i], new])
-                    wave.append(new)
-                task = self._score if self.early_rerank else self._read
-                waves.append((wave, self._pool.submit(task, q_cls, q_bow, q_mask, wave)))
-        timer.lap("ann")
+        try:
+            for a, b in segments:
+                part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
+                top = merge_topk(top, part, candidates)
+                if not use_prefetch or b >= params.nprobe or len(waves) >= max_waves:
+                    continue
+                head = top[1][:, : params.wave_size]
+                keys = (rows + head)[head >= 0]
+                new = keys[~np.isin(keys, submitted)]
+                if len(new) == 0:
+                    continue
+                if not self._wave_pays(lists[:, b:]):
+                    skipped += 1
+                    continue
+                submitted = np.union1d(submitted, new)
+                waves.append(self._start_wave(new, n_docs, queries))
+            timer.lap("ann")
 
-        rerank = [row[row >= 0][: params.rerank_count] for row in top[1]]
-        scored: list[list[Scored]] = [[] for _ in range(batch)]
-        bytes_read = ios = 0
-        fetched_waves: list[tuple[list[np.ndarray], _Fetched]] = []
-        for wave, future in waves:
-            outcome = future.result()  # re-raises a worker failure here
-            if isinstance(outcome, _Fetched):
-                fetched_waves.append((wave, outcome))
-                fetched = outcome
-            else:
-                result, fetched = outcome
-                for i in range(batch):
-                    scored[i].append(result[i])
-            bytes_read, ios = bytes_read + fetched.bytes_read, ios + fetched.ios
-        timer.lap("prefetch_wait")
-        # Read-only waves: score now, only what made the final list, in one MaxSim call.
-        if fetched_waves:
-            merged = _merge_fetched([fetched for _, fetched in fetched_waves])
-            final = [np.concatenate([wave[i] for wave, _ in fetched_waves]) for i in range(batch)]
-            final = [docs[np.isin(docs, rerank[i])] for i, docs in enumerate(final)]
-            for i, item in enumerate(self._maxsim(q_cls, q_bow, q_mask, final, merged)):
-                scored[i].append(item)
-        timer.lap("prefetch_maxsim")
+            rerank = top[1][:, : params.rerank_count]
+            valid = rerank >= 0
+            final = (rows + rerank)[valid]  # every query's re-ranked keys, in rank order per query
+            final_sorted = np.argsort(final, kind="stable")
+            scores = np.zeros((2, len(final)), dtype=np.float32)  # exact CLS, MaxSim per final key
+            bytes_read = ios = 0
+            wait_ms = 0.0
+            for wave in waves:
+                started = time.perf_counter()
+                data, wave_scores = wave.finish()
+                wait_ms += (time.perf_counter() - started) * 1000
+                bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
+                wanted = np.isin(wave.keys, final)
+                where = final_sorted[np.searchsorted(final, wave.keys[wanted], sorter=final_sorted)]
+                if wave_scores is not None:  # re-ranked early, on the worker
+                    scores[:, where] = wave_scores[:, wanted]
+                    continue
+                scores[:, where] = self._score_pairs(queries, data, wave.keys[wanted], wave.docs, n_docs)
+            n_waves, waves = len(waves), []
+            timer.ms["prefetch_wait"] = wait_ms
+            timer.lap("prefetch_maxsim")
+            timer.ms["prefetch_maxsim"] -= wait_ms
 
-        misses = [docs[~np.isin(docs, submitted[i])] for i, docs in enumerate(rerank)]
-        result, fetched = self._score(q_cls, q_bow, q_mask, misses)
-        bytes_read, ios = bytes_read + fetched.bytes_read, ios + fetched.ios
-        for i in range(batch):
-            scored[i].append(result[i])
-        timer.ms["miss_read"] = fetched.read_ms
-        timer.lap("miss_maxsim")
-        timer.ms["miss_maxsim"] -= fetched.read_ms
+            missing = np.flatnonzero(~np.isin(final, submitted))
+            miss_keys = final[missing]
+            miss_docs = np.unique(miss_keys % n_docs) if len(miss_keys) else np.zeros(0, np.int64)
+            started = time.perf_counter()
+            data = self.reader.read(miss_docs)
+            timer.ms["miss_read"] = (time.perf_counter() - started) * 1000
+            bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
+            scores[:, missing] = self._score_pairs(queries, data, miss_keys, miss_docs, n_docs)
+            timer.lap("miss_maxsim")
+            timer.ms["miss_maxsim"] -= timer.ms["miss_read"]
+        finally:
+            for wave in waves:  # a failure part-way: no read may outlive the search
+                wave.discard()
 
+        n_final = valid.sum(axis=1)
+        per_query = np.bincount(final // n_docs if len(final) else final, minlength=batch) if batch else n_final
+        prefetched = np.bincount(submitted // n_docs, minlength=batch)
+        hits_in_final = np.bincount(final[np.isin(final, submitted)] // n_docs, minlength=batch)
+        missed = per_query - hits_in_final
+        cls_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
+        bow_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
+        cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
         out = []
         for i in range(batch):
-            hits = self._aggregate(top[0][i], top[1][i], rerank[i], scored[i], params.k)
-            n_final = len(rerank[i])
-            hit_rate = float(np.isin(rerank[i], submitted[i]).sum() / n_final) if n_final else 1.0
-            out.append((hits, hit_rate, len(submitted[i]), len(misses[i])))
+            hits = self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
+                                   bow_grid[i][valid[i]], params.k)
+            out.append(hits)
         timer.lap("aggregate")
         stage_ms = timer.total()
+        engine = self.reader.engine
         return [
             QueryResult(hits=hits, stats=SearchStats(
-                stage_ms=stage_ms, hit_rate=hit_rate,
+                stage_ms=stage_ms,
+                hit_rate=float(hits_in_final[i] / n_final[i]) if n_final[i] else 1.0,
                 bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
-                prefetched=prefetched, missed=missed))
-            for i, (hits, hit_rate, prefetched, missed) in enumerate(out)
+                prefetched=int(prefetched[i]), missed=int(missed[i]),
+                read_amplification=float((prefetched[i] + missed[i]) / n_final[i]) if n_final[i] else 1.0,
+                engine=engine, waves=n_waves, waves_skipped=skipped))
+            for i, hits in enumerate(out)
         ]
 
-    def _read(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
-              docs: list[np.ndarray]) -> "_Fetched":
-        """Read the union of every query's documents once (the query tensors are unused; the
-        signature matches `_score` so either can be a prefetch task)."""
-        union = np.unique(np.concatenate(docs)) if docs else np.zeros(0, np.int64)
-        if len(union) == 0:
-            return _Fetched(union, None, 0, 0, 0.0)
-        started = time.perf_counter()
-        data = self.reader.read(union)
-        return _Fetched(union, data, data.bytes_read, data.ios, (time.perf_counter() - started) * 1000)
+    def _wave_pays(self, remaining_lists: np.ndarray) -> bool:
+        """The cost model: a wave pays when the ANN work still to come can hide its reads.
 
-    def _maxsim(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
-                docs: list[np.ndarray], fetched: "_Fetched") -> list[Scored]:
-        """Exact CLS and MaxSim of each query's documents, all present in `fetched`."""
-        empty = np.zeros(0, np.float32)
-        scored: list[Scored] = []
-        for i, mine in enumerate(docs):
-            if len(mine) == 0 or fetched.data is None:
-                scored.append((mine, empty, empty))
-                continue
-            data = fetched.data
-            rows = torch.from_numpy(np.searchsorted(fetched.union, mine)).to(data.bow.device)
-            bow = maxsim(q_bow[i], q_mask[i], data.bow[rows], data.mask[rows], self.bow_reduction)
-            cls = cls_scores(q_cls[i], data.cls[rows])
-            scored.append((mine, cls.cpu().numpy(), bow.cpu().numpy()))
-        return scored
+        A wave costs a fixed overhead (planning, one submission, a separate parse) and
+        hides at most the scan that remains. When the clusters left to scan hold fewer
+        codes per query than `min_hidden_codes` (about the scan time of one wave's
+        overhead), its candidates go to the critical-path read with the misses instead.
+        """
+        return int(self._list_sizes[remaining_lists].sum()) >= self.min_hidden_codes * len(remaining_lists)
 
-    def _score(self, q_cls: torch.Tensor, q_bow: torch.Tensor, q_mask: torch.Tensor,
-               docs: list[np.ndarray]) -> tuple[list[Scored], "_Fetched"]:
-        """Read, then score: per query (docs, cls, bow), and what the read cost."""
-        fetched = self._read(q_cls, q_bow, q_mask, docs)
-        return self._maxsim(q_cls, q_bow, q_mask, docs, fetched), fetched
+    def _start_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
+        docs = np.unique(keys % n_docs)
+        if self.early_rerank:
+            # GPU: read and re-rank on a worker while the ANN goes on; the worker both submits
+            # and waits, as ring-based engines require.
+            def read_and_score() -> tuple[ReadBatch, np.ndarray]:
+                data = self.reader.read(docs)
+                return data, self._score_pairs(queries, data, keys, docs, n_docs)
 
-    def _aggregate(self, ann_scores: np.ndarray, ann_docs: np.ndarray, rerank: np.ndarray,
-                   scored: list[Scored], k: int) -> list[Hit]:
+            return _Wave(keys, docs, future=self._pool.submit(read_and_score))
+        return _Wave(keys, docs, pending=self.reader.submit(docs))
+
+    def _score_pairs(self, queries: "_QueryTensors", data: ReadBatch, keys: np.ndarray, docs: np.ndarray,
+                     n_docs: int) -> np.ndarray:
+        """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`; `data` holds `docs` (sorted)."""
+        if len(keys) == 0:
+            return np.zeros((2, 0), dtype=np.float32)
+        pair_query = keys // n_docs
+        pair_row = np.searchsorted(docs, keys % n_docs)
+        q_bow, q_mask = queries.on(data.vectors.device)
+        bow = maxsim_pairs(q_bow, q_mask, data.vectors, data.offsets, pair_query, pair_row, self.bow_reduction)
+        cls = cls_pairs(queries.cls, data.cls, pair_query, pair_row)
+        return torch.stack([cls, bow]).cpu().numpy()
+
+    def _aggregate(self, ann_scores: np.ndarray, ann_docs: np.ndarray, rerank: np.ndarray, head_cls: np.ndarray,
+                   head_bow: np.ndarray, k: int) -> list[Hit]:
         """Re-ranked head by `w·cls + (1−w)·bow`, then the rest in CLS order, k in all."""
         valid = ann_docs >= 0
         ann_scores, ann_docs = ann_scores[valid], ann_docs[valid]
         head_n = len(rerank)
-        docs = np.concatenate([s[0] for s in scored])
-        cls = np.concatenate([s[1] for s in scored])
-        bow = np.concatenate([s[2] for s in scored])
-        where = {int(d): j for j, d in enumerate(docs)}  # a few hundred entries per query
-        pick = np.array([where[int(d)] for d in rerank], dtype=np.int64)
-        head_cls, head_bow = cls[pick], bow[pick]
         combined = self.weight * head_cls + (1 - self.weight) * head_bow
         order = np.argsort(-combined, kind="stable")
         hits = [
@@ -334,54 +362,65 @@ class Searcher:
             numbers = np.arange(start, min(start + block, self.num_documents))
             cls = self.reader.read(numbers).cls.float().cpu()
             scores = torch.cat([best_scores, xq @ cls.T], dim=1)
-            docs = torch.cat([best_docs, torch.from_numpy(numbers).expand(len(queries), -1)], dim=1)
+            merged = torch.cat([best_docs, torch.from_numpy(numbers).expand(len(queries), -1)], dim=1)
             best_scores, idx = scores.topk(min(keep, scores.shape[1]), dim=1)
-            best_docs = docs.gather(1, idx)
-        q_bow = torch.from_numpy(np.ascontiguousarray(queries.bow, dtype=np.float32))
-        q_mask = torch.from_numpy(np.asarray(queries.mask, dtype=bool))
-        results = []
-        for i in range(len(queries)):
-            ann_docs, ann_scores = best_docs[i].numpy(), best_scores[i].numpy()
-            rerank = ann_docs[: min(rerank_count, len(ann_docs))]
-            scored, _ = self._score(xq, q_bow, q_mask, [rerank if j == i else np.zeros(0, np.int64)
-                                                              for j in range(len(queries))])
-            results.append(self._aggregate(ann_scores, ann_docs, rerank, [scored[i]], k))
-        return results
+            best_docs = merged.gather(1, idx)
+        tensors = _QueryTensors(xq, torch.from_numpy(np.ascontiguousarray(queries.bow, dtype=np.float32)),
+                                torch.from_numpy(np.asarray(queries.mask, dtype=bool)))
+        n_docs = self.num_documents
+        head = best_docs[:, : min(rerank_count, best_docs.shape[1])].numpy()
+        keys = (np.arange(len(queries))[:, None] * n_docs + head).ravel()
+        docs = np.unique(head)
+        scored = self._score_pairs(tensors, self.reader.read(docs), keys, docs, n_docs).reshape(2, *head.shape)
+        return [self._aggregate(best_scores[i].numpy(), best_docs[i].numpy(), head[i], scored[0, i], scored[1, i], k)
+                for i in range(len(queries))]
 
 
 @dataclasses.dataclass
-class _Fetched:
-    """Documents read for one wave or for the misses: sorted doc numbers and their embeddings."""
+class _QueryTensors:
+    """One batch's query embeddings on the host, with a copy on the scoring device made once."""
 
-    union: np.ndarray
-    data: ReadBatch | None
-    bytes_read: int
-    ios: int
-    read_ms: float
+    cls: torch.Tensor   # [B, d_cls] float32
+    bow: torch.Tensor   # [B, Lq, d_bow] float32
+    mask: torch.Tensor  # [B, Lq] bool
+    _device_copy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device.type == "cpu":
+            return self.bow, self.mask
+        if self._device_copy is None or self._device_copy[0].device != device:
+            self._device_copy = (self.bow.to(device), self.mask.to(device))
+        return self._device_copy
 
 
-def _merge_fetched(parts: list[_Fetched]) -> _Fetched:
-    """One sorted `_Fetched` from several waves' (their documents are disjoint)."""
-    present = [p for p in parts if p.data is not None]
-    if len(present) <= 1:
-        return present[0] if present else parts[0]
-    width = max(int(p.data.bow.shape[1]) for p in present if p.data is not None)
+@dataclasses.dataclass
+class _Wave:
+    """One prefetch wave: the (query, doc) keys it took, the sorted docs it reads, and the
+    read in flight (`pending`) or, when re-ranking early, the worker doing it (`future`)."""
 
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[1])) if t.dim() == 3 else \
-            torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    keys: np.ndarray
+    docs: np.ndarray
+    pending: PendingRead | None = None
+    future: Future | None = None
 
-    union = np.concatenate([p.union for p in present])
-    batches = [p.data for p in present if p.data is not None]
-    order = torch.from_numpy(np.argsort(union, kind="stable")).to(batches[0].cls.device)
-    data = ReadBatch(
-        cls=torch.cat([b.cls for b in batches])[order],
-        bow=torch.cat([padded(b.bow) for b in batches])[order],
-        mask=torch.cat([padded(b.mask) for b in batches])[order],
-        bytes_read=sum(b.bytes_read for b in batches),
-        ios=sum(b.ios for b in batches),
-    )
-    return _Fetched(union[order.cpu().numpy()], data, data.bytes_read, data.ios, sum(p.read_ms for p in present))
+    def finish(self) -> tuple[ReadBatch, np.ndarray | None]:
+        """The wave's embeddings, and its pair scores [2, len(keys)] if it re-ranked early."""
+        if self.future is not None:
+            data, scores = self.future.result()  # re-raises a worker failure here
+            return data, scores
+        assert self.pending is not None
+        return self.pending.result(), None
+
+    def discard(self) -> None:
+        """Wait for the wave without using it (its search failed), logging its own error."""
+        try:
+            if self.future is not None:
+                if not self.future.cancel():
+                    self.future.exception()
+            elif self.pending is not None:
+                self.pending.discard()
+        except Exception:  # the search is already failing with its own error
+            log.warning("a prefetch wave failed while its search was being abandoned", exc_info=True)
 
 
 def _share(total: int, i: int, n: int) -> int:

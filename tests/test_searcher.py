@@ -21,7 +21,9 @@ QUERIES = [
 
 @pytest.fixture(scope="module")
 def searcher(sample_index: Path):
-    with Searcher.open(sample_index) as s:
+    # min_hidden_codes=0: every wave runs, so the prefetch path is what these tests exercise
+    # (on a 300-document index the cost model would skip them all; see the test below).
+    with Searcher.open(sample_index, min_hidden_codes=0) as s:
         yield s
 
 
@@ -37,6 +39,15 @@ def test_prefetch_and_sequential_paths_agree(searcher: Searcher) -> None:
         for a, b in zip(fast, slow):
             np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], rtol=1e-5, atol=1e-6)
         assert all(r.stats.prefetched == 0 and r.stats.hit_rate == 0.0 for r in slow)
+
+
+def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sample_index: Path) -> None:
+    with Searcher.open(sample_index) as default:
+        skipped = default.search(QUERIES, k=20, prefetch_step=0.2)
+    taken = searcher.search(QUERIES, k=20, prefetch_step=0.2)
+    assert all(r.stats.waves == 0 and r.stats.waves_skipped > 0 and r.stats.prefetched == 0 for r in skipped)
+    assert all(r.stats.waves > 0 and r.stats.waves_skipped == 0 and r.stats.prefetched > 0 for r in taken)
+    assert ranking(skipped) == ranking(taken)
 
 
 def test_pipeline_equals_exhaustive_reference(searcher: Searcher) -> None:
@@ -123,7 +134,7 @@ def test_k_larger_than_corpus_returns_everything(searcher: Searcher) -> None:
 
 def test_early_rerank_in_the_prefetch_thread_gives_the_same_ranking(sample_index: Path, searcher: Searcher) -> None:
     """The GPU behaviour (MaxSim inside the prefetch waves), forced on the CPU."""
-    with Searcher.open(sample_index, early_rerank=True) as early:
+    with Searcher.open(sample_index, early_rerank=True, min_hidden_codes=0) as early:
         assert early.early_rerank and not searcher.early_rerank
         a = early.search(QUERIES, k=20, prefetch_step=0.2)
         b = searcher.search(QUERIES, k=20, prefetch_step=0.2)

@@ -297,6 +297,9 @@ class Reader(abc.ABC):
     """
 
     name: ClassVar[str]
+    #: True when `submit` starts I/O that proceeds without the caller (a prefetch wave can
+    #: hide it behind the ANN scan); False where the work happens in `result()`.
+    asynchronous: ClassVar[bool] = False
 
     def __init__(
         self,

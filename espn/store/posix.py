@@ -99,6 +99,7 @@ class PosixReader(Reader):
     """
 
     name = "posix"
+    asynchronous = True
 
     def __init__(
         self,

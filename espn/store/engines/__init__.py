@@ -11,15 +11,17 @@ from __future__ import annotations
 import logging
 
 from ...errors import BackendUnavailableError, InvalidParameterError
+from .aio import AioEngine
 from .base import EngineRead, EngineUnavailable, ReadEngine
 from .threads import ThreadsEngine
+from .uring import UringEngine
 
 __all__ = ["ENGINES", "ENGINE_ORDER", "EngineRead", "EngineUnavailable", "ReadEngine", "open_engine"]
 
 logger = logging.getLogger(__name__)
 
 #: Engines by name, best first.
-ENGINES: dict[str, type[ReadEngine]] = {cls.name: cls for cls in (ThreadsEngine,)}
+ENGINES: dict[str, type[ReadEngine]] = {cls.name: cls for cls in (UringEngine, AioEngine, ThreadsEngine)}
 ENGINE_ORDER = tuple(ENGINES)
 
 
@@ -37,7 +39,7 @@ def open_engine(name: str | None = None, depth: int | None = None) -> ReadEngine
             except EngineUnavailable as exc:
                 reason = str(exc)
         raise BackendUnavailableError(f"io engine {name!r} cannot run here: {reason}")
-    passed_over = []
+    passed_over: list[str] = []
     for cls in ENGINES.values():
         reason = cls.unavailable_reason()
         if reason is None:
