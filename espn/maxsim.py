@@ -84,21 +84,29 @@ def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tens
     starts_in_group = cum - cum[group_first][group]  # where each pair's vectors begin in its row
     width = max(1, int(totals.max()))
     total = int(lengths.sum())
-    # Source row of every vector, and its slot in the [G * width] layout.
+    slots = n_groups * width
+    # Source row of every slot of the [G, width] layout. Padding slots read row 0: they form
+    # segments of their own, dropped below, so their values never matter (and no zero fill).
     within = np.arange(total, dtype=np.int64) - np.repeat(cum, lengths)
+    pair_slot = group * width + starts_in_group
+    dst = np.repeat(pair_slot, lengths) + within
     src = np.repeat(offsets[docs], lengths) + within
-    dst = np.repeat(group * width + starts_in_group, lengths) + within
-    x = torch.zeros((n_groups * width, vectors.shape[1]), dtype=torch.float32, device=device)
-    if total:
-        x[torch.from_numpy(dst).to(device)] = vectors[torch.from_numpy(src).to(device)].float()
+    if total == slots and np.array_equal(dst, np.arange(slots)) and len(vectors) == total \
+            and np.array_equal(src, np.arange(total)):
+        x = vectors.float()  # the pairs are exactly the read batch, in order: no gather
+    else:
+        index = np.zeros(slots, dtype=np.int64)
+        index[dst] = src
+        x = vectors.index_select(0, torch.from_numpy(index).to(device)).float() if len(vectors) else \
+            torch.zeros((slots, vectors.shape[1]), dtype=torch.float32, device=device)
     q = q_bow.to(device=device, dtype=torch.float32)
-    sim = torch.bmm(q, x.view(n_groups, width, -1).transpose(1, 2))  # [G, Lq, width]
+    # [G, width, Lq]: documents' vectors as rows (this orientation runs ~2x faster on CPU).
+    sim = torch.bmm(x.view(n_groups, width, -1), q.transpose(1, 2)).reshape(slots, -1)
     lq = sim.shape[1]
-    flat = sim.permute(1, 0, 2).reshape(lq, n_groups * width)  # the groups side by side
     nonempty = lengths > 0
-    seg_starts = (group * width + starts_in_group)[nonempty]
-    # Every pair's segment must end where it ends, not at the next pair: padding after a
-    # group's last pair becomes a segment of its own, dropped below.
+    seg_starts = pair_slot[nonempty]
+    # Every pair's segment must end where it ends, not at the next pair: the padding after a
+    # group's last pair is a segment of its own, dropped below.
     pad_starts = (np.arange(n_groups) * width + totals)[totals < width]
     lead = np.zeros(0 if len(seg_starts) and seg_starts.min() == 0 else 1, dtype=np.int64)  # cover [0, first)
     cuts = np.concatenate([seg_starts, pad_starts, lead])
@@ -106,13 +114,12 @@ def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tens
     order = np.argsort(cuts, kind="stable")
     best = torch.zeros((len(docs), lq), dtype=torch.float32)
     if len(seg_starts):
-        if flat.is_cuda:
-            reduced = torch.segment_reduce(flat.T.contiguous(), "max", lengths=torch.from_numpy(
-                np.diff(np.append(cuts[order], n_groups * width))).to(device), axis=0).T.cpu()
+        if sim.is_cuda:
+            seg_lengths = np.diff(np.append(cuts[order], slots))
+            reduced = torch.segment_reduce(sim, "max", lengths=torch.from_numpy(seg_lengths).to(device), axis=0).cpu()
         else:
-            reduced = torch.from_numpy(np.maximum.reduceat(flat.contiguous().numpy(), cuts[order], axis=1))
-        segs = reduced[:, torch.from_numpy(_undo(order, keep))]
-        best[torch.from_numpy(np.flatnonzero(nonempty))] = segs.T
+            reduced = torch.from_numpy(np.maximum.reduceat(sim.numpy(), cuts[order], axis=0))
+        best[torch.from_numpy(np.flatnonzero(nonempty))] = reduced[torch.from_numpy(_undo(order, keep))]
     mask = q_mask.cpu()[torch.from_numpy(group)]  # [P, Lq]
     return torch.where(mask, best, torch.zeros((), dtype=torch.float32)).sum(dim=1)
 

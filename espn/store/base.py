@@ -483,9 +483,11 @@ def gather_records(
     # Element position of every BOW vector: the record's first BOW element + t·d_bow.
     within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
     rows = np.repeat(first + d_cls, n_bow) + within * d_bow
-    cls = flat.unfold(0, d_cls, 1)[torch.from_numpy(first).to(device)]
+    # index_select, not `view[index]`: on a strided view advanced indexing takes a per-element
+    # path that is ~13x slower (4 ms against 0.3 ms for 25k vectors of 64 dims).
+    cls = flat.unfold(0, d_cls, 1).index_select(0, torch.from_numpy(first).to(device))
     if total:
-        vectors = flat.unfold(0, d_bow, 1)[torch.from_numpy(rows).to(device)]
+        vectors = flat.unfold(0, d_bow, 1).index_select(0, torch.from_numpy(rows).to(device))
     else:
         vectors = torch.zeros((0, d_bow), dtype=torch.float16, device=device)
     return cls, vectors, offsets
