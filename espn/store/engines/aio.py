@@ -1,0 +1,205 @@
+"""The Linux AIO engine: raw `io_setup` / `io_submit` / `io_getevents` from Python with
+ctypes, iocbs filled with numpy.
+
+The fallback where io_uring is refused (container seccomp profiles that refuse io_uring
+usually allow AIO). With `O_DIRECT` the reads are asynchronous like io_uring's; on the
+buffered fallback descriptor the kernel performs them inside `io_submit`, which is still
+correct, just synchronous. One AIO context per submitting thread, like the rings (so the
+same rule: `wait()` runs on the submitting thread), `depth` reads in flight per context.
+A batch is one `io_submit` of an array of iocb pointers (looped only if the kernel takes
+fewer); `wait` is `io_getevents`. The kernel copies each iocb at `io_submit`, so the iocb
+array is reused for the next batch. Results go through the same bookkeeping as io_uring
+(`native.KernelQueue`): completions attributed by `aio_data` = submission id << 32 |
+extent, retries of EINTR/EAGAIN and of short transfers before the end of the file,
+errors raised once every extent has finished.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import platform
+import sys
+
+import numpy as np
+
+from .native import KernelQueue, NativeEngine
+from .uring import _syscall
+
+__all__ = ["AioEngine", "IOCB_DTYPE", "IO_EVENT_DTYPE"]
+
+#: (io_setup, io_destroy, io_submit, io_getevents) per architecture.
+_SYSCALLS = {
+    "x86_64": (206, 207, 209, 208),
+    "amd64": (206, 207, 209, 208),
+    "aarch64": (0, 1, 2, 4),
+    "arm64": (0, 1, 2, 4),
+}
+IOCB_CMD_PREAD = 0
+
+_u2, _u4, _u8, _i2, _i4, _i8 = np.uint16, np.uint32, np.uint64, np.int16, np.int32, np.int64
+#: struct iocb (64 bytes, little-endian field order)
+IOCB_DTYPE = np.dtype([("aio_data", _u8), ("aio_key", _u4), ("aio_rw_flags", _i4), ("aio_lio_opcode", _u2),
+                       ("aio_reqprio", _i2), ("aio_fildes", _u4), ("aio_buf", _u8), ("aio_nbytes", _u8),
+                       ("aio_offset", _i8), ("aio_reserved2", _u8), ("aio_flags", _u4), ("aio_resfd", _u4)])
+#: struct io_event (32 bytes)
+IO_EVENT_DTYPE = np.dtype([("data", _u8), ("obj", _u8), ("res", _i8), ("res2", _i8)])
+assert IOCB_DTYPE.itemsize == 64 and IO_EVENT_DTYPE.itemsize == 32
+
+
+def _numbers() -> tuple[int, int, int, int]:
+    return _SYSCALLS[platform.machine().lower()]
+
+
+def io_setup(nr_events: int) -> int:
+    """A new AIO context able to hold `nr_events` requests in flight."""
+    ctx = ctypes.c_ulong(0)
+    _syscall(_numbers()[0], nr_events, ctypes.addressof(ctx))
+    return int(ctx.value)
+
+
+def io_destroy(ctx: int) -> None:
+    _syscall(_numbers()[1], ctx)
+
+
+class _Context(KernelQueue):
+    """One AIO context and an event array; iocbs live with their submission."""
+
+    def __init__(self, capacity: int) -> None:
+        self.ctx = io_setup(capacity)
+        super().__init__(capacity)
+        _, _, self._nr_submit, self._nr_getevents = _numbers()
+        self._events = np.zeros(capacity, dtype=IO_EVENT_DTYPE)
+        self._events_address = self._events.ctypes.data
+        self._staged: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (iocbs, pointers, start, stop)
+        self._with_kernel = 0  # submitted and not reaped (excludes requests refused at io_submit)
+        self._reaped: list[np.ndarray] = []  # events reaped during one _exchange
+
+    def _prepare(self, fd: int, offsets: np.ndarray, addrs: np.ndarray, lengths: np.ndarray,
+                 user_data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """k iocbs (IOCB_CMD_PREAD) and the [k] uint64 array of their addresses io_submit takes."""
+        iocbs = np.zeros(len(lengths), dtype=IOCB_DTYPE)
+        iocbs["aio_lio_opcode"] = IOCB_CMD_PREAD
+        iocbs["aio_fildes"] = fd
+        iocbs["aio_offset"] = offsets
+        iocbs["aio_buf"] = addrs
+        iocbs["aio_nbytes"] = lengths
+        iocbs["aio_data"] = user_data
+        pointers = iocbs.ctypes.data + np.arange(len(lengths), dtype=np.uint64) * np.uint64(IOCB_DTYPE.itemsize)
+        return iocbs, pointers
+
+    def _issue(self, requests: tuple[np.ndarray, np.ndarray], start: int, stop: int) -> None:
+        self._staged.append((*requests, start, stop))
+
+    def _submit_staged(self) -> tuple[list[int], list[int]]:
+        """io_submit every staged iocb; those the kernel refuses outright come back as failures."""
+        failed_data: list[int] = []
+        failed_res: list[int] = []
+        staged, self._staged = self._staged, []
+        for iocbs, pointers, done, stop in staged:
+            address = pointers.ctypes.data
+            while done < stop:
+                try:
+                    n = _syscall(self._nr_submit, self.ctx, stop - done, address + 8 * done)
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.EAGAIN and self._with_kernel:
+                        self._wait_events(1)  # out of kernel resources: let some finish first
+                        continue
+                    # io_submit reports an error only for the first iocb of the call (bad
+                    # fd, misaligned O_DIRECT...): that read has failed; carry on with the next.
+                    failed_data.append(int(iocbs["aio_data"][done]))
+                    failed_res.append(-(exc.errno or errno.EIO))
+                    done += 1
+                    continue
+                if n == 0:
+                    raise OSError(errno.EAGAIN, "io_submit accepted no request")
+                done += n
+                self._with_kernel += n
+        return failed_data, failed_res
+
+    def _wait_events(self, min_complete: int) -> None:
+        """Reap at least `min_complete` events (all that are ready, up to capacity)."""
+        while True:
+            try:
+                n = _syscall(self._nr_getevents, self.ctx, min_complete, len(self._events), self._events_address, 0)
+            except InterruptedError:
+                continue
+            break
+        self._reaped.append(self._events[:n].copy())
+        self._with_kernel -= n
+
+    def _exchange(self, min_complete: int) -> tuple[np.ndarray, np.ndarray]:
+        self._reaped = []
+        failed_data, failed_res = self._submit_staged() if self._staged else ([], [])
+        got = sum(len(e) for e in self._reaped)
+        need = min(min_complete - len(failed_data) - got, self._with_kernel)
+        if need > 0:
+            self._wait_events(need)
+        reaped, self._reaped = self._reaped, []
+        if not failed_data:
+            if not reaped:
+                return _EMPTY_U64, _EMPTY_I64
+            if len(reaped) == 1:
+                rows = reaped[0].view(np.uint64).reshape(-1, 4)  # data, obj, res, res2
+                return rows[:, 0], rows.view(np.int64)[:, 2]
+        events = np.concatenate(reaped) if reaped else np.zeros(0, dtype=IO_EVENT_DTYPE)
+        user_data = np.concatenate([events["data"], np.asarray(failed_data, dtype=np.uint64)])
+        res = np.concatenate([events["res"], np.asarray(failed_res, dtype=np.int64)])
+        return user_data, res
+
+    def _release(self) -> None:
+        ctx, self.ctx = getattr(self, "ctx", 0), 0
+        if ctx:
+            io_destroy(ctx)  # waits for (or cancels) anything still in flight
+
+
+_EMPTY_U64 = np.zeros(0, dtype=np.uint64)
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> str | None:
+    """Why Linux AIO cannot run here, or None; tried once per process (clear with cache_clear)."""
+    if not sys.platform.startswith("linux"):
+        return "Linux AIO is Linux only"
+    if platform.machine().lower() not in _SYSCALLS:
+        return f"no AIO syscall numbers for {platform.machine()!r} (known: x86_64, aarch64)"
+    try:
+        context = _Context(2)
+    except OSError as exc:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        hint = {errno.ENOSYS: "; the kernel lacks CONFIG_AIO, or a seccomp profile hides it",
+                errno.EPERM: "; probably a seccomp profile",
+                errno.EAGAIN: "; the system-wide fs.aio-max-nr is used up"}.get(exc.errno or 0, "")
+        return f"io_setup refused: {exc.strerror} ({name}){hint}"
+    src = os.memfd_create("espn-aio-probe", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.write(src, b"espn")
+        out = np.zeros(8, dtype=np.uint8)
+        offsets, lengths = np.zeros(1, dtype=np.int64), np.full(1, 4, dtype=np.int64)
+        counts = context.add(src, offsets, lengths, offsets + out.ctypes.data, out).wait()
+        if int(counts[0]) != 4 or out[:4].tobytes() != b"espn":
+            return f"AIO test read returned {counts.tolist()} bytes: {out[:4].tobytes()!r}"
+    except OSError as exc:
+        return f"AIO test read failed: {exc}"
+    finally:
+        os.close(src)
+        context.close()
+    return None
+
+
+class AioEngine(NativeEngine):
+    """Linux native AIO: one context per submitting thread, `depth` reads in flight each."""
+
+    name = "aio"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return probe()
+
+    def _new_queue(self) -> KernelQueue:
+        return _Context(self.depth)
