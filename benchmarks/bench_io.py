@@ -49,10 +49,16 @@ from benchmarks.common import machine, machine_line, markdown_table, median, wri
 BLOCK = 4096
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far (every thread, kernel work included)."""
+def cpu_seconds() -> np.ndarray:
+    """[user, system] CPU seconds of this process so far (every thread; system = the kernel's work)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return np.array([usage.ru_utime, usage.ru_stime])
+
+
+def cpu_fields(cpu: np.ndarray, reads: int) -> dict[str, float]:
+    """CPU microseconds per read: total, and the user part (Python and numpy, for the engines)."""
+    per_read = 1e6 * cpu / max(reads, 1)
+    return {"cpu_us_per_read": float(per_read.sum()), "user_us_per_read": float(per_read[0])}
 
 
 def run_fio(path: Path, seconds: float, iodepth: int = 32, engine: str = "io_uring") -> dict | None:
@@ -79,6 +85,7 @@ def run_fio(path: Path, seconds: float, iodepth: int = 32, engine: str = "io_uri
     return {"iops": float(read["iops"]), "bytes_per_s": float(read["bw_bytes"]), "engine": engine,
             "iodepth": iodepth, "lat_mean_us": float(read.get("clat_ns", {}).get("mean", 0)) / 1000,
             "cpu_us_per_read": 1e6 * cpu_s / ios if ios else float("nan"),
+            "user_us_per_read": 1e6 * float(job["usr_cpu"]) / 100 * runtime_s / ios if ios else float("nan"),
             "usr_cpu_pct": float(job["usr_cpu"]), "sys_cpu_pct": float(job["sys_cpu"]), "cmd": " ".join(cmd)}
 
 
@@ -112,7 +119,7 @@ def run_engine(engine, fd: int, file_blocks: int, seconds: float, per_call: int,
         engine.submit(fd, offsets, lengths, buffer, at).wait()
         reads += per_call
     dt, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"iops": reads / dt, "bytes_per_s": reads * BLOCK / dt, "cpu_us_per_read": 1e6 * cpu / reads}
+    return {"iops": reads / dt, "bytes_per_s": reads * BLOCK / dt, **cpu_fields(cpu, reads)}
 
 
 def run_reader_blocks(reader, file_blocks: int, seconds: float, per_call: int, rng: np.random.Generator) -> dict:
@@ -128,7 +135,7 @@ def run_reader_blocks(reader, file_blocks: int, seconds: float, per_call: int, r
             fetch.release()  # the pooled buffer goes back
         n_ios += ios
     dt, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"iops": n_ios / dt, "bytes_per_s": n_ios * BLOCK / dt, "cpu_us_per_read": 1e6 * cpu / max(n_ios, 1)}
+    return {"iops": n_ios / dt, "bytes_per_s": n_ios * BLOCK / dt, **cpu_fields(cpu, n_ios)}
 
 
 def run_reader_docs(reader, n_docs: int, seconds: float, per_call: int, rng: np.random.Generator) -> dict:
@@ -140,8 +147,7 @@ def run_reader_docs(reader, n_docs: int, seconds: float, per_call: int, rng: np.
         batch = reader.read(picks)
         n_ios, nbytes, docs = n_ios + batch.ios, nbytes + batch.bytes_read, docs + len(picks)
     dt, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    return {"iops": n_ios / dt, "bytes_per_s": nbytes / dt, "docs_per_s": docs / dt,
-            "cpu_us_per_read": 1e6 * cpu / max(n_ios, 1)}
+    return {"iops": n_ios / dt, "bytes_per_s": nbytes / dt, "docs_per_s": docs / dt, **cpu_fields(cpu, n_ios)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,15 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         iops = med(key, "iops")
         table_rows.append([label, iops, med(key, "bytes_per_s") / 1e6,
                            100 * iops / fio_iops if fio_iops == fio_iops else float("nan"),
-                           med(key, "cpu_us_per_read")])
-    table = markdown_table(["path", "IOPS", "MB/s", "% of fio IOPS", "CPU us / read"], table_rows)
+                           med(key, "cpu_us_per_read"), med(key, "user_us_per_read")])
+    table = markdown_table(["path", "IOPS", "MB/s", "% of fio IOPS", "CPU us / read", "of which user"], table_rows)
     notes = []
     if fio_iops != fio_iops:
         notes.append("**fio not available: no device limit measured.**")
     elif default_engine:
         iops, cpu = med(f"engine_{default_engine}", "iops"), med(f"engine_{default_engine}", "cpu_us_per_read")
+        user = med(f"engine_{default_engine}", "user_us_per_read")
         notes.append(f"Default engine {default_engine}: {100 * iops / fio_iops:.0f}% of fio's IOPS (target >= 80%), "
-                     f"{cpu:.2f} us CPU per read (target <= 2; fio itself: {fio_cpu:.2f}).")
+                     f"{cpu:.2f} us CPU per read, {user:.2f} of it in user space (target <= 2; "
+                     f"fio itself: {fio_cpu:.2f}, {med('fio', 'user_us_per_read'):.2f} in user space).")
     print(f"File {path} ({path.stat().st_size / 2**30:.2f} GiB), O_DIRECT {direct}, {args.repeats} round(s) "
           f"of {args.seconds:g} s, {args.per_call} reads per call, depth {args.depth}. "
           f"Machine: {machine_line(info)}\n\n{table}" + "".join(f"\n\n{n}" for n in notes))

@@ -145,9 +145,11 @@ class KernelQueue(abc.ABC):
     """
 
     #: When extents still wait for a slot, a wait returns once this fraction of the queue
-    #: has completed: fewer wake-ups (CPU) against a queue that runs a little below its
-    #: depth before it is refilled (the device rarely needs the full depth to saturate).
-    refill_fraction = 0.25
+    #: has completed, and refills it. Each wake-up costs ~15 us of Python plus a syscall,
+    #: so fewer, larger refills win even though the queue runs between half and full depth:
+    #: measured at depth 32 against fio (bench_io), 0.5 gave 81% of fio's IOPS at 4.7 us
+    #: CPU per read, 0.25 gave 76% at 5.4 us, 0.125 67%, 0.75 66%.
+    refill_fraction = 0.5
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
