@@ -202,10 +202,11 @@ class Searcher:
 
         segments = segment_bounds(params.nprobe, params.prefetch_step)
         use_prefetch = (params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
-                        and (self.reader.asynchronous or self.early_rerank))
+                        and self.reader.io_bound)
         max_waves = params.prefetch_waves or len(segments)
-        waves: list[_Wave] = []
-        skipped = 0
+        group = PendingRead(self.reader)  # every read of this search: the waves, then the misses
+        early: list[_Wave] = []  # waves read and re-ranked on a worker (GPU)
+        n_waves = skipped = 0
         submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
@@ -213,7 +214,7 @@ class Searcher:
             for a, b in segments:
                 part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
                 top = merge_topk(top, part, candidates)
-                if not use_prefetch or b >= params.nprobe or len(waves) >= max_waves:
+                if not use_prefetch or b >= params.nprobe or n_waves >= max_waves:
                     continue
                 head = top[1][:, : params.wave_size]
                 keys = (rows + head)[head >= 0]
@@ -224,7 +225,12 @@ class Searcher:
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
-                waves.append(self._start_wave(new, n_docs, queries))
+                n_waves += 1
+                if self.early_rerank:
+                    early.append(self._start_early_wave(new, n_docs, queries))
+                else:
+                    # Planning, submission and completion on a prefetch thread: the scan goes on.
+                    group.submit(np.unique(new % n_docs), executor=self._pool)
             timer.lap("ann")
 
             rerank = top[1][:, : params.rerank_count]
@@ -232,43 +238,39 @@ class Searcher:
             final = (rows + rerank)[valid]  # every query's re-ranked keys, in rank order per query
             final_sorted = np.argsort(final, kind="stable")
             scores = np.zeros((2, len(final)), dtype=np.float32)  # exact CLS, MaxSim per final key
+            scored = np.zeros(len(final), dtype=bool)
             bytes_read = ios = 0
-            wait_ms = 0.0
-            for wave in waves:
-                started = time.perf_counter()
+            group.wait()
+            for wave in early:
                 data, wave_scores = wave.finish()
-                wait_ms += (time.perf_counter() - started) * 1000
                 bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
                 wanted = np.isin(wave.keys, final)
                 where = final_sorted[np.searchsorted(final, wave.keys[wanted], sorter=final_sorted)]
-                if wave_scores is not None:  # re-ranked early, on the worker
-                    scores[:, where] = wave_scores[:, wanted]
-                    continue
-                scores[:, where] = self._score_pairs(queries, data, wave.keys[wanted], wave.docs, n_docs)
-            n_waves, waves = len(waves), []
-            timer.ms["prefetch_wait"] = wait_ms
-            timer.lap("prefetch_maxsim")
-            timer.ms["prefetch_maxsim"] -= wait_ms
+                scores[:, where] = wave_scores[:, wanted]
+                scored[where] = True
+            early = []
+            timer.lap("prefetch_wait")
 
-            missing = np.flatnonzero(~np.isin(final, submitted))
-            miss_keys = final[missing]
-            miss_docs = np.unique(miss_keys % n_docs) if len(miss_keys) else np.zeros(0, np.int64)
-            started = time.perf_counter()
-            data = self.reader.read(miss_docs)
-            timer.ms["miss_read"] = (time.perf_counter() - started) * 1000
+            in_waves = np.isin(final, submitted)
+            group.submit(np.unique(final[~in_waves] % n_docs))
+            group.wait()
+            timer.lap("miss_read")
+            todo = np.flatnonzero(~scored)
+            need = np.unique(final[todo] % n_docs)
+            data = group.result(select=need)  # one gather, of the final candidates only
             bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
-            scores[:, missing] = self._score_pairs(queries, data, miss_keys, miss_docs, n_docs)
-            timer.lap("miss_maxsim")
-            timer.ms["miss_maxsim"] -= timer.ms["miss_read"]
-        finally:
-            for wave in waves:  # a failure part-way: no read may outlive the search
+            timer.lap("gather")
+            scores[:, todo] = self._score_pairs(queries, data, final[todo], n_docs)
+            timer.lap("maxsim")
+        finally:  # a failure part-way: no read may outlive the search
+            group.discard()
+            for wave in early:
                 wave.discard()
 
         n_final = valid.sum(axis=1)
-        per_query = np.bincount(final // n_docs if len(final) else final, minlength=batch) if batch else n_final
         prefetched = np.bincount(submitted // n_docs, minlength=batch)
-        hits_in_final = np.bincount(final[np.isin(final, submitted)] // n_docs, minlength=batch)
-        missed = per_query - hits_in_final
+        hits_in_final = np.bincount(final[in_waves] // n_docs, minlength=batch)
+        missed = n_final - hits_in_final
         cls_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         bow_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
@@ -301,25 +303,23 @@ class Searcher:
         """
         return int(self._list_sizes[remaining_lists].sum()) >= self.min_hidden_codes * len(remaining_lists)
 
-    def _start_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
+    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
+        """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
+        both submits and waits, as ring-based engines require."""
         docs = np.unique(keys % n_docs)
-        if self.early_rerank:
-            # GPU: read and re-rank on a worker while the ANN goes on; the worker both submits
-            # and waits, as ring-based engines require.
-            def read_and_score() -> tuple[ReadBatch, np.ndarray]:
-                data = self.reader.read(docs)
-                return data, self._score_pairs(queries, data, keys, docs, n_docs)
 
-            return _Wave(keys, docs, future=self._pool.submit(read_and_score))
-        return _Wave(keys, docs, pending=self.reader.submit(docs))
+        def read_and_score() -> tuple[ReadBatch, np.ndarray]:
+            data = self.reader.read(docs)
+            return data, self._score_pairs(queries, data, keys, n_docs)
 
-    def _score_pairs(self, queries: "_QueryTensors", data: ReadBatch, keys: np.ndarray, docs: np.ndarray,
-                     n_docs: int) -> np.ndarray:
-        """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`; `data` holds `docs` (sorted)."""
+        return _Wave(keys, self._pool.submit(read_and_score))
+
+    def _score_pairs(self, queries: "_QueryTensors", data: ReadBatch, keys: np.ndarray, n_docs: int) -> np.ndarray:
+        """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`, whose documents `data` holds."""
         if len(keys) == 0:
             return np.zeros((2, 0), dtype=np.float32)
         pair_query = keys // n_docs
-        pair_row = np.searchsorted(docs, keys % n_docs)
+        pair_row = data.rows_of(keys % n_docs)
         q_bow, q_mask = queries.on(data.vectors.device)
         bow = maxsim_pairs(q_bow, q_mask, data.vectors, data.offsets, pair_query, pair_row, self.bow_reduction)
         cls = cls_pairs(queries.cls, data.cls, pair_query, pair_row)
@@ -371,7 +371,7 @@ class Searcher:
         head = best_docs[:, : min(rerank_count, best_docs.shape[1])].numpy()
         keys = (np.arange(len(queries))[:, None] * n_docs + head).ravel()
         docs = np.unique(head)
-        scored = self._score_pairs(tensors, self.reader.read(docs), keys, docs, n_docs).reshape(2, *head.shape)
+        scored = self._score_pairs(tensors, self.reader.read(docs), keys, n_docs).reshape(2, *head.shape)
         return [self._aggregate(best_scores[i].numpy(), best_docs[i].numpy(), head[i], scored[0, i], scored[1, i], k)
                 for i in range(len(queries))]
 
@@ -395,32 +395,21 @@ class _QueryTensors:
 
 @dataclasses.dataclass
 class _Wave:
-    """One prefetch wave: the (query, doc) keys it took, the sorted docs it reads, and the
-    read in flight (`pending`) or, when re-ranking early, the worker doing it (`future`)."""
+    """A wave re-ranked early: the (query, doc) keys it took and the worker reading and scoring them."""
 
     keys: np.ndarray
-    docs: np.ndarray
-    pending: PendingRead | None = None
-    future: Future | None = None
+    future: Future
 
-    def finish(self) -> tuple[ReadBatch, np.ndarray | None]:
-        """The wave's embeddings, and its pair scores [2, len(keys)] if it re-ranked early."""
-        if self.future is not None:
-            data, scores = self.future.result()  # re-raises a worker failure here
-            return data, scores
-        assert self.pending is not None
-        return self.pending.result(), None
+    def finish(self) -> tuple[ReadBatch, np.ndarray]:
+        """The wave's embeddings and its pair scores [2, len(keys)]; re-raises a worker failure."""
+        data, scores = self.future.result()
+        return data, scores
 
     def discard(self) -> None:
         """Wait for the wave without using it (its search failed), logging its own error."""
-        try:
-            if self.future is not None:
-                if not self.future.cancel():
-                    self.future.exception()
-            elif self.pending is not None:
-                self.pending.discard()
-        except Exception:  # the search is already failing with its own error
-            log.warning("a prefetch wave failed while its search was being abandoned", exc_info=True)
+        if not self.future.cancel() and self.future.exception() is not None:
+            log.warning("a prefetch wave failed while its search was being abandoned",
+                        exc_info=self.future.exception())
 
 
 def _share(total: int, i: int, n: int) -> int:

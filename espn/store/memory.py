@@ -26,6 +26,7 @@ class MemoryReader(Reader):
     """Gathers records out of a host copy of the file; bytes_read = ios = 0."""
 
     name = "memory"
+    io_bound = False
 
     def __init__(
         self,

@@ -99,7 +99,6 @@ class PosixReader(Reader):
     """
 
     name = "posix"
-    asynchronous = True
 
     def __init__(
         self,
