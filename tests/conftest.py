@@ -65,6 +65,7 @@ def fake_kvikio(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     monkeypatch.setitem(sys.modules, "kvikio.cufile", fakes.kvikio.cufile)
     monkeypatch.setattr(reader_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(reader_module, "_applied", {})
+    monkeypatch.setattr(reader_module, "_open_readers", 0)
     reader_module._unavailable_reason.cache_clear()
     yield fake
     reader_module._unavailable_reason.cache_clear()

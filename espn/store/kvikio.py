@@ -185,8 +185,9 @@ class KvikioConfig:
 
 
 _config_lock = threading.Lock()
-#: What the last reader applied; a second reader asking for other values is logged.
+#: What the open readers applied; one asking for other values while another is open is logged.
 _applied: dict[str, Any] = {}
+_open_readers = 0
 
 
 def configure_kvikio(kvikio: ModuleType, config: KvikioConfig) -> dict[str, Any]:
@@ -195,11 +196,13 @@ def configure_kvikio(kvikio: ModuleType, config: KvikioConfig) -> dict[str, Any]
     Only settings that differ are set: resizing the thread pool waits for running tasks and
     rebuilds the pool, which another open reader would feel.
     """
+    global _open_readers
     wanted = config.settings(kvikio)
     with _config_lock:
-        if _applied and any(_applied.get(k, v) != v for k, v in wanted.items()):
+        if _open_readers and any(_applied.get(k, v) != v for k, v in wanted.items()):
             logger.warning("kvikio settings are per process: a reader changes them from %s to %s; "
-                           "readers opened earlier now read with the new ones", _applied, wanted)
+                           "the readers already open now read with the new ones", _applied, wanted)
+        _open_readers += 1
         changed = {k: v for k, v in wanted.items() if kvikio.defaults.get(k) != v}
         if changed:
             # Called without `with`: the values stay set (the context manager only resets on exit).
@@ -210,6 +213,14 @@ def configure_kvikio(kvikio: ModuleType, config: KvikioConfig) -> dict[str, Any]
     mode = actual["compat_mode"]
     actual["compat_mode"] = str(getattr(mode, "name", mode)).lower()
     return actual
+
+
+def _reader_closed() -> None:
+    global _open_readers
+    with _config_lock:
+        _open_readers = max(0, _open_readers - 1)
+        if not _open_readers:
+            _applied.clear()
 
 
 # -- device buffers --------------------------------------------------------------------------
@@ -386,7 +397,11 @@ class KvikioReader(Reader):
         self.device_buffers = self._is_cuda_device()
         self._device_pool = DeviceBufferPool(self.device) if self.device_buffers else None
         self._host_pool = BufferPool()
-        self._file = self._kvikio.CuFile(self.path, "r")
+        try:
+            self._file = self._kvikio.CuFile(self.path, "r")
+        except BaseException:
+            _reader_closed()
+            raise
 
     def _is_cuda_device(self) -> bool:
         """Read into device memory? (Tests stand in for a GPU by patching this.)"""
@@ -467,6 +482,7 @@ class KvikioReader(Reader):
         if self.closed:
             return
         super().close()
+        _reader_closed()
         self._file.close()
         if self._device_pool is not None:
             self._device_pool.clear()

@@ -111,11 +111,12 @@ class CuFile:
             _fake.in_flight += 1
             _fake.max_in_flight = max(_fake.max_in_flight, _fake.in_flight)
         try:
+            error = _fake.fail.get(file_offset)
+            if error is not None:  # fails at once, while the held ones are still in flight
+                _fake.log("task", file_offset, size, threading.current_thread().name)
+                raise error
             _fake.release.wait()
             _fake.log("task", file_offset, size, threading.current_thread().name)
-            error = _fake.fail.get(file_offset)
-            if error is not None:
-                raise error
             got = 0
             while got < size:
                 data = os.pread(self.fileno(), size - got, file_offset + got)
