@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -357,3 +358,24 @@ def test_kvikio_result_on_another_thread_and_concurrent_waves(store: Store, fake
         for docs, batch in zip(waves, results):
             assert_batch_equal(batch, store.expected(docs))
         assert pending[0].result() is results[0]  # result() is idempotent
+
+
+# -- deployment ----------------------------------------------------------------------------------
+
+
+def test_kvikio_variables_in_deploy_match_the_reader_defaults() -> None:
+    # The image and the GPU overlay start kvikio as the reader will configure it.
+    import yaml
+
+    from espn.store.kvikio import DEFAULT_BOUNCE_BUFFER_SIZE
+
+    want = {"KVIKIO_NTHREADS": str(DEFAULT_NTHREADS), "KVIKIO_GDS_THRESHOLD": str(DEFAULT_GDS_THRESHOLD),
+            "KVIKIO_TASK_SIZE": str(DEFAULT_TASK_SIZE), "KVIKIO_BOUNCE_BUFFER_SIZE": str(DEFAULT_BOUNCE_BUFFER_SIZE),
+            "KVIKIO_COMPAT_MODE": "AUTO"}
+    root = Path(__file__).resolve().parents[1] / "deploy"
+    dockerfile = (root / "Dockerfile.cuda").read_text().replace("\\\n", " ")
+    image = dict(re.findall(r"\b(KVIKIO_[A-Z_]+)=(\S+)", dockerfile))
+    assert image == want
+    server = yaml.safe_load((root / "k8s/overlays/gpu/server-gpu.yaml").read_text())
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("KVIKIO_")} == want
