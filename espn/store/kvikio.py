@@ -10,9 +10,10 @@ What kvikio does with a read, and what this reader configures at open
 
 - `size < gds_threshold`: a *synchronous shortcut in the calling thread*: a POSIX `pread`
   into a pinned bounce buffer, a copy to the device and a stream synchronise, then a future
-  that is already done. kvikio's default threshold is 16 KiB, so every 4 KiB record of a
-  default index would be read one at a time, in the searcher's thread, and `submit` would
-  not return before the last one had arrived.
+  that is already done. kvikio's default threshold is 16 KiB (the value 26.10 reports at
+  start; its header comment says 1 MiB), so every 4 KiB record of a default index would be
+  read one at a time, in the searcher's thread, and `submit` would not return before the
+  last one had arrived.
 - otherwise the read is split into `task_size` tasks on kvikio's thread pool (default: one
   thread); each task is a `cuFileRead` (GPUDirect Storage: the SSD DMAs into GPU memory)
   or, in kvikio's compatibility mode, a POSIX read into a per-thread bounce buffer copied
@@ -25,8 +26,8 @@ So the reader sets, at open (process-wide: kvikio has one set of defaults per pr
       the thread pool** (cuFile with GDS, kvikio's POSIX path in compatibility mode) and
       never through the synchronous shortcut; `submit` returns with all of it in flight;
   task_size=1 MiB (= the extent cap): one task per extent, no further split;
-  bounce_buffer_size=1 MiB: the compatibility path needs a pinned buffer per thread no
-      larger than one task, 16 MiB pinned in all instead of kvikio's 16 x 16 MiB;
+  bounce_buffer_size=1 MiB: the compatibility path takes a pinned buffer per read in
+      flight, and one task fits in 1 MiB: 16 x 1 MiB pinned instead of 16 x 16 MiB;
   compat_mode=None leaves kvikio's choice (`KVIKIO_COMPAT_MODE`, else AUTO: cuFile where
       libcufile and the driver allow it).
 An option given to the reader overrides the `KVIKIO_*` environment variable of the same
@@ -39,7 +40,7 @@ cuFile's batch API (`cuFileBatchIOSubmit`) is not used: kvikio 26.10 has it in C
 (`kvikio::BatchHandle`) but exposes no Python binding, and driving `cuda.bindings.cufile`
 directly would mean a second cuFile handle and driver session next to kvikio's. With the
 thread pool sized, every extent of a wave is queued by one Python loop over numpy arrays
-and 16 of them are in flight at any moment.
+and up to `nthreads` of them are in flight at once.
 
 Buffers and synchronisation
 ---------------------------
