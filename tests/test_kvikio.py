@@ -129,6 +129,33 @@ def test_kvikio_fake_matches_the_real_package_where_one_is_found() -> None:
 # -- configuration ------------------------------------------------------------------------------
 
 
+def test_kvikio_configuration_applies_to_the_real_package_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kvikio imports and takes its settings without libcuda (only reads need it), so where
+    # the real package is installed the configuration step runs against it, GPU or not.
+    spec = importlib.util.find_spec("kvikio")
+    if spec is None or "fakes" in str(spec.origin):
+        pytest.skip("kvikio is not installed here (the fake covers the configuration below)")
+    try:
+        import kvikio.defaults
+    except Exception as exc:  # a missing libkvikio or librapids_logger
+        pytest.skip(f"kvikio does not import here: {exc}")
+    from espn.store.kvikio import KvikioConfig, configure_kvikio
+
+    monkeypatch.setattr(kvikio_module, "_applied", {})
+    monkeypatch.setattr(kvikio_module, "_open_readers", 0)
+    keys = ("num_threads", "gds_threshold", "task_size", "bounce_buffer_size", "compat_mode")
+    before = {k: kvikio.defaults.get(k) for k in keys}
+    try:
+        got = configure_kvikio(kvikio, KvikioConfig(nthreads=3, compat_mode="on"))
+        assert got == {"num_threads": 3, "gds_threshold": 4096, "task_size": 1 << 20, "bounce_buffer_size": 1 << 20,
+                       "compat_mode": "on"}
+        assert kvikio.defaults.is_compat_mode_preferred()
+    finally:
+        kvikio.defaults.set(before)
+
+
+
+
 def test_kvikio_configures_the_pool_and_threshold_at_open(store: Store, fake_kvikio: ModuleType) -> None:
     # Fake kvikio standing in for a GPU; it starts as kvikio 26.10 does: 1 thread, 16 KiB.
     fake = fake_kvikio._fake
