@@ -86,13 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="{}", help="JSON search overrides, e.g. '{\"nprobe\": 64}'")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--name", default="memory_limits")
+    p.add_argument("--configs", default=None,
+                   help="comma list of READER:PREFETCH (default memory:0,memory:1,mmap:0,posix:0,posix:1; "
+                        "bench_gpu adds kvikio:0,kvikio:1)")
+    p.add_argument("--no-limit", action="store_true", help="run every configuration without a memory limit")
     args = p.parse_args(argv)
+    configs = CONFIGS
+    if args.configs:
+        configs = tuple((r, int(pf)) for r, pf in (c.split(":") for c in args.configs.split(",")))
     args.queries = args.queries or args.index.with_name(args.index.name + ".queries.npz")
     fractions = [float(f) for f in args.fractions.split(",")] if args.fractions else list(FRACTIONS)
     if args.quick:
         args.repeats, args.queries_n, args.warmup = 1, 20, 5
         fractions = fractions if args.fractions else [1.0, 0.1]
-    reason = cgroup_unavailable_reason()
+    reason = "--no-limit given" if args.no_limit else cgroup_unavailable_reason()
     args.cgroups = reason is None
     if reason:
         print(f"**cgroups unavailable: {reason}. Every reader runs WITHOUT a memory limit; the "
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: list[dict] = []
     for r in range(args.repeats):
-        plan = [(f, reader, pf) for f in fractions for reader, pf in CONFIGS if reader != "memory" or f >= 1.0]
+        plan = [(f, reader, pf) for f in fractions for reader, pf in configs if reader != "memory" or f >= 1.0]
         random.Random(r).shuffle(plan)
         for i, (f, reader, pf) in enumerate(plan):
             res = run_config(args, reader, pf, limits[f] if args.cgroups else None, f"r{r}_{i}", seed=r)
@@ -122,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         return median([x[key] for x in runs if x["fraction"] == f and x["reader"] == reader
                        and x["prefetch"] == pf and key in x])
 
-    memory_mean = agg(1.0, "memory", 0, "mean") if 1.0 in fractions else float("nan")
-    memory_pf_mean = agg(1.0, "memory", 1, "mean") if 1.0 in fractions else float("nan")
+    memory_mean = agg(1.0, "memory", 0, "mean") if 1.0 in fractions and ("memory", 0) in configs else float("nan")
+    memory_pf_mean = agg(1.0, "memory", 1, "mean") if 1.0 in fractions and ("memory", 1) in configs else float("nan")
     rows: list[list[Any]] = []
     summary: list[dict[str, Any]] = []
     for f in fractions:
-        for reader, pf in CONFIGS:
+        for reader, pf in configs:
             if reader == "memory" and f < 1.0:
                 if pf:
                     continue
@@ -141,15 +148,25 @@ def main(argv: list[str] | None = None) -> int:
         pf_mean, mmap_mean = agg(f, "posix", 1, "mean"), agg(f, "mmap", 0, "mean")
         summary.append({"fraction": f, "limit_bytes": limits[f], "prefetch_vs_memory": pf_mean / memory_mean,
                         "prefetch_vs_memory_prefetch": pf_mean / memory_pf_mean, "mmap_vs_prefetch": mmap_mean / pf_mean})
+        if ("kvikio", 1) in configs:  # the GPU run (bench_gpu)
+            kv_mean = agg(f, "kvikio", 1, "mean")
+            summary[-1].update(kvikio_prefetch_vs_memory=kv_mean / memory_mean,
+                               kvikio_prefetch_vs_memory_prefetch=kv_mean / memory_pf_mean,
+                               kvikio_prefetch_vs_posix_prefetch=kv_mean / pf_mean)
     table = markdown_table(["limit (of table)", "reader", "mean ms", "p50 ms", "p99 ms", "× memory", "hit rate"], rows)
     table2 = markdown_table(["limit", "posix+prefetch / memory (target <= 1.05)", "posix+prefetch / memory+prefetch",
                              "mmap / posix+prefetch (target >= 3)"],
                             [[f"{int(s['fraction'] * 100)}%", s["prefetch_vs_memory"], s["prefetch_vs_memory_prefetch"],
                               s["mmap_vs_prefetch"]]
                              for s in summary])
+    if ("kvikio", 1) in configs:
+        table2 += "\n\n" + markdown_table(
+            ["limit", "kvikio+prefetch / memory", "kvikio+prefetch / memory+prefetch", "kvikio+prefetch / posix+prefetch"],
+            [[f"{int(s['fraction'] * 100)}%", s["kvikio_prefetch_vs_memory"], s["kvikio_prefetch_vs_memory_prefetch"],
+              s["kvikio_prefetch_vs_posix_prefetch"]] for s in summary])
     header = (f"Index {args.index} ({table_bytes / 2**30:.2f} GiB embeddings.bin); {args.repeats} round(s) × "
               f"{args.queries_n} queries (+{args.warmup} warm-up), batch 1; "
-              f"{'cgroup memory limits' if args.cgroups else 'NO memory limit (cgroups unavailable)'}; "
+              f"{'cgroup memory limits' if args.cgroups else f'NO memory limit ({reason})'}; "
               f"base {base / 2**20:.0f} MiB. Machine: {machine_line(info)}")
     print(header + "\n\n" + table + "\n\n" + table2)
 
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for reader, pf in CONFIGS:
+    for reader, pf in configs:
         xs = [f for f in fractions if reader != "memory" or f >= 1.0]
         ax.plot([100 * f for f in xs], [agg(f, reader, pf, "mean") for f in xs], "o-", label=label(reader, pf))
     ax.set_xlabel("memory limit (% of embedding table)")

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="{}", help="JSON overrides (prefetch_k, rerank_count)")
     p.add_argument("--quick", action="store_true", help="40 queries")
     p.add_argument("--name", default="prefetch")
+    p.add_argument("--reader", default="posix", help="reader for both indexes (bench_gpu: kvikio)")
     args = p.parse_args(argv)
     if args.quick:
         args.queries = 40
@@ -102,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     studies: dict[str, list[dict]] = {}
     if args.index:
-        with Searcher.open(args.index, reader="posix", verify="none") as s:
+        with Searcher.open(args.index, reader=args.reader, verify="none") as s:
             q = load_queries(args.index.with_name(args.index.name + ".queries.npz"))
             q = take_queries(q, np.arange(min(args.queries, len(q.cls))))
             nprobes = default_nprobes(s) if args.nprobe == "auto" else [int(x) for x in args.nprobe.split(",")]
             studies[f"large ({s.num_documents:,} docs, nlist {s.nlist})"] = measure(s, q, nprobes, steps, args.batch, 0, extra)
     if args.scifact and str(args.scifact) and (args.scifact / "manifest.json").is_file():
-        with Searcher.open(args.scifact, reader="posix", verify="none") as s:
+        with Searcher.open(args.scifact, reader=args.reader, verify="none") as s:
             q = scifact_queries(args.scifact_data, args.queries)
             nprobes = default_nprobes(s) if args.nprobe == "auto" else [int(x) for x in args.nprobe.split(",")]
             studies[f"SciFact ({s.num_documents:,} docs, nlist {s.nlist})"] = measure(s, q, nprobes, steps, args.batch, 0, extra)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("prefetch step (% of nprobe)")
         ax.set_ylabel("hit rate (%)")
         ax.legend()
-    write_results(args.name, {"machine": info, "studies": studies, "params": extra}, fig)
+    write_results(args.name, {"machine": info, "studies": studies, "params": extra, "reader": args.reader}, fig)
     return 0
 
 

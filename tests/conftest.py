@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Iterator
 
 import pytest
 from helpers import run_espn, write_scifact_subset
@@ -40,3 +43,30 @@ def sample_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sample") / "index"
     run_espn("index", SAMPLE_CORPUS, "--out", out, "--no-progress")
     return out
+
+
+@pytest.fixture
+def fake_kvikio(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The fake kvikio (tests/fakes/kvikio) in place of the real one, and torch told that a
+    CUDA device exists: together they STAND IN FOR A GPU on this CPU-only machine.
+
+    The reader then opens as on a GPU machine; with device="cpu" it reads into host
+    buffers, and a test that patches `KvikioReader._is_cuda_device` gets the device-buffer
+    branch with CPU tensors standing in for CUDA memory.
+    """
+    import espn.store.kvikio as reader_module
+    import fakes.kvikio as fake
+    import fakes.kvikio.cufile
+    import fakes.kvikio.defaults
+
+    fake._fake.reset()
+    monkeypatch.setitem(sys.modules, "kvikio", fake)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", fakes.kvikio.defaults)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile", fakes.kvikio.cufile)
+    monkeypatch.setattr(reader_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(reader_module, "_applied", {})
+    monkeypatch.setattr(reader_module, "_open_readers", 0)
+    reader_module._unavailable_reason.cache_clear()
+    yield fake
+    reader_module._unavailable_reason.cache_clear()
+    fake._fake.reset()

@@ -8,6 +8,7 @@ root (cgroups, dropping the page cache), fio, or the SciFact data skip with the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -141,3 +142,21 @@ def test_bench_build(results: Path, capsys) -> None:
     payload = _check(results, "build", capsys)
     kinds = {(r["corpus"], r["kind"]) for r in payload["runs"]}
     assert kinds == {("x1", "bare"), ("x1", "build"), ("x2", "build")}
+
+
+def test_bench_gpu_without_cuda_or_kvikio_says_so_in_one_line(tmp_path: Path) -> None:
+    # This machine has no GPU: the GPU run must refuse in one clear line and measure nothing.
+    import subprocess
+
+    from benchmarks import bench_gpu
+
+    if bench_gpu.unavailable_reason() is None:
+        pytest.skip("CUDA and kvikio are present: run `python -m benchmarks.bench_gpu` instead")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "--index", str(tmp_path / "none")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "ESPN_BENCH_RESULTS": str(tmp_path / "results")})
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_gpu: ") and "absent" in lines[0], done.stderr
+    assert "CUDA" in lines[0] or "kvikio" in lines[0]
+    assert not (tmp_path / "results").exists()

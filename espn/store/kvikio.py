@@ -1,44 +1,142 @@
-"""The default reader on a GPU machine: kvikio `CuFile` reads into GPU memory.
+"""The default reader on a GPU machine: `kvikio.CuFile.pread` of every extent at once.
 
-With GPUDirect Storage the SSD DMAs straight into device memory; where GDS is absent
-kvikio falls back to its own parallel POSIX path with a bounce buffer, still landing
-in GPU memory. The extents are planned like posix (`plan_extents`), all issued at once
-as `pread` futures (kvikio's thread pool keeps them in flight), and the base class
-parses the buffer on the GPU, so the records never touch host memory.
+Written against kvikio 26.10 (`kvikio-cu12`; its Python sources and libkvikio headers were
+read for what follows). Nothing here has been measured on a GPU yet: see the README,
+"Measuring on a GPU".
 
-kvikio needs libcuda, so it is an optional extra (`pip install "espn[kvikio]"`),
-imported only when this reader is opened or probed, never when the module is imported.
+What kvikio does with a read, and what this reader configures at open
+---------------------------------------------------------------------
+`CuFile.pread(buf, size, file_offset, task_size)` on device memory takes one of two paths:
+
+- `size < gds_threshold`: a *synchronous shortcut in the calling thread*: a POSIX `pread`
+  into a pinned bounce buffer, a copy to the device and a stream synchronise, then a future
+  that is already done. kvikio's default threshold is 16 KiB (the value 26.10 reports at
+  start; its header comment says 1 MiB), so every 4 KiB record of a default index would be
+  read one at a time, in the searcher's thread, and `submit` would not return before the
+  last one had arrived.
+- otherwise the read is split into `task_size` tasks on kvikio's thread pool (default: one
+  thread); each task is a `cuFileRead` (GPUDirect Storage: the SSD DMAs into GPU memory)
+  or, in kvikio's compatibility mode, a POSIX read into a per-thread bounce buffer copied
+  to the device on that thread's own stream.
+
+So the reader sets, at open (process-wide: kvikio has one set of defaults per process):
+  nthreads=16 (`num_threads`): 16 extents really in flight together, where the default 1
+      would serialise them;
+  gds_threshold=4096: **a 4 KiB record (one block) is at the threshold, so it goes through
+      the thread pool** (cuFile with GDS, kvikio's POSIX path in compatibility mode) and
+      never through the synchronous shortcut; `submit` returns with all of it in flight;
+  task_size=1 MiB (= the extent cap): one task per extent, no further split;
+  bounce_buffer_size=1 MiB: the compatibility path takes a pinned buffer per read in
+      flight, and one task fits in 1 MiB: 16 x 1 MiB pinned instead of 16 x 16 MiB;
+  compat_mode=None leaves kvikio's choice (`KVIKIO_COMPAT_MODE`, else AUTO: cuFile where
+      libcufile and the driver allow it).
+An option given to the reader overrides the `KVIKIO_*` environment variable of the same
+setting; `deploy/` sets the variables to these same defaults, so that kvikio starts out
+configured as the reader will leave it. `engine` says which path the reads take:
+"kvikio-gds" (cuFile) or "kvikio-compat" (kvikio's POSIX path), from
+`kvikio.defaults.is_compat_mode_preferred()`.
+
+cuFile's batch API (`cuFileBatchIOSubmit`) is not used: kvikio 26.10 has it in C++
+(`kvikio::BatchHandle`) but exposes no Python binding, and driving `cuda.bindings.cufile`
+directly would mean a second cuFile handle and driver session next to kvikio's. With the
+thread pool sized, every extent of a wave is queued by one Python loop over numpy arrays
+and up to `nthreads` of them are in flight at once.
+
+Buffers and synchronisation
+---------------------------
+Each wave reads into one buffer taken from a reader-owned pool (`DeviceBufferPool` on CUDA,
+the page-aligned host `BufferPool` otherwise); no `torch.empty` per read. cuFile writes are
+not ordered with any CUDA stream, which is why the buffers are the reader's own and never
+come back from torch's caching allocator while a kernel may still read them.
+
+There is exactly one wait per wave, in `Fetch.complete()`: the host waits for every
+future of the wave (whichever thread calls it, the searcher's main thread or a re-rank
+worker). It is needed because the parse kernels must not be queued before the DMA has
+landed, and nothing on a stream can express that. There is no stream synchronise in the
+reader: the parse (`gather_records`) is queued on the caller's current stream and copies
+the records out into fresh tensors, and `Fetch.release()` records a CUDA event on that
+stream with the buffer. The pool hands the buffer out again only once that event has
+completed (a buffer whose event is still pending is skipped; only when the pool is at its
+cap does it wait on the oldest event). kvikio itself, in GDS mode, synchronises the CUDA
+null stream once per `pread` call (`sync_default_stream=true`, not exposed to Python): it
+waits for work on the legacy default stream, and is cheap when the caller's kernels run on
+a non-blocking stream such as torch's side streams.
+
+End of file: kvikio raises at EOF ("POSIX error on pread: EOF") instead of returning a short
+count, so the extent that reaches past the end of an unpadded file is clamped to the file
+size before it is issued; the bytes after it belong to no record.
+
+kvikio needs libcuda at read time (importing it does not), so it is an optional extra
+(`pip install "espn[kvikio]"`), imported only when this reader is opened or probed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import threading
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailableError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, Reader, plan_extents
+from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
+from .base import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
 from .format import StoreLayout
 
-__all__ = ["KvikioReader", "INSTALL_COMMAND"]
+__all__ = [
+    "KvikioReader",
+    "KvikioConfig",
+    "DeviceBufferPool",
+    "INSTALL_COMMAND",
+    "DEFAULT_NTHREADS",
+    "DEFAULT_GDS_THRESHOLD",
+    "DEFAULT_TASK_SIZE",
+    "DEFAULT_BOUNCE_BUFFER_SIZE",
+]
 
 logger = logging.getLogger(__name__)
 
 INSTALL_COMMAND = 'pip install "espn[kvikio]"'
 
+#: kvikio thread-pool size: extents in flight at once (kvikio's own default is 1).
+DEFAULT_NTHREADS = 16
+#: Reads of at least this many bytes go to the thread pool (cuFile / GDS); smaller ones take
+#: kvikio's synchronous POSIX shortcut in the caller's thread. One 4 KiB block is at it.
+DEFAULT_GDS_THRESHOLD = 4096
+#: kvikio splits one read into tasks of this size; = the extent cap, so one task per extent.
+DEFAULT_TASK_SIZE = DEFAULT_MAX_EXTENT_BYTES
+#: Pinned host bounce buffer per thread in compatibility mode; one task fits in one.
+DEFAULT_BOUNCE_BUFFER_SIZE = DEFAULT_MAX_EXTENT_BYTES
+#: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
+DEFAULT_DEVICE_POOL_BYTES = 256 << 20
+
+_COMPAT_MODES = ("on", "off", "auto")
+
+
+def _import_kvikio() -> ModuleType:
+    import kvikio
+    import kvikio.defaults
+
+    return kvikio
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
 
 @functools.lru_cache(maxsize=1)
 def _unavailable_reason() -> str | None:
-    """Probe once per process: importing kvikio loads libcuda, which is not free."""
+    """Probe once per process: importing kvikio loads libkvikio, which is not free."""
     try:
-        import kvikio  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError/RuntimeError when libcuda is missing
+        _import_kvikio()
+    except Exception as exc:  # ImportError, or OSError when a shared library is missing
         return f"the kvikio reader needs kvikio ({type(exc).__name__}: {exc}); install it with: {INSTALL_COMMAND}"
-    if not torch.cuda.is_available():
+    if not _cuda_available():
+        # kvikio imports without libcuda, but every read asks the driver what memory it got.
         return (
             "the kvikio reader needs a CUDA device and a CUDA build of torch, and torch sees none; "
             f"on a GPU machine install the extra with: {INSTALL_COMMAND}"
@@ -46,15 +144,216 @@ def _unavailable_reason() -> str | None:
     return None
 
 
-class KvikioReader(Reader):
-    """`kvikio.CuFile.pread` of coalesced extents into one buffer on `device`.
+@dataclasses.dataclass(frozen=True)
+class KvikioConfig:
+    """The process-wide kvikio settings a reader asks for (None: leave kvikio's value)."""
 
-    With a CUDA `device` the buffer is a torch CUDA tensor (kvikio accepts anything with
-    `__cuda_array_interface__`) and the parse runs on the GPU; with a CPU device kvikio
-    reads into host memory with its thread pool. Options:
-      max_extent_bytes: cap on one coalesced request (default 1 MiB, rounded to blocks)
-      task_size:        kvikio's split of one request into tasks (default: kvikio's)
-    bytes_read = sum of extent sizes, ios = extents.
+    nthreads: int = DEFAULT_NTHREADS
+    gds_threshold: int = DEFAULT_GDS_THRESHOLD
+    task_size: int = DEFAULT_TASK_SIZE
+    bounce_buffer_size: int | None = DEFAULT_BOUNCE_BUFFER_SIZE
+    compat_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        def check(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                bound = f"in [{low}, {high}]" if high else f">= {low}"
+                raise InvalidParameterError(f"{name} must be an integer {bound}, got {value!r}")
+
+        check("nthreads", self.nthreads, 1, 1024)
+        check("gds_threshold", self.gds_threshold, 0)
+        check("task_size", self.task_size, 4096)
+        check("bounce_buffer_size", self.bounce_buffer_size, 4096, optional=True)
+        if self.compat_mode is not None and self.compat_mode not in _COMPAT_MODES:
+            raise InvalidParameterError(
+                f"compat_mode must be one of {', '.join(_COMPAT_MODES)} or None, got {self.compat_mode!r}"
+            )
+
+    def settings(self, kvikio: ModuleType) -> dict[str, Any]:
+        """The `kvikio.defaults.set` dictionary (keys as kvikio 26.x names them)."""
+        out: dict[str, Any] = {
+            "num_threads": self.nthreads,
+            "gds_threshold": self.gds_threshold,
+            "task_size": self.task_size,
+        }
+        if self.bounce_buffer_size is not None:
+            out["bounce_buffer_size"] = self.bounce_buffer_size
+        if self.compat_mode is not None:
+            out["compat_mode"] = getattr(kvikio.CompatMode, self.compat_mode.upper())
+        return out
+
+
+_config_lock = threading.Lock()
+#: What the open readers applied; one asking for other values while another is open is logged.
+_applied: dict[str, Any] = {}
+_open_readers = 0
+
+
+def configure_kvikio(kvikio: ModuleType, config: KvikioConfig) -> dict[str, Any]:
+    """Apply `config` to kvikio's process-wide defaults; returns what kvikio reports after.
+
+    Only settings that differ are set: resizing the thread pool waits for running tasks and
+    rebuilds the pool, which another open reader would feel.
+    """
+    global _open_readers
+    wanted = config.settings(kvikio)
+    with _config_lock:
+        if _open_readers and any(_applied.get(k, v) != v for k, v in wanted.items()):
+            logger.warning("kvikio settings are per process: a reader changes them from %s to %s; "
+                           "the readers already open now read with the new ones", _applied, wanted)
+        _open_readers += 1
+        changed = {k: v for k, v in wanted.items() if kvikio.defaults.get(k) != v}
+        if changed:
+            # Called without `with`: the values stay set (the context manager only resets on exit).
+            kvikio.defaults.set(changed)
+        _applied.update(wanted)
+        actual = {k: kvikio.defaults.get(k) for k in ("num_threads", "gds_threshold", "task_size",
+                                                       "bounce_buffer_size", "compat_mode")}
+    mode = actual["compat_mode"]
+    actual["compat_mode"] = str(getattr(mode, "name", mode)).lower()
+    return actual
+
+
+def _reader_closed() -> None:
+    global _open_readers
+    with _config_lock:
+        _open_readers = max(0, _open_readers - 1)
+        if not _open_readers:
+            _applied.clear()
+
+
+# -- device buffers --------------------------------------------------------------------------
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+def _record_event(device: torch.device) -> _Event:
+    """A CUDA event on the current stream of `device` (the stream the parse was queued on)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _allocate_device(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class DeviceBufferPool:
+    """Device byte buffers owned by one reader, reused across reads, guarded by events.
+
+    Buffers come in power-of-two size classes (>= 64 KiB). `release(buf)` records an event
+    on the caller's current stream, after the kernels that parse the buffer; `acquire`
+    hands a buffer out again only once its event has completed, so kvikio never writes
+    into memory a queued kernel may still read. When no free buffer of the class is
+    ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
+    waits for the oldest event of the class (the only host wait the pool ever does).
+    """
+
+    def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:
+        self.device = device
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[tuple[torch.Tensor, _Event | None]]] = {}
+        self._held = 0  # bytes allocated by the pool, in use or free
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        size = BufferPool._size_class(nbytes)
+        wait: tuple[torch.Tensor, _Event | None] | None = None
+        with self._lock:
+            free = self._free.get(size, [])
+            for i, (buf, event) in enumerate(free):
+                if event is None or event.query():
+                    del free[i]
+                    return buf
+            if free and self._held + size > self.retain_bytes:
+                wait = free.pop(0)  # the oldest: its parse was queued first
+            else:
+                self._held += size
+        if wait is not None:
+            buf, event = wait
+            if event is not None:
+                event.synchronize()
+            return buf
+        return _allocate_device(size, self.device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        event = _record_event(self.device)
+        size = buf.numel()
+        with self._lock:
+            if self._held <= self.retain_bytes:
+                self._free.setdefault(size, []).append((buf, event))
+                return
+            self._held -= size
+        # Over the cap: let the caching allocator have it back. Its stream-ordered reuse is
+        # safe for torch kernels; kvikio never sees it again.
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._held = 0
+
+
+# -- the reader ------------------------------------------------------------------------------
+
+
+class _KvikioFetch(Fetch):
+    """The futures of one wave; `complete()` may run on any thread, once or many times."""
+
+    def __init__(self, reader: "KvikioReader", plan: ExtentPlan, buffer: Any, array: Buffer,
+                 futures: list[Any], nbytes: int) -> None:
+        self._reader = reader
+        self._plan = plan
+        self._buffer = buffer  # what goes back to the pool
+        self._array = array  # the 1-D uint8 view the base parses
+        self._futures = futures
+        self._nbytes = nbytes
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._released = False
+
+    def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
+        with self._lock:
+            if not self._done:
+                self._error = self._reader._wait_all(self._futures)
+                self._futures = []
+                self._done = True
+            if self._error is not None:
+                raise self._error
+        return self._array, self._plan.starts, self._nbytes, len(self._plan)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            if not self._done:  # never hand back a buffer kvikio may still write into
+                self._reader._wait_all(self._futures)
+                self._futures, self._done = [], True
+            self._released = True
+        self._reader._give_back(self._buffer)
+
+
+class KvikioReader(Reader):
+    """`kvikio.CuFile.pread` of coalesced extents, all in flight, into a pooled buffer.
+
+    With a CUDA `device` the buffer is a CUDA tensor from the reader's `DeviceBufferPool`
+    and the records are parsed on the GPU; with a CPU device kvikio reads into a pooled
+    page-aligned host buffer. Options (all but `max_extent_bytes` are kvikio's
+    process-wide settings, applied at open and reported by `describe()`):
+      nthreads:           kvikio thread-pool size (default 16)
+      gds_threshold:      smallest read that goes to the pool / cuFile (default 4096)
+      task_size:          kvikio's split of one read into tasks (default 1 MiB)
+      bounce_buffer_size: pinned bounce buffer per thread, compatibility mode (default 1 MiB;
+                          None leaves kvikio's)
+      compat_mode:        "on" (POSIX), "off" (cuFile), "auto", or None (kvikio's setting)
+      max_extent_bytes:   cap on one coalesced request (default 1 MiB, rounded to blocks)
+    bytes_read = sum of the extent sizes issued, ios = extents.
     """
 
     name = "kvikio"
@@ -70,8 +369,12 @@ class KvikioReader(Reader):
         layout: StoreLayout,
         device: str | torch.device = "cpu",
         *,
+        nthreads: int = DEFAULT_NTHREADS,
+        gds_threshold: int = DEFAULT_GDS_THRESHOLD,
+        task_size: int = DEFAULT_TASK_SIZE,
+        bounce_buffer_size: int | None = DEFAULT_BOUNCE_BUFFER_SIZE,
+        compat_mode: str | None = None,
         max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES,
-        task_size: int | None = None,
         **options: Any,
     ) -> None:
         reason = self.unavailable_reason()
@@ -80,45 +383,108 @@ class KvikioReader(Reader):
         super().__init__(path, records, layout, device, **options)
         if isinstance(max_extent_bytes, bool) or not isinstance(max_extent_bytes, int) or max_extent_bytes < 1:
             raise InvalidParameterError(f"max_extent_bytes must be a positive integer, got {max_extent_bytes!r}")
-        if task_size is not None and (not isinstance(task_size, int) or task_size < 1):
-            raise InvalidParameterError(f"task_size must be a positive integer or None, got {task_size!r}")
-        import kvikio
-
+        self.config = KvikioConfig(nthreads=nthreads, gds_threshold=gds_threshold, task_size=task_size,
+                                   bounce_buffer_size=bounce_buffer_size, compat_mode=compat_mode)
         self.max_extent_bytes = max(layout.block_size, max_extent_bytes - max_extent_bytes % layout.block_size)
-        self.task_size = task_size
-        self._file = kvikio.CuFile(self.path, "r")
+        if self.config.gds_threshold > layout.block_size:
+            logger.warning(
+                "gds_threshold=%d is above the block size %d: one-block reads take kvikio's "
+                "synchronous POSIX shortcut in the submitting thread", self.config.gds_threshold, layout.block_size)
+        self._kvikio = _import_kvikio()
+        # Before the CuFile: the compatibility mode of a file handle is fixed when it opens.
+        self.settings = configure_kvikio(self._kvikio, self.config)
+        self.compat = bool(self._kvikio.defaults.is_compat_mode_preferred())
+        self.kvikio_version = str(getattr(self._kvikio, "__version__", "?"))
+        self.device_buffers = self._is_cuda_device()
+        self._device_pool = DeviceBufferPool(self.device) if self.device_buffers else None
+        self._host_pool = BufferPool()
+        try:
+            self._file = self._kvikio.CuFile(self.path, "r")
+        except BaseException:
+            _reader_closed()
+            raise
 
-    def _fetch(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[Any, np.ndarray, int, int]:
+    def _is_cuda_device(self) -> bool:
+        """Read into device memory? (Tests stand in for a GPU by patching this.)"""
+        return self.device.type == "cuda"
+
+    @property
+    def engine(self) -> str:
+        """"kvikio-gds" when reads go through cuFile, "kvikio-compat" for kvikio's POSIX path."""
+        return "kvikio-compat" if self.compat else "kvikio-gds"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "kvikio_version": self.kvikio_version,
+            "nthreads": self.settings["num_threads"],
+            "gds_threshold": self.settings["gds_threshold"],
+            "task_size": self.settings["task_size"],
+            "bounce_buffer_size": self.settings["bounce_buffer_size"],
+            "compat_mode": self.settings["compat_mode"],
+            "max_extent_bytes": self.max_extent_bytes,
+            "device_buffers": self.device_buffers,
+        }
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _submit(self, offsets: np.ndarray, lengths: np.ndarray) -> Fetch:
         plan = plan_extents(offsets, lengths, self.layout.block_size, self.max_extent_bytes)
-        buf: Any
-        if self.device.type == "cuda":
-            buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
-            # kvikio writes outside torch's stream order: the caching allocator may hand
-            # back a block that queued kernels on this stream still read. Wait for them.
-            torch.cuda.current_stream(self.device).synchronize()
+        # kvikio raises at EOF instead of returning a short count: clamp the last extent of
+        # an unpadded file. Records end inside the file (checked at open), so no record
+        # needs the bytes that are not read.
+        sizes = np.minimum(plan.lengths, self.file_size - plan.file_offsets)
+        buffer: Any
+        array: Buffer
+        if self._device_pool is not None:
+            buffer = self._device_pool.acquire(plan.nbytes)
+            array = buffer
         else:
-            buf = np.empty(plan.nbytes, dtype=np.uint8)
-        futures = []
-        for file_offset, length, at in zip(
-            plan.file_offsets.tolist(), plan.lengths.tolist(), plan.buffer_offsets.tolist()
-        ):
-            futures.append((at, length, self._file.pread(buf[at : at + length], length, file_offset, self.task_size)))
-        # Wait for every future before raising: none may write into buf after we return.
+            buffer = self._host_pool.acquire(plan.nbytes)
+            array = np.frombuffer(buffer, dtype=np.uint8)
+        futures: list[Any] = []
+        pread, task_size = self._file.pread, self.config.task_size
+        try:
+            for file_offset, size, at in zip(plan.file_offsets.tolist(), sizes.tolist(),
+                                             plan.buffer_offsets.tolist()):
+                futures.append(pread(array[at : at + size], size, file_offset, task_size))
+        except BaseException:
+            self._wait_all(futures)  # none may write into the buffer once it is back in the pool
+            self._give_back(buffer)
+            raise
+        return _KvikioFetch(self, plan, buffer, array, futures, int(sizes.sum()))
+
+    def _wait_all(self, futures: list[Any]) -> BaseException | None:
+        """Wait for every future; the first error (as the reader raises it), or None."""
         error: BaseException | None = None
-        for at, length, future in futures:
+        for future in futures:
             try:
-                got = future.get()
-            except BaseException as exc:  # re-raised below, after the others finish
-                error = error or exc
-                continue
-            if got < length:  # past the end of an unpadded file: not part of any record
-                buf[at + got : at + length] = 0
-        if error is not None:
-            raise error
-        return buf, plan.starts, plan.nbytes, len(plan)
+                future.get()
+            except Exception as exc:  # kept; the others must finish before anyone raises
+                error = error or self._translate(exc)
+        return error
+
+    def _translate(self, exc: Exception) -> BaseException:
+        if "EOF" in str(exc):
+            # Extents are clamped to the size seen at open: the file shrank since.
+            err = IndexCorruptError(f"{self.path} ended before a record it should hold: {exc}")
+            err.__cause__ = exc
+            return err
+        return exc
+
+    def _give_back(self, buffer: Any) -> None:
+        if isinstance(buffer, torch.Tensor):
+            if self._device_pool is not None:
+                self._device_pool.release(buffer)
+        else:
+            self._host_pool.release(buffer)
 
     def close(self) -> None:
         if self.closed:
             return
         super().close()
+        _reader_closed()
         self._file.close()
+        if self._device_pool is not None:
+            self._device_pool.clear()
+        self._host_pool.clear()

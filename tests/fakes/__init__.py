@@ -1,0 +1,1 @@
+"""Stand-ins for packages that cannot run on this CPU-only machine (see each module)."""
