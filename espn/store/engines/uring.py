@@ -173,18 +173,25 @@ class _Ring(KernelQueue):
         def u32(m: mmap.mmap, offset: Any, count: int = 1) -> np.ndarray:
             return np.frombuffer(m, dtype=np.uint32, count=count, offset=int(offset))
 
-        self._sq_tail = u32(sq_map, sq["tail"])
+        def word(m: mmap.mmap, offset: Any) -> memoryview:  # one u32 as a Python int: faster than numpy scalars
+            view = memoryview(m)[int(offset): int(offset) + 4].cast("I")
+            self._words.append(view)
+            return view
+
+        self._words: list[memoryview] = []
+        self._sq_tail = word(sq_map, sq["tail"])
         self._sq_mask = int(u32(sq_map, sq["ring_mask"])[0])
         # Identity SQ array: SQE slot i is entry i, so the tail alone says what to submit.
         u32(sq_map, sq["array"], self.sq_entries)[:] = np.arange(self.sq_entries, dtype=np.uint32)
         self._sqes = np.frombuffer(sqe_map, dtype=np.uint64, count=self.sq_entries * 8).reshape(-1, 8)
-        self._cq_head = u32(cq_map, cq["head"])
-        self._cq_tail = u32(cq_map, cq["tail"])
+        self._cq_head = word(cq_map, cq["head"])
+        self._cq_tail = word(cq_map, cq["tail"])
         self._cq_mask = int(u32(cq_map, cq["ring_mask"])[0])
         self._cqes = np.frombuffer(cq_map, dtype=np.uint64, count=self.cq_entries * 2,
                                    offset=int(cq["cqes"])).reshape(-1, 2)  # rows of CQE_DTYPE
         self._tail = int(self._sq_tail[0])
         self._staged = 0
+        self._sys = _libc_syscall()
 
     def _map(self, size: int, offset: int) -> mmap.mmap:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -220,18 +227,28 @@ class _Ring(KernelQueue):
         while self._staged:
             staged = self._staged
             wait = 0 if waited else min_complete
-            done = io_uring_enter(self.fd, staged, wait, IORING_ENTER_GETEVENTS if wait else 0)
+            done = self._enter(staged, wait, IORING_ENTER_GETEVENTS if wait else 0)
             if done == 0:
                 raise OSError(errno.EAGAIN, "io_uring_enter accepted no request")
             self._staged -= done
             waited = waited or done == staged  # a partial submission returns without waiting
         if not waited:
-            io_uring_enter(self.fd, 0, min_complete, IORING_ENTER_GETEVENTS)
+            self._enter(0, min_complete, IORING_ENTER_GETEVENTS)
         return self._reap()
 
+    def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
+        """`io_uring_enter` inlined (the hot path: one call per refill); retries EINTR."""
+        while True:
+            ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 8)
+            if ret >= 0:
+                return int(ret)
+            err = ctypes.get_errno()
+            if err != errno.EINTR:  # EINTR comes only when nothing was submitted: repeat the call
+                raise OSError(err, os.strerror(err))
+
     def _reap(self) -> tuple[np.ndarray, np.ndarray]:
-        head = int(self._cq_head[0])
-        n = (int(self._cq_tail[0]) - head) & 0xFFFFFFFF
+        head = self._cq_head[0]
+        n = (self._cq_tail[0] - head) & 0xFFFFFFFF
         if not n:
             return _EMPTY_U64, _EMPTY_I32
         start = head & self._cq_mask
@@ -247,6 +264,8 @@ class _Ring(KernelQueue):
         # Drop the numpy views first: an mmap with exported buffers refuses to close.
         for name in ("_sq_tail", "_sqes", "_cq_head", "_cq_tail", "_cqes"):
             self.__dict__.pop(name, None)
+        for view in self.__dict__.pop("_words", []):
+            view.release()
         for m in self._maps:
             try:
                 m.close()
