@@ -73,7 +73,7 @@ class Searcher:
 
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
                  device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None,
-                 reader_options: Mapping[str, Any] | None = None, min_hidden_codes: int = 2048) -> None:
+                 reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2) -> None:
         self.index = index
         self.manifest = index.manifest
         self.encoder = encoder
@@ -97,9 +97,11 @@ class Searcher:
         # would take cores from the ANN scan it overlaps, so there waves only read (I/O
         # releases the GIL and needs no core) and MaxSim runs once the ANN is done.
         self.early_rerank = self.device.startswith("cuda") if early_rerank is None else early_rerank
-        # Codes per query the ANN must still scan for a wave to be worth its fixed cost
-        # (~0.1 ms of planning, submission and a separate parse; a scan does ~20k codes/ms).
-        self.min_hidden_codes = min_hidden_codes
+        # A wave costs the scanning thread ~0.1 ms (bookkeeping, handing it to a prefetch
+        # thread) and can only hide reads behind the scan still to come.
+        if not (isinstance(min_hidden_ms, (int, float)) and min_hidden_ms >= 0):
+            raise InvalidParameterError(f"min_hidden_ms must be a number >= 0, got {min_hidden_ms!r}")
+        self.min_hidden_ms = float(min_hidden_ms)
         self._list_sizes = list_sizes(self.ann)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
@@ -108,18 +110,19 @@ class Searcher:
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
              with_encoder: bool = True, early_rerank: bool | None = None,
-             reader_options: Mapping[str, Any] | None = None, min_hidden_codes: int = 2048) -> "Searcher":
+             reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
 
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
-        None = best available), `io_depth`, `max_extent_bytes`, `direct`. min_hidden_codes: a
-        prefetch wave starts only while at least this many codes per query remain to be
-        scanned (0: always; the cost model of `_wave_pays`).
+        None = best available), `io_depth`, `max_extent_bytes`, `direct`; for kvikio `nthreads`,
+        `gds_threshold`, `task_size`, `bounce_buffer_size`, `compat_mode`, `max_extent_bytes`.
+        min_hidden_ms: a prefetch wave starts only while the scan still to come is expected to
+        take at least this long (0: always; the cost model of `_wave_pays`).
         """
         index = IndexDirectory.open(path, verify=verify)
         encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
         return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
-                   reader_options=reader_options, min_hidden_codes=min_hidden_codes)
+                   reader_options=reader_options, min_hidden_ms=min_hidden_ms)
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -210,6 +213,7 @@ class Searcher:
         submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
+        scan_started = time.perf_counter()
         try:
             for a, b in segments:
                 part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
@@ -221,7 +225,7 @@ class Searcher:
                 new = keys[~np.isin(keys, submitted)]
                 if len(new) == 0:
                     continue
-                if not self._wave_pays(lists[:, b:]):
+                if not self._wave_pays(lists[:, :b], lists[:, b:], (time.perf_counter() - scan_started) * 1000):
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
@@ -293,15 +297,19 @@ class Searcher:
             for i, hits in enumerate(out)
         ]
 
-    def _wave_pays(self, remaining_lists: np.ndarray) -> bool:
-        """The cost model: a wave pays when the ANN work still to come can hide its reads.
+    def _wave_pays(self, scanned: np.ndarray, remaining: np.ndarray, elapsed_ms: float) -> bool:
+        """The cost model: a wave pays when the scan still to come can hide its reads.
 
-        A wave costs a fixed overhead (planning, one submission, a separate parse) and
-        hides at most the scan that remains. When the clusters left to scan hold fewer
-        codes per query than `min_hidden_codes` (about the scan time of one wave's
-        overhead), its candidates go to the critical-path read with the misses instead.
+        The scan time left is estimated from this very search: the rate measured over the
+        clusters scanned so far (its index type, dimension, batch size and machine load)
+        times the codes in the clusters left. Below `min_hidden_ms` the wave's candidates go
+        to the critical-path read with the misses instead.
         """
-        return int(self._list_sizes[remaining_lists].sum()) >= self.min_hidden_codes * len(remaining_lists)
+        if self.min_hidden_ms == 0:
+            return True
+        done = int(self._list_sizes[scanned].sum())
+        left = int(self._list_sizes[remaining].sum())
+        return done > 0 and elapsed_ms * left / done >= self.min_hidden_ms
 
     def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker

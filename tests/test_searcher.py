@@ -21,9 +21,9 @@ QUERIES = [
 
 @pytest.fixture(scope="module")
 def searcher(sample_index: Path):
-    # min_hidden_codes=0: every wave runs, so the prefetch path is what these tests exercise
+    # min_hidden_ms=0: every wave runs, so the prefetch path is what these tests exercise
     # (on a 300-document index the cost model would skip them all; see the test below).
-    with Searcher.open(sample_index, min_hidden_codes=0) as s:
+    with Searcher.open(sample_index, min_hidden_ms=0) as s:
         yield s
 
 
@@ -134,7 +134,7 @@ def test_k_larger_than_corpus_returns_everything(searcher: Searcher) -> None:
 
 def test_early_rerank_in_the_prefetch_thread_gives_the_same_ranking(sample_index: Path, searcher: Searcher) -> None:
     """The GPU behaviour (MaxSim inside the prefetch waves), forced on the CPU."""
-    with Searcher.open(sample_index, early_rerank=True, min_hidden_codes=0) as early:
+    with Searcher.open(sample_index, early_rerank=True, min_hidden_ms=0) as early:
         assert early.early_rerank and not searcher.early_rerank
         a = early.search(QUERIES, k=20, prefetch_step=0.2)
         b = searcher.search(QUERIES, k=20, prefetch_step=0.2)
