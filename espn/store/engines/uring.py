@@ -5,14 +5,22 @@ Why raw syscalls: no compiler and no dependency. The Python bindings do not fit 
 is alpha and copies every read into a new `bytes`, where we need the kernel to write into
 slices of one page-aligned buffer); a C extension would have to build in every image
 (CPU, CUDA, ARM). The kernel interface is small: three mmaps, a 64-byte SQE, a 16-byte
-CQE. A whole batch's SQEs are written as numpy column assignments (`fd`, `off`, `addr`,
-`len`, `user_data`; the opcode is written once when the ring is made), then one
-`io_uring_enter` submits them; completions are read as one numpy slice of the CQ.
+CQE. A submission's SQEs are built once, one vectorised assignment per field of the
+`SQE_DTYPE` record (opcode, fd, off, addr, len, user_data), and copied into the SQ as
+plain uint64 rows, a slice at a time as slots free up; one `io_uring_enter` submits each
+slice (and waits for completions in the same call); completions are read as one numpy
+slice of the CQ. No Python work per extent.
 
-Measured (benchmarks/bench_io.py; 2 GiB file, random 4 KiB O_DIRECT reads, QD 32,
-2,048 extents per call, virtio disk on a shared 2-core VM, kernel 6.18):
-see the table in that script's docstring; the engine reaches fio's IOPS and its CPU per
-read is the kernel's (which fio pays too) plus about a microsecond of Python per read.
+Measured (`python -m benchmarks.bench_io --index /work/idx/synth2m --seconds 5 --repeats 3`:
+5.4 GiB embeddings.bin, random 4 KiB O_DIRECT reads, 2,048 per call, depth 32, a virtio
+disk on a shared 2-core EPYC VM, Linux 6.18; medians of 3 rounds alternating with fio):
+fio --ioengine=io_uring --iodepth=32: 99k IOPS at 6.6 us CPU per read (0.6 in user
+space); this engine: 83k IOPS (83%) at 4.7 us (1.2 in user space: the Python); aio 72%
+at 5.1 us; the threads engine 43% at 18 us. Through the posix reader at its default
+depth 64: 98% of fio at 4.3 us. The device's speed varies from run to run (fio from 99k
+to 149k IOPS; at 149k this engine made 79%, the reader at depth 64 80%). Most of the CPU
+per read is the kernel's (virtio submission and completion), which fio pays too; the
+issue's 2 us target holds for the engine's own (user-space) share only.
 
 One ring per submitting thread (`threading.local`), made on the thread's first `submit`
 and released by `close()`: with IORING_SETUP_SINGLE_ISSUER and DEFER_TASKRUN (kernel 6.1+)
