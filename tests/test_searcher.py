@@ -42,12 +42,23 @@ def test_prefetch_and_sequential_paths_agree(searcher: Searcher) -> None:
 
 
 def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sample_index: Path) -> None:
-    with Searcher.open(sample_index) as default:
-        skipped = default.search(QUERIES, k=20, prefetch_step=0.2)
+    with Searcher.open(sample_index, min_hidden_ms=1e9) as never:
+        skipped = never.search(QUERIES, k=20, prefetch_step=0.2)
     taken = searcher.search(QUERIES, k=20, prefetch_step=0.2)
     assert all(r.stats.waves == 0 and r.stats.waves_skipped > 0 and r.stats.prefetched == 0 for r in skipped)
     assert all(r.stats.waves > 0 and r.stats.waves_skipped == 0 and r.stats.prefetched > 0 for r in taken)
     assert ranking(skipped) == ranking(taken)
+
+
+def test_cost_model_estimates_the_scan_left_from_the_scan_so_far(sample_index: Path) -> None:
+    with Searcher.open(sample_index, min_hidden_ms=0.5) as s:
+        sizes = s._list_sizes
+        scanned, left = np.argsort(sizes)[-1:][None, :], np.argsort(sizes)[-2:-1][None, :]
+        rate = sizes[left].sum() / sizes[scanned].sum()  # ms of scan left per ms spent so far
+        assert s._wave_pays(scanned, left, elapsed_ms=0.6 / rate)
+        assert not s._wave_pays(scanned, left, elapsed_ms=0.4 / rate)
+    with pytest.raises(InvalidParameterError, match="min_hidden_ms"):
+        Searcher.open(sample_index, min_hidden_ms=-1)
 
 
 def test_pipeline_equals_exhaustive_reference(searcher: Searcher) -> None:
