@@ -278,6 +278,27 @@ def test_bad_arguments_are_value_errors(engine: ReadEngine, data_file: DataFile)
 
 
 @pytest.mark.parametrize("name", NATIVE)
+def test_eagain_is_retried_until_the_read_completes(name: str) -> None:
+    # A non-blocking pipe with nothing in it: the kernel answers EAGAIN, the engine asks
+    # again, and the read completes once a writer has filled it.
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    e = ENGINES[name](depth=4)
+    timer = threading.Timer(0.05, lambda: os.write(w, b"espn"))
+    try:
+        buffer = aligned_buffer(BLOCK)
+        zero = np.zeros(1, dtype=np.int64)
+        timer.start()
+        counts = e.submit(r, zero, zero + 4, buffer, zero).wait()
+        assert counts.tolist() == [4] and buffer[:4].tobytes() == b"espn"
+    finally:
+        timer.join()
+        e.close()
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("name", NATIVE)
 def test_native_engines_wait_on_the_submitting_thread_and_close(name: str, data_file: DataFile) -> None:
     e = ENGINES[name](depth=8)
     offsets, lengths, at = random_extents(np.random.default_rng(8), 50, FILE_SIZE, max_blocks=2)
