@@ -266,8 +266,11 @@ class Searcher:
             timer.lap("gather")
             scores[:, todo] = self._score_pairs(queries, data, final[todo], n_docs)
             timer.lap("maxsim")
-        finally:  # a failure part-way: no read may outlive the search
-            group.discard()
+        finally:  # a failure part-way: no read may outlive the search, nor hide its error
+            try:
+                group.discard()
+            except Exception:
+                log.warning("a read failed while its search was being abandoned", exc_info=True)
             for wave in early:
                 wave.discard()
 
@@ -278,11 +281,8 @@ class Searcher:
         cls_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         bow_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
-        out = []
-        for i in range(batch):
-            hits = self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
-                                   bow_grid[i][valid[i]], params.k)
-            out.append(hits)
+        out = [self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
+                               bow_grid[i][valid[i]], params.k) for i in range(batch)]
         timer.lap("aggregate")
         stage_ms = timer.total()
         engine = self.reader.engine

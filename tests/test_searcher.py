@@ -151,3 +151,21 @@ def test_early_rerank_in_the_prefetch_thread_gives_the_same_ranking(sample_index
         b = searcher.search(QUERIES, k=20, prefetch_step=0.2)
     assert ranking(a) == ranking(b)
     assert [r.stats.hit_rate for r in a] == [r.stats.hit_rate for r in b]
+
+
+def test_a_failed_read_fails_the_search_cleanly(sample_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error in a prefetch wave reaches the caller as that error; the searcher still works."""
+    with Searcher.open(sample_index, min_hidden_ms=0) as s:
+        real = s.reader._submit
+        calls = {"n": 0}
+
+        def failing_once(offsets, lengths):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(5, "Input/output error")
+            return real(offsets, lengths)
+
+        monkeypatch.setattr(s.reader, "_submit", failing_once)
+        with pytest.raises(OSError, match="Input/output error"):
+            s.search(QUERIES[:2], k=5, prefetch_step=0.2)
+        assert len(s.search(QUERIES[:2], k=5, prefetch_step=0.2)[0].hits) == 5
