@@ -143,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             mean, p50, p99 = (agg(f, reader, pf, k) for k in ("mean", "p50", "p99"))
             hit = agg(f, reader, pf, "hit_rate") if pf else float("nan")
             rows.append([f"{int(f * 100)}%", label(reader, pf), mean, p50, p99, mean / memory_mean, hit])
-    # "memory" is the paper's in-memory baseline (sequential path); "memory + prefetch" runs the
-    # same overlapped pipeline from RAM, the strictest floor for posix + prefetch.
+    # "memory" is the paper's in-memory baseline. "memory + prefetch" asks for prefetching from
+    # RAM: the memory reader's reads are CPU work, so the cost model takes no waves there.
         pf_mean, mmap_mean = agg(f, "posix", 1, "mean"), agg(f, "mmap", 0, "mean")
         summary.append({"fraction": f, "limit_bytes": limits[f], "prefetch_vs_memory": pf_mean / memory_mean,
+                        "prefetch_vs_memory_p50": agg(f, "posix", 1, "p50") / agg(1.0, "memory", 0, "p50"),
+                        "prefetch_vs_no_prefetch": pf_mean / agg(f, "posix", 0, "mean"),
+                        "prefetch_vs_no_prefetch_p50": agg(f, "posix", 1, "p50") / agg(f, "posix", 0, "p50"),
                         "prefetch_vs_memory_prefetch": pf_mean / memory_pf_mean, "mmap_vs_prefetch": mmap_mean / pf_mean})
         if ("kvikio", 1) in configs:  # the GPU run (bench_gpu)
             kv_mean = agg(f, "kvikio", 1, "mean")
@@ -154,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                                kvikio_prefetch_vs_memory_prefetch=kv_mean / memory_pf_mean,
                                kvikio_prefetch_vs_posix_prefetch=kv_mean / pf_mean)
     table = markdown_table(["limit (of table)", "reader", "mean ms", "p50 ms", "p99 ms", "× memory", "hit rate"], rows)
-    table2 = markdown_table(["limit", "posix+prefetch / memory (target <= 1.05)", "posix+prefetch / memory+prefetch",
-                             "mmap / posix+prefetch (target >= 3)"],
-                            [[f"{int(s['fraction'] * 100)}%", s["prefetch_vs_memory"], s["prefetch_vs_memory_prefetch"],
-                              s["mmap_vs_prefetch"]]
+    table2 = markdown_table(["limit", "posix+prefetch / memory, mean (target <= 1.05, floor 1.10)", "same, p50",
+                             "posix+prefetch / posix no prefetch, mean (target <= 1)", "same, p50",
+                             "mmap / posix+prefetch, mean (target >= 1.9 at 10%)"],
+                            [[f"{int(s['fraction'] * 100)}%", s["prefetch_vs_memory"], s["prefetch_vs_memory_p50"],
+                              s["prefetch_vs_no_prefetch"], s["prefetch_vs_no_prefetch_p50"], s["mmap_vs_prefetch"]]
                              for s in summary])
     if ("kvikio", 1) in configs:
         table2 += "\n\n" + markdown_table(
