@@ -6,6 +6,8 @@ one `[G, T, D]` tensor (padded only to the longest query's total, which varies l
 is a sum over ~100 documents), one batched matmul gives the similarities `[G, Lq, T]`, and
 a segment max along T gives each pair's best match per query vector. Similarities are
 computed and accumulated in fp32 on every device, so CPU and GPU rank near-ties alike.
+On CUDA everything stays on the device (segment maxima by `torch.segment_reduce`): the
+caller's one `.cpu()` per wave is the only synchronisation.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def maxsim_pairs(
     pair_query = np.asarray(pair_query, dtype=np.int64)
     pair_doc = np.asarray(pair_doc, dtype=np.int64)
     device = vectors.device
-    out = torch.zeros(len(pair_query), dtype=torch.float32)
+    out = torch.zeros(len(pair_query), dtype=torch.float32, device=device)
     if len(pair_query) == 0:
-        return out.to(device)
+        return out
     lengths = offsets[pair_doc + 1] - offsets[pair_doc]
     order = np.argsort(pair_query, kind="stable")
     queries, first = np.unique(pair_query[order], return_index=True)
@@ -63,14 +65,15 @@ def maxsim_pairs(
         while b < len(queries) and (b + 1 - a) * int(per_query[a: b + 1].max()) * d <= max_chunk_elements:
             b += 1
         chunk = order[bounds[a]: bounds[b]]
-        out[torch.from_numpy(chunk)] = _chunk_maxsim(
+        out[torch.from_numpy(chunk).to(device)] = _chunk_maxsim(
             q_bow[torch.from_numpy(queries[a:b])], q_mask[torch.from_numpy(queries[a:b])], vectors, offsets,
             pair_doc[chunk], lengths[chunk], np.repeat(np.arange(b - a), bounds[a + 1: b + 1] - bounds[a:b]),
-        ).cpu()
+        )
         a = b
     if reduction == "mean":
-        out /= q_mask.sum(dim=1).clamp(min=1).cpu().to(torch.float32)[torch.from_numpy(pair_query)]
-    return out.to(device)
+        counts = q_mask.to(device).sum(dim=1).clamp(min=1).to(torch.float32)
+        out /= counts[torch.from_numpy(pair_query).to(device)]
+    return out
 
 
 def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tensor, offsets: np.ndarray,
@@ -112,16 +115,26 @@ def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tens
     cuts = np.concatenate([seg_starts, pad_starts, lead])
     keep = np.concatenate([np.ones(len(seg_starts), bool), np.zeros(len(pad_starts) + len(lead), bool)])
     order = np.argsort(cuts, kind="stable")
-    best = torch.zeros((len(docs), lq), dtype=torch.float32)
+    best = torch.zeros((len(docs), lq), dtype=torch.float32, device=device)
     if len(seg_starts):
-        if sim.is_cuda:
-            seg_lengths = np.diff(np.append(cuts[order], slots))
-            reduced = torch.segment_reduce(sim, "max", lengths=torch.from_numpy(seg_lengths).to(device), axis=0).cpu()
-        else:
-            reduced = torch.from_numpy(np.maximum.reduceat(sim.numpy(), cuts[order], axis=0))
-        best[torch.from_numpy(np.flatnonzero(nonempty))] = reduced[torch.from_numpy(_undo(order, keep))]
-    mask = q_mask.cpu()[torch.from_numpy(group)]  # [P, Lq]
-    return torch.where(mask, best, torch.zeros((), dtype=torch.float32)).sum(dim=1)
+        reduced = segment_max(sim, cuts[order], use_torch=sim.is_cuda)
+        best[torch.from_numpy(np.flatnonzero(nonempty)).to(device)] = \
+            reduced[torch.from_numpy(_undo(order, keep)).to(device)]
+    mask = q_mask.to(device)[torch.from_numpy(group).to(device)]  # [P, Lq]
+    return torch.where(mask, best, torch.zeros((), dtype=torch.float32, device=device)).sum(dim=1)
+
+
+def segment_max(x: torch.Tensor, starts: np.ndarray, use_torch: bool) -> torch.Tensor:
+    """Row maxima of x [R, C] over segments [starts[i], starts[i + 1]) (the last to R) -> [S, C].
+
+    starts: sorted, strictly increasing, starts[0] == 0. On the CPU numpy's reduceat is the
+    fastest (0.09 ms for 25k x 24 against 1.6 ms for torch); on CUDA torch.segment_reduce
+    keeps the work on the device.
+    """
+    if use_torch:
+        lengths = torch.from_numpy(np.diff(np.append(starts, x.shape[0]))).to(x.device)
+        return torch.segment_reduce(x, "max", lengths=lengths, axis=0)
+    return torch.from_numpy(np.maximum.reduceat(x.numpy(), starts, axis=0))
 
 
 def _undo(order: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from espn.maxsim import cls_pairs, maxsim, maxsim_pairs
+from espn.maxsim import cls_pairs, maxsim, maxsim_pairs, segment_max
 
 
 def reference(q, q_mask, vectors, offsets, pair_query, pair_doc) -> list[float]:
@@ -69,3 +69,12 @@ def test_cls_pairs_are_dot_products() -> None:
     got = cls_pairs(q, d, np.array([0, 2, 2]), np.array([4, 0, 4]))
     want = torch.stack([d[4].float() @ q[0], d[0].float() @ q[2], d[4].float() @ q[2]])
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_cuda_segment_max_agrees_with_the_cpu_one(seed: int) -> None:
+    """torch.segment_reduce is what runs on CUDA; here on the CPU it stands in for a GPU."""
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((50, 7)).astype(np.float32))
+    starts = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 50), 9, replace=False))])
+    torch.testing.assert_close(segment_max(x, starts, use_torch=True), segment_max(x, starts, use_torch=False))
