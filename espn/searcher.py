@@ -175,9 +175,18 @@ class Searcher:
         return self.docs.document(doc_id, self.ids.internal(doc_id))
 
     def warmup(self) -> None:
-        """One search end to end, so the first user request pays no start-up cost."""
-        if self.encoder is not None:
+        """One search end to end, so the first user request pays no start-up cost.
+
+        An index of precomputed embeddings has no tokenizer: a zero query warms it instead.
+        """
+        from .encoders.precomputed import PrecomputedEncoder
+
+        if self.encoder is not None and not isinstance(self.encoder, PrecomputedEncoder):
             self.search(["warm up"], k=1)
+            return
+        d_cls, d_bow = self.layout.d_cls, self.layout.d_bow
+        zero = QueryEmbeddings(np.zeros((1, d_cls), np.float32), np.zeros((1, 1, d_bow), np.float32), np.ones((1, 1), bool))
+        self.search_embeddings(zero, k=1)
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer) -> list[QueryResult]:
@@ -365,23 +374,26 @@ def _merge_fetched(parts: list[_Fetched]) -> _Fetched:
     present = [p for p in parts if p.data is not None]
     if len(present) <= 1:
         return present[0] if present else parts[0]
-    width = max(int(p.data.bow.shape[1]) for p in present if p.data is not None)
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[1])) if t.dim() == 3 else \
-            torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
     union = np.concatenate([p.union for p in present])
     batches = [p.data for p in present if p.data is not None]
-    order = torch.from_numpy(np.argsort(union, kind="stable")).to(batches[0].cls.device)
+    order_np = np.argsort(union, kind="stable")
+    order = torch.from_numpy(order_np).to(batches[0].cls.device)
+    # Flat form (vectors + offsets): each document's rows of the concatenated vectors, in sorted order.
+    bases = np.cumsum([0] + [len(b.vectors) for b in batches[:-1]])
+    starts = np.concatenate([b.offsets[:-1] - b.offsets[0] + base for b, base in zip(batches, bases)])
+    counts = np.concatenate([b.n_bow for b in batches])[order_np]
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    gather = np.repeat(starts[order_np] - offsets[:-1], counts) + np.arange(offsets[-1])
+    vectors = torch.cat([b.vectors for b in batches])
     data = ReadBatch(
         cls=torch.cat([b.cls for b in batches])[order],
-        bow=torch.cat([padded(b.bow) for b in batches])[order],
-        mask=torch.cat([padded(b.mask) for b in batches])[order],
+        vectors=vectors[torch.from_numpy(gather).to(vectors.device)],
+        offsets=offsets,
         bytes_read=sum(b.bytes_read for b in batches),
         ios=sum(b.ios for b in batches),
     )
-    return _Fetched(union[order.cpu().numpy()], data, data.bytes_read, data.ios, sum(p.read_ms for p in present))
+    return _Fetched(union[order_np], data, data.bytes_read, data.ios, sum(p.read_ms for p in present))
 
 
 def _share(total: int, i: int, n: int) -> int:

@@ -37,7 +37,7 @@ def open_engine(name: str | None = None, depth: int | None = None) -> ReadEngine
             except EngineUnavailable as exc:
                 reason = str(exc)
         raise BackendUnavailableError(f"io engine {name!r} cannot run here: {reason}")
-    passed_over = []
+    passed_over: list[str] = []
     for cls in ENGINES.values():
         reason = cls.unavailable_reason()
         if reason is None:

@@ -60,7 +60,7 @@ class ThreadsEngine(ReadEngine):
         file_offsets, lengths, buffer_offsets = check_extents(file_offsets, lengths, buffer, buffer_offsets)
         m = len(lengths)
         counts = np.zeros(m, dtype=np.int64)
-        whole = memoryview(buffer).cast("B")
+        whole = buffer.data.cast("B")  # the ndarray as a flat byte view (no copy)
         offsets, sizes, at = file_offsets.tolist(), lengths.tolist(), buffer_offsets.tolist()
 
         def read_group(indices: range) -> None:
