@@ -28,8 +28,8 @@ def maxsim(
     >>> maxsim(q, qm, d, torch.tensor([[True, False]])).tolist()
     [1.0]
     """
-    if d_bow.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float32, device=d_bow.device)
+    if d_bow.shape[0] == 0 or d_bow.shape[1] == 0:  # no documents, or none has a BOW vector
+        return torch.zeros(d_bow.shape[0], dtype=torch.float32, device=d_bow.device)
     dtype = torch.float16 if d_bow.is_cuda else torch.float32
     q = q_bow.to(device=d_bow.device, dtype=dtype)
     sim = torch.einsum("qd,cld->cql", q, d_bow.to(dtype)).float()  # [C, Lq, Ld]
