@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ESPN := $(VENV)/bin/espn
 SAMPLE_INDEX ?= .espn/sample-index
 
-.PHONY: install serve-sample test bench clean
+.PHONY: install serve-sample test check-wheel bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,10 +21,27 @@ serve-sample: install
 	@test -f $(SAMPLE_INDEX)/manifest.json || $(ESPN) index espn/data/sample_corpus.jsonl --out $(SAMPLE_INDEX)
 	$(ESPN) serve $(SAMPLE_INDEX)
 
-# Type check, then the test suite.
+# Type check, the wheel as a user installs it, then the test suite.
 test: install
 	$(VENV)/bin/mypy
+	$(MAKE) check-wheel
 	$(VENV)/bin/pytest -q
+
+# The built wheel, no extras, in a fresh venv: a runtime dependency missing from
+# pyproject.toml fails here (the dev venv has the test extras, which would hide it).
+WHEEL_VENV := .espn/wheel-venv
+WHEEL_CHECK := .espn/wheel-check
+check-wheel: install
+	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)/dist
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(WHEEL_VENV)/bin/python -m pip install -q $(WHEEL_CHECK)/dist/espn-*.whl
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/espn --help > /dev/null
+	$(WHEEL_VENV)/bin/espn index espn/data/sample_corpus.jsonl --out $(WHEEL_CHECK)/index --no-progress
+	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
+		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/run.trec --k 10
+	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
 
 clean:
 	rm -rf $(VENV) .espn

@@ -50,9 +50,9 @@ def write_corpus(source: Path, out: Path, docs: int, repeat: int) -> Path:
 
 
 def child_build(corpus: Path, out: Path, batch_size: int, chunk_size: int) -> dict:
-    from indexing.build import BuildConfig, _prepare_encoder, merge_index
-    from indexing.encode import encode_corpus
-    from indexing.workdir import WorkDir
+    from espn_indexing.build import BuildConfig, _prepare_encoder, merge_index
+    from espn_indexing.encode import encode_corpus
+    from espn_indexing.workdir import WorkDir
     from espn.index import write_json_atomic
 
     config = BuildConfig(corpus=corpus, out=out, force=True, progress=False, batch_size=batch_size,

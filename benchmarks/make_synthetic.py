@@ -125,9 +125,9 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
              cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5) -> dict:
     from espn.encoders.precomputed import PrecomputedEncoder
     from espn.index import write_json_atomic
-    from indexing.build import merge_index
-    from indexing.chunks import write_chunk
-    from indexing.workdir import WorkDir
+    from espn_indexing.build import merge_index
+    from espn_indexing.chunks import write_chunk
+    from espn_indexing.workdir import WorkDir
 
     out = Path(out).absolute()
     if out.exists() and not force:

@@ -2,12 +2,22 @@
 
 >>> from espn import Searcher                      # doctest: +SKIP
 >>> Searcher.open("INDEX").search(["query"], k=10)  # doctest: +SKIP
+
+Only the light names (errors, parameters, result types) load eagerly: `Searcher`
+pulls in torch and FAISS, so it loads on first use. A process that only needs
+`espn.errors` (the router, `espn --help`) never imports them.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .errors import DocumentNotFoundError, EspnError, IndexCorruptError, InvalidParameterError
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
-from .searcher import Searcher
+
+if TYPE_CHECKING:
+    from .searcher import Searcher
 
 __all__ = [
     "Searcher",
@@ -22,3 +32,11 @@ __all__ = [
     "DocumentNotFoundError",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Searcher":
+        from .searcher import Searcher
+
+        return Searcher
+    raise AttributeError(f"module 'espn' has no attribute {name!r}")

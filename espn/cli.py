@@ -1,35 +1,65 @@
-"""`espn` command line: index, index-merge, search, calibrate, verify, serve, route.
+"""`espn` command line: search, calibrate, verify here; index, index-merge, serve, route plug in.
 
 The only place that reads argv; every command calls the library. Errors end as one
 line on stderr and a non-zero exit, never a traceback (set ESPN_DEBUG=1 for one).
+
+The library must not import the build job or the server (they import it), so their
+subcommands register themselves through the `espn.commands` entry-point group: each
+entry point is a `register(subparsers)` that adds its parsers and sets `handler`.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["main"]
+from .errors import EspnError, InvalidParameterError
+from .params import SearchParams
+
+__all__ = ["main", "add_reader_options", "reader_options", "COMMANDS_GROUP"]
+
+COMMANDS_GROUP = "espn.commands"
+# Entry points register in this order, so `espn --help` lists the build before the server.
+_PLUGIN_ORDER = ("indexing", "server")
+IO_ENGINES = ("auto", "io_uring", "aio", "threads")
 
 log = logging.getLogger("espn")
 
 
-def _shard(value: str) -> tuple[int, int]:
-    try:
-        i, n = (int(x) for x in value.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {value!r}") from None
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"shard I/N needs 0 <= I < N, got {value!r}")
-    return i, n
+def add_reader_options(p: argparse.ArgumentParser) -> None:
+    """--io-engine, --io-depth, --max-extent-bytes, --no-direct: options of the posix reader."""
+    g = p.add_argument_group("reader I/O (posix reader only)")
+    g.add_argument("--io-engine", choices=IO_ENGINES, default=os.environ.get("ESPN_IO_ENGINE") or None,
+                   help="read engine (ESPN_IO_ENGINE; default auto: io_uring, then aio, then threads)")
+    g.add_argument("--io-depth", type=int, metavar="N", help="extents in flight at once (default 64)")
+    g.add_argument("--max-extent-bytes", type=int, metavar="N", help="cap on one coalesced read (default 1 MiB)")
+    g.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT")
+
+
+def reader_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The reader options the user set (only those: other readers take none)."""
+    options: dict[str, Any] = {}
+    if getattr(args, "io_engine", None) is not None:
+        options["io_engine"] = None if args.io_engine == "auto" else args.io_engine
+    if getattr(args, "io_depth", None) is not None:
+        options["io_depth"] = args.io_depth
+    if getattr(args, "max_extent_bytes", None) is not None:
+        options["max_extent_bytes"] = args.max_extent_bytes
+    if getattr(args, "no_direct", False):
+        options["direct"] = False
+    if options and getattr(args, "reader", None) not in (None, "posix"):
+        raise InvalidParameterError(f"--io-engine, --io-depth, --max-extent-bytes and --no-direct apply to the "
+                                    f"posix reader only, not --reader {args.reader}")
+    return options
 
 
 def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
@@ -40,6 +70,7 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
     p.add_argument("--prefetch-waves", type=int, help="most prefetch waves (1 = the paper's single prefetch)")
     p.add_argument("--no-prefetch", action="store_true", help="sequential reference path (same results)")
     p.add_argument("--reader", choices=readers, help="embedding reader (default: kvikio with CUDA, else posix)")
+    add_reader_options(p)
 
 
 def _search_overrides(args: argparse.Namespace) -> dict:
@@ -49,6 +80,38 @@ def _search_overrides(args: argparse.Namespace) -> dict:
     }
 
 
+def _check_output_file(command: str, path: Path) -> None:
+    """Refuse an output file that cannot be written before any work is done."""
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise InvalidParameterError(f"--out {path}: directory {parent} does not exist")
+    if path.is_dir():
+        raise InvalidParameterError(f"--out {path} is a directory; give a file name")
+    if not os.access(parent, os.W_OK):
+        raise InvalidParameterError(f"--out {path}: directory {parent} is not writable")
+
+
+def _register_plugins(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Subcommands from the `espn.commands` entry points (the build job, the server)."""
+    found = sorted(importlib.metadata.entry_points(group=COMMANDS_GROUP),
+                   key=lambda ep: (_PLUGIN_ORDER.index(ep.name) if ep.name in _PLUGIN_ORDER else 99, ep.name))
+    for entry_point in found:
+        try:
+            register = entry_point.load()
+        except ImportError as exc:  # a broken install: say which part and why, keep the rest usable
+            p = sub.add_parser(entry_point.name, help=f"(unavailable: {exc})")
+            p.set_defaults(handler=_unavailable(entry_point.name, exc))
+            continue
+        register(sub)
+
+
+def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        raise SystemExit(f"espn {args.command}: error: the {name} commands cannot load: {exc}")
+
+    return handler
+
+
 def build_parser() -> argparse.ArgumentParser:
     from espn.evaluation import DEFAULT_MEASURES
     from espn.store import READERS
@@ -56,33 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
-    p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
-    p.add_argument("--out", type=Path, required=True, help="index directory to create")
-    p.add_argument("--encoder", default="minilm", help="minilm (default), hf:PATH or colberter:PATH")
-    p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
-    p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
-    p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")
-    p.add_argument("--ann", choices=("flat", "pq"), default="flat", help="IVF-Flat (default) or IVF-PQ")
-    p.add_argument("--pq-m", type=int, default=32, help="PQ bytes per vector with --ann pq")
-    p.add_argument("--block-size", type=int, default=4096, help="record block size in bytes")
-    p.add_argument("--chunk-size", type=int, default=1024, help="documents per chunk (the unit of resume)")
-    p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
-    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="encode only shard I of N")
-    p.add_argument("--partitions", type=int, default=1, help="write S index partitions OUT/part-0.. sharing one encoder")
-    p.add_argument("--score-weight", type=float, help="w in w·cls + (1-w)·bow (default: the model's, else 0.3; "
-                   "`espn calibrate` fits it)")
-    p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
-    p.add_argument("--force", action="store_true", help="replace an existing index at --out")
-    p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
-    p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--partitions", type=int, default=1)
-    p.add_argument("--force", action="store_true")
 
     p = sub.add_parser("search", help="batch queries to a TREC run file; with --qrels, print effectiveness")
     p.add_argument("index", type=Path)
@@ -96,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "MaxSim over --rerank-count (default 1000)")
     p.add_argument("--tag", default="espn")
     _add_search_params(p, sorted(READERS))
+    p.set_defaults(handler=cmd_search)
 
     p = sub.add_parser("calibrate", help="fit the score weight w on training queries; stored in the manifest")
     p.add_argument("index", type=Path)
@@ -103,53 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qrels", type=Path, required=True)
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
+    p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
+    add_reader_options(p)
+    p.set_defaults(handler=cmd_calibrate)
 
     p = sub.add_parser("verify", help="check every file of an index against its manifest checksums")
     p.add_argument("index", type=Path)
+    p.set_defaults(handler=cmd_verify)
 
-    p = sub.add_parser("serve", help="serve an index over HTTP (FastAPI under uvicorn)")
-    from server.cli import add_serve_arguments
-    from server.router import add_route_arguments
-
-    add_serve_arguments(p)
-    p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
-    add_route_arguments(p)
+    _register_plugins(sub)
     return parser
-
-
-def cmd_index(args: argparse.Namespace) -> int:
-    from indexing.build import BuildConfig, build_from_embeddings, build_index
-
-    manifest: dict | None
-    if args.embeddings is not None:
-        manifest = build_from_embeddings(args.embeddings, args.out, block_size=args.block_size, nlist=args.nlist,
-                                         ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
-                                         corpus=args.corpus, force=args.force, score_weight=args.score_weight)
-    else:
-        if args.corpus is None:
-            raise SystemExit("espn index: error: give a CORPUS file or --embeddings DIR")
-        config = BuildConfig(
-            corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
-            ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
-            batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
-            num_shards=args.shard[1], partitions=args.partitions, device=args.device,
-            loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
-        )
-        manifest = build_index(config)
-    if manifest is None:
-        print(f"shard encoded; when all shards are done run: espn index-merge --out {args.out}")
-    else:
-        counts = manifest["counts"]
-        print(f"indexed {counts['documents']} documents ({counts['bow_vectors']} BOW vectors) into {args.out}")
-    return 0
-
-
-def cmd_index_merge(args: argparse.Namespace) -> int:
-    from indexing.build import merge_index
-
-    manifest = merge_index(args.out, partitions=args.partitions, force=args.force)
-    print(f"merged {manifest['counts']['documents']} documents into {args.out}")
-    return 0
 
 
 def _load_queries(args: argparse.Namespace):
@@ -168,15 +168,21 @@ def _load_queries(args: argparse.Namespace):
 def cmd_search(args: argparse.Namespace) -> int:
     from espn import Searcher
     from espn.corpus import read_qrels
-    from espn.evaluation import evaluate, write_run
+    from espn.evaluation import evaluate, strictly_decreasing, write_run
 
+    # Everything that can be checked without the index is checked before it loads.
+    overrides = _search_overrides(args)
+    SearchParams().replace(k=args.k, **overrides).validate(nlist=1 << 30, num_documents=0)  # nlist: below
+    if args.batch_size < 1:
+        raise InvalidParameterError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_output_file("search", args.out)
+    options = reader_options(args)
+    if not (args.index / "manifest.json").is_file():
+        raise FileNotFoundError(f"{args.index} is not an ESPN index directory (no manifest.json)")
     queries, embeddings = _load_queries(args)
     qrels = read_qrels(args.qrels) if args.qrels else None
-    searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None)
-    overrides = _search_overrides(args)
-    searcher.params(args.k, **overrides)  # fail before any work on a bad parameter
-    if args.batch_size < 1:
-        raise SystemExit("espn search: error: --batch-size must be >= 1")
+    searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
+    searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     ranked, latencies, hit_rates = {}, [], []
     started = time.perf_counter()
     for start in range(0, len(queries), args.batch_size):
@@ -188,7 +194,8 @@ def cmd_search(args: argparse.Namespace) -> int:
             else:
                 assert searcher.encoder is not None  # opened with_encoder above
                 q = searcher.encoder.encode_queries([text for _, text in batch])
-            hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=args.rerank_count or 1000)
+            rerank = 1000 if args.rerank_count is None else args.rerank_count  # 0 is honoured: CLS only
+            hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=rerank)
         else:
             if embeddings is not None:
                 results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k, **overrides)
@@ -208,7 +215,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"batch latency (batch size {args.batch_size}): p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms; "
               f"mean prefetch hit rate {np.mean(hit_rates):.3f}")
     if qrels is not None:
-        run = {qid: {doc: score for doc, score in hits} for qid, hits in ranked.items()}
+        run = {qid: dict(strictly_decreasing(hits)) for qid, hits in ranked.items()}
         for measure, value in evaluate(run, qrels).items():
             print(f"{measure}\t{value:.4f}")
     return 0
@@ -220,8 +227,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from espn.evaluation import evaluate
     from espn.index import update_manifest
 
-    searcher = Searcher.open(args.index)
+    options = reader_options(args)
     queries, qrels = read_queries(args.queries), read_qrels(args.qrels)
+    searcher = Searcher.open(args.index, reader=args.reader, reader_options=options)
     queries = [(qid, text) for qid, text in queries if qid in qrels]
     if not queries:
         raise SystemExit("espn calibrate: error: no query has judgements in --qrels")
@@ -263,16 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from espn.errors import EspnError
-
-    commands = {"index": cmd_index, "index-merge": cmd_index_merge, "search": cmd_search,
-                "calibrate": cmd_calibrate, "verify": cmd_verify}
-    if args.command == "serve":
-        from server.cli import run_serve as handler
-    elif args.command == "route":
-        from server.router import run_route as handler
-    else:
-        handler = commands[args.command]
+    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -96,8 +96,10 @@ def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str
             title = parts[2]
         if not doc_id.strip():
             raise CorpusError(f"{where}: empty id")
-    if not (title.strip() or text.strip()):
+    if kind == "query" and not (title.strip() or text.strip()):
         raise CorpusError(f"{where}: {kind} {doc_id!r} has no text")
+    # A document without text is kept (real corpora have them): it is indexed with no
+    # BOW vectors, can be fetched by id, and the build warns once with a count.
     return doc_id, title, text
 
 

@@ -166,8 +166,8 @@ def maxsim(
     >>> maxsim(q, qm, d, torch.tensor([[True, False]])).tolist()
     [1.0]
     """
-    if d_bow.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float32, device=d_bow.device)
+    if d_bow.shape[0] == 0 or d_bow.shape[1] == 0:  # no documents, or none has a BOW vector
+        return torch.zeros(d_bow.shape[0], dtype=torch.float32, device=d_bow.device)
     q = q_bow.to(device=d_bow.device, dtype=torch.float32)
     sim = torch.einsum("qd,cld->cql", q, d_bow.float())  # [C, Lq, Ld]
     sim.masked_fill_(~d_mask[:, None, :].to(sim.device), float("-inf"))

@@ -189,9 +189,18 @@ class Searcher:
         return self.docs.document(doc_id, self.ids.internal(doc_id))
 
     def warmup(self) -> None:
-        """One search end to end, so the first user request pays no start-up cost."""
-        if self.encoder is not None:
+        """One search end to end, so the first user request pays no start-up cost.
+
+        An index of precomputed embeddings has no tokenizer: a zero query warms it instead.
+        """
+        from .encoders.precomputed import PrecomputedEncoder
+
+        if self.encoder is not None and not isinstance(self.encoder, PrecomputedEncoder):
             self.search(["warm up"], k=1)
+            return
+        d_cls, d_bow = self.layout.d_cls, self.layout.d_bow
+        zero = QueryEmbeddings(np.zeros((1, d_cls), np.float32), np.zeros((1, 1, d_bow), np.float32), np.ones((1, 1), bool))
+        self.search_embeddings(zero, k=1)
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer) -> list[QueryResult]:

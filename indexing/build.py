@@ -8,24 +8,52 @@ With `partitions > 1` the chunks are split into that many complete indexes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
-from espn.errors import CorpusError, IndexExistsError, InvalidParameterError
+from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.index import read_manifest, write_json_atomic
 
 from .assemble import assemble, publish
 from .encode import encode_corpus, read_sample
+from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["BuildConfig", "build_index", "merge_index", "build_from_embeddings"]
+__all__ = ["BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
 
 log = logging.getLogger(__name__)
+
+
+class BuildError(EspnError):
+    """A build failed after it started writing `OUT.partial/`; the message says what to do with it."""
+
+
+@contextlib.contextmanager
+def keeping_partial(out: Path) -> Iterator[None]:
+    """Turn a failure into one line that also says where the partial build is and how to go on."""
+    work = WorkDir(out)
+    existed = work.path.exists()
+    try:
+        yield
+    except (EspnError, OSError, RuntimeError) as exc:
+        if not work.path.exists() or isinstance(exc, (IndexExistsError, InvalidParameterError)):
+            raise
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            reason = f"no space left on device{' writing ' + str(exc.filename) if exc.filename else ''}"
+        elif isinstance(exc, OSError):
+            reason = f"{exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}"
+        else:
+            reason = str(exc)
+        kept = "kept" if existed else "left"
+        raise BuildError(f"{reason} (the partial build is {kept} in {work.path}: fix the cause and re-run the same "
+                         f"command to resume, or delete it)") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +156,16 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
     config.validate()
     out = Path(config.out).absolute()
     _check_out(out, config.partitions, config.force)
+    # Every line parsed and ids checked before the model loads: seconds, not an encode.
+    scan = scan_corpus(config.corpus, config.skip_bad)
+    if scan.documents == 0:
+        raise CorpusError(f"{config.corpus}: the corpus has no documents")
     work = WorkDir(out)
     encoder = _prepare_encoder(config, work)
     totals = encode_corpus(
         config.corpus, work.path, encoder, chunk_size=config.chunk_size, batch_size=config.batch_size,
         shard=config.shard, num_shards=config.num_shards, skip_bad=config.skip_bad,
-        loader_workers=config.loader_workers, progress=config.progress,
+        loader_workers=config.loader_workers, progress=config.progress, total_documents=scan.documents,
     )
     write_json_atomic(work.marker(config.shard, config.num_shards),
                       {"shard": config.shard, "num_shards": config.num_shards, **totals})

@@ -9,8 +9,12 @@ between processes (one per GPU on a GPU machine).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
 import os
+import signal
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,10 +26,13 @@ from tqdm import tqdm
 
 from espn.corpus import CorpusDocument, iter_corpus
 from espn.encoders import DocumentEmbeddings, Encoder
+from espn.errors import CorpusError, EspnError
 
 from .chunks import finished_chunks, write_chunk
 
-__all__ = ["encode_corpus", "read_sample", "reorder_chunk"]
+__all__ = ["encode_corpus", "read_sample", "reorder_chunk", "die_with_parent"]
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,23 @@ log = logging.getLogger(__name__)
 def read_sample(corpus: Path, count: int, skip_bad: bool) -> list[str]:
     """The first `count` documents' text: the sample a projection is fitted on (deterministic)."""
     return [doc.full_text for doc in islice(iter_corpus(corpus, skip_bad=skip_bad), count)]
+
+
+def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
+    """DataLoader `worker_init_fn`: the kernel kills this worker when its parent dies, however it dies.
+
+    Without it a `kill -9` of the build leaves the tokenising worker running (hundreds
+    of MB, blocked on a queue nobody reads) and a resumed build starts another beside it.
+    The parent may already be gone before prctl runs, so the parent pid is checked after.
+    """
+    del worker_id
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux/glibc: rely on the DataLoader's own watchdog
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 class _TokenisedChunks(IterableDataset):
@@ -53,6 +77,14 @@ class _TokenisedChunks(IterableDataset):
             yield index, chunk
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # An error in the worker process comes back as an item: the main process raises it
+        # as one line, instead of the DataLoader's "Caught ... in DataLoader worker" traceback.
+        try:
+            yield from self._items()
+        except EspnError as exc:
+            yield {"error": str(exc), "kind": type(exc).__name__}
+
+    def _items(self) -> Iterator[dict[str, Any]]:
         total_docs = total_chunks = 0
         for index, chunk in self._chunks():
             total_docs += len(chunk)
@@ -91,19 +123,27 @@ def reorder_chunk(parts: list[tuple[np.ndarray, DocumentEmbeddings]]) -> Documen
 
 def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size: int = 1024, batch_size: int = 32,
                   shard: int = 0, num_shards: int = 1, skip_bad: bool = False, loader_workers: int = 1,
-                  progress: bool = True) -> dict[str, int]:
-    """Write this shard's missing chunk files; returns {"documents": N, "chunks": C} of the whole corpus."""
+                  progress: bool = True, total_documents: int | None = None) -> dict[str, int]:
+    """Write this shard's missing chunk files; returns {"documents": N, "chunks": C} of the whole corpus.
+
+    total_documents (from the scan pass) gives the progress bar its total and ETA.
+    """
     done = frozenset(finished_chunks(work_dir))
     dataset = _TokenisedChunks(corpus, encoder, chunk_size, batch_size, shard, num_shards, done, skip_bad)
     cuda = torch.cuda.is_available() and str(getattr(encoder, "device", "cpu")).startswith("cuda")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # fast tokenizers deadlock-warn after fork
     loader = DataLoader(dataset, batch_size=None, num_workers=loader_workers, pin_memory=cuda,
-                        prefetch_factor=4 if loader_workers else None, persistent_workers=False)
+                        prefetch_factor=4 if loader_workers else None, persistent_workers=False,
+                        worker_init_fn=functools.partial(die_with_parent, os.getpid()) if loader_workers else None)
     pending: dict[int, dict[str, Any]] = {}
     totals = {"documents": 0, "chunks": 0}
-    with tqdm(unit="doc", unit_scale=True, desc=f"encode shard {shard}/{num_shards}", disable=not progress,
-              mininterval=1.0) as bar:
+    total, initial = _shard_progress(total_documents, chunk_size, shard, num_shards, done)
+    desc = "encode" if num_shards == 1 else f"encode shard {shard + 1} of {num_shards}"
+    with tqdm(total=total, initial=initial, unit="doc", unit_scale=True, desc=desc, disable=not progress,
+              mininterval=1.0) as bar, _worker_death_is_one_line():
         for item in loader:
+            if "error" in item:
+                raise CorpusError(item["error"]) if item["kind"] == "CorpusError" else EspnError(item["error"])
             if item.get("end"):
                 totals = {"documents": int(item["documents"]), "chunks": int(item["chunks"])}
                 break
@@ -121,3 +161,31 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
                 write_chunk(work_dir, index, chunk.cls, chunk.bow, chunk.counts, ids, titles, texts)
                 log.debug("chunk %d written (%d documents)", index, len(ids))
     return totals
+
+
+@contextlib.contextmanager
+def _worker_death_is_one_line() -> Iterator[None]:
+    """A worker that died (OOM killer, kill) becomes one clear error.
+
+    The DataLoader notices through SIGCHLD and raises RuntimeError wherever the main
+    process happens to be (often inside the model), so the whole loop is covered.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if "DataLoader worker" not in str(exc):
+            raise
+        reason = str(exc).split(". ")[0].rstrip(".")
+        raise EspnError(f"the tokenising worker process died ({reason}); out of memory? "
+                        "try a smaller --chunk-size, or --loader-workers 0") from None
+
+
+def _shard_progress(total_documents: int | None, chunk_size: int, shard: int, num_shards: int,
+                    done: frozenset[int]) -> tuple[int | None, int]:
+    """(documents this shard encodes in all, documents already in finished chunks) for the bar."""
+    if total_documents is None:
+        return None, 0
+    chunks = -(-total_documents // chunk_size)
+    mine = [c for c in range(chunks) if c % num_shards == shard]
+    size = [min(chunk_size, total_documents - c * chunk_size) for c in mine]
+    return sum(size), sum(n for c, n in zip(mine, size) if c in done)

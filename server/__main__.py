@@ -1,15 +1,18 @@
-"""`python -m server INDEX ...`: the same as `espn serve INDEX ...`."""
+"""`python -m espn_server INDEX ...`: the same as `espn serve INDEX ...`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-
-from .cli import add_serve_arguments, run_serve
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m server", description="Serve an ESPN index over HTTP.")
+    # As in `espn`: before torch or FAISS load OpenMP, idle threads must not spin.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .cli import add_serve_arguments, run_serve
+
+    parser = argparse.ArgumentParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
     add_serve_arguments(parser)
     return run_serve(parser.parse_args())
 

@@ -1,6 +1,6 @@
 """The FastAPI app: `build_app(settings)` builds it; its lifespan opens the index.
 
-uvicorn starts every worker with `server.app:create_app` as a factory (`--factory`):
+uvicorn starts every worker with `espn_server.app:create_app` as a factory (`--factory`):
 the settings come from the `ESPN_*` environment that `espn serve` set up, so all
 workers build the same app. Nothing happens at import time.
 """
@@ -19,9 +19,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from .batching import MicroBatcher
 from .deps import AppState, require_api_key
+from .docs import add_offline_docs
 from .errors import register_exception_handlers
 from .metrics import ServerMetrics
-from .middleware import AccessMiddleware, BodyLimitMiddleware
+from .middleware import AccessMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
 from .routes import documents, health, search
 from .settings import ServerSettings
 
@@ -48,7 +49,8 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
 
     # N workers x all cores each would oversubscribe the CPU; give each its share.
     torch.set_num_threads(settings.effective_torch_threads)
-    return Searcher.open(settings.index, reader=settings.reader, device=settings.device)
+    return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
+                         reader_options=settings.reader_options())
 
 
 def _batch_search(searcher: "Searcher", metrics: ServerMetrics):  # noqa: ANN202 (closure)
@@ -59,6 +61,12 @@ def _batch_search(searcher: "Searcher", metrics: ServerMetrics):  # noqa: ANN202
         return results
 
     return search
+
+
+def _mean_text_bytes(searcher: "Searcher") -> float:
+    """Mean stored bytes per passage (title and text as JSON), for the response-size budget."""
+    size = searcher.index.file("docs.jsonl").stat().st_size
+    return size / max(1, searcher.num_documents)
 
 
 async def _warm(state: AppState) -> None:
@@ -91,10 +99,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_wait_s=settings.batch_wait_ms / 1000.0,
         max_concurrent=settings.search_threads,
         max_pending=settings.max_pending,
+        fair_chunk=settings.fair_chunk_queries,
         on_batch=lambda size, seconds: state.metrics.queued.set(batcher.pending),
     )
     batcher.start()
     state.searcher, state.batcher = searcher, batcher
+    state.text_bytes = _mean_text_bytes(searcher)
+    reader = searcher.reader.describe()
+    state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     try:
@@ -118,9 +130,10 @@ def build_app(settings: ServerSettings) -> FastAPI:
         version=_version(),
         summary="Multi-vector retrieval with the embedding table on SSD",
         lifespan=lifespan,
-        docs_url="/docs",
+        docs_url=None,  # add_offline_docs serves it without a CDN
         redoc_url=None,
     )
+    add_offline_docs(app)
     metrics = ServerMetrics()
     app.state.espn = AppState(settings=settings, metrics=metrics)
 
@@ -129,8 +142,11 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.include_router(search.router, dependencies=protected)
     app.include_router(documents.router, dependencies=protected)
     app.include_router(health.router)
+    if settings.metrics_port is None:  # else the parent process serves it on its own port
+        app.include_router(health.metrics_router)
 
     # Added innermost first: the access log sees every response, 413s and CORS included.
+    app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(
@@ -140,7 +156,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
         )
     # The API routes themselves (not the included-router wrappers) give the endpoint labels.
-    api_routes = [*search.router.routes, *documents.router.routes, *health.router.routes]
+    api_routes = [*search.router.routes, *documents.router.routes, *health.router.routes,
+                  *health.metrics_router.routes]
     app.add_middleware(AccessMiddleware, metrics=metrics, routes=api_routes)
     return app
 

@@ -63,6 +63,10 @@ class MicroBatcher(Generic[R]):
     max_wait_s:      how long the oldest queued query may wait for company
     max_concurrent:  search calls in flight at once (size `executor` to match)
     max_pending:     queued queries beyond which `submit` raises QueueFullError
+    fair_chunk:      `submit_many` queues a large request this many queries at a time, the
+                     next chunk only when the previous one is done: a request that arrives
+                     meanwhile is older than the next chunk, so it runs first (one 256-query
+                     batch cannot hold a single query behind all of its work)
     on_batch:        called with (batch size, seconds the call took) after each call
     """
 
@@ -75,10 +79,14 @@ class MicroBatcher(Generic[R]):
         max_wait_s: float = 0.002,
         max_concurrent: int = 1,
         max_pending: int = 4096,
+        fair_chunk: Optional[int] = None,
         on_batch: Optional[Callable[[int, float], None]] = None,
     ) -> None:
         if max_batch_size < 1 or max_concurrent < 1 or max_pending < 1 or max_wait_s < 0:
             raise ValueError("max_batch_size, max_concurrent, max_pending must be >= 1 and max_wait_s >= 0")
+        if fair_chunk is not None and fair_chunk < 1:
+            raise ValueError(f"fair_chunk must be >= 1, got {fair_chunk}")
+        self._fair_chunk = fair_chunk
         self._search = search
         self._executor = executor
         self._max_batch_size = max_batch_size
@@ -109,7 +117,20 @@ class MicroBatcher(Generic[R]):
         return (await self.submit_many([query], params))[0]
 
     async def submit_many(self, queries: Sequence[str], params: Mapping[str, Any]) -> list[BatchedResult[R]]:
-        """Search several queries with the same parameters; they may share batches with others."""
+        """Search several queries with the same parameters; they may share batches with others.
+
+        With `fair_chunk`, a larger request queues one chunk at a time, behind whatever
+        arrived while its previous chunk ran.
+        """
+        chunk = self._fair_chunk
+        if chunk is None or len(queries) <= chunk:
+            return await self._submit_now(queries, params)
+        results: list[BatchedResult[R]] = []
+        for start in range(0, len(queries), chunk):
+            results += await self._submit_now(queries[start : start + chunk], params)
+        return results
+
+    async def _submit_now(self, queries: Sequence[str], params: Mapping[str, Any]) -> list[BatchedResult[R]]:
         if self._closing or self._dispatcher is None or self._dispatcher.done():
             raise BatcherClosedError("the search queue is closed")
         if self._pending + len(queries) > self._max_pending:

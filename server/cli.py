@@ -1,9 +1,11 @@
 """`espn serve INDEX`: flags -> ESPN_* environment -> ServerSettings -> uvicorn workers.
 
+`register` adds `serve` and `route` to the `espn` command (entry point `espn.commands`).
+
 Each flag overrides its environment variable (`--port` over `ESPN_PORT`), which overrides
 the default. The API key is read only from `ESPN_API_KEY`, never from a flag, so it does
 not show in `ps`. The settings are validated and printed once, here; uvicorn then starts
-`server.app:create_app` as a factory in each worker, and each worker rebuilds the same
+`espn_server.app:create_app` as a factory in each worker, and each worker rebuilds the same
 settings from the environment this function exported.
 """
 
@@ -12,13 +14,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import ipaddress
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,7 +31,7 @@ from pydantic import ValidationError
 
 from .settings import ENV_PREFIX, READER_NAMES, ServerSettings
 
-__all__ = ["add_serve_arguments", "run_serve"]
+__all__ = ["add_serve_arguments", "run_serve", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,28 @@ _FLAG_FIELDS = {
     "max_batch_queries": "max_batch_queries",
     "graceful_timeout": "graceful_timeout_s",
     "log_level": "log_level",
+    "io_engine": "io_engine",
+    "io_depth": "io_depth",
+    "max_extent_bytes": "max_extent_bytes",
+    "max_request_work": "max_request_work",
+    "max_response_bytes": "max_response_bytes",
+    "metrics_port": "metrics_port",
 }
+
+# The app factory, named by whatever name this package is installed under (espn_server).
+APP_FACTORY = f"{__package__}.app:create_app"
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add `serve` and `route` to the `espn` subcommands."""
+    p = sub.add_parser("serve", help="serve an index over HTTP (FastAPI under uvicorn)")
+    add_serve_arguments(p)
+    p.set_defaults(handler=run_serve)
+    from .router import add_route_arguments, run_route
+
+    p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
+    add_route_arguments(p)
+    p.set_defaults(handler=run_route)
 
 
 def _reader_choices() -> list[str]:
@@ -85,6 +111,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search calls in flight per worker (ESPN_SEARCH_THREADS, default 1)")
     search.add_argument("--torch-threads", type=int, metavar="N",
                         help="torch threads per worker (ESPN_TORCH_THREADS, default cores / workers)")
+    io = parser.add_argument_group("reader I/O (posix reader only)")
+    io.add_argument("--io-engine", choices=["auto", "io_uring", "aio", "threads"],
+                    help="read engine (ESPN_IO_ENGINE, default auto: io_uring, then aio, then threads)")
+    io.add_argument("--io-depth", type=int, metavar="N", help="extents in flight at once (ESPN_IO_DEPTH, default 64)")
+    io.add_argument("--max-extent-bytes", type=int, metavar="N",
+                    help="cap on one coalesced read (ESPN_MAX_EXTENT_BYTES, default 1 MiB)")
+    io.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT (ESPN_DIRECT=false)")
     limits = parser.add_argument_group("requests")
     limits.add_argument("--max-body-bytes", type=int, metavar="B",
                         help="largest request body (ESPN_MAX_BODY_BYTES, default 1 MiB)")
@@ -92,7 +125,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most queries in one /v1/search/batch (ESPN_MAX_BATCH_QUERIES, default 256)")
     limits.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN",
                         help="allow this browser origin; repeatable (ESPN_CORS_ORIGINS, default: CORS off)")
+    limits.add_argument("--max-request-work", type=int, metavar="N",
+                        help="most queries x max(k, rerank_count, prefetch_k) per request (ESPN_MAX_REQUEST_WORK, "
+                        "default 262144)")
+    limits.add_argument("--max-response-bytes", type=int, metavar="B",
+                        help="largest estimated response (ESPN_MAX_RESPONSE_BYTES, default 16 MiB)")
     ops = parser.add_argument_group("operations")
+    ops.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve /metrics on this port instead of the API port (ESPN_METRICS_PORT)")
     ops.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                      help="(ESPN_LOG_LEVEL, default info)")
     ops.add_argument("--no-warmup", action="store_true", help="report ready without warming the index (ESPN_WARMUP)")
@@ -115,6 +155,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         env[ENV_PREFIX + "WARMUP"] = "false"
     if getattr(args, "no_preload", False):
         env[ENV_PREFIX + "PRELOAD"] = "false"
+    if getattr(args, "no_direct", False):
+        env[ENV_PREFIX + "DIRECT"] = "false"
     return env
 
 
@@ -138,7 +180,7 @@ def _fork_workers() -> bool:
     import espn.searcher  # noqa: F401  torch, faiss, numpy, the encoders
     import transformers.modeling_utils  # noqa: F401  torch._dynamo & co, imported by every HF model
 
-    import server.app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)
+    from . import app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)
 
     gc.collect()
     gc.freeze()
@@ -178,12 +220,26 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValidationError as error:
         _print_errors(error)
         return 2
+    # A damaged index is one line and exit 1 here, not a traceback from every worker's start-up.
+    from espn.errors import EspnError
+    from espn.index import IndexDirectory
+
+    try:
+        IndexDirectory.open(settings.index, verify="fast")
+    except (EspnError, ValueError, OSError) as error:
+        print(f"espn serve: error: {error}", file=sys.stderr)
+        return 1
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)
+    if settings.api_key is None and not _is_loopback(settings.host):
+        print(json.dumps({"level": "WARNING", "event": "unauthenticated",
+                          "message": f"serving on {settings.host} without ESPN_API_KEY: anyone who can reach this "
+                          "address can search and read every document; set ESPN_API_KEY (from a secret)"}),
+              file=sys.stderr, flush=True)
 
     multiproc_dir: Optional[str] = None
-    if settings.workers > 1 and MULTIPROC_ENV not in os.environ:
+    if (settings.workers > 1 or settings.metrics_port is not None) and MULTIPROC_ENV not in os.environ:
         # Each worker writes its metric samples here; /metrics aggregates them all.
         multiproc_dir = tempfile.mkdtemp(prefix="espn-metrics-")
         os.environ[MULTIPROC_ENV] = multiproc_dir
@@ -194,11 +250,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .logs import logging_config
 
+    # uvicorn re-raises the SIGTERM it drained on, so the process would end "killed by
+    # SIGTERM" (143) after a clean drain; this handler turns that last raise into exit 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    metrics_server = _start_metrics_server(settings) if settings.metrics_port is not None else None
     try:
         if settings.workers > 1 and settings.preload:
             _fork_workers()
         uvicorn.run(
-            "server.app:create_app",
+            APP_FACTORY,
             factory=True,
             host=settings.host,
             port=settings.port,
@@ -214,7 +274,39 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as exit_:  # uvicorn exits 3 when the app fails to start (bad index, ...)
         return exit_.code if isinstance(exit_.code, int) else 1
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         if multiproc_dir is not None:
             os.environ.pop(MULTIPROC_ENV, None)
             shutil.rmtree(multiproc_dir, ignore_errors=True)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: Optional[types.FrameType]) -> None:
+    raise SystemExit(0)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume reachable from elsewhere
+        return False
+
+
+def _start_metrics_server(settings: ServerSettings) -> Any:
+    """/metrics of every worker on its own port, served by this (parent) process.
+
+    The workers write their samples to PROMETHEUS_MULTIPROC_DIR; a collector over that
+    directory answers here, so the API port (which may face users) has no /metrics.
+    """
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    assert settings.metrics_port is not None
+    server, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    print(json.dumps({"event": "metrics", "url": f"http://{settings.host}:{settings.metrics_port}/metrics"}),
+          file=sys.stderr, flush=True)
+    return server

@@ -29,6 +29,7 @@ class AppState:
     metrics: ServerMetrics
     searcher: Optional["Searcher"] = None
     batcher: Optional["MicroBatcher"] = None
+    text_bytes: float = 0.0  # mean bytes of a passage's title and text (for the response budget)
     ready: bool = False
     status: str = "starting"  # starting | warming | ready | draining
 

@@ -87,6 +87,12 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
             position = list(error.get("loc", ()))[-1:]
             where = f" at byte {position[0]}" if position and isinstance(position[0], int) else ""
             return error_response(400, "malformed_json", f"request body is not valid JSON: {reason}{where}")
+    content_type = request.headers.get("content-type", "")
+    if request.method in ("POST", "PUT") and "json" not in content_type.lower() and any(
+            tuple(error.get("loc", ())) == ("body",) for error in errors):
+        # FastAPI does not parse a body that is not declared JSON and reports a type error.
+        return error_response(415, "unsupported_media_type", "request body must be JSON with Content-Type: "
+                              f"application/json, got {content_type or 'no Content-Type'!r}")
     errors = _jsonable_errors(errors)
     first = errors[0] if errors else {}
     location = ".".join(str(part) for part in first.get("loc", []) if part != "body")

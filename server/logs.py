@@ -38,7 +38,7 @@ def logging_config(level: str) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"json": {"()": "server.logs.JsonFormatter"}},
+        "formatters": {"json": {"()": JsonFormatter}},
         "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
         "loggers": {
             "": {"handlers": ["stderr"], "level": level},

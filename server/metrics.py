@@ -88,9 +88,17 @@ class ServerMetrics:
             "espn_search_queued_queries", "queries waiting for a micro-batch", multiprocess_mode="livesum",
             registry=reg,
         )
+        self.reader_info = Gauge(
+            "espn_reader_info", "1 for the embedding reader and I/O engine in use", ["reader", "engine"],
+            multiprocess_mode="max", registry=reg,
+        )
         self.ready = Gauge(
             "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=reg
         )
+
+    def set_reader(self, reader: str, engine: str) -> None:
+        """The reader and I/O engine as labels (the engine is chosen at open: io_uring, aio, threads)."""
+        self.reader_info.labels(reader, engine).set(1)
 
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, method, str(status)).inc()

@@ -6,6 +6,7 @@ cancellation reaches the routes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -19,9 +20,10 @@ from .errors import error_response
 from .logs import ACCESS_LOGGER
 from .metrics import ServerMetrics
 
-__all__ = ["AccessMiddleware", "BodyLimitMiddleware", "LOG_EXTRA_KEY"]
+__all__ = ["AccessMiddleware", "BodyLimitMiddleware", "CancelledRequestMiddleware", "LOG_EXTRA_KEY"]
 
 access_logger = logging.getLogger(ACCESS_LOGGER)
+logger = logging.getLogger(__name__)
 
 # Routes put fields for the request's log line in request.state under this name.
 LOG_EXTRA_KEY = "log_extra"
@@ -155,3 +157,36 @@ class BodyLimitMiddleware:
         response = error_response(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes",
                                   headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+class CancelledRequestMiddleware:
+    """A request cancelled at the shutdown deadline gets a JSON 503, not uvicorn's plain 500.
+
+    Past `--graceful-timeout` uvicorn cancels the tasks still running; the CancelledError
+    would reach uvicorn, which logs it as a traceback and answers "Internal Server Error".
+    Here it ends the request instead: one log line, a 503 the client may retry elsewhere.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            logger.warning("request cancelled at the shutdown deadline", extra={"path": scope.get("path")})
+            if not started:
+                response = error_response(503, "shutting_down", "the server shut down before this request finished; "
+                                          "retry", headers={"Retry-After": "1", "Connection": "close"})
+                await response(scope, receive, send)

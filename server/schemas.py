@@ -51,7 +51,7 @@ class SearchOptions(BaseModel):
     k: int = Field(10, ge=1, le=MAX_K, description="results per query")
     nprobe: Optional[int] = Field(None, ge=1, le=1 << 20, description="IVF clusters visited (<= nlist)")
     prefetch_step: Optional[float] = Field(
-        None, gt=0.0, le=1.0, description="fraction of nprobe after which prefetching starts"
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description="fraction of nprobe after which prefetching starts"
     )
     prefetch_k: Optional[int] = Field(None, ge=0, le=10_000, description="candidates each prefetch wave reads")
     rerank_count: Optional[int] = Field(None, ge=0, le=10_000, description="candidates re-ranked with MaxSim")
@@ -107,6 +107,8 @@ class SearchStatsModel(BaseModel):
     ios: int
     prefetched: int
     missed: int
+    read_amplification: float = Field(description="documents read / documents re-ranked (1.0 = no waste)")
+    engine: str = Field(description="what moved the bytes: io_uring, aio, threads (posix) or the reader's name")
 
 
 class SearchResponse(BaseModel):
@@ -128,6 +130,7 @@ class DocumentResponse(BaseModel):
 class HealthResponse(BaseModel):
     status: str
     detail: Optional[str] = None
+    reader: Optional[dict[str, Any]] = Field(default=None, description="the embedding reader: name, I/O engine, device, ...")
 
 
 class ErrorResponse(BaseModel):

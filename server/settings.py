@@ -52,9 +52,24 @@ class ServerSettings(BaseSettings):
     max_pending: int = Field(4096, ge=1, le=1_000_000, description="queued queries per worker before 503")
     torch_threads: Optional[int] = Field(None, ge=1, le=256, description="torch intra-op threads; None = cores / workers")
 
+    # Reader I/O (the posix reader only; None keeps the library default).
+    io_engine: Optional[Literal["auto", "io_uring", "aio", "threads"]] = Field(
+        None, description="posix read engine; auto/None: io_uring, then aio, then threads")
+    io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once")
+    max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read")
+    direct: Optional[bool] = Field(None, description="False: buffered reads instead of O_DIRECT")
+
     # Request limits.
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     max_batch_queries: int = Field(256, ge=1, le=10_000, description="queries accepted by /v1/search/batch")
+    # Work budget of one request: queries x max(k, rerank_count, prefetch_k) candidates.
+    # The default admits 256 queries at k = 1000 but not a 256-query batch re-ranking 10,000 each.
+    max_request_work: int = Field(262_144, ge=1, le=1 << 40,
+                                  description="most queries x max(k, rerank_count, prefetch_k) per request")
+    max_response_bytes: int = Field(16 << 20, ge=1024, le=1 << 34,
+                                    description="largest estimated response (hits x bytes per hit, text included)")
+    # A big batch runs as chunks of this many queries, taking turns with other requests.
+    fair_chunk_queries: int = Field(8, ge=1, le=1024, description="queries a batch request searches per turn")
 
     # Security and cross-origin access.
     api_key: Optional[SecretStr] = Field(None, description="if set, /v1/* needs `Authorization: Bearer <key>`")
@@ -63,6 +78,8 @@ class ServerSettings(BaseSettings):
     # Operations.
     log_level: LogLevel = "info"
     warmup: bool = True
+    metrics_port: Optional[int] = Field(
+        None, ge=1, le=65535, description="serve /metrics on this port only (not on the API port)")
 
     @field_validator("index")
     @classmethod
@@ -113,6 +130,29 @@ class ServerSettings(BaseSettings):
         if self.max_pending < self.max_batch_size:
             raise ValueError("max_pending must be at least max_batch_size")
         return self
+
+    @model_validator(mode="after")
+    def _check_metrics_port(self) -> "ServerSettings":
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError("metrics_port must differ from port")
+        return self
+
+    @model_validator(mode="after")
+    def _check_reader_options(self) -> "ServerSettings":
+        if self.reader_options() and self.reader not in (None, "posix"):
+            raise ValueError(f"io_engine, io_depth, max_extent_bytes and direct apply to the posix reader only, "
+                             f"not reader {self.reader!r}")
+        return self
+
+    def reader_options(self) -> dict[str, Any]:
+        """Searcher.open(reader_options=...): only the options that were set."""
+        options: dict[str, Any] = {}
+        if self.io_engine is not None:
+            options["io_engine"] = None if self.io_engine == "auto" else self.io_engine
+        for name in ("io_depth", "max_extent_bytes", "direct"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
+        return options
 
     @property
     def effective_torch_threads(self) -> int:

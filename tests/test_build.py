@@ -221,3 +221,160 @@ def test_partitions_split_documents_evenly(tmp_path: Path) -> None:
         assert part.num_documents in (10, 11)
     assert sorted(seen) == sorted(f"p{i}" for i in range(31))
     assert len(encoders) == 1  # one shared projection: scores compare across partitions
+
+
+# -- errors found early, empty documents, worker processes (issue 12) ------------------
+
+
+def _corpus(path: Path, count: int, extra: list[str] | None = None, at: int | None = None) -> Path:
+    rows = [json.dumps({"_id": f"d{i}", "title": f"Topic {i % 7}", "text": f"document {i} about subject {i % 5}"})
+            for i in range(count)]
+    if extra:
+        position = len(rows) if at is None else at
+        rows[position:position] = extra
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_bad_line_after_the_fit_sample_is_one_line_before_encoding(tmp_path: Path) -> None:
+    """The tokenising worker used to meet it and print 'Caught CorpusError in DataLoader worker' + a traceback."""
+    corpus = _corpus(tmp_path / "corpus.jsonl", 300, ["{broken"], at=290)
+    out = tmp_path / "index"
+    proc = run_espn("index", corpus, "--out", out, "--no-progress", check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "DataLoader worker" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "corpus.jsonl:291: malformed JSON" in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "index.partial" / "chunks").exists()  # nothing was encoded
+
+
+def test_duplicate_ids_are_found_before_the_model_loads(tmp_path: Path) -> None:
+    corpus = _corpus(tmp_path / "corpus.jsonl", 40, [json.dumps({"_id": "d3", "title": "", "text": "again"})])
+    started = time.monotonic()
+    proc = run_espn("index", corpus, "--out", tmp_path / "index", "--no-progress", check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "corpus.jsonl:41: duplicate document id 'd3' (first on line 4)" in errors[0], errors
+    assert "PCA" not in proc.stderr  # the encoder was never fitted
+    assert not (tmp_path / "index.partial").exists()
+    assert time.monotonic() - started < 60
+
+
+def test_empty_documents_are_indexed_with_one_warning(tmp_path: Path) -> None:
+    empties = [json.dumps({"_id": "empty-1", "title": "", "text": ""}),
+               json.dumps({"_id": "empty-2", "title": " ", "text": "  "})]
+    corpus = _corpus(tmp_path / "corpus.jsonl", 30, empties, at=10)
+    out = tmp_path / "index"
+    proc = run_espn("index", corpus, "--out", out, "--no-progress")
+    warnings = [line for line in proc.stderr.splitlines() if "no text" in line]
+    assert len(warnings) == 1 and "2 document(s) have no text" in warnings[0], proc.stderr[-2000:]
+
+    from espn import Searcher
+
+    with Searcher.open(out) as searcher:
+        assert searcher.num_documents == 32
+        assert searcher.document("empty-1").text == ""
+        records = IndexDirectory.open(out).load_array("records.npy")
+        ids = [bytes(x).decode() for x in IndexDirectory.open(out).load_array("ids.npy")]
+        assert int(records["n_bow"][ids.index("empty-1")]) == 0
+        # Every document, the empty ones included, can be ranked and re-ranked.
+        (result,) = searcher.search(["subject 3"], k=32, nprobe=searcher.nlist, rerank_count=32)
+        assert {h.doc_id for h in result.hits} >= {"empty-1", "empty-2"}
+        assert all(np.isfinite(h.score) for h in result.hits)
+
+
+def _build_until_a_chunk(scifact_subset: Path, out: Path) -> tuple[subprocess.Popen, list]:
+    import psutil
+
+    args = [sys.executable, "-m", "espn.cli", "index", str(scifact_subset), "--out", str(out), "--chunk-size", "32",
+            "--nlist", "4", "--no-progress"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    chunks = out.with_name(out.name + ".partial") / "chunks"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(list(chunks.glob("*.npz"))) < 1:
+        assert proc.poll() is None, f"the build ended early: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.2)
+    workers = psutil.Process(proc.pid).children()
+    assert workers, "the build runs its tokeniser in a DataLoader worker process"
+    return proc, workers
+
+
+def test_kill_9_of_a_build_takes_its_worker_along(scifact_subset: Path, tmp_path: Path) -> None:
+    import psutil
+
+    proc, workers = _build_until_a_chunk(scifact_subset, tmp_path / "index")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    alive = [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]
+    for worker in alive:  # do not leave them behind even when the test fails
+        worker.kill()
+    assert not alive, "the DataLoader worker outlived the killed build (an orphan)"
+
+
+def test_a_dead_worker_is_one_line_that_names_the_partial_build(scifact_subset: Path, tmp_path: Path) -> None:
+    proc, workers = _build_until_a_chunk(scifact_subset, tmp_path / "index")
+    for worker in workers:
+        worker.kill()  # what the OOM killer does
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, stderr[-3000:]
+    assert "tokenising worker process died" in errors[0]
+    assert f"{tmp_path / 'index.partial'}" in errors[0] and "resume" in errors[0] and "delete" in errors[0]
+
+
+def test_search_checks_arguments_before_loading_anything(sample_index: Path, tmp_path: Path) -> None:
+    queries = Path(__file__).resolve().parents[1] / "espn" / "data" / "sample_queries.jsonl"
+    # --k 0 is refused even before the index path is looked at.
+    proc = run_espn("search", tmp_path / "no-index", "--queries", queries, "--out", tmp_path / "run", "--k", "0",
+                    check=False)
+    assert proc.returncode == 1 and "k must be an integer in [1, 10000], got 0" in proc.stderr
+    proc = run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "missing" / "run", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"directory {tmp_path / 'missing'} does not exist" in proc.stderr
+    assert "queries/s" not in proc.stdout  # refused before the search ran
+
+
+def test_search_takes_reader_io_options(sample_index: Path, tmp_path: Path) -> None:
+    queries = Path(__file__).resolve().parents[1] / "espn" / "data" / "sample_queries.jsonl"
+    proc = run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "run", "--k", "10",
+                    "--reader", "posix", "--io-engine", "threads", "--io-depth", "4", "--max-extent-bytes", "65536",
+                    "--no-direct")
+    assert "reader=posix" in proc.stdout
+    proc = run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "run2", "--reader", "mmap",
+                    "--io-depth", "4", check=False)
+    assert proc.returncode == 1 and "posix reader only" in proc.stderr
+
+
+def test_exhaustive_search_honours_rerank_count_zero(sample_index: Path, tmp_path: Path) -> None:
+    queries = tmp_path / "q.tsv"
+    queries.write_text("q1\tphotosynthesis in plants\n")
+    run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "run", "--k", "5", "--exhaustive",
+             "--rerank-count", "0")
+    from espn import Searcher
+
+    with Searcher.open(sample_index) as searcher:
+        q = searcher.encoder.encode_queries(["photosynthesis in plants"])  # type: ignore[union-attr]
+        (hits,) = searcher.search_exhaustive(q, k=5, rerank_count=0)
+    assert all(h.bow_score is None for h in hits)  # CLS order only
+    lines = [line.split() for line in (tmp_path / "run").read_text().splitlines()]
+    assert [(line[2], float(line[4])) for line in lines] == [(h.doc_id, round(h.score, 6)) for h in hits]
+
+
+def test_run_file_keeps_the_order_of_tied_scores(tmp_path: Path) -> None:
+    """With w = 0 every score below the re-ranked head is 0: sorting by score must not reorder them."""
+    from espn.evaluation import evaluate, write_run
+
+    ranked = {"q": [("z", 0.9), ("b", 0.0), ("y", 0.0), ("a", 0.0)]}
+    write_run(tmp_path / "run", ranked)
+    rows = [line.split() for line in (tmp_path / "run").read_text().splitlines()]
+    scores = [float(r[4]) for r in rows]
+    assert [r[2] for r in rows] == ["z", "b", "y", "a"] and scores == sorted(scores, reverse=True)
+    assert len(set(scores)) == 4
+    # The relevant document at rank 2 stays at rank 2 for the evaluation too.
+    from espn.evaluation import strictly_decreasing
+
+    run = {"q": dict(strictly_decreasing(ranked["q"]))}
+    assert evaluate(run, {"q": {"b": 1}})["RR@10"] == 0.5

@@ -252,8 +252,12 @@ def test_servers_have_probes_scrape_annotations_service_and_hpa(rendered: tuple[
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
         container = template["spec"]["containers"][0]
-        port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
-        assert annotations["prometheus.io/port"] == str(port), name
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        # Servers expose /metrics on a port of its own; the router on its API port.
+        assert annotations["prometheus.io/port"] == str(ports.get("metrics", ports["http"])), name
+        if "metrics" in ports:
+            args = container["args"]
+            assert args[args.index("--metrics-port") + 1] == str(ports["metrics"]), name
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", name
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", name
         selected = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
@@ -495,3 +499,25 @@ def test_compose_builds_the_index_before_the_server() -> None:
     parts = sorted(services[s.removeprefix("http://").split(":")[0]]["command"][1] for s in shards)
     assert parts == [f"/var/lib/espn/parts/part-{p}" for p in range(len(shards))]
     assert f"--partitions {len(shards)}" in services["index-parts"]["command"][0]
+
+
+def test_servers_take_the_api_key_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    servers = [d for d in _by_kind(docs, "Deployment") if d["spec"]["template"]["spec"]["containers"][0]["args"][0]
+               == "serve"]
+    assert servers
+    for deployment in servers:
+        env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+        assert "ESPN_API_KEY" in env, deployment["metadata"]["name"]
+        ref = env["ESPN_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "espn-api-key" and ref["key"] == "api-key" and not ref.get("optional", False)
+
+
+def test_compose_servers_read_the_api_key_from_an_env_file() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    example = DEPLOY / "espn.env.example"
+    assert "ESPN_API_KEY=" in example.read_text()
+    for name, service in compose["services"].items():
+        command = service.get("command") or []
+        if command and command[0] == "serve":
+            assert service.get("env_file") == ["espn.env"], name

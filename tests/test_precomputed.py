@@ -14,8 +14,8 @@ import pytest
 
 from espn.encoders.precomputed import PrecomputedEncoder, load_query_embeddings
 from espn.errors import CorpusError, InvalidParameterError
-from indexing.chunks import finished_chunks, read_chunk
-from indexing.precomputed import ESPN_LAYOUT, OWN_LAYOUT, import_embeddings
+from espn_indexing.chunks import finished_chunks, read_chunk
+from espn_indexing.precomputed import ESPN_LAYOUT, OWN_LAYOUT, import_embeddings
 
 D_CLS, D_BOW = 16, 8
 

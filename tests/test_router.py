@@ -25,8 +25,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from server.router import RouterSettings, build_router_app, merge_hits, run_route
-from server.schemas import SearchHit
+from espn_server.router import RouterSettings, build_router_app, merge_hits, run_route
+from espn_server.schemas import SearchHit
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = ROOT.parent / "shared" / "data" / "scifact"

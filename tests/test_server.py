@@ -22,8 +22,8 @@ from typing import Any, Mapping
 import httpx
 import pytest
 
-from server.batching import BatcherClosedError, MicroBatcher, QueueFullError
-from server.settings import ServerSettings
+from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
+from espn_server.settings import ServerSettings
 
 from server_fixtures import running_server
 
@@ -205,7 +205,7 @@ def test_settings_fail_fast(fake_index: Path, monkeypatch: pytest.MonkeyPatch, e
 
 
 def test_serve_refuses_a_missing_index(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "server", str(tmp_path / "nope"), "--port", "0"],
+    done = subprocess.run([sys.executable, "-m", "espn_server", str(tmp_path / "nope"), "--port", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "not an ESPN index directory" in done.stderr
@@ -250,7 +250,9 @@ def _assert_same_ranking(got: list[dict], want: list[dict]) -> None:
 
 def test_health_ready_and_docs(client: httpx.Client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready"
+    assert ready["reader"]["reader"] == "posix" and ready["reader"]["engine"] in ("io_uring", "aio", "threads")
     assert client.get("/docs").status_code == 200
     spec = client.get("/openapi.json").json()
     for path in ("/v1/search", "/v1/search/batch", "/v1/documents/{doc_id}", "/healthz", "/readyz", "/metrics"):
@@ -331,6 +333,15 @@ BAD_INPUTS = [
     ("k = 10^6", "POST", "/v1/search", {"query": "x", "k": 10**6}, None, 422, "invalid_request"),
     ("unknown field", "POST", "/v1/search", {"query": "x", "topk": 3}, None, 422, "invalid_request"),
     ("prefetch_step 0", "POST", "/v1/search", {"query": "x", "prefetch_step": 0}, None, 422, "invalid_request"),
+    ("prefetch_step NaN", "POST", "/v1/search", b'{"query": "x", "prefetch_step": NaN}', "application/json", 422,
+     "invalid_request"),
+    ("text/plain body", "POST", "/v1/search", b'{"query": "x"}', "text/plain", 415, "unsupported_media_type"),
+    ("form body", "POST", "/v1/search", b"query=x", "application/x-www-form-urlencoded", 415,
+     "unsupported_media_type"),
+    ("work over budget", "POST", "/v1/search/batch", {"queries": ["q"] * 256, "k": 1000, "rerank_count": 10000,
+     "prefetch_k": 10000}, None, 422, "over_budget"),
+    ("response over budget", "POST", "/v1/search/batch", {"queries": ["q"] * 200, "k": 1000, "return_text": True},
+     None, 422, "over_budget"),
     ("nprobe > nlist", "POST", "/v1/search", {"query": "x", "nprobe": 1 << 20}, None, 422, "invalid_parameter"),
     ("query too long", "POST", "/v1/search", {"query": "x" * 5000}, None, 422, "invalid_request"),
     ("10 MB body", "POST", "/v1/search", b'{"query": "' + b"a" * (10 << 20) + b'"}', "application/json", 413,
@@ -505,3 +516,136 @@ def test_workers_share_metrics_and_drain_on_sigterm(sample_index: Path, tmp_path
         assert response.status_code == 200, response.text[:300]
         assert len(response.json()["responses"]) == 256
         assert server.process.wait(60) == 0
+
+
+# -- issue 12: what a user meets ----------------------------------------------------------
+
+
+def test_error_messages_name_the_cause(client: httpx.Client) -> None:
+    nan = client.post("/v1/search", content=b'{"query": "x", "prefetch_step": NaN}',
+                      headers={"Content-Type": "application/json"})
+    assert "prefetch_step" in nan.json()["message"] and "finite" in nan.json()["message"]
+    plain = client.post("/v1/search", content=b'{"query": "x"}', headers={"Content-Type": "text/plain"})
+    assert "text/plain" in plain.json()["message"] and "application/json" in plain.json()["message"]
+    work = client.post("/v1/search/batch", json={"queries": ["q"] * 256, "k": 1000, "rerank_count": 10000})
+    assert "ESPN_MAX_REQUEST_WORK" in work.json()["message"] and "2560000" in work.json()["message"]
+
+
+def test_stats_and_metrics_name_the_read_engine(client: httpx.Client) -> None:
+    stats = client.post("/v1/search", json={"query": QUERIES[0], "k": 5}).json()["stats"]
+    engine = client.get("/readyz").json()["reader"]["engine"]
+    assert stats["engine"] == engine and stats["read_amplification"] >= 1.0
+    text = client.get("/metrics").text
+    assert _metric(text, "espn_reader_info", reader="posix", engine=engine) == 1
+
+
+def test_docs_work_offline(client: httpx.Client) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+    urls = re.findall(r"""(?:src|href|url)\s*[:=]\s*['"]([^'"]+)['"]""", page.text)
+    assert urls and not [u for u in urls if "//" in u], f"external assets in /docs: {urls}"
+    for url in urls:
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert len(response.content) > (100_000 if url.endswith("bundle.js") else 0), url
+
+
+def test_a_big_batch_cannot_starve_a_small_request() -> None:
+    """A 64-query request goes in chunks of 8: a query submitted meanwhile runs after one chunk, not after all."""
+    search = _RecordingSearch(delay=0.05)
+
+    async def scenario(batcher: MicroBatcher) -> int:
+        big = asyncio.ensure_future(batcher.submit_many([f"big{i}" for i in range(64)], {"k": 10}))
+        await asyncio.sleep(0.02)  # the big request's first chunk is running
+        await batcher.submit("small", {"k": 10})
+        calls_before_small = next(i for i, (queries, _) in enumerate(search.calls) if "small" in queries)
+        await big
+        return calls_before_small
+
+    position = _run_batcher(search, scenario, max_batch_size=32, max_wait_s=0.001, fair_chunk=8)
+    assert position <= 1, f"the small query waited for {position} search calls of the big one"
+    assert sum(len(queries) for queries, _ in search.calls) == 65
+
+
+def test_serving_on_all_interfaces_without_a_key_warns(sample_index: Path, tmp_path: Path) -> None:
+    with running_server(sample_index, tmp_path, "--host", "0.0.0.0", name="open") as server:
+        log = server.log()
+    warnings = [json.loads(line) for line in log.splitlines() if '"unauthenticated"' in line]
+    assert len(warnings) == 1 and "ESPN_API_KEY" in warnings[0]["message"]
+    with running_server(sample_index, tmp_path, env={"ESPN_API_KEY": API_KEY}, name="closed") as server:
+        assert "unauthenticated" not in server.log()
+
+
+def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
+    from server_fixtures import free_port
+
+    port = free_port()
+    with running_server(sample_index, tmp_path, "--metrics-port", str(port), env={"ESPN_API_KEY": API_KEY},
+                        name="metrics-port") as server:
+        assert httpx.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
+                          timeout=60).status_code == 200
+        assert httpx.get(f"{server.base_url}/metrics").status_code == 404
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == 1
+        assert _metric(text, "espn_search_queries_total") == 1
+
+
+def test_shutdown_past_the_grace_period_answers_503_and_exits_0(sample_index: Path, tmp_path: Path) -> None:
+    with running_server(sample_index, tmp_path, "--graceful-timeout", "1", name="deadline") as server:
+        base = server.base_url
+        outcome: dict[str, Any] = {}
+
+        def long_request() -> None:
+            body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
+            outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if _metric(httpx.get(f"{base}/metrics").text, "espn_http_requests_in_flight",
+                       endpoint="/v1/search/batch") >= 1:
+                break
+            time.sleep(0.005)
+        os.kill(server.pid, signal.SIGTERM)
+        thread.join(120)
+        assert server.process.wait(60) == 0
+        log = server.log()
+    response = outcome["response"]
+    assert response.status_code == 503, response.text[:300]
+    assert response.json()["error"] == "shutting_down"
+    assert "Traceback" not in log and "CancelledError" not in log
+
+
+def test_an_index_of_precomputed_embeddings_becomes_ready(tmp_path: Path) -> None:
+    import numpy as np
+
+    from helpers import run_espn
+
+    rng = np.random.default_rng(0)
+    source = tmp_path / "src"
+    for folder in ("CLS", "BOW"):
+        (source / folder).mkdir(parents=True)
+    counts = rng.integers(1, 5, size=20)
+    np.save(source / "CLS" / "0.npy", rng.normal(size=(20, 16)).astype(np.float16))
+    np.save(source / "BOW" / "0.npy", rng.normal(size=(int(counts.sum()), 8)).astype(np.float16))
+    (source / "BOW" / "0.json").write_text(json.dumps(counts.tolist()))
+    run_espn("index", "--embeddings", source, "--out", tmp_path / "index", "--nlist", "1")
+    with running_server(tmp_path / "index", tmp_path, name="precomputed") as server:  # waits for /readyz 200
+        assert httpx.get(f"{server.base_url}/readyz").json()["status"] == "ready"
+        assert httpx.get(f"{server.base_url}/v1/documents/3").status_code == 200
+
+
+def test_serve_on_a_corrupted_index_is_one_line(sample_index: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "index"
+    shutil.copytree(sample_index, copy)
+    with open(copy / "records.npy", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 8)
+    done = subprocess.run([sys.executable, "-m", "espn_server", str(copy), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "records.npy" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

@@ -10,6 +10,8 @@ from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import HealthResponse
 
 router = APIRouter(tags=["operations"])
+# Separate, so that `--metrics-port` can leave it off the API port.
+metrics_router = APIRouter(tags=["operations"])
 
 
 @router.get("/healthz", response_model=HealthResponse, response_model_exclude_none=True,
@@ -25,16 +27,18 @@ async def healthz() -> HealthResponse:
     responses={503: {"model": HealthResponse, "description": "starting, warming or draining"}},
 )
 async def readyz(state: AppState = Depends(get_state)) -> Response:
+    reader = state.searcher.reader.describe() if state.searcher is not None else None
     if state.ready:
-        return JSONResponse(HealthResponse(status="ready").model_dump(exclude_none=True))
+        return JSONResponse(HealthResponse(status="ready", reader=reader).model_dump(mode="json", exclude_none=True))
     return JSONResponse(
-        HealthResponse(status=state.status, detail="not ready").model_dump(exclude_none=True),
+        HealthResponse(status=state.status, detail="not ready", reader=reader).model_dump(mode="json",
+                                                                                         exclude_none=True),
         status_code=503,
         headers={"Retry-After": "1"},
     )
 
 
-@router.get(
+@metrics_router.get(
     "/metrics",
     summary="Prometheus metrics (all workers)",
     response_class=Response,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from fastapi import APIRouter, Depends, Request
 
 from ..batching import BatchedResult
+from ..budget import check_budget
 from ..deps import AppState, get_state
 from ..errors import ApiError
 from ..middleware import LOG_EXTRA_KEY
@@ -63,6 +64,11 @@ async def _search(
     batcher = state.require_batcher()
     searcher = state.require_searcher()
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
+    # Bounds and budget before the request queues: a refused request costs nothing.
+    params = searcher.params(**options.search_kwargs())
+    settings = state.settings
+    check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
+                 max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
     batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, options.search_kwargs())
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
@@ -75,7 +81,7 @@ async def _search(
             queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
             missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios,
         )
-        responses.append(_to_response(query, item, documents))
+        responses.append(_to_response(query, item, documents, searcher.reader.engine))
     batch_sizes = sorted({item.batch_size for item in batched})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
     return responses
@@ -85,7 +91,8 @@ def _documents(searcher: "Searcher", doc_ids: Sequence[str]) -> dict[str, "Docum
     return {doc_id: searcher.document(doc_id) for doc_id in doc_ids}
 
 
-def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]]) -> SearchResponse:
+def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]],
+                 reader_engine: str) -> SearchResponse:
     stats = item.result.stats
     hits = []
     for hit in item.result.hits:
@@ -107,5 +114,7 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
             ios=stats.ios,
             prefetched=stats.prefetched,
             missed=stats.missed,
+            read_amplification=stats.read_amplification,
+            engine=stats.engine or reader_engine,  # a searcher that does not fill it: the reader's engine
         ),
     )

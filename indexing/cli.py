@@ -1,0 +1,88 @@
+"""`espn index` and `espn index-merge`: registered into the `espn` command by entry point."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _shard(value: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {value!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"shard I/N needs 0 <= I < N, got {value!r}")
+    return i, n
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add `index` and `index-merge` to the `espn` subcommands."""
+    p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
+    p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
+    p.add_argument("--out", type=Path, required=True, help="index directory to create")
+    p.add_argument("--encoder", default="minilm", help="minilm (default), hf:PATH or colberter:PATH")
+    p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
+    p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
+    p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")
+    p.add_argument("--ann", choices=("flat", "pq"), default="flat", help="IVF-Flat (default) or IVF-PQ")
+    p.add_argument("--pq-m", type=int, default=32, help="PQ bytes per vector with --ann pq")
+    p.add_argument("--block-size", type=int, default=4096, help="record block size in bytes")
+    p.add_argument("--chunk-size", type=int, default=1024, help="documents per chunk (the unit of resume)")
+    p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="encode only shard I of N")
+    p.add_argument("--partitions", type=int, default=1, help="write S index partitions OUT/part-0.. sharing one encoder")
+    p.add_argument("--score-weight", type=float, help="w in w·cls + (1-w)·bow (default: the model's, else 0.3; "
+                   "`espn calibrate` fits it)")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
+    p.add_argument("--force", action="store_true", help="replace an existing index at --out")
+    p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
+    p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_index)
+
+    p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(handler=cmd_index_merge)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from .build import BuildConfig, build_from_embeddings, build_index, keeping_partial
+
+    manifest: dict[str, Any] | None
+    if args.embeddings is not None:
+        manifest = build_from_embeddings(args.embeddings, args.out, block_size=args.block_size, nlist=args.nlist,
+                                         ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
+                                         corpus=args.corpus, force=args.force, score_weight=args.score_weight)
+    else:
+        if args.corpus is None:
+            raise SystemExit("espn index: error: give a CORPUS file or --embeddings DIR")
+        config = BuildConfig(
+            corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
+            ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
+            batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
+            num_shards=args.shard[1], partitions=args.partitions, device=args.device,
+            loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
+        )
+        with keeping_partial(args.out):
+            manifest = build_index(config)
+    if manifest is None:
+        print(f"shard encoded; when all shards are done run: espn index-merge --out {args.out}")
+    else:
+        counts = manifest["counts"]
+        print(f"indexed {counts['documents']} documents ({counts['bow_vectors']} BOW vectors) into {args.out}")
+    return 0
+
+
+def cmd_index_merge(args: argparse.Namespace) -> int:
+    from .build import keeping_partial, merge_index
+
+    with keeping_partial(args.out):
+        manifest = merge_index(args.out, partitions=args.partitions, force=args.force)
+    print(f"merged {manifest['counts']['documents']} documents into {args.out}")
+    return 0

@@ -1,0 +1,98 @@
+"""The package as a user installs it: owned top-level names, one-way imports, a working plain install.
+
+The fresh-venv test repeats the Docker build step (`pip install /src && espn --help`) with
+the files the Dockerfile copies, without Docker: a runtime dependency that only the test
+extras provide (httpx once was one) fails it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"  # the CPU build, as the Makefile and the Dockerfile pin it
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_library_imports_neither_the_server_nor_the_build_job() -> None:
+    for path in sorted((ROOT / "espn").rglob("*.py")):
+        wrong = _imports(path) & {"server", "indexing", "espn_server", "espn_indexing"}
+        assert not wrong, f"{path.relative_to(ROOT)} imports {wrong}"
+
+
+def test_espn_errors_loads_without_torch_or_faiss() -> None:
+    code = "import sys, espn.errors, espn; print(sorted(m for m in ('torch', 'faiss') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_wheel_installs_only_names_we_own(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("espn-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"espn", "espn_server", "espn_indexing"}
+    assert "espn/data/sample_qrels.tsv" in names and "espn/data/sample_corpus.jsonl" in names
+    metadata = next(archive_name for archive_name in names if archive_name.endswith("entry_points.txt"))
+    with zipfile.ZipFile(wheel) as archive:
+        entry_points = archive.read(metadata).decode()
+    assert "espn = espn.cli:main" in entry_points and "espn_server.cli:register" in entry_points
+
+
+def _dockerfile_copies() -> tuple[list[str], str]:
+    """The files the CPU image copies into /src, and the command that installs them."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    sources = [name for line in text.splitlines() if line.startswith("COPY ") and "--from" not in line
+               for name in line.split()[1:-1]]
+    install = re.search(r"RUN (pip install [^\n]*/src[^\n]*\\\n[^\n]*)", text)
+    assert sources and install, "the Dockerfile no longer copies /src and installs it"
+    return sources, " ".join(install.group(1).replace("\\\n", " ").split())
+
+
+@pytest.mark.skipif(shutil.which("python3") is None, reason="needs python3 to make a venv")
+def test_docker_build_step_in_a_fresh_venv(tmp_path: Path) -> None:
+    sources, install = _dockerfile_copies()
+    assert install == "pip install --no-cache-dir /src && espn --help > /dev/null", install
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in sources:
+        origin = ROOT / name
+        if origin.is_dir():
+            shutil.copytree(origin, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(origin, src / name)
+    venv = tmp_path / "venv"
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH], check=True, capture_output=True, timeout=1200)
+    # The Dockerfile's step with /src -> the copy: no extras, then the command line.
+    done = subprocess.run(f"{venv / 'bin' / 'pip'} install -q {src} && {venv / 'bin' / 'espn'} --help",
+                          shell=True, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for command in ("index", "index-merge", "search", "calibrate", "verify", "serve", "route"):
+        assert command in done.stdout
+        helped = subprocess.run([str(venv / "bin" / "espn"), command, "--help"], capture_output=True, text=True,
+                                cwd=tmp_path, timeout=300)
+        assert helped.returncode == 0, f"espn {command} --help: {helped.stderr[-2000:]}"
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    assert not (site / "server").exists() and not (site / "indexing").exists()
+    assert (site / "espn_server").is_dir() and (site / "espn_indexing").is_dir()
