@@ -19,13 +19,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import os
 import platform
 import sys
 
 import numpy as np
 
-from .native import KernelQueue, NativeEngine
+from .native import KernelQueue, NativeEngine, probe_read
 from .uring import _syscall
 
 __all__ = ["AioEngine", "IOCB_DTYPE", "IO_EVENT_DTYPE"]
@@ -176,20 +175,7 @@ def probe() -> str | None:
                 errno.EPERM: "; probably a seccomp profile",
                 errno.EAGAIN: "; the system-wide fs.aio-max-nr is used up"}.get(exc.errno or 0, "")
         return f"io_setup refused: {exc.strerror} ({name}){hint}"
-    src = os.memfd_create("espn-aio-probe", getattr(os, "MFD_CLOEXEC", 0))
-    try:
-        os.write(src, b"espn")
-        out = np.zeros(8, dtype=np.uint8)
-        offsets, lengths = np.zeros(1, dtype=np.int64), np.full(1, 4, dtype=np.int64)
-        counts = context.add(src, offsets, lengths, offsets + out.ctypes.data, out).wait()
-        if int(counts[0]) != 4 or out[:4].tobytes() != b"espn":
-            return f"AIO test read returned {counts.tolist()} bytes: {out[:4].tobytes()!r}"
-    except OSError as exc:
-        return f"AIO test read failed: {exc}"
-    finally:
-        os.close(src)
-        context.close()
-    return None
+    return probe_read(context, "AIO")
 
 
 class AioEngine(NativeEngine):

@@ -324,3 +324,22 @@ class NativeEngine(ReadEngine):
             self._queues = weakref.WeakSet()
         for queue in queues:
             queue.close()
+
+
+def probe_read(queue: "KernelQueue", label: str) -> str | None:
+    """One real 4-byte read through `queue` from a memfd, so every part an engine uses is known
+    to work before it is chosen; the reason it failed, or None. Closes the queue."""
+    src = os.memfd_create(f"espn-{label}-probe", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.write(src, b"espn")
+        out = np.zeros(8, dtype=np.uint8)
+        offsets, lengths = np.zeros(1, dtype=np.int64), np.full(1, 4, dtype=np.int64)
+        counts = queue.add(src, offsets, lengths, offsets + out.ctypes.data, out).wait()
+        if int(counts[0]) != 4 or out[:4].tobytes() != b"espn":
+            return f"{label} test read returned {counts.tolist()} bytes: {out[:4].tobytes()!r}"
+    except OSError as exc:
+        return f"{label} test read failed: {exc}"
+    finally:
+        os.close(src)
+        queue.close()
+    return None

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from .native import KernelQueue, NativeEngine
+from .native import KernelQueue, NativeEngine, probe_read
 
 __all__ = ["UringEngine", "SQE_DTYPE", "CQE_DTYPE", "PARAMS_DTYPE", "io_uring_setup", "io_uring_enter"]
 
@@ -338,20 +338,7 @@ def probe() -> str | None:
         ring = _Ring(2)
     except OSError as exc:
         return _refusal(exc)
-    src = os.memfd_create("espn-io-uring-probe", getattr(os, "MFD_CLOEXEC", 0))
-    try:
-        os.write(src, b"espn")
-        out = np.zeros(8, dtype=np.uint8)
-        offsets, lengths = np.zeros(1, dtype=np.int64), np.full(1, 4, dtype=np.int64)
-        counts = ring.add(src, offsets, lengths, offsets + out.ctypes.data, out).wait()
-        if int(counts[0]) != 4 or out[:4].tobytes() != b"espn":
-            return f"io_uring test read returned {counts.tolist()} bytes: {out[:4].tobytes()!r}"
-    except OSError as exc:
-        return f"io_uring test read failed: {exc}"
-    finally:
-        os.close(src)
-        ring.close()
-    return None
+    return probe_read(ring, "io_uring")
 
 
 class UringEngine(NativeEngine):
