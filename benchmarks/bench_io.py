@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     records = index.load_array("records.npy")
     path = index.file("embeddings.bin")
     file_blocks = path.stat().st_size // BLOCK
-    readers = {t: PosixReader(path, records, layout, io_threads=t) for t in (16, 32)}
+    readers = {t: PosixReader(path, records, layout, io_depth=t) for t in (16, 32)}
     if not readers[16].direct:
         print("WARNING: O_DIRECT unavailable on this filesystem: the reader measures the page cache", file=sys.stderr)
     info = machine()
