@@ -6,7 +6,7 @@
 fio (`--rw=randread --bs=4k --direct=1 --ioengine=io_uring --iodepth=32`, read-only, on
 embeddings.bin) gives the physical limit of the device for this access pattern. The
 posix reader is measured on the same file three ways: its raw fetch of random aligned
-4 KB blocks (`_fetch`, the I/O path alone) with its default 16 threads and with 32
+4 KB blocks (`_submit`, the I/O path alone) with its default 16 threads and with 32
 (fio's queue depth), and `read()` of random documents (I/O + parsing into tensors, what
 a query pays). Rounds alternate fio and the reader (`--repeats`); medians reported.
 
@@ -63,7 +63,9 @@ def run_reader_blocks(reader, file_blocks: int, seconds: float, per_call: int, r
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         blocks = np.unique(rng.integers(0, file_blocks, per_call))
-        _, _, nbytes, ios = reader._fetch(blocks * BLOCK, np.full(len(blocks), BLOCK, np.int64))
+        fetch = reader._submit(blocks * BLOCK, np.full(len(blocks), BLOCK, np.int64))
+        _, _, nbytes, ios = fetch.complete()
+        fetch.release()  # the pooled buffer back for the next call
         n_ios += ios
     dt = time.perf_counter() - started
     return {"iops": n_ios / dt, "bytes_per_s": n_ios * BLOCK / dt}
