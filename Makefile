@@ -32,7 +32,7 @@ test: install
 WHEEL_VENV := .espn/wheel-venv
 WHEEL_CHECK := .espn/wheel-check
 check-wheel: install
-	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) && mkdir -p $(WHEEL_CHECK)/dist
+	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) build && mkdir -p $(WHEEL_CHECK)/dist
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
 	python3 -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0

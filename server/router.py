@@ -426,7 +426,9 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
                           failed_shards=[f.model_dump() for f in failures])
         return _error(404, "not_found", f"no document with id {doc_id!r}")
 
-    @app.get("/healthz", response_model=HealthResponse, summary="Liveness: the router answers")
+    # exclude={"reader"}: a router has no reader of its own (HealthResponse is shared with the server).
+    @app.get("/healthz", response_model=HealthResponse, response_model_exclude={"reader"},
+             summary="Liveness: the router answers")
     async def healthz() -> HealthResponse:
         return HealthResponse(status="ok")
 
@@ -439,8 +441,9 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
         ready = [s for s, o in zip(fan.shards, outcomes) if isinstance(o, httpx.Response) and o.status_code == 200]
         detail = f"{len(ready)} of {len(fan.shards)} shard(s) ready"
         if ready:
-            return JSONResponse(HealthResponse(status="ready", detail=detail).model_dump())
-        return JSONResponse(HealthResponse(status="unavailable", detail=detail).model_dump(), status_code=503,
+            return JSONResponse(HealthResponse(status="ready", detail=detail).model_dump(exclude={"reader"}))
+        return JSONResponse(HealthResponse(status="unavailable", detail=detail).model_dump(exclude={"reader"}),
+                            status_code=503,
                             headers={"Retry-After": "1"})
 
     @app.get("/metrics", summary="Prometheus metrics of the router", response_class=Response)

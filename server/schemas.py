@@ -107,8 +107,9 @@ class SearchStatsModel(BaseModel):
     ios: int
     prefetched: int
     missed: int
-    read_amplification: float = Field(description="documents read / documents re-ranked (1.0 = no waste)")
-    engine: str = Field(description="what moved the bytes: io_uring, aio, threads (posix) or the reader's name")
+    # Defaults: the router still parses answers of shards that predate these fields (rolling upgrades).
+    read_amplification: float = Field(default=1.0, description="documents read / documents re-ranked (1.0 = no waste)")
+    engine: str = Field(default="", description="what moved the bytes: io_uring, aio, threads (posix) or the reader's name")
 
 
 class SearchResponse(BaseModel):
