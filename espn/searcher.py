@@ -357,10 +357,12 @@ class Searcher:
         tail = slice(head_n, min(len(ann_docs), k))
         if tail.start < tail.stop:
             tail_cls = ann_scores[tail]
-            # Below the re-ranked head, keep CLS order; scores stay under the head's so that
-            # tools that sort by score (trec_eval) see the same ranking.
+            # Below the re-ranked head, keep CLS order; scores stay under the head's and fall
+            # strictly (a 1e-6 step per rank, so w = 0 or equal CLS scores cannot tie), so tools
+            # that sort by score (trec_eval) see the same ranking.
             floor = float(combined.min()) if head_n else float(tail_cls[0])
-            tail_scores = floor - self.weight * (float(tail_cls[0]) - tail_cls) - (1e-6 if head_n else 0.0)
+            steps = np.arange(1 if head_n else 0, len(tail_cls) + (1 if head_n else 0), dtype=np.float64) * 1e-6
+            tail_scores = floor - self.weight * (float(tail_cls[0]) - tail_cls) - steps
             hits += [
                 Hit(doc_id, float(s), float(c), None)
                 for doc_id, s, c in zip(self.ids.external(ann_docs[tail]), tail_scores, tail_cls)

@@ -169,3 +169,10 @@ def test_a_failed_read_fails_the_search_cleanly(sample_index: Path, monkeypatch:
         with pytest.raises(OSError, match="Input/output error"):
             s.search(QUERIES[:2], k=5, prefetch_step=0.2)
         assert len(s.search(QUERIES[:2], k=5, prefetch_step=0.2)[0].hits) == 5
+
+
+def test_scores_below_the_head_never_tie_even_with_w_zero(searcher: Searcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(searcher, "weight", 0.0)
+    hits = searcher.search(["ocean tides and the moon"], k=60, rerank_count=10)[0].hits
+    scores = [h.score for h in hits]
+    assert all(a > b for a, b in zip(scores[9:], scores[10:]))  # strictly falling below the head
