@@ -72,11 +72,30 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p = sub.add_parser("serve", help="serve an index over HTTP (FastAPI under uvicorn)")
     add_serve_arguments(p)
     p.set_defaults(handler=run_serve)
-    from .router import add_route_arguments, run_route
-
     p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
     add_route_arguments(p)
-    p.set_defaults(handler=run_route)
+    p.set_defaults(handler=_run_route)
+
+
+def _run_route(args: argparse.Namespace) -> int:
+    # The router (and httpx, its client) is imported only by the command that uses it, so every
+    # other subcommand, and `espn --help`, work wherever httpx is missing.
+    from .router import run_route
+
+    return run_route(args)
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `espn route`; each defaults to its ESPN_ROUTER_* variable."""
+    parser.add_argument("--shards", metavar="URL,URL",
+                        help="base URL of each partition's server, comma-separated (ESPN_ROUTER_SHARDS)")
+    parser.add_argument("--timeout-ms", type=float, metavar="MS",
+                        help="per-shard time limit; a shard slower than this is left out and the answer "
+                             "marked partial (ESPN_ROUTER_TIMEOUT_MS, default 2000)")
+    parser.add_argument("--host", help="interface to bind (ESPN_ROUTER_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port (ESPN_ROUTER_PORT, default 8080)")
+    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
+                        help="(ESPN_ROUTER_LOG_LEVEL, default info)")
 
 
 def _reader_choices() -> list[str]:

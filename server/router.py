@@ -55,7 +55,6 @@ __all__ = [
     "RoutedBatchResponse",
     "merge_hits",
     "build_router_app",
-    "add_route_arguments",
     "run_route",
 ]
 
@@ -463,19 +462,6 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
 
 # ---------------------------------------------------------------------------------------
 # Command line: `espn route`
-
-
-def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `espn route`; each defaults to its ESPN_ROUTER_* variable."""
-    parser.add_argument("--shards", metavar="URL,URL",
-                        help="base URL of each partition's server, comma-separated (ESPN_ROUTER_SHARDS)")
-    parser.add_argument("--timeout-ms", type=float, metavar="MS",
-                        help="per-shard time limit; a shard slower than this is left out and the answer "
-                             "marked partial (ESPN_ROUTER_TIMEOUT_MS, default 2000)")
-    parser.add_argument("--host", help="interface to bind (ESPN_ROUTER_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port (ESPN_ROUTER_PORT, default 8080)")
-    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
-                        help="(ESPN_ROUTER_LOG_LEVEL, default info)")
 
 
 def run_route(args: argparse.Namespace) -> int:

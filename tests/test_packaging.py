@@ -43,6 +43,18 @@ def test_espn_errors_loads_without_torch_or_faiss() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["index", "--help"], ["search", "--help"], ["serve", "--help"],
+                                  ["route", "--help"]])
+def test_the_command_line_needs_httpx_only_to_route(argv: list[str]) -> None:
+    """httpx is the router's client: with it missing, only `espn route` itself may need it."""
+    code = ("import sys; sys.modules['httpx'] = None\n"
+            "from espn.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: espn" in done.stdout
+
+
 def test_the_wheel_installs_only_names_we_own(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
                     str(ROOT)], check=True, capture_output=True)
