@@ -1,7 +1,7 @@
 """I/O efficiency: random 4 KiB O_DIRECT reads through each read engine against fio, IOPS
 and CPU per read.
 
-    python -m benchmarks.bench_io --file /work/idx/io-test.bin          # any large file
+    python -m benchmarks.bench_io --file /data/io-test.bin              # any large file
     python -m benchmarks.bench_io --index /tmp/espn-synth-2m            # + the posix reader
     python -m benchmarks.bench_io --index /tmp/espn-synth --quick
 

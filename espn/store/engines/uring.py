@@ -11,7 +11,7 @@ plain uint64 rows, a slice at a time as slots free up; one `io_uring_enter` subm
 slice (and waits for completions in the same call); completions are read as one numpy
 slice of the CQ. No Python work per extent.
 
-Measured (`python -m benchmarks.bench_io --index /work/idx/synth2m --seconds 5 --repeats 3`:
+Measured (`python -m benchmarks.bench_io --index /data/synth2m --seconds 5 --repeats 3`:
 5.4 GiB embeddings.bin, random 4 KiB O_DIRECT reads, 2,048 per call, depth 32, a virtio
 disk on a shared 2-core EPYC VM, Linux 6.18; medians of 3 rounds alternating with fio):
 fio --ioengine=io_uring --iodepth=32: 99k IOPS at 6.6 us CPU per read (0.6 in user
