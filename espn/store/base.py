@@ -189,13 +189,10 @@ class PendingRead:
     def discard(self) -> None:
         """Wait for the reads without parsing them (a search that failed part-way)."""
         parts, self._parts = self._parts, []
-        error: BaseException | None = None
-        for part in parts:
-            try:
-                part.wait()
-            except BaseException as exc:  # every read must finish before the buffers go back
-                error = error or exc
-            finally:
+        try:
+            error = _wait_all(parts)  # every read must finish before the buffers go back
+        finally:
+            for part in parts:
                 part.release()
         if error is not None:
             raise error
@@ -229,6 +226,36 @@ class _Part:
         if self.fetch is not None:
             self.fetch.release()
             self.fetch = None
+
+
+def _wait_all(parts: list[_Part]) -> BaseException | None:
+    """Wait for every part, even after one fails; the first error, or None."""
+    error: BaseException | None = None
+    for part in parts:
+        try:
+            part.wait()
+        except BaseException as exc:
+            error = error or exc
+    return error
+
+
+def _pick(parts: list[_Part], select: np.ndarray) -> list[np.ndarray]:
+    """Per part, which of its documents become rows: each of the sorted `select` once."""
+    select = np.asarray(select, dtype=np.int64)
+    taken = np.zeros(len(select), dtype=bool)
+    picks = []
+    for docs in (p.docs for p in parts):
+        if len(select) == 0 or len(docs) == 0:
+            picks.append(np.zeros(0, dtype=np.int64))
+            continue
+        at = np.minimum(np.searchsorted(select, docs), len(select) - 1)
+        idx = np.flatnonzero((select[at] == docs) & ~taken[at])
+        idx = idx[np.unique(at[idx], return_index=True)[1]]  # one row per document
+        taken[at[idx]] = True
+        picks.append(idx)
+    if not taken.all():
+        raise ValueError("select names documents that were never submitted")
+    return picks
 
 
 class BufferPool:
@@ -507,52 +534,26 @@ class Reader(abc.ABC):
     def _complete(self, parts: list["_Part"], select: np.ndarray | None) -> ReadBatch:
         """Wait for every part and gather the wanted rows into one preallocated batch."""
         lay = self.layout
-        error: BaseException | None = None
-        for part in parts:  # every read finished (or failed) before any buffer is parsed or released
-            try:
-                part.wait()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            for part in parts:
-                part.release()
-            raise error
-        picks = []  # per part: which of its documents become rows
-        if select is None:
-            picks = [np.arange(len(p.docs)) for p in parts]
-        else:
-            select = np.asarray(select, dtype=np.int64)
-            taken = np.zeros(len(select), dtype=bool)
-            for docs in (p.docs for p in parts):
-                if len(select) == 0 or len(docs) == 0:
-                    picks.append(np.zeros(0, dtype=np.int64))
+        try:
+            error = _wait_all(parts)  # every read finished (or failed) before any buffer is parsed
+            if error is not None:
+                raise error
+            picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
+            counts = [p.n_bow[pick] for p, pick in zip(parts, picks)]
+            n = sum(len(c) for c in counts)
+            total = int(sum(int(c.sum()) for c in counts))
+            cls = torch.empty((n, lay.d_cls), dtype=torch.float16, device=self.device)
+            vectors = torch.empty((total, lay.d_bow), dtype=torch.float16, device=self.device)
+            row_docs = np.zeros(n, dtype=np.int64)
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            bytes_read = ios = 0
+            row = vec = 0
+            for part, pick, count in zip(parts, picks, counts):
+                if part.done is None:
                     continue
-                at = np.minimum(np.searchsorted(select, docs), len(select) - 1)
-                idx = np.flatnonzero((select[at] == docs) & ~taken[at])
-                idx = idx[np.unique(at[idx], return_index=True)[1]]  # one row per document
-                taken[at[idx]] = True
-                picks.append(idx)
-            if not taken.all():
-                for part in parts:
-                    part.release()
-                raise ValueError("select names documents that were never submitted")
-        counts = [p.n_bow[pick] for p, pick in zip(parts, picks)]
-        n = sum(len(c) for c in counts)
-        total = int(sum(int(c.sum()) for c in counts))
-        cls = torch.empty((n, lay.d_cls), dtype=torch.float16, device=self.device)
-        vectors = torch.empty((total, lay.d_bow), dtype=torch.float16, device=self.device)
-        row_docs = np.zeros(n, dtype=np.int64)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        bytes_read = ios = 0
-        row = vec = 0
-        for part, pick, count in zip(parts, picks, counts):
-            try:
-                done = part.wait()
-                if done is None:
-                    continue
-                buffer, starts, got_bytes, got_ios = done
+                buffer, starts, got_bytes, got_ios = part.done
                 bytes_read, ios = bytes_read + int(got_bytes), ios + int(got_ios)
-                if error is None and len(pick):
+                if len(pick):
                     m, t = len(pick), int(count.sum())
                     gather_records(buffer, np.asarray(starts)[pick], count, lay,
                                    cls_out=cls[row: row + m], vectors_out=vectors[vec: vec + t])
@@ -560,12 +561,9 @@ class Reader(abc.ABC):
                     np.cumsum(count, out=offsets[row + 1: row + m + 1])
                     offsets[row + 1: row + m + 1] += vec
                     row, vec = row + m, vec + t
-            except BaseException as exc:  # wait for the other parts before raising
-                error = error or exc
-            finally:
+        finally:
+            for part in parts:
                 part.release()
-        if error is not None:
-            raise error
         return ReadBatch(cls=cls, vectors=vectors, offsets=offsets, bytes_read=bytes_read, ios=ios, docs=row_docs)
 
     def _validate(self, doc_numbers: Any) -> np.ndarray:
