@@ -114,8 +114,6 @@ class PosixReader(Reader):
         **options: Any,
     ) -> None:
         super().__init__(path, records, layout, device, **options)
-        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= 4096:
-            raise InvalidParameterError(f"io_depth must be an integer in [1, 4096], got {io_depth!r}")
         if isinstance(max_extent_bytes, bool) or not isinstance(max_extent_bytes, int) or max_extent_bytes < 1:
             raise InvalidParameterError(f"max_extent_bytes must be a positive integer, got {max_extent_bytes!r}")
         if not isinstance(direct, bool):

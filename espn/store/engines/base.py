@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ...errors import InvalidParameterError
+
 __all__ = ["ReadEngine", "EngineRead", "EngineUnavailable", "check_extents"]
 
 
@@ -51,9 +53,9 @@ class ReadEngine(abc.ABC):
 
     def __init__(self, depth: int = 64, **options: Any) -> None:
         if options:
-            raise ValueError(f"unknown option(s) for the {self.name!r} engine: {', '.join(sorted(options))}")
+            raise InvalidParameterError(f"unknown option(s) for the {self.name!r} engine: {', '.join(sorted(options))}")
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4096:
-            raise ValueError(f"io_depth must be an integer in [1, 4096], got {depth!r}")
+            raise InvalidParameterError(f"io_depth must be an integer in [1, 4096], got {depth!r}")
         self.depth = depth
 
     @classmethod
