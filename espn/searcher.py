@@ -249,11 +249,11 @@ class Searcher:
             rerank = top[1][:, : params.rerank_count]
             valid = rerank >= 0
             final = (rows + rerank)[valid]  # every query's re-ranked keys, in rank order per query
-            final_sorted = np.argsort(final, kind="stable")
             scores = np.zeros((2, len(final)), dtype=np.float32)  # exact CLS, MaxSim per final key
             scored = np.zeros(len(final), dtype=bool)
             bytes_read = ios = 0
             group.wait()
+            final_sorted = np.argsort(final, kind="stable") if early else final
             for wave in early:
                 data, wave_scores = wave.finish()
                 bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
