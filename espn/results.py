@@ -23,8 +23,7 @@ class SearchStats:
     """Where the time went for one query's batch, and what the prefetcher achieved for it.
 
     stage_ms:   milliseconds per stage of the batch (encode, quantizer, ann, prefetch_wait,
-                prefetch_maxsim, miss_read, miss_maxsim, aggregate, total); shared by the
-                queries of a batch
+                miss_read, gather, maxsim, aggregate, total); shared by the queries of a batch
     hit_rate:   prefetched ∩ final candidates / final candidates (1.0 when nothing to re-rank)
     bytes_read: this query's share of the batch's reads in bytes (prefetch + misses)
     ios:        this query's share of the batch's read requests
