@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Callable
 
 
 def run_espn(*args: object, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -32,3 +34,23 @@ def write_scifact_subset(scifact: Path, path: Path, count: int) -> Path:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def run_threads(work: Callable[[int], None], n: int = 8) -> None:
+    """Run work(0), ..., work(n - 1) on n threads released together; re-raise the first failure here."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def run(worker: int) -> None:
+        try:
+            barrier.wait()
+            work(worker)
+        except BaseException as exc:  # surfaced in the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors

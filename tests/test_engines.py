@@ -29,6 +29,7 @@ from espn.store.engines import ENGINE_ORDER, ENGINES, ReadEngine, open_engine
 from espn.store.engines import aio as aio_module
 from espn.store.engines import uring as uring_module
 from espn.store.engines.threads import ThreadsEngine
+from helpers import run_threads
 
 BLOCK = 4096
 FILE_SIZE = 3 * 1024 * 1024 + 1234  # unpadded: the last block is short
@@ -202,29 +203,18 @@ def test_several_submissions_in_flight_waited_in_reverse_order(engine: ReadEngin
 def test_eight_threads_at_once(engine: ReadEngine, data_file: DataFile) -> None:
     rng = np.random.default_rng(5)
     requests = [random_extents(rng, int(rng.integers(1, 200)), FILE_SIZE, max_blocks=8) for _ in range(48)]
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(8)
 
     def work(worker: int) -> None:
-        try:
-            barrier.wait()
-            for offsets, lengths, at in requests[worker::8]:
-                # two in flight per thread, waited out of order
-                first = aligned_buffer(int((at + lengths).max()))
-                second = aligned_buffer(int((at + lengths).max()))
-                p1 = engine.submit(data_file.fd, offsets, lengths, first, at)
-                p2 = engine.submit(data_file.fd, offsets, lengths, second, at)
-                check(data_file, offsets, lengths, at, p2.wait(), second)
-                check(data_file, offsets, lengths, at, p1.wait(), first)
-        except BaseException as exc:  # surfaced in the main thread below
-            errors.append(exc)
+        for offsets, lengths, at in requests[worker::8]:
+            # two in flight per thread, waited out of order
+            first = aligned_buffer(int((at + lengths).max()))
+            second = aligned_buffer(int((at + lengths).max()))
+            p1 = engine.submit(data_file.fd, offsets, lengths, first, at)
+            p2 = engine.submit(data_file.fd, offsets, lengths, second, at)
+            check(data_file, offsets, lengths, at, p2.wait(), second)
+            check(data_file, offsets, lengths, at, p1.wait(), first)
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_threads(work)
 
 
 def test_zero_length_extents_and_an_empty_submission(engine: ReadEngine, data_file: DataFile) -> None:

@@ -17,7 +17,6 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -37,6 +36,7 @@ from espn.store import (
     open_reader,
     plan_extents,
 )
+from helpers import run_threads
 
 CPU_READERS = ["posix", "mmap", "memory"]
 
@@ -259,23 +259,12 @@ def test_concurrent_reads_equal_serial_reads(store: Store, name: str) -> None:
     with open_reader(name, store.path, store.records, store.layout) as reader:
         serial = [reader.read(docs) for docs in requests]
         results: list = [None] * len(requests)
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(8)
 
         def work(worker: int) -> None:
-            try:
-                barrier.wait()
-                for i in range(worker, len(requests), 8):
-                    results[i] = reader.read(requests[i])
-            except BaseException as exc:  # surfaced in the main thread below
-                errors.append(exc)
+            for i in range(worker, len(requests), 8):
+                results[i] = reader.read(requests[i])
 
-        threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors, errors
+        run_threads(work)
     for want, got in zip(serial, results):
         assert torch.equal(want.cls, got.cls) and torch.equal(want.bow, got.bow) and torch.equal(want.mask, got.mask)
         assert want.bytes_read == got.bytes_read and want.ios == got.ios
