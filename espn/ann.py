@@ -25,6 +25,7 @@ __all__ = [
     "merge_topk",
     "segment_bounds",
     "list_sizes",
+    "bitmap_selector",
 ]
 
 
@@ -93,12 +94,26 @@ def coarse_assign(index: faiss.IndexIVF, xq: np.ndarray, nprobe: int) -> tuple[n
     return index.quantizer.search(np.ascontiguousarray(xq, dtype=np.float32), nprobe)
 
 
+def bitmap_selector(allowed: np.ndarray) -> faiss.IDSelector:
+    """A FAISS selector admitting the doc numbers where `allowed` [N] bool is True.
+
+    The bits are packed once per call (N/8 bytes); FAISS tests each scanned code against
+    them inside the search, so excluded documents never take a place in the top k.
+    """
+    bits = np.packbits(np.ascontiguousarray(allowed, dtype=bool), bitorder="little")
+    selector = faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits))
+    selector.referenced_objects = [bits]  # type: ignore[attr-defined]  # FAISS keeps a raw pointer
+    return selector
+
+
 def search_preassigned(
-    index: faiss.IndexIVF, xq: np.ndarray, k: int, list_ids: np.ndarray, coarse_scores: np.ndarray
+    index: faiss.IndexIVF, xq: np.ndarray, k: int, list_ids: np.ndarray, coarse_scores: np.ndarray,
+    selector: faiss.IDSelector | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Search only `list_ids` [n, m] per query; returns (scores [n, k], doc numbers [n, k], -1 = none).
 
     Thread-safe: the probe count comes from per-call parameters, not `index.nprobe`.
+    selector (e.g. `bitmap_selector`) restricts the search to the documents it admits.
     """
     xq = np.ascontiguousarray(xq, dtype=np.float32)
     list_ids = np.ascontiguousarray(list_ids, dtype=np.int64)
@@ -111,6 +126,8 @@ def search_preassigned(
         labels.fill(-1)
         return scores, labels
     params = faiss.SearchParametersIVF(nprobe=m)  # type: ignore[call-arg]  # SWIG kwargs; stubs lag
+    if selector is not None:
+        params.sel = selector
     index.search_preassigned_c(  # type: ignore[attr-defined]
         n,
         faiss.swig_ptr(xq),

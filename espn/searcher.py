@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from .ann import coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
+from .ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
 from .encoders import Encoder, QueryEmbeddings, load_encoder
 from .errors import InvalidParameterError
 from .index import DocStore, IdMap, IndexDirectory
@@ -203,8 +203,12 @@ class Searcher:
         self.search_embeddings(zero, k=1)
 
     # -- the pipeline ----------------------------------------------------------------
-    def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer) -> list[QueryResult]:
+    def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
+                allowed: np.ndarray | None = None) -> list[QueryResult]:
+        """allowed: [N] bool, the documents a search may return (None: all); applied inside
+        FAISS, so excluded documents are never read, re-ranked or counted against k."""
         batch, n_docs = len(q), self.num_documents
+        selector = None if allowed is None else bitmap_selector(allowed)
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
         queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
                                 torch.from_numpy(np.asarray(q.mask, dtype=bool)))
@@ -225,7 +229,7 @@ class Searcher:
         scan_started = time.perf_counter()
         try:
             for a, b in segments:
-                part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b])
+                part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
                 if not use_prefetch or b >= params.nprobe or n_waves >= max_waves:
                     continue
@@ -371,14 +375,19 @@ class Searcher:
 
     # -- reference -------------------------------------------------------------------
     def search_exhaustive(self, queries: QueryEmbeddings, k: int, rerank_count: int = 1000,
-                          block: int = 65536) -> list[list[Hit]]:
-        """Brute-force reference: exact CLS over every document, MaxSim over the top `rerank_count`."""
+                          block: int = 65536, allowed: np.ndarray | None = None) -> list[list[Hit]]:
+        """Brute-force reference: exact CLS over every document (or the `allowed` [N] bool ones),
+        MaxSim over the top `rerank_count`."""
         xq = torch.from_numpy(np.ascontiguousarray(queries.cls, dtype=np.float32))
         keep = max(k, rerank_count)
         best_scores = torch.full((len(queries), 0), float("-inf"))
         best_docs = torch.zeros((len(queries), 0), dtype=torch.int64)
         for start in range(0, self.num_documents, block):
             numbers = np.arange(start, min(start + block, self.num_documents))
+            if allowed is not None:
+                numbers = numbers[allowed[numbers]]
+                if len(numbers) == 0:
+                    continue
             cls = self.reader.read(numbers).cls.float().cpu()
             scores = torch.cat([best_scores, xq @ cls.T], dim=1)
             merged = torch.cat([best_docs, torch.from_numpy(numbers).expand(len(queries), -1)], dim=1)
@@ -388,6 +397,8 @@ class Searcher:
                                 torch.from_numpy(np.asarray(queries.mask, dtype=bool)))
         n_docs = self.num_documents
         head = best_docs[:, : min(rerank_count, best_docs.shape[1])].numpy()
+        if head.shape[1] == 0:
+            return [[] for _ in range(len(queries))]
         keys = (np.arange(len(queries))[:, None] * n_docs + head).ravel()
         docs = np.unique(head)
         scored = self._score_pairs(tensors, self.reader.read(docs), keys, n_docs).reshape(2, *head.shape)

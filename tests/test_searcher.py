@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from espn import InvalidParameterError, Searcher
+from espn.searcher import _Timer
 
 QUERIES = [
     "How do volcanoes form?", "What causes tides in the ocean?", "best way to store vegetables",
@@ -176,3 +177,18 @@ def test_scores_below_the_head_never_tie_even_with_w_zero(searcher: Searcher, mo
     hits = searcher.search(["ocean tides and the moon"], k=60, rerank_count=10)[0].hits
     scores = [h.score for h in hits]
     assert all(a > b for a, b in zip(scores[9:], scores[10:]))  # strictly falling below the head
+
+
+def test_allowed_mask_is_applied_inside_the_ann_search(searcher: Searcher) -> None:
+    """The hook deletions and filters use: k results from the allowed documents only, equal to
+    the exhaustive reference restricted to them (and never fewer while enough are allowed)."""
+    embeddings = searcher.encoder.encode_queries(QUERIES[:4])
+    allowed = np.zeros(searcher.num_documents, dtype=bool)
+    allowed[::3] = True
+    params = searcher.params(k=10, nprobe=searcher.nlist, rerank_count=50)
+    results = searcher._search(embeddings, params, _Timer(), allowed=allowed)
+    reference = searcher.search_exhaustive(embeddings, k=10, rerank_count=50, allowed=allowed)
+    for result, ref in zip(results, reference):
+        numbers = [searcher.ids.internal(h.doc_id) for h in result.hits]
+        assert len(numbers) == 10 and all(allowed[n] for n in numbers)
+        assert [h.doc_id for h in result.hits] == [h.doc_id for h in ref]
