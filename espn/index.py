@@ -28,7 +28,10 @@ __all__ = [
     "read_manifest",
 ]
 
-FORMAT_VERSION = 1
+#: Format 2 adds the int8 storage type and pooled records (`store.dtype`, `store.pool_factor`);
+#: format 1 indexes (fp16, unpooled) read as before.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 #: Files every index holds (besides encoder/, which is checksummed file by file).
 FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
@@ -93,8 +96,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise IndexCorruptError(f"{path}: unreadable manifest ({exc})") from None
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise IndexCorruptError(f"{path}: index format {version!r}, this espn reads format {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise IndexCorruptError(f"{path}: index format {version!r}, this espn reads formats "
+                                f"{', '.join(map(str, READABLE_VERSIONS))} (upgrade espn, or rebuild the index)")
     return manifest
 
 

@@ -78,7 +78,7 @@ class Searcher:
         self.manifest = index.manifest
         self.encoder = encoder
         store = self.manifest["store"]
-        self.layout = StoreLayout(store["d_cls"], store["d_bow"], store["block_size"])
+        self.layout = StoreLayout.from_manifest(store)
         self.records = index.load_array("records.npy")
         self.ann = load_ivf(index.file("ann.faiss"))
         if self.ann.ntotal != index.num_documents or len(self.records) != index.num_documents:

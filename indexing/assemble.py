@@ -88,7 +88,8 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     encoder_config = job["encoder_config"]
-    layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"])
+    layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"],
+                         dtype=job.get("bow_dtype", "float16"), pool_factor=job.get("pool_factor", 1))
 
     # Pass 1 (headers only): sizes of the memmaps.
     n_docs, id_width, first = 0, 1, 0
@@ -105,7 +106,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
     cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
     docs_offsets[0] = 0
-    position = n_bow = first = 0
+    position = n_bow = n_encoded = first = 0
     started = time.perf_counter()
     with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
@@ -115,13 +116,15 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
                 chunk = chunk.select(_mine(first, size, partition, partitions))
             first += size
             rows = slice(position, position + len(chunk))
-            records[rows] = writer.append(chunk.cls, chunk.bow, chunk.counts)
+            written = writer.append(chunk.cls, chunk.bow, chunk.counts)
+            records[rows] = written
             ids[rows] = chunk.ids
             cls_tmp[rows] = chunk.cls
             docs.write(chunk.docs_blob.tobytes())
             docs_offsets[position + 1 : position + len(chunk) + 1] = docs_offsets[position] + chunk.docs_offsets[1:]
             position += len(chunk)
-            n_bow += int(chunk.counts.sum())
+            n_bow += int(written["n_bow"].sum())
+            n_encoded += int(chunk.counts.sum())
         file_bytes = writer.close()
         docs.flush()
         os.fsync(docs.fileno())
@@ -156,9 +159,8 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "encoder": encoder_config,
-        "counts": {"documents": n_docs, "bow_vectors": n_bow},
-        "store": {"dtype": "float16", "block_size": layout.block_size, "d_cls": layout.d_cls,
-                  "d_bow": layout.d_bow, "file_bytes": file_bytes},
+        "counts": {"documents": n_docs, "bow_vectors": n_bow, "bow_vectors_encoded": n_encoded},
+        "store": {**layout.manifest(), "file_bytes": file_bytes},
         "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
                 "metric": "inner_product", "trained_on": int(len(sample))},
         "score": {"w": weight if weight is not None else 0.3,

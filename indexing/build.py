@@ -20,15 +20,20 @@ from typing import Any, Iterator
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.index import read_manifest, write_json_atomic
+from espn.store.format import STORAGE_TYPES
 
 from .assemble import assemble, publish
 from .encode import encode_corpus, read_sample
 from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
+__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
 
 log = logging.getLogger(__name__)
+
+#: Storage defaults of new indexes (chosen on SciFact train queries; README, "Compact records").
+DEFAULT_POOL_FACTOR = 1
+DEFAULT_BOW_DTYPE = "float16"
 
 
 class BuildError(EspnError):
@@ -66,6 +71,8 @@ class BuildConfig:
     ann: str = "flat"
     pq_m: int = 32
     block_size: int = 4096
+    pool_factor: int = DEFAULT_POOL_FACTOR
+    bow_dtype: str = DEFAULT_BOW_DTYPE
     chunk_size: int = 1024
     batch_size: int = 32
     fit_sample: int = 256  # documents; ~60k token vectors, plenty for a 384x384 second moment
@@ -91,6 +98,10 @@ class BuildConfig:
             raise InvalidParameterError(f"--nlist must be >= 1, got {self.nlist}")
         if self.score_weight is not None and not 0.0 <= self.score_weight <= 1.0:
             raise InvalidParameterError(f"--score-weight must be in [0, 1], got {self.score_weight}")
+        if self.pool_factor < 1:
+            raise InvalidParameterError(f"--pool-factor must be >= 1, got {self.pool_factor}")
+        if self.bow_dtype not in STORAGE_TYPES:
+            raise InvalidParameterError(f"--bow-dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.bow_dtype!r}")
         if self.ann not in ("flat", "pq"):
             raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
         if self.loader_workers not in (0, 1):
@@ -114,6 +125,8 @@ class BuildConfig:
             "ann": self.ann,
             "pq_m": self.pq_m,
             "block_size": self.block_size,
+            "pool_factor": self.pool_factor,
+            "bow_dtype": self.bow_dtype,
             "w": self.score_weight,
         }
 
@@ -199,7 +212,8 @@ def merge_index(out: Path, partitions: int = 1, force: bool = False) -> dict[str
 
 def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nlist: int | None = None,
                           ann: str = "flat", pq_m: int = 32, chunk_size: int = 1024, corpus: Path | None = None,
-                          force: bool = False, score_weight: float | None = None) -> dict[str, Any]:
+                          force: bool = False, score_weight: float | None = None,
+                          pool_factor: int = 1, bow_dtype: str = "float16") -> dict[str, Any]:
     """An index from precomputed embedding shards (any multi-vector model), no encoder run."""
     from espn.encoders.precomputed import PrecomputedEncoder
 
@@ -219,7 +233,7 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
                           "bow_reduction": encoder.bow_reduction}
         write_json_atomic(work.job_file, {
             "corpus": str(Path(source).absolute()), "block_size": block_size, "nlist": nlist, "ann": ann,
-            "pq_m": pq_m, "encoder_config": encoder_config,
+            "pq_m": pq_m, "encoder_config": encoder_config, "pool_factor": pool_factor, "bow_dtype": bow_dtype,
         })
         chunks = -(-totals["documents"] // chunk_size)
         write_json_atomic(work.marker(0, 1), {"shard": 0, "num_shards": 1, "documents": totals["documents"],

@@ -20,7 +20,7 @@ from espn.encoders import load_encoder
 from espn.errors import IndexCorruptError
 from espn.index import IndexDirectory
 from espn.store import open_reader
-from espn.store.format import StoreLayout
+from espn.store.format import StoreLayout, record_nbytes
 
 from helpers import run_espn, write_jsonl
 
@@ -38,16 +38,15 @@ def test_index_matches_encoder_output(scifact_index: Path, scifact_subset: Path)
     docs = list(iter_corpus(scifact_subset))
     assert manifest["counts"]["documents"] == len(docs) == 160
     assert manifest["store"]["block_size"] == 4096 and manifest["encoder"]["d_bow"] == 64
-    layout = StoreLayout(manifest["store"]["d_cls"], manifest["store"]["d_bow"], manifest["store"]["block_size"])
+    layout = StoreLayout.from_manifest(manifest["store"])
     records = index.load_array("records.npy")
 
     # Placement: where records.npy says, in order, never straddling a block needlessly.
     assert np.all(np.diff(records["offset"]) > 0)
-    assert np.array_equal(records["length"], (layout.d_cls + records["n_bow"].astype(np.int64) * layout.d_bow) * 2)
-    start_in_block = records["offset"] % layout.block_size
-    small = records["length"] <= layout.block_size
-    assert np.all(start_in_block[small] + records["length"][small] <= layout.block_size)
-    assert np.all(start_in_block[~small] == 0)
+    assert np.array_equal(records["length"], record_nbytes(records["n_bow"], layout))
+    first_block = records["offset"] // layout.block_size
+    last_block = (records["offset"] + records["length"] - 1) // layout.block_size
+    assert np.array_equal(last_block - first_block + 1, np.maximum(1, -(-records["length"] // layout.block_size)))
     assert (scifact_index / "embeddings.bin").stat().st_size % layout.block_size == 0
 
     # Content: each record equals the encoder's output for that document, in fp16.

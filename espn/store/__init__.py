@@ -17,7 +17,8 @@ import torch
 from ..errors import BackendUnavailableError, InvalidParameterError
 from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, plan_extents
 from .engines import ENGINE_ORDER, ENGINES
-from .format import RECORD_DTYPE, STORAGE_DTYPE, RecordWriter, StoreLayout, place_records, record_nbytes
+from .format import (RECORD_DTYPE, STORAGE_DTYPE, STORAGE_TYPES, RecordWriter, StoreLayout, dequantize_int8, place_records,
+                     quantize_int8, record_nbytes)
 from .kvikio import KvikioReader
 from .memory import MemoryReader
 from .mmap import MmapReader
@@ -26,7 +27,10 @@ from .posix import PosixReader
 __all__ = [
     "RECORD_DTYPE",
     "STORAGE_DTYPE",
+    "STORAGE_TYPES",
     "StoreLayout",
+    "quantize_int8",
+    "dequantize_int8",
     "RecordWriter",
     "record_nbytes",
     "place_records",

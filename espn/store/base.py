@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
-from .format import RECORD_DTYPE, STORAGE_DTYPE, StoreLayout
+from .format import RECORD_DTYPE, StoreLayout, dequantize_int8, record_nbytes
 
 __all__ = [
     "ReadBatch",
@@ -518,11 +518,12 @@ class Reader(abc.ABC):
         offsets = np.asarray(rows["offset"], dtype=np.int64)
         lengths = np.asarray(rows["length"], dtype=np.int64)
         n_bow = np.asarray(rows["n_bow"], dtype=np.int64)
-        expected = (lay.d_cls + n_bow * lay.d_bow) * STORAGE_DTYPE.itemsize
+        expected = np.asarray(record_nbytes(n_bow, lay))
         if np.any(lengths != expected) or np.any(offsets % 2) or np.any(offsets < 0):
             bad = int(docs[np.flatnonzero((lengths != expected) | (offsets % 2 != 0) | (offsets < 0))[0]])
             raise IndexCorruptError(
-                f"record of doc {bad} does not match the layout d_cls={lay.d_cls}, d_bow={lay.d_bow}: "
+                f"record of doc {bad} does not match the layout d_cls={lay.d_cls}, d_bow={lay.d_bow}, "
+                f"dtype={lay.dtype}: "
                 f"{self.records[bad]}"
             )
         return docs, n_bow, self._submit(offsets, lengths)
@@ -601,7 +602,8 @@ def gather_records(
     buffer: 1-D uint8 (numpy or torch); starts [n] int64 even byte positions; n_bow [n].
     Returns cls [n, d_cls] fp16, vectors [sum n_bow, d_bow] fp16 (each document's BOW
     vectors in turn) and offsets [n + 1] int64 (numpy); written into `cls_out` and
-    `vectors_out` when given (preallocated rows of a larger batch).
+    `vectors_out` when given (preallocated rows of a larger batch). int8 records are
+    decoded here, on the buffer's device (the GPU for kvikio: the device that scores).
 
     The buffer is viewed as fp16 and then as overlapping windows of d_cls / d_bow elements
     (a strided view, no copy), so one index per vector, not per element, picks the rows.
@@ -615,6 +617,8 @@ def gather_records(
     offsets = np.zeros(len(n_bow) + 1, dtype=np.int64)
     np.cumsum(n_bow, out=offsets[1:])
     total = int(offsets[-1])
+    if layout.dtype == "int8":
+        return _gather_int8(flat_u8, flat, first, n_bow, offsets, layout, cls_out, vectors_out)
     # Element position of every BOW vector: the record's first BOW element + t·d_bow.
     within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
     rows = np.repeat(first + d_cls, n_bow) + within * d_bow
@@ -635,3 +639,31 @@ def _select_rows(view: torch.Tensor, index: torch.Tensor, out: torch.Tensor | No
     if out.device == view.device:
         return torch.index_select(view, 0, index, out=out)
     return out.copy_(view.index_select(0, index))
+
+
+def _gather_int8(
+    flat_u8: torch.Tensor, flat16: torch.Tensor, first: np.ndarray, n_bow: np.ndarray, offsets: np.ndarray,
+    layout: StoreLayout, cls_out: torch.Tensor | None, vectors_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """`gather_records` for int8 records `[scales (1 + n) fp16][CLS int8][BOW n x int8]`.
+
+    first: [n] the fp16 element where each record starts (its CLS scale). One index_select
+    each for the scales, the CLS codes and the BOW codes, then one multiply per tensor.
+    """
+    d_cls, d_bow = layout.d_cls, layout.d_bow
+    device = flat_u8.device
+    total = int(offsets[-1])
+    codes = flat_u8.view(torch.int8)
+    cls_byte = 2 * (first + 1 + n_bow)  # the CLS codes follow the record's 1 + n scales
+    cls_codes = codes.unfold(0, d_cls, 1).index_select(0, torch.from_numpy(cls_byte).to(device))
+    cls_scales = flat16.index_select(0, torch.from_numpy(first).to(device))
+    cls = dequantize_int8(cls_codes, cls_scales, cls_out)
+    if not total:
+        empty = torch.zeros((0, d_bow), dtype=torch.float16, device=device)
+        return cls, empty if vectors_out is None else vectors_out, offsets
+    within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
+    scale_at = np.repeat(first + 1, n_bow) + within
+    code_at = np.repeat(cls_byte + d_cls, n_bow) + within * d_bow
+    bow_codes = codes.unfold(0, d_bow, 1).index_select(0, torch.from_numpy(code_at).to(device))
+    bow_scales = flat16.index_select(0, torch.from_numpy(scale_at).to(device))
+    return cls, dequantize_int8(bow_codes, bow_scales, vectors_out), offsets

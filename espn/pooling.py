@@ -1,0 +1,68 @@
+"""Token pooling at index time: fewer BOW vectors per document, most of the MaxSim signal kept.
+
+Each document's BOW vectors are clustered hierarchically (Ward linkage, as PyLate's token
+pooling does) into `max(1, n // factor)` clusters and each cluster is replaced by the mean
+of its members. Neighbouring tokens of one word or phrase tend to sit close together, so a
+query vector's best match moves little. Deterministic: the same vectors always give the
+same clusters, and pooled rows follow the order of each cluster's first source token, so
+`groups` maps every stored vector back to the token vectors (and so the text) it merged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidParameterError
+
+__all__ = ["pool_vectors", "pool_documents"]
+
+
+def pool_vectors(vectors: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pool one document's vectors: vectors [n, d] -> (pooled [m, d] float32, groups [n] int64).
+
+    m = max(1, n // factor) (fewer when vectors coincide); groups[i] is the pooled row that
+    source vector i went into, so pooled[j] = vectors[groups == j].mean(0). factor 1 (or
+    n <= 1) returns the vectors unchanged with groups = arange(n).
+
+    >>> v = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    >>> pooled, groups = pool_vectors(v, 2)
+    >>> groups.tolist(), pooled.astype(np.float64).round(2).tolist()
+    ([0, 0, 1, 1], [[0.95, 0.05], [0.05, 0.95]])
+    """
+    if not isinstance(factor, (int, np.integer)) or factor < 1:
+        raise InvalidParameterError(f"pool factor must be an integer >= 1, got {factor!r}")
+    x = np.asarray(vectors, dtype=np.float32)
+    n = len(x)
+    clusters = max(1, n // int(factor))
+    if factor == 1 or n <= 1 or clusters >= n:
+        return x.copy(), np.arange(n, dtype=np.int64)
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    labels = fcluster(linkage(x.astype(np.float64), method="ward"), t=clusters, criterion="maxclust")
+    # Renumber clusters by their first member, so pooled rows follow the text.
+    _, first = np.unique(labels, return_index=True)
+    rank = np.empty(int(labels.max()) + 1, dtype=np.int64)
+    rank[labels[np.sort(first)]] = np.arange(len(first))
+    groups = rank[labels]
+    sums = np.zeros((len(first), x.shape[1]), dtype=np.float64)
+    np.add.at(sums, groups, x)
+    pooled = (sums / np.bincount(groups)[:, None]).astype(np.float32)
+    return pooled, groups
+
+
+def pool_documents(bow: np.ndarray, counts: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pool a chunk of documents: bow [sum(counts), d], counts [n] -> (pooled bow, pooled counts [n] int64).
+
+    One clustering per document (a loop over the chunk's documents at index time; Ward on
+    ~250 vectors takes well under a millisecond).
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    bow = np.asarray(bow)
+    if factor == 1:
+        return bow, counts
+    ends = np.cumsum(counts)
+    parts = [pool_vectors(bow[end - count: end], factor)[0] for end, count in zip(ends.tolist(), counts.tolist())]
+    new_counts = np.array([len(p) for p in parts], dtype=np.int64)
+    width = bow.shape[1] if bow.ndim == 2 else 0
+    pooled = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
+    return pooled.reshape(-1, width), new_counts
