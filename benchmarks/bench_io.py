@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
         index = IndexDirectory.open(args.index, verify="none")
         store = index.manifest["store"]
-        layout = StoreLayout(store["d_cls"], store["d_bow"], store["block_size"])
+        layout = StoreLayout.from_manifest(store)
         records = index.load_array("records.npy")
         path = index.file("embeddings.bin")
         readers = {d: PosixReader(path, records, layout, io_depth=d) for d in (16, 64)}

@@ -65,7 +65,7 @@ def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
 
     index = IndexDirectory.open(source)
     store = index.manifest["store"]
-    layout = StoreLayout(store["d_cls"], store["d_bow"], store["block_size"])
+    layout = StoreLayout.from_manifest(store)
     records = index.load_array("records.npy")
     reader = open_reader("memory", index.file("embeddings.bin"), records, layout)
     n = len(records)

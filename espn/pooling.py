@@ -44,9 +44,11 @@ def pool_vectors(vectors: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarr
     rank = np.empty(int(labels.max()) + 1, dtype=np.int64)
     rank[labels[np.sort(first)]] = np.arange(len(first))
     groups = rank[labels]
-    sums = np.zeros((len(first), x.shape[1]), dtype=np.float64)
-    np.add.at(sums, groups, x)
-    pooled = (sums / np.bincount(groups)[:, None]).astype(np.float32)
+    # Cluster sums by one sort and a segmented sum (np.add.at is ~10x slower here).
+    order = np.argsort(groups, kind="stable")
+    sizes = np.bincount(groups)
+    sums = np.add.reduceat(x[order].astype(np.float64), np.cumsum(sizes) - sizes, axis=0)
+    pooled = (sums / sizes[:, None]).astype(np.float32)
     return pooled, groups
 
 

@@ -27,13 +27,20 @@ from .encode import encode_corpus, read_sample
 from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
+__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
 
 log = logging.getLogger(__name__)
 
-#: Storage defaults of new indexes (chosen on SciFact train queries; README, "Compact records").
-DEFAULT_POOL_FACTOR = 1
-DEFAULT_BOW_DTYPE = "float16"
+#: Storage defaults of new indexes, chosen on SciFact train queries (README, "Compact records"):
+#: pooling by 2 and int8 cut embeddings.bin 4.0x with nDCG@10 0.7057 against 0.7063.
+DEFAULT_POOL_FACTOR = 2
+DEFAULT_BOW_DTYPE = "int8"
+
+
+def default_pool_factor(encoder: str) -> int:
+    """The pool factor `espn index` uses unless told: ColBERTer's vectors are already one per
+    whole word with stop words gated out (and pooling them further was not measured), so 1."""
+    return 1 if encoder.partition(":")[0] == "colberter" else DEFAULT_POOL_FACTOR
 
 
 class BuildError(EspnError):
@@ -71,7 +78,7 @@ class BuildConfig:
     ann: str = "flat"
     pq_m: int = 32
     block_size: int = 4096
-    pool_factor: int = DEFAULT_POOL_FACTOR
+    pool_factor: int | None = None  # None: default_pool_factor(encoder)
     bow_dtype: str = DEFAULT_BOW_DTYPE
     chunk_size: int = 1024
     batch_size: int = 32
@@ -98,7 +105,7 @@ class BuildConfig:
             raise InvalidParameterError(f"--nlist must be >= 1, got {self.nlist}")
         if self.score_weight is not None and not 0.0 <= self.score_weight <= 1.0:
             raise InvalidParameterError(f"--score-weight must be in [0, 1], got {self.score_weight}")
-        if self.pool_factor < 1:
+        if self.pool_factor is not None and self.pool_factor < 1:
             raise InvalidParameterError(f"--pool-factor must be >= 1, got {self.pool_factor}")
         if self.bow_dtype not in STORAGE_TYPES:
             raise InvalidParameterError(f"--bow-dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.bow_dtype!r}")
@@ -125,7 +132,7 @@ class BuildConfig:
             "ann": self.ann,
             "pq_m": self.pq_m,
             "block_size": self.block_size,
-            "pool_factor": self.pool_factor,
+            "pool_factor": default_pool_factor(self.encoder) if self.pool_factor is None else self.pool_factor,
             "bow_dtype": self.bow_dtype,
             "w": self.score_weight,
         }

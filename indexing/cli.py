@@ -32,9 +32,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--pq-m", type=int, default=32, help="PQ bytes per vector with --ann pq")
     p.add_argument("--block-size", type=int, default=4096, help="record block size in bytes")
     p.add_argument("--pool-factor", type=int, default=None,
-                   help="pool each document's BOW vectors by this factor (1 = none; default: see README)")
+                   help="pool each document's BOW vectors by about this factor at index time (1 = none; "
+                        "default 2, 1 for colberter and --embeddings)")
     p.add_argument("--bow-dtype", choices=("float16", "int8"), default=None,
-                   help="how vectors are stored in embeddings.bin (default: see README)")
+                   help="how vectors are stored in embeddings.bin (default int8; float16 for --embeddings)")
     p.add_argument("--chunk-size", type=int, default=1024, help="documents per chunk (the unit of resume)")
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="encode only shard I of N")
@@ -56,8 +57,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .build import (DEFAULT_BOW_DTYPE, DEFAULT_POOL_FACTOR, BuildConfig, build_from_embeddings, build_index,
-                        keeping_partial)
+    from .build import DEFAULT_BOW_DTYPE, BuildConfig, build_from_embeddings, build_index, keeping_partial
 
     manifest: dict[str, Any] | None
     if args.embeddings is not None:
@@ -73,7 +73,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         config = BuildConfig(
             corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
             ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
-            pool_factor=DEFAULT_POOL_FACTOR if args.pool_factor is None else args.pool_factor, bow_dtype=args.bow_dtype or DEFAULT_BOW_DTYPE,
+            pool_factor=args.pool_factor, bow_dtype=args.bow_dtype or DEFAULT_BOW_DTYPE,
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,

@@ -160,3 +160,19 @@ def test_bench_gpu_without_cuda_or_kvikio_says_so_in_one_line(tmp_path: Path) ->
     assert len(lines) == 1 and lines[0].startswith("bench_gpu: ") and "absent" in lines[0], done.stderr
     assert "CUDA" in lines[0] or "kvikio" in lines[0]
     assert not (tmp_path / "results").exists()
+
+
+def test_bench_compact_assembles_every_setting_from_one_encode(tiny_index: Path, tmp_path: Path) -> None:
+    # The script's SciFact evaluation needs the data; its build path (chunks once, assemble per setting) runs here.
+    from benchmarks import bench_compact
+
+    from espn.index import read_manifest
+
+    encoded = bench_compact.export_chunks(tiny_index, tmp_path / "encoded")
+    assert bench_compact.assemble_setting(encoded, tmp_path / "pool2-int8", 2, "int8") > 0
+    manifest = read_manifest(tmp_path / "pool2-int8")
+    assert manifest["counts"]["documents"] == 2000
+    assert (manifest["store"]["dtype"], manifest["store"]["pool_factor"]) == ("int8", 2)
+    assert (tmp_path / "pool2-int8" / "embeddings.bin").stat().st_size < (tiny_index / "embeddings.bin").stat().st_size / 3
+    (per_vector, _, error), (per_dim, _, _) = bench_compact.scale_errors(encoded, docs=50)
+    assert per_vector.startswith("per vector") and per_dim == "per dimension" and 0 < error < 0.01

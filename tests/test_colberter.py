@@ -533,10 +533,12 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
     queries.write_text("".join(f"{q}\t{t}\n" for q, t in QUERIES), encoding="utf-8")
     index, run_file = tmp_path / "index", tmp_path / "run.txt"
     built = run_espn("index", str(corpus), "--out", str(index), "--encoder", f"colberter:{small[0]}",
-                     "--nlist", "1", "--chunk-size", "3", "--batch-size", "4", "--no-progress")
+                     "--nlist", "1", "--chunk-size", "3", "--batch-size", "4", "--no-progress",
+                     "--bow-dtype", "float16")  # fp16 records: the brute force below is exact to fp16
     assert built.returncode == 0, built.stderr
     manifest = json.loads((index / "manifest.json").read_text())
     assert manifest["encoder"]["kind"] == "colberter"
+    assert manifest["store"]["pool_factor"] == 1  # ColBERTer's default: its words are pooled already
     assert manifest["score"]["w"] == pytest.approx(encoder.learned_weight)  # w from the checkpoint
     assert manifest["score"]["bow_reduction"] == "sum"
 
