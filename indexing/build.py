@@ -80,6 +80,7 @@ class BuildConfig:
     block_size: int = 4096
     pool_factor: int | None = None  # None: default_pool_factor(encoder)
     bow_dtype: str = DEFAULT_BOW_DTYPE
+    bow_pooling: str = "tokens"  # "words": whole words, stop words out (Hugging Face encoders)
     chunk_size: int = 1024
     batch_size: int = 32
     fit_sample: int = 256  # documents; ~60k token vectors, plenty for a 384x384 second moment
@@ -134,6 +135,7 @@ class BuildConfig:
             "block_size": self.block_size,
             "pool_factor": default_pool_factor(self.encoder) if self.pool_factor is None else self.pool_factor,
             "bow_dtype": self.bow_dtype,
+            "bow_pooling": self.bow_pooling,
             "w": self.score_weight,
         }
 
@@ -154,7 +156,8 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir) -> Encoder:
             if resumed:
                 log.info("resuming the build in %s", work.path)
             return load_encoder(work.encoder_dir, job["encoder_config"], device=config.device)
-        encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device)
+        encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
+                                    bow_pooling=config.bow_pooling)
         if encoder.needs_fit:
             sample = read_sample(config.corpus, config.fit_sample, config.skip_bad)
             if not sample:

@@ -36,6 +36,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                         "default 2, 1 for colberter and --embeddings)")
     p.add_argument("--bow-dtype", choices=("float16", "int8"), default=None,
                    help="how vectors are stored in embeddings.bin (default int8; float16 for --embeddings)")
+    p.add_argument("--bow-pooling", choices=("tokens", "words"), default="tokens",
+                   help="minilm/hf: one BOW vector per token (default) or per whole word, stop words dropped")
     p.add_argument("--chunk-size", type=int, default=1024, help="documents per chunk (the unit of resume)")
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="encode only shard I of N")
@@ -73,7 +75,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         config = BuildConfig(
             corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
             ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
-            pool_factor=args.pool_factor, bow_dtype=args.bow_dtype or DEFAULT_BOW_DTYPE,
+            pool_factor=args.pool_factor, bow_dtype=args.bow_dtype or DEFAULT_BOW_DTYPE, bow_pooling=args.bow_pooling,
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,

@@ -263,3 +263,29 @@ def test_format_1_index_still_opens(tmp_path: Path) -> None:
     bad = run_espn("index", "--embeddings", source, "--out", tmp_path / "bad", "--pool-factor", "0", check=False)
     assert bad.returncode != 0 and "pool_factor" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# -- whole-word pooling for the generic encoder ------------------------------------------------
+
+
+def test_whole_word_pooling_keeps_one_vector_per_content_word() -> None:
+    from espn.encoders.hf import HFEncoder
+
+    encoder = HFEncoder.from_pretrained(None, bow_dim=None, bow_pooling="words")
+    text = "The tokenization of hypertension, in 2019 (a study)."
+    docs = encoder.encode_documents([text, "Of the ... !"])
+    # tokenization, hypertension, 2019, study: stop words and punctuation are gated out.
+    assert docs.counts.tolist() == [4, 0]
+    tokens = encoder.tokenize([text], is_query=False)
+    _, hidden, mask = encoder._forward(tokens)
+    pieces = encoder.tokenizer.convert_ids_to_tokens(tokens["input_ids"][0].tolist())
+    first_word = (tokens["word_ids"][0] == 0) & mask[0]
+    assert "".join(p.removeprefix("##") for p, k in zip(pieces, first_word.tolist()) if k) == "tokenization"
+    assert int(first_word.sum()) > 1  # a word of several subwords: their mean, normalised
+    expected = torch.nn.functional.normalize(hidden[0, first_word].mean(0), dim=-1).numpy()
+    np.testing.assert_allclose(docs.bow[0], expected, atol=1e-5)
+    # Queries keep every token; the choice travels with the index's encoder config.
+    assert "word_ids" not in encoder.tokenize([text], is_query=True)
+    assert encoder.config()["bow_pooling"] == "words"
+    with pytest.raises(InvalidParameterError, match="bow_pooling"):
+        HFEncoder.from_pretrained(None, bow_pooling="letters")

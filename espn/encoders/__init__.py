@@ -32,17 +32,19 @@ def encoder_class(kind: str) -> type[Encoder]:
     return getattr(importlib.import_module(module), name)
 
 
-def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None) -> Encoder:
-    """A fresh (unfitted) encoder for `espn index --encoder SPEC`."""
+def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None,
+                      bow_pooling: str = "tokens") -> Encoder:
+    """A fresh (unfitted) encoder for `espn index --encoder SPEC`; bow_pooling ("tokens" or
+    "words") applies to the Hugging Face encoders (ColBERTer always pools whole words)."""
     kind, _, location = spec.partition(":")
     if kind == "minilm" and not location:
         from .hf import HFEncoder
 
-        return HFEncoder.from_pretrained(None, bow_dim=bow_dim, device=device)
+        return HFEncoder.from_pretrained(None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
     if kind == "hf" and location:
         from .hf import HFEncoder
 
-        return HFEncoder.from_pretrained(location, bow_dim=bow_dim, device=device)
+        return HFEncoder.from_pretrained(location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
     if kind == "colberter" and location:
         return encoder_class("colberter").from_pretrained(location, device=device)  # type: ignore[attr-defined]
     raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH' or 'colberter:PATH', got {spec!r}")

