@@ -562,3 +562,32 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
         for doc, score in run[qid]:
             assert score == pytest.approx(float(expected[row, ids.index(doc)]), rel=1e-4, abs=1e-3), (qid, doc)
         assert run[qid][0][0] == ids[int(np.argmax(expected[row]))]
+
+
+def test_vector_spans_are_every_occurrence_of_each_kept_word(encoder: ColBERTerEncoder,
+                                                             reference: ReferenceColBERTer) -> None:
+    """Explanations: vector j of a document record came from the j-th word the gate kept, and
+    its spans are all that word's occurrences (as the slow reference numbers the words)."""
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+
+    spans = encoder.vector_spans(TEXTS)
+    counts = encoder.encode_documents(TEXTS).counts
+    query_spans = encoder.vector_spans(TEXTS, is_query=True)
+    assert [len(s) for s in query_spans] == encoder.encode_queries(TEXTS).mask.sum(1).tolist()  # no gate
+    gated_some = False
+    for text, text_spans, count in zip(TEXTS, spans, counts):
+        assert len(text_spans) == count
+        words = [span for _, span in BertPreTokenizer().pre_tokenize_str(text)]
+        owner, number_of_words = reference_word_index(reference.tokenizer, text, encoder.max_length)
+        offsets = reference.tokenizer(text, truncation=True, max_length=encoder.max_length,
+                                      return_offsets_mapping=True)["offset_mapping"]
+        expected = [sorted({next(w for w in words if w[0] <= offsets[t][0] and offsets[t][1] <= w[1])
+                            for t, o in enumerate(owner) if o == j}) for j in range(number_of_words)]
+        _, _, gates = reference.encode(text)
+        kept = [occurrences for occurrences, gate in zip(expected, gates) if gate > 0]
+        gated_some |= len(kept) < number_of_words
+        assert text_spans == kept, text
+        for occurrences in text_spans:  # one vector, one word: every occurrence reads the same
+            assert len({text[a:b].lower() for a, b in occurrences}) == 1
+    assert gated_some  # the random gate drops some words, so the mapping is not the identity
+    assert [TEXTS[2][a:b] for a, b in query_spans[2][0]] == ["Repeated", "repeated", "REPEATED"]
