@@ -68,6 +68,10 @@ async def _search(
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
     params = searcher.params(**options.search_kwargs())
+    if explain:
+        from espn.explain import can_explain  # the searcher has loaded torch already
+
+        can_explain(searcher.encoder)
     settings = state.settings
     check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
                  max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
