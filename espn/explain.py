@@ -25,7 +25,7 @@ from .results import Explanation, PassageSpan, QueryResult, TokenMatch
 if TYPE_CHECKING:
     from .searcher import Searcher
 
-__all__ = ["can_explain", "explain_results", "passage_spans"]
+__all__ = ["can_explain", "explain_results", "passage_spans", "best_matches"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,38 @@ def passage_spans(title: str, text: str, spans: Sequence[tuple[int, int]]) -> tu
     return tuple(out)
 
 
+def best_matches(q_bow: torch.Tensor, pair_query: np.ndarray, vectors: torch.Tensor, offsets: np.ndarray,
+                 pair_doc: np.ndarray, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """MaxSim with its argmax: for pair p and query vector t, the best similarity and the
+    document vector that gives it -> best [P, Lq] float32, matched [P, Lq] int64 (record
+    order within the document; -1 and 0.0 where the document has no vectors).
+
+    q_bow [B, Lq, D] float32; pair_query, pair_doc [P]; vectors [T, D] float32 with
+    document d owning vectors[offsets[d]:offsets[d + 1]]. Pairs go in padded chunks of
+    `chunk`, one batched matmul each.
+    """
+    n_pairs, lq = len(pair_query), int(q_bow.shape[1])
+    best = np.zeros((n_pairs, lq), dtype=np.float32)
+    matched = np.full((n_pairs, lq), -1, dtype=np.int64)
+    lengths = (offsets[pair_doc + 1] - offsets[pair_doc]).astype(np.int64)
+    for a in range(0, n_pairs, chunk):
+        b = min(a + chunk, n_pairs)
+        width = int(lengths[a:b].max()) if b > a else 0
+        if width == 0:
+            continue
+        within = np.arange(width)
+        valid = within[None, :] < lengths[a:b, None]  # [c, width]
+        index = np.where(valid, offsets[pair_doc[a:b], None] + within[None, :], 0)
+        docs = vectors[torch.from_numpy(index)]  # [c, width, D]
+        sim = torch.bmm(q_bow[torch.from_numpy(pair_query[a:b])], docs.transpose(1, 2))  # [c, Lq, width]
+        sim.masked_fill_(~torch.from_numpy(valid)[:, None, :], float("-inf"))
+        values, where = sim.max(dim=2)
+        has = lengths[a:b] > 0
+        best[a:b][has] = values.numpy()[has]
+        matched[a:b][has] = where.numpy()[has]
+    return best, matched
+
+
 def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbeddings,
                     results: list[QueryResult]) -> list[QueryResult]:
     """The same results with an Explanation on every re-ranked hit (bow_score not None).
@@ -83,26 +115,24 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
         doc_spans = encoder.vector_spans([passage_text(title, text) for title, text in stored])
         query_spans = encoder.vector_spans(list(queries), is_query=True)
     doc_of_row = np.searchsorted(docs, data.docs if data.docs is not None else docs)
+    pair_query = np.array([i for i, _ in targets], dtype=np.int64)
+    best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
+                                 data.offsets, rows)
     weight = searcher.weight
     mean = searcher.bow_reduction == "mean"
     explained = [list(result.hits) for result in results]
-    for (i, j), row in zip(targets, rows):
+    for p, ((i, j), row) in enumerate(zip(targets, rows)):
         hit = results[i].hits[j]
         columns = np.flatnonzero(q.mask[i])
-        q_vectors = torch.from_numpy(np.ascontiguousarray(q.bow[i, columns], dtype=np.float32))
-        d_vectors = vectors[int(data.offsets[row]): int(data.offsets[row + 1])]
-        if len(d_vectors):
-            best, matched = (q_vectors @ d_vectors.T).max(dim=1)
-            similarities, vector_ids = best.tolist(), matched.tolist()
-        else:  # no BOW vectors (every word gated out): MaxSim counts 0, as in the pipeline
-            similarities, vector_ids = [0.0] * len(columns), [-1] * len(columns)
+        similarities, vector_ids = best[p, columns].tolist(), matched[p, columns].tolist()
         scale = 1.0 / max(1, len(columns)) if mean else 1.0
         title, text = stored[int(doc_of_row[row])]
         spans = doc_spans[int(doc_of_row[row])]
-        if len(spans) != len(d_vectors):
+        n_vectors = int(data.offsets[row + 1] - data.offsets[row])
+        if len(spans) != n_vectors:
             log.warning("explain: %s has %d BOW vectors but its encoder gives %d spans (pooled or re-encoded "
-                        "differently); its matches carry no spans", hit.doc_id, len(d_vectors), len(spans))
-            spans = [[] for _ in range(len(d_vectors))]
+                        "differently); its matches carry no spans", hit.doc_id, n_vectors, len(spans))
+            spans = [[] for _ in range(n_vectors)]
         q_spans = query_spans[i] if len(query_spans[i]) == len(columns) else [[(0, 0)]] * len(columns)
         query = queries[i]
         matches = tuple(

@@ -105,6 +105,31 @@ def test_the_span_re_encodes_to_the_matched_vector(searcher, explained) -> None:
     assert checked >= 20
 
 
+def test_best_matches_against_brute_force() -> None:
+    """Synthetic: documents of 0..9 vectors, pairs in chunks smaller than their number."""
+    import torch
+
+    from espn.explain import best_matches
+
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 10, size=12)
+    lengths[3] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    vectors = torch.from_numpy(rng.normal(size=(int(offsets[-1]), 8)).astype(np.float32))
+    q_bow = torch.from_numpy(rng.normal(size=(3, 5, 8)).astype(np.float32))
+    pair_query, pair_doc = rng.integers(0, 3, size=30), rng.integers(0, 12, size=30)
+    pair_doc[0] = 3
+    best, matched = best_matches(q_bow, pair_query, vectors, offsets, pair_doc, chunk=7)
+    for p, (i, d) in enumerate(zip(pair_query, pair_doc)):
+        docs = vectors[offsets[d]:offsets[d + 1]].numpy()
+        if len(docs) == 0:
+            assert (matched[p] == -1).all() and (best[p] == 0).all()
+            continue
+        sim = q_bow[i].numpy() @ docs.T
+        np.testing.assert_array_equal(matched[p], sim.argmax(1))
+        np.testing.assert_allclose(best[p], sim.max(1), rtol=1e-5)
+
+
 def test_passage_spans_split_title_joiner_and_text() -> None:
     title, text = "Tides", "The Moon pulls."
     passage = passage_text(title, text)
