@@ -549,7 +549,7 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
     assert records["n_bow"].tolist() == docs.counts.tolist()
 
     searched = run_espn("search", str(index), "--queries", str(queries), "--out", str(run_file),
-                        "--k", str(len(CORPUS)), "--rerank-count", str(len(CORPUS)), "--nprobe", "1")
+                        "--k", str(len(CORPUS)), "--rerank-count", str(len(CORPUS)), "--nprobe", "1", "--explain")
     assert searched.returncode == 0, searched.stderr
     run = read_run(run_file)
     # Brute force over the fp16 records the index stores: every document, ColBERTer's formula.
@@ -562,6 +562,26 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
         for doc, score in run[qid]:
             assert score == pytest.approx(float(expected[row, ids.index(doc)]), rel=1e-4, abs=1e-3), (qid, doc)
         assert run[qid][0][0] == ids[int(np.argmax(expected[row]))]
+
+    # Explanations: ColBERTer sums (contribution = similarity), each match is the best stored
+    # word vector for its query word, and its spans are occurrences of one word.
+    q = encoder.encode_queries([t for _, t in QUERIES])
+    rows = {qid: row for row, (qid, _) in enumerate(QUERIES)}
+    by_id = {d["_id"]: d for d in CORPUS}
+    split = stored.split()
+    lines = [json.loads(line) for line in (tmp_path / "run.txt.explain.jsonl").read_text().splitlines()]
+    assert len(lines) == len(QUERIES) * len(CORPUS)
+    for line in lines:
+        matches, doc = line["explanation"]["matches"], by_id[line["doc_id"]]
+        assert sum(m["contribution"] for m in matches) == pytest.approx(line["bow_score"], rel=1e-4, abs=1e-4)
+        words = split[ids.index(line["doc_id"])][1]
+        for m, q_vector in zip(matches, q.bow[rows[line["query_id"]]][q.mask[rows[line["query_id"]]]]):
+            assert m["contribution"] == m["similarity"]
+            if len(words):
+                assert m["similarity"] == pytest.approx(float((words @ q_vector).max()), rel=1e-3, abs=1e-3)
+                surfaces = {(doc.get(s["field"], "") if s["field"] != "joiner" else ". ")[s["start"]:s["end"]].lower()
+                            for s in m["spans"]}
+                assert len(surfaces) == 1 and "" not in surfaces, m
 
 
 def test_vector_spans_are_every_occurrence_of_each_kept_word(encoder: ColBERTerEncoder,
