@@ -162,6 +162,8 @@ def test_search_page_in_a_real_browser(browser, server, client: httpx.Client, tm
     query.clear()
     query.send_keys("what causes ocean tides")
     browser.find_element(By.ID, "search-button").click()
-    wait.until(lambda b: b.find_element(By.CSS_SELECTOR, "li.result").get_attribute("data-id") != hit["id"])
+    # Read in the page, in one step: the list is replaced while it renders (no stale element).
+    first_id = "const r = document.querySelector('li.result'); return r ? r.dataset.id : null"
+    wait.until(lambda b: b.execute_script(first_id) not in (None, hit["id"]))
     assert not browser.find_element(By.ID, "key-form").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "li.result mark.hl")
