@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ESPN := $(VENV)/bin/espn
 SAMPLE_INDEX ?= .espn/sample-index
 
-.PHONY: install serve-sample test check-wheel bench clean
+.PHONY: install serve-sample test check-wheel browser bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,10 +22,19 @@ serve-sample: install
 	$(ESPN) serve $(SAMPLE_INDEX)
 
 # Type check, the wheel as a user installs it, then the test suite.
-test: install
+test: install browser
 	$(VENV)/bin/mypy
 	$(MAKE) check-wheel
 	$(VENV)/bin/pytest -q
+
+# Debian's Chromium and its driver for the search page's browser test (tests/test_page.py).
+# Skipped when both are present, or when ESPN_BROWSER_TESTS=0 turns that test off.
+browser:
+	@if [ "$$ESPN_BROWSER_TESTS" = "0" ] || { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then :; else \
+		SUDO=$$([ "$$(id -u)" -ne 0 ] && echo sudo); \
+		$$SUDO apt-get -o DPkg::Lock::Timeout=600 update -q && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends chromium chromium-driver; \
+	fi
 
 # The built wheel, no extras, in a fresh venv: a runtime dependency missing from
 # pyproject.toml fails here (the dev venv has the test extras, which would hide it).

@@ -24,6 +24,7 @@ import numpy as np
 
 from .errors import EspnError, InvalidParameterError
 from .params import SearchParams
+from .results import Hit
 
 __all__ = ["main", "add_reader_options", "reader_options", "COMMANDS_GROUP"]
 
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
     p.add_argument("--tag", default="espn")
+    p.add_argument("--explain", action="store_true", help="also write OUT.explain.jsonl: per re-ranked hit, each "
+                   "query token's MaxSim contribution and the passage span it matched")
     _add_search_params(p, sorted(READERS))
     p.set_defaults(handler=cmd_search)
 
@@ -176,6 +179,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise InvalidParameterError(f"--batch-size must be >= 1, got {args.batch_size}")
     _check_output_file("search", args.out)
+    if args.explain and (args.exhaustive or args.query_embeddings is not None):
+        raise InvalidParameterError("--explain needs query text and the pipeline: not with --exhaustive "
+                                    "or --query-embeddings")
+    explain_out = args.out.with_name(args.out.name + ".explain.jsonl") if args.explain else None
     options = reader_options(args)
     if not (args.index / "manifest.json").is_file():
         raise FileNotFoundError(f"{args.index} is not an ESPN index directory (no manifest.json)")
@@ -184,6 +191,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     ranked, latencies, hit_rates = {}, [], []
+    explained: list[tuple[str, int, Hit]] = []
     started = time.perf_counter()
     for start in range(0, len(queries), args.batch_size):
         batch = queries[start : start + args.batch_size]
@@ -200,14 +208,18 @@ def cmd_search(args: argparse.Namespace) -> int:
             if embeddings is not None:
                 results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k, **overrides)
             else:
-                results = searcher.search([text for _, text in batch], args.k, **overrides)
+                results = searcher.search([text for _, text in batch], args.k, explain=args.explain, **overrides)
             hit_lists = [r.hits for r in results]
             latencies.append(results[0].stats.stage_ms["total"])
             hit_rates += [r.stats.hit_rate for r in results]
         for qid, hits in zip(ids, hit_lists):
             ranked[qid] = [(h.doc_id, h.score) for h in hits]
+            explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1) if h.explanation is not None]
     elapsed = time.perf_counter() - started
     write_run(args.out, ranked, tag=args.tag)
+    if explain_out is not None:
+        _write_explanations(explain_out, explained)
+        print(f"wrote explanations of {len(explained)} hits to {explain_out}")
     print(f"wrote {sum(map(len, ranked.values()))} lines for {len(ranked)} queries to {args.out} "
           f"({len(queries) / elapsed:.1f} queries/s, reader={searcher.reader_name})")
     if latencies:
@@ -219,6 +231,21 @@ def cmd_search(args: argparse.Namespace) -> int:
         for measure, value in evaluate(run, qrels).items():
             print(f"{measure}\t{value:.4f}")
     return 0
+
+
+def _write_explanations(path: Path, explained: list[tuple[str, int, "Hit"]]) -> None:
+    """One JSON line per explained hit, in run order; written to a temporary name, then renamed."""
+    import dataclasses
+    import json
+
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        for qid, rank, hit in explained:
+            assert hit.explanation is not None
+            f.write(json.dumps({"query_id": qid, "doc_id": hit.doc_id, "rank": rank, "score": hit.score,
+                                "cls_score": hit.cls_score, "bow_score": hit.bow_score,
+                                "explanation": dataclasses.asdict(hit.explanation)}) + "\n")
+    os.replace(partial, path)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

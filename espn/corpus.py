@@ -16,9 +16,19 @@ from typing import IO, Iterator
 
 from .errors import CorpusError
 
-__all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format"]
+__all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
+           "PASSAGE_JOINER"]
 
 log = logging.getLogger(__name__)
+
+
+#: What joins a passage's title to its text in the string the encoder sees.
+PASSAGE_JOINER = ". "
+
+
+def passage_text(title: str, text: str) -> str:
+    """Title and text joined, the way BEIR baselines encode a passage."""
+    return f"{title}{PASSAGE_JOINER}{text}" if title else text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +41,7 @@ class CorpusDocument:
     @property
     def full_text(self) -> str:
         """Title and text joined, the way BEIR baselines encode a passage."""
-        return f"{self.title}. {self.text}" if self.title else self.text
+        return passage_text(self.title, self.text)
 
 
 def _open_text(path: Path) -> IO[str]:

@@ -5,17 +5,68 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["Hit", "SearchStats", "QueryResult", "Document"]
+__all__ = ["Hit", "SearchStats", "QueryResult", "Document", "PassageSpan", "TokenMatch", "Explanation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassageSpan:
+    """Characters [start, end) of one field of a stored passage.
+
+    field: "title", "text", or "joiner" (the ". " the encoder saw between title and text).
+    """
+
+    field: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenMatch:
+    """What one query vector found in a document.
+
+    token:        the query text the vector came from (query[query_start:query_end])
+    similarity:   its best dot product with a document BOW vector (MaxSim's max)
+    contribution: its share of the hit's bow_score (similarity, divided by the number of
+                  query vectors when the index averages them); the contributions sum to bow_score
+    vector:       the document's BOW vector it matched, in record order (-1: the document has none)
+    spans:        where that vector came from in the passage (several for a pooled word;
+                  empty when the encoder cannot say)
+    """
+
+    token: str
+    query_start: int
+    query_end: int
+    similarity: float
+    contribution: float
+    vector: int
+    spans: tuple[PassageSpan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """Why a re-ranked hit scored what it did: score = cls_part + bow_part.
+
+    cls_part = weight · cls_score, bow_part = (1 − weight) · bow_score; matches: one per query vector.
+    """
+
+    weight: float
+    cls_part: float
+    bow_part: float
+    matches: tuple[TokenMatch, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Hit:
-    """One ranked document. `bow_score` is None below `rerank_count` (not re-ranked)."""
+    """One ranked document. `bow_score` is None below `rerank_count` (not re-ranked).
+
+    `explanation` is filled only by `Searcher.search(..., explain=True)`, for re-ranked hits.
+    """
 
     doc_id: str
     score: float
     cls_score: float
     bow_score: Optional[float]
+    explanation: Optional[Explanation] = None
 
 
 @dataclasses.dataclass

@@ -34,6 +34,7 @@ import torch
 from .ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
 from .encoders import Encoder, QueryEmbeddings, load_encoder
 from .errors import InvalidParameterError
+from .explain import can_explain, explain_results
 from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import cls_pairs, maxsim_pairs
 from .params import SearchParams
@@ -152,8 +153,18 @@ class Searcher:
         """The defaults with per-call overrides, validated against this index."""
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
-    def search(self, queries: Sequence[str], k: int | None = None, **overrides: Any) -> list[QueryResult]:
-        """Search a batch of query strings; one QueryResult per query, in order."""
+    def search(self, queries: Sequence[str], k: int | None = None, explain: bool = False,
+               **overrides: Any) -> list[QueryResult]:
+        """Search a batch of query strings; one QueryResult per query, in order.
+
+        explain: give every re-ranked hit an Explanation (per query token: its MaxSim
+        contribution and the passage span it matched); computed after the search, for the
+        returned hits only, and timed as stage "explain". False costs nothing.
+        """
+        if not isinstance(explain, bool):
+            raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
+        if explain:
+            can_explain(self.encoder)
         if isinstance(queries, str) or not isinstance(queries, Sequence):
             raise InvalidParameterError("queries must be a list of strings")
         if len(queries) > MAX_BATCH:
@@ -173,7 +184,18 @@ class Searcher:
             tokens = self.encoder.tokenize(list(queries), is_query=True)
         embeddings = self.encoder.embed_queries(tokens)
         timer.lap("encode")
-        return self._search(embeddings, params, timer)
+        results = self._search(embeddings, params, timer)
+        return self._explain(queries, embeddings, results) if explain else results
+
+    def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
+        started = time.perf_counter()
+        results = explain_results(self, queries, embeddings, results)
+        ms = (time.perf_counter() - started) * 1000
+        for result in results:  # the batch shares one stage_ms dict: give each its own copy
+            stage_ms = dict(result.stats.stage_ms)
+            total = stage_ms.pop("total")
+            result.stats.stage_ms = {**stage_ms, "explain": round(ms, 3), "total": round(total + ms, 3)}
+        return results
 
     def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, **overrides: Any) -> list[QueryResult]:
         """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L]."""

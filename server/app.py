@@ -23,6 +23,7 @@ from .docs import add_offline_docs
 from .errors import register_exception_handlers
 from .metrics import ServerMetrics
 from .middleware import AccessMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .page import add_search_page
 from .routes import documents, health, search
 from .settings import ServerSettings
 
@@ -134,6 +135,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
         redoc_url=None,
     )
     add_offline_docs(app)
+    add_search_page(app)
     metrics = ServerMetrics()
     app.state.espn = AppState(settings=settings, metrics=metrics)
 

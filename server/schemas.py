@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 __all__ = [
     "MAX_QUERY_CHARS",
@@ -20,6 +20,9 @@ __all__ = [
     "SearchRequest",
     "BatchSearchRequest",
     "SearchHit",
+    "PassageSpanModel",
+    "TokenMatchModel",
+    "ExplanationModel",
     "SearchStatsModel",
     "SearchResponse",
     "BatchSearchResponse",
@@ -33,6 +36,8 @@ MAX_K = 1000
 # Hard ceiling of the schema; ServerSettings.max_batch_queries (<= this) is the live limit.
 MAX_BATCH_QUERIES = 10_000
 MAX_DOC_ID_CHARS = 512
+# An explanation holds one entry per query token per hit: explained responses stay small.
+MAX_EXPLAIN_K = 100
 
 QueryText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
 
@@ -74,8 +79,17 @@ class SearchOptions(BaseModel):
 
 class SearchRequest(SearchOptions):
     query: QueryText = Field(description="query text")
+    explain: Optional[bool] = Field(
+        None, description=f"explain each re-ranked hit: per query token its MaxSim contribution and the passage "
+                          f"span it matched (k <= {MAX_EXPLAIN_K})")
 
     _check_query = field_validator("query")(_non_blank)
+
+    @model_validator(mode="after")
+    def _check_explain(self) -> "SearchRequest":
+        if self.explain and self.k > MAX_EXPLAIN_K:
+            raise ValueError(f"explain: at most k={MAX_EXPLAIN_K} hits can be explained, got k={self.k}")
+        return self
 
 
 class BatchSearchRequest(SearchOptions):
@@ -89,6 +103,29 @@ class BatchSearchRequest(SearchOptions):
         return values
 
 
+class PassageSpanModel(BaseModel):
+    field: str = Field(description='"title", "text", or "joiner" (the ". " encoded between title and text)')
+    start: int = Field(description="first character in that field")
+    end: int = Field(description="one past the last character")
+
+
+class TokenMatchModel(BaseModel):
+    token: str = Field(description="the query text of this query vector")
+    query_start: int
+    query_end: int
+    similarity: float = Field(description="best dot product with a document vector")
+    contribution: float = Field(description="its share of bow_score; the contributions sum to bow_score")
+    vector: int = Field(description="the matched document vector, in record order (-1: none)")
+    spans: list[PassageSpanModel] = Field(description="where the matched vector came from in the passage")
+
+
+class ExplanationModel(BaseModel):
+    weight: float = Field(description="w in score = w · cls_score + (1 − w) · bow_score")
+    cls_part: float = Field(description="w · cls_score")
+    bow_part: float = Field(description="(1 − w) · bow_score")
+    matches: list[TokenMatchModel] = Field(description="one per query vector")
+
+
 class SearchHit(BaseModel):
     id: str
     score: float
@@ -96,6 +133,7 @@ class SearchHit(BaseModel):
     bow_score: Optional[float] = Field(description="None below rerank_count (not re-ranked)")
     title: Optional[str] = None
     text: Optional[str] = None
+    explanation: Optional[ExplanationModel] = Field(default=None, description="with explain: true, on re-ranked hits")
 
 
 class SearchStatsModel(BaseModel):

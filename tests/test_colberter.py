@@ -551,7 +551,7 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
     assert records["n_bow"].tolist() == docs.counts.tolist()
 
     searched = run_espn("search", str(index), "--queries", str(queries), "--out", str(run_file),
-                        "--k", str(len(CORPUS)), "--rerank-count", str(len(CORPUS)), "--nprobe", "1")
+                        "--k", str(len(CORPUS)), "--rerank-count", str(len(CORPUS)), "--nprobe", "1", "--explain")
     assert searched.returncode == 0, searched.stderr
     run = read_run(run_file)
     # Brute force over the fp16 records the index stores: every document, ColBERTer's formula.
@@ -564,3 +564,52 @@ def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str
         for doc, score in run[qid]:
             assert score == pytest.approx(float(expected[row, ids.index(doc)]), rel=1e-4, abs=1e-3), (qid, doc)
         assert run[qid][0][0] == ids[int(np.argmax(expected[row]))]
+
+    # Explanations: ColBERTer sums (contribution = similarity), each match is the best stored
+    # word vector for its query word, and its spans are occurrences of one word.
+    q = encoder.encode_queries([t for _, t in QUERIES])
+    rows = {qid: row for row, (qid, _) in enumerate(QUERIES)}
+    by_id = {d["_id"]: d for d in CORPUS}
+    split = stored.split()
+    lines = [json.loads(line) for line in (tmp_path / "run.txt.explain.jsonl").read_text().splitlines()]
+    assert len(lines) == len(QUERIES) * len(CORPUS)
+    for line in lines:
+        matches, doc = line["explanation"]["matches"], by_id[line["doc_id"]]
+        assert sum(m["contribution"] for m in matches) == pytest.approx(line["bow_score"], rel=1e-4, abs=1e-4)
+        words = split[ids.index(line["doc_id"])][1]
+        for m, q_vector in zip(matches, q.bow[rows[line["query_id"]]][q.mask[rows[line["query_id"]]]]):
+            assert m["contribution"] == m["similarity"]
+            if len(words):
+                assert m["similarity"] == pytest.approx(float((words @ q_vector).max()), rel=1e-3, abs=1e-3)
+                surfaces = {(doc.get(s["field"], "") if s["field"] != "joiner" else ". ")[s["start"]:s["end"]].lower()
+                            for s in m["spans"]}
+                assert len(surfaces) == 1 and "" not in surfaces, m
+
+
+def test_vector_spans_are_every_occurrence_of_each_kept_word(encoder: ColBERTerEncoder,
+                                                             reference: ReferenceColBERTer) -> None:
+    """Explanations: vector j of a document record came from the j-th word the gate kept, and
+    its spans are all that word's occurrences (as the slow reference numbers the words)."""
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+
+    spans = encoder.vector_spans(TEXTS)
+    counts = encoder.encode_documents(TEXTS).counts
+    query_spans = encoder.vector_spans(TEXTS, is_query=True)
+    assert [len(s) for s in query_spans] == encoder.encode_queries(TEXTS).mask.sum(1).tolist()  # no gate
+    gated_some = False
+    for text, text_spans, count in zip(TEXTS, spans, counts):
+        assert len(text_spans) == count
+        words = [span for _, span in BertPreTokenizer().pre_tokenize_str(text)]
+        owner, number_of_words = reference_word_index(reference.tokenizer, text, encoder.max_length)
+        offsets = reference.tokenizer(text, truncation=True, max_length=encoder.max_length,
+                                      return_offsets_mapping=True)["offset_mapping"]
+        expected = [sorted({next(w for w in words if w[0] <= offsets[t][0] and offsets[t][1] <= w[1])
+                            for t, o in enumerate(owner) if o == j}) for j in range(number_of_words)]
+        _, _, gates = reference.encode(text)
+        kept = [occurrences for occurrences, gate in zip(expected, gates) if gate > 0]
+        gated_some |= len(kept) < number_of_words
+        assert text_spans == kept, text
+        for occurrences in text_spans:  # one vector, one word: every occurrence reads the same
+            assert len({text[a:b].lower() for a, b in occurrences}) == 1
+    assert gated_some  # the random gate drops some words, so the mapping is not the identity
+    assert [TEXTS[2][a:b] for a, b in query_spans[2][0]] == ["Repeated", "repeated", "REPEATED"]

@@ -64,6 +64,7 @@ def test_the_wheel_installs_only_names_we_own(tmp_path: Path) -> None:
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"espn", "espn_server", "espn_indexing"}
     assert "espn/data/sample_qrels.tsv" in names and "espn/data/sample_corpus.jsonl" in names
+    assert {"espn_server/page/index.html", "espn_server/page/search.js", "espn_server/page/search.css"} <= set(names)
     metadata = next(archive_name for archive_name in names if archive_name.endswith("entry_points.txt"))
     with zipfile.ZipFile(wheel) as archive:
         entry_points = archive.read(metadata).decode()

@@ -14,7 +14,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder"]
+__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans"]
+
+#: For each BOW vector of one text, in the order the vectors are stored (a document's
+#: record, a query's unmasked columns), the character spans `(start, end)` of the text it
+#: came from: one span for a token, several for a word pooled over its occurrences.
+VectorSpans = list[list[tuple[int, int]]]
 
 
 @dataclasses.dataclass
@@ -99,6 +104,14 @@ class Encoder(abc.ABC):
     @abc.abstractmethod
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         ...
+
+    def vector_spans(self, texts: Sequence[str], is_query: bool = False) -> list[VectorSpans]:
+        """Where each BOW vector of each text came from, for match explanations.
+
+        Must follow `embed_documents` / `embed_queries` exactly (truncation, dropped tokens,
+        pooling), so that entry j describes stored vector j. Runs only when asked for.
+        """
+        raise NotImplementedError(f"the {self.kind or type(self).__name__} encoder cannot map its vectors to text")
 
     def encode_documents(self, texts: Sequence[str]) -> DocumentEmbeddings:
         return self.embed_documents(self.tokenize(texts, is_query=False))

@@ -54,7 +54,7 @@ from torch import nn
 
 from ..errors import IndexCorruptError, InvalidParameterError
 from ..index import sha256_file
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 
 __all__ = [
     "ColBERTerEncoder",
@@ -522,6 +522,39 @@ class ColBERTerEncoder(Encoder):
 
     def text_length(self, text: str) -> int:
         return len(text)
+
+    def vector_spans(self, texts: Sequence[str], is_query: bool = False) -> list[VectorSpans]:
+        """Every occurrence of each unique word, in word (vector) order; for documents only the
+        words the stop-word gate keeps, which takes a forward pass (explanations only)."""
+        texts = list(texts)
+        if not texts:
+            return []
+        tokens = self.tokenize(texts, is_query=is_query)
+        backend = self._query_tokenizer if is_query else self._doc_tokenizer
+        offsets = [e.offsets for e in backend.encode_batch(texts, add_special_tokens=True)]
+        word_index = tokens["word_index"].numpy()
+        num_words = tokens["num_words"].numpy()
+        if is_query:
+            kept = [np.ones(int(n), dtype=bool) for n in num_words]
+        else:
+            cls, words, text = self._words(tokens)
+            assert self.model is not None
+            with torch.inference_mode():
+                gate = (self.model.gate(words) > 0).cpu().numpy()
+            bounds = np.concatenate([[0], np.cumsum(num_words)])
+            kept = [gate[bounds[b]: bounds[b + 1]] for b in range(len(texts))]
+        out: list[VectorSpans] = []
+        for b in range(len(texts)):
+            spans: VectorSpans = [[] for _ in range(int(num_words[b]))]
+            for t in np.flatnonzero(word_index[b] >= 0):
+                start, end = offsets[b][t]
+                word = spans[word_index[b, t]]
+                if word and word[-1][1] == start:  # the next subword of the same occurrence
+                    word[-1] = (word[-1][0], int(end))
+                else:
+                    word.append((int(start), int(end)))
+            out.append([span for span, keep in zip(spans, kept[b]) if keep])
+        return out
 
     # -- scoring reference ---------------------------------------------------------------
     def score(self, queries: QueryEmbeddings, documents: DocumentEmbeddings) -> np.ndarray:

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 
 __all__ = ["HFEncoder", "default_model_dir"]
 
@@ -150,6 +150,21 @@ class HFEncoder(Encoder):
                 out[row, positions] = kept
                 kept += 1
         return out
+
+    def vector_spans(self, texts: Sequence[str], is_query: bool = False) -> list[VectorSpans]:
+        """One span per BOW vector: the character offsets of its token (specials excluded,
+        truncated as `tokenize` truncates), in the order `embed_*` keeps the tokens."""
+        encoded = self.tokenizer(
+            list(texts),
+            truncation=True,
+            max_length=self.query_max_length if is_query else self.max_length,
+            return_offsets_mapping=True,
+            return_special_tokens_mask=True,
+        )
+        return [
+            [[(int(start), int(end))] for (start, end), special in zip(offsets, specials) if not special]
+            for offsets, specials in zip(encoded["offset_mapping"], encoded["special_tokens_mask"])
+        ]
 
     # -- model -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
@@ -16,6 +17,7 @@ from ..schemas import (
     BatchSearchRequest,
     BatchSearchResponse,
     ErrorResponse,
+    ExplanationModel,
     SearchHit,
     SearchOptions,
     SearchRequest,
@@ -42,7 +44,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
              responses=_ERRORS)
 async def search(body: SearchRequest, request: Request, state: AppState = Depends(get_state)) -> SearchResponse:
-    (response,) = await _search(state, request, [body.query], body)
+    (response,) = await _search(state, request, [body.query], body, explain=bool(body.explain))
     return response
 
 
@@ -59,17 +61,22 @@ async def search_batch(
 
 
 async def _search(
-    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions
+    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False
 ) -> list[SearchResponse]:
     batcher = state.require_batcher()
     searcher = state.require_searcher()
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
     params = searcher.params(**options.search_kwargs())
+    if explain:
+        from espn.explain import can_explain  # the searcher has loaded torch already
+
+        can_explain(searcher.encoder)
     settings = state.settings
     check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
                  max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
-    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, options.search_kwargs())
+    kwargs = {**options.search_kwargs(), "explain": True} if explain else options.search_kwargs()
+    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
         wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
@@ -102,6 +109,8 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
                                   title=document.title, text=document.text))
         else:
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
+        if hit.explanation is not None:  # set only when asked: exclude_unset keeps other answers as they were
+            hits[-1].explanation = ExplanationModel.model_validate(dataclasses.asdict(hit.explanation))
     return SearchResponse(
         query=query,
         results=hits,

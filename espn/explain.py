@@ -1,0 +1,153 @@
+"""Match explanations: which document word each query vector matched, and how strongly.
+
+Runs after a search and only when asked (`Searcher.search(..., explain=True)`), so the
+search pipeline itself does no extra work. For the re-ranked hits it reads their records
+once more (one batched read), recomputes each query vector's best match with its argmax,
+and asks the encoder where the matched vector came from in the stored passage
+(`Encoder.vector_spans`: tokenizer offsets for the generic encoder, the gated whole words
+for ColBERTer). The per-token contributions add up to the hit's bow_score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from .corpus import PASSAGE_JOINER, passage_text
+from .encoders import Encoder, QueryEmbeddings
+from .errors import InvalidParameterError
+from .results import Explanation, PassageSpan, QueryResult, TokenMatch
+
+if TYPE_CHECKING:
+    from .searcher import Searcher
+
+__all__ = ["can_explain", "explain_results", "passage_spans", "best_matches"]
+
+log = logging.getLogger(__name__)
+
+
+def can_explain(encoder: Encoder | None) -> None:
+    """Raise InvalidParameterError (naming `explain`) unless the encoder maps vectors to text."""
+    if encoder is None or type(encoder).vector_spans is Encoder.vector_spans:
+        kind = "none" if encoder is None else (encoder.kind or type(encoder).__name__)
+        raise InvalidParameterError(
+            f"explain: this index's encoder ({kind}) cannot map its vectors back to text; search without explain")
+
+
+def passage_spans(title: str, text: str, spans: Sequence[tuple[int, int]]) -> tuple[PassageSpan, ...]:
+    """Spans in the encoded passage (`passage_text(title, text)`) -> spans of its fields.
+
+    A span is placed in the field where it starts and clipped to it (tokenizers never join
+    characters across the joiner's punctuation and space, so clipping is a safeguard).
+    """
+    if not title:
+        return tuple(PassageSpan("text", start, min(end, len(text))) for start, end in spans)
+    joiner_start, text_start = len(title), len(title) + len(PASSAGE_JOINER)
+    out = []
+    for start, end in spans:
+        if start < joiner_start:
+            out.append(PassageSpan("title", start, min(end, joiner_start)))
+        elif start < text_start:
+            out.append(PassageSpan("joiner", start - joiner_start, min(end, text_start) - joiner_start))
+        else:
+            out.append(PassageSpan("text", start - text_start, end - text_start))
+    return tuple(out)
+
+
+def best_matches(q_bow: torch.Tensor, pair_query: np.ndarray, vectors: torch.Tensor, offsets: np.ndarray,
+                 pair_doc: np.ndarray, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """MaxSim with its argmax: for pair p and query vector t, the best similarity and the
+    document vector that gives it -> best [P, Lq] float32, matched [P, Lq] int64 (record
+    order within the document; -1 and 0.0 where the document has no vectors).
+
+    q_bow [B, Lq, D] float32; pair_query, pair_doc [P]; vectors [T, D] float32 with
+    document d owning vectors[offsets[d]:offsets[d + 1]]. Pairs go in padded chunks of
+    `chunk`, one batched matmul each.
+    """
+    n_pairs, lq = len(pair_query), int(q_bow.shape[1])
+    best = np.zeros((n_pairs, lq), dtype=np.float32)
+    matched = np.full((n_pairs, lq), -1, dtype=np.int64)
+    lengths = (offsets[pair_doc + 1] - offsets[pair_doc]).astype(np.int64)
+    for a in range(0, n_pairs, chunk):
+        b = min(a + chunk, n_pairs)
+        width = int(lengths[a:b].max()) if b > a else 0
+        if width == 0:
+            continue
+        within = np.arange(width)
+        valid = within[None, :] < lengths[a:b, None]  # [c, width]
+        index = np.where(valid, offsets[pair_doc[a:b], None] + within[None, :], 0)
+        docs = vectors[torch.from_numpy(index)]  # [c, width, D]
+        sim = torch.bmm(q_bow[torch.from_numpy(pair_query[a:b])], docs.transpose(1, 2))  # [c, Lq, width]
+        sim.masked_fill_(~torch.from_numpy(valid)[:, None, :], float("-inf"))
+        values, where = sim.max(dim=2)
+        has = lengths[a:b] > 0
+        best[a:b][has] = values.numpy()[has]
+        matched[a:b][has] = where.numpy()[has]
+    return best, matched
+
+
+def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbeddings,
+                    results: list[QueryResult]) -> list[QueryResult]:
+    """The same results with an Explanation on every re-ranked hit (bow_score not None).
+
+    queries: the B query strings `q` was encoded from; results: one per query, as
+    `Searcher._search` returned them. One read of the hits' records, one call each to
+    `vector_spans` for the passages and the queries.
+    """
+    encoder = searcher.encoder
+    can_explain(encoder)
+    assert encoder is not None
+    targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
+               if hit.bow_score is not None]
+    if not targets:
+        return results
+    numbers = np.array([searcher.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
+    docs = np.unique(numbers)
+    data = searcher.reader.read(docs)
+    rows = data.rows_of(numbers)
+    vectors = data.vectors.float().cpu()
+    stored = [searcher.docs.get(int(number)) for number in docs]  # (title, text) per unique document
+    with searcher._tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
+        doc_spans = encoder.vector_spans([passage_text(title, text) for title, text in stored])
+        query_spans = encoder.vector_spans(list(queries), is_query=True)
+    doc_of_row = np.searchsorted(docs, data.docs if data.docs is not None else docs)
+    pair_query = np.array([i for i, _ in targets], dtype=np.int64)
+    best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
+                                 data.offsets, rows)
+    weight = searcher.weight
+    mean = searcher.bow_reduction == "mean"
+    explained = [list(result.hits) for result in results]
+    for p, ((i, j), row) in enumerate(zip(targets, rows)):
+        hit = results[i].hits[j]
+        columns = np.flatnonzero(q.mask[i])
+        similarities, vector_ids = best[p, columns].tolist(), matched[p, columns].tolist()
+        scale = 1.0 / max(1, len(columns)) if mean else 1.0
+        title, text = stored[int(doc_of_row[row])]
+        spans = doc_spans[int(doc_of_row[row])]
+        n_vectors = int(data.offsets[row + 1] - data.offsets[row])
+        if len(spans) != n_vectors:
+            log.warning("explain: %s has %d BOW vectors but its encoder gives %d spans (pooled or re-encoded "
+                        "differently); its matches carry no spans", hit.doc_id, n_vectors, len(spans))
+            spans = [[] for _ in range(n_vectors)]
+        q_spans = query_spans[i] if len(query_spans[i]) == len(columns) else [[(0, 0)]] * len(columns)
+        query = queries[i]
+        matches = tuple(
+            TokenMatch(
+                token=query[q_span[0][0]: q_span[0][1]] if q_span else "",
+                query_start=q_span[0][0] if q_span else 0,
+                query_end=q_span[0][1] if q_span else 0,
+                similarity=similarity,
+                contribution=similarity * scale,
+                vector=vector,
+                spans=passage_spans(title, text, spans[vector]) if vector >= 0 else (),
+            )
+            for q_span, similarity, vector in zip(q_spans, similarities, vector_ids)
+        )
+        bow = float(hit.bow_score)  # type: ignore[arg-type]  # targets have one
+        explained[i][j] = dataclasses.replace(hit, explanation=Explanation(
+            weight=weight, cls_part=weight * hit.cls_score, bow_part=(1 - weight) * bow, matches=matches))
+    return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]

@@ -1,0 +1,251 @@
+// The search page: one POST /v1/search with explain on, rendered with DOM calls only
+// (passage text goes in as textContent, never as HTML).
+"use strict";
+
+// Set to true once the server accepts "filter" on /v1/search (filtered search).
+const FILTERS_ENABLED = false;
+const KEY_STORAGE = "espn-api-key";
+
+const $ = (id) => document.getElementById(id);
+let pending = null; // the request body waiting for an API key
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function optionalInt(id) {
+  const value = $(id).value.trim();
+  return value === "" ? null : Number(value);
+}
+
+function requestBody() {
+  const body = {
+    query: $("query").value,
+    k: optionalInt("k") ?? 10,
+    prefetch: $("prefetch").checked,
+    return_text: true,
+    explain: true,
+  };
+  for (const name of ["nprobe", "rerank_count"]) {
+    const value = optionalInt(name);
+    if (value !== null) body[name] = value;
+  }
+  const filter = $("filter").value.trim();
+  if (FILTERS_ENABLED && filter !== "") {
+    try {
+      body.filter = JSON.parse(filter);
+    } catch (err) {
+      throw new Error(`filter is not valid JSON: ${err.message}`);
+    }
+  }
+  return body;
+}
+
+function showError(message) {
+  const box = $("error");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+async function search(body) {
+  showError("");
+  $("search-button").disabled = true;
+  $("status").textContent = "searching…";
+  const headers = { "Content-Type": "application/json" };
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  if (key) headers.Authorization = `Bearer ${key}`;
+  try {
+    const response = await fetch("/v1/search", { method: "POST", headers, body: JSON.stringify(body) });
+    const payload = await response.json().catch(() => ({}));
+    if (response.status === 401) {
+      if (key) sessionStorage.removeItem(KEY_STORAGE);
+      pending = body;
+      $("key-form").hidden = false;
+      $("api-key").focus();
+      showError(key ? "That API key was refused; try again." : "");
+      $("status").textContent = "API key needed";
+      return;
+    }
+    if (!response.ok) {
+      showError(`${response.status}: ${payload.message || response.statusText}`);
+      $("status").textContent = "";
+      return;
+    }
+    render(payload);
+    $("status").textContent = `${payload.results.length} results`;
+  } catch (err) {
+    showError(`request failed: ${err.message}`);
+    $("status").textContent = "";
+  } finally {
+    $("search-button").disabled = false;
+  }
+}
+
+function formatBytes(bytes) {
+  if (bytes < 1024) return `${bytes} B`;
+  if (bytes < 1024 * 1024) return `${(bytes / 1024).toFixed(1)} KiB`;
+  return `${(bytes / 1024 / 1024).toFixed(2)} MiB`;
+}
+
+function renderStats(stats) {
+  const box = $("stats");
+  box.replaceChildren();
+  const summary = el("div", "summary");
+  const facts = [
+    ["total", `${stats.stage_ms.total.toFixed(1)} ms`],
+    ["hit rate", `${(100 * stats.hit_rate).toFixed(0)}%`],
+    ["bytes read", formatBytes(stats.bytes_read)],
+    ["reads", `${stats.ios}`],
+    ["prefetched / missed", `${stats.prefetched} / ${stats.missed}`],
+    ["engine", stats.engine],
+  ];
+  for (const [name, value] of facts) {
+    const fact = el("span", "fact");
+    fact.append(el("span", "muted", `${name} `), el("strong", "", value));
+    fact.dataset.stat = name;
+    summary.append(fact);
+  }
+  box.append(summary);
+  const stages = Object.entries(stats.stage_ms).filter(([name]) => name !== "total");
+  const longest = Math.max(...stages.map(([, ms]) => ms), 1e-9);
+  const table = el("div", "stages");
+  for (const [name, ms] of stages) {
+    const row = el("div", "stage");
+    row.dataset.stage = name;
+    const bar = el("span", "bar");
+    bar.style.width = `${(100 * ms) / longest}%`;
+    const track = el("span", "track");
+    track.append(bar);
+    row.append(el("span", "name", name), track, el("span", "ms", `${ms.toFixed(2)} ms`));
+    table.append(row);
+  }
+  box.append(table);
+  box.hidden = false;
+}
+
+// The explanation's spans of one field -> non-overlapping highlight ranges with a strength
+// in [0, 1] (the query token's similarity, scaled between the hit's weakest and strongest
+// match) and the tokens that matched.
+function rangesOf(explanation, field) {
+  const similarities = explanation.matches.map((m) => m.similarity);
+  const low = Math.min(...similarities);
+  const spread = Math.max(Math.max(...similarities) - low, 1e-9);
+  const byRange = new Map();
+  for (const match of explanation.matches) {
+    for (const span of match.spans) {
+      if (span.field !== field || span.end <= span.start) continue;
+      const key = `${span.start}:${span.end}`;
+      const range = byRange.get(key) || { start: span.start, end: span.end, strength: 0, tokens: [] };
+      range.strength = Math.max(range.strength, (match.similarity - low) / spread);
+      range.tokens.push(`${match.token} ${match.similarity.toFixed(2)}`);
+      byRange.set(key, range);
+    }
+  }
+  const ranges = [...byRange.values()].sort((a, b) => a.start - b.start || b.end - a.end);
+  const kept = [];
+  for (const range of ranges) {
+    if (!kept.length || range.start >= kept[kept.length - 1].end) kept.push(range);
+  }
+  return kept;
+}
+
+function highlighted(text, ranges) {
+  const fragment = document.createDocumentFragment();
+  let at = 0;
+  for (const range of ranges) {
+    fragment.append(text.slice(at, range.start));
+    const mark = el("mark", "hl", text.slice(range.start, range.end));
+    mark.style.backgroundColor = `rgba(255, 165, 0, ${(0.12 + 0.78 * range.strength).toFixed(2)})`;
+    mark.dataset.strength = range.strength.toFixed(3);
+    mark.title = `matched by: ${range.tokens.join(", ")}`;
+    fragment.append(mark);
+    at = range.end;
+  }
+  fragment.append(text.slice(at));
+  return fragment;
+}
+
+function matchedText(hit, match) {
+  const span = match.spans.find((s) => s.field !== "joiner");
+  if (!span) return "—";
+  const source = span.field === "title" ? hit.title : hit.text;
+  return source.slice(span.start, span.end);
+}
+
+function renderHit(hit, rank) {
+  const item = el("li", "result");
+  item.dataset.id = hit.id;
+  const head = el("div", "head");
+  head.append(el("span", "rank", `${rank}.`));
+  const title = el("span", "title");
+  title.append(hit.explanation ? highlighted(hit.title || "", rangesOf(hit.explanation, "title")) : hit.title || "");
+  head.append(title, el("span", "doc-id muted", hit.id));
+  item.append(head);
+
+  const scores = el("div", "scores muted");
+  scores.append(el("span", "", `score ${hit.score.toFixed(4)}`));
+  if (hit.explanation) {
+    const e = hit.explanation;
+    scores.append(el("span", "", `= CLS ${e.cls_part.toFixed(4)} (w ${e.weight.toFixed(2)} × ${hit.cls_score.toFixed(4)})`),
+      el("span", "", `+ BOW ${e.bow_part.toFixed(4)} ((1 − w) × ${hit.bow_score.toFixed(4)})`));
+  } else {
+    scores.append(el("span", "", `CLS ${hit.cls_score.toFixed(4)}`),
+      el("span", "", hit.bow_score === null ? "not re-ranked" : `BOW ${hit.bow_score.toFixed(4)}`));
+  }
+  item.append(scores);
+
+  const text = el("p", "text");
+  text.append(hit.explanation ? highlighted(hit.text || "", rangesOf(hit.explanation, "text")) : hit.text || "");
+  item.append(text);
+
+  if (hit.explanation) {
+    const matches = el("div", "matches");
+    const total = Math.max(...hit.explanation.matches.map((m) => m.contribution), 1e-9);
+    for (const match of hit.explanation.matches) {
+      const chip = el("span", "match");
+      chip.title = `similarity ${match.similarity.toFixed(3)}, contribution ${match.contribution.toFixed(4)}`;
+      const bar = el("span", "strength");
+      bar.style.width = `${Math.max(0, (100 * match.contribution) / total)}%`;
+      chip.append(el("span", "q", match.token), el("span", "arrow", "→"), el("span", "d", matchedText(hit, match)), bar);
+      matches.append(chip);
+    }
+    item.append(matches);
+  }
+  return item;
+}
+
+function render(payload) {
+  renderStats(payload.stats);
+  const list = $("results");
+  list.replaceChildren(...payload.results.map((hit, i) => renderHit(hit, i + 1)));
+  if (!payload.results.length) list.append(el("li", "muted", "No results."));
+}
+
+$("search-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  let body;
+  try {
+    body = requestBody();
+  } catch (err) {
+    showError(err.message);
+    return;
+  }
+  search(body);
+});
+
+$("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY_STORAGE, $("api-key").value);
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  if (pending) {
+    const body = pending;
+    pending = null;
+    search(body);
+  }
+});
+
+$("filter-row").hidden = !FILTERS_ENABLED;

@@ -1,0 +1,169 @@
+"""The search page and `"explain"` over HTTP, against a real `espn serve` on the sample index.
+
+The browser test drives Debian's headless Chromium through its chromedriver (both
+installed by `make browser`, which `make test` runs): it fails, not skips, when they are
+missing, unless ESPN_BROWSER_TESTS=0 turns it off. ESPN_UPDATE_SCREENSHOT=1 also writes
+the screenshot the README shows (docs/search-page.png).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import running_server
+
+API_KEY = "page-test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = Path(os.environ.get("ESPN_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("ESPN_CHROMEDRIVER", "/usr/bin/chromedriver"))
+QUERY = "why does the moon turn red during a lunar eclipse"
+
+
+@pytest.fixture(scope="module")
+def server(sample_index: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_server(sample_index, tmp_path_factory.mktemp("page-logs"), "--batch-wait-ms", "2",
+                        env={"ESPN_API_KEY": API_KEY}, name="page") as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60.0) as http:
+        yield http
+
+
+def test_explain_off_is_todays_response(client: httpx.Client) -> None:
+    body = {"query": QUERY, "k": 6, "rerank_count": 4}
+    plain = client.post("/v1/search", json=body).json()
+    off = client.post("/v1/search", json={**body, "explain": False}).json()
+    on = client.post("/v1/search", json={**body, "explain": True}).json()
+    assert all(set(hit) == {"id", "score", "cls_score", "bow_score"} for hit in plain["results"])
+    assert [hit for hit in off["results"]] == plain["results"]
+    assert [{key: hit[key] for key in ("id", "score", "cls_score", "bow_score")} for hit in on["results"]] \
+        == plain["results"]
+    assert ["explanation" in hit for hit in on["results"]] == [True] * 4 + [False] * 2  # re-ranked hits only
+    assert "explain" in on["stats"]["stage_ms"] and "explain" not in plain["stats"]["stage_ms"]
+    for hit in on["results"][:4]:
+        e = hit["explanation"]
+        assert sum(m["contribution"] for m in e["matches"]) == pytest.approx(hit["bow_score"], abs=1e-5)
+        assert e["cls_part"] + e["bow_part"] == pytest.approx(hit["score"], abs=1e-5)
+
+
+def test_explained_spans_point_into_the_returned_text(client: httpx.Client) -> None:
+    hit = client.post("/v1/search", json={"query": QUERY, "k": 1, "explain": True, "return_text": True}).json()[
+        "results"][0]
+    words = {m["token"]: [hit[s["field"]][s["start"]:s["end"]] for s in m["spans"] if s["field"] != "joiner"]
+             for m in hit["explanation"]["matches"]}
+    assert words["moon"] == ["Moon"] and words["eclipse"] == ["eclipse"]  # the same word, in the passage
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"query": QUERY, "k": 101, "explain": True}, "at most k=100"),
+    ({"query": QUERY, "explain": "yes"}, "explain"),
+])
+def test_bad_explain_requests_are_422(client: httpx.Client, body: dict, message: str) -> None:
+    response = client.post("/v1/search", json=body)
+    assert response.status_code == 422 and message in response.json()["message"]
+    batch = client.post("/v1/search/batch", json={"queries": [QUERY], "explain": True})
+    assert batch.status_code == 422 and "explain" in batch.json()["message"]
+
+
+def test_the_page_and_its_assets_are_served_offline(server) -> None:
+    page = httpx.get(f"{server.base_url}/", timeout=30)  # the page itself needs no key; its API calls do
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    links = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert links and all(link.startswith(("/", "data:")) for link in links), links  # nothing from a CDN
+    for asset in ("search.js", "search.css"):
+        response = httpx.get(f"{server.base_url}/page-assets/{asset}", timeout=30)
+        assert response.status_code == 200 and len(response.text) > 500
+        assert "http://" not in response.text and "https://" not in response.text
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory):
+    if os.environ.get("ESPN_BROWSER_TESTS") == "0":
+        pytest.skip("ESPN_BROWSER_TESTS=0 turns the browser test off")
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.is_file()]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not found: `make browser` installs Debian's chromium and "
+                    "chromium-driver (or set ESPN_BROWSER_TESTS=0 to skip this test)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    # Without the network switches Chromium stalls on this closed network (updates, sync, ...).
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", "--window-size=1200,1500",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    # The driver is given explicitly, so selenium's own driver manager never downloads one.
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def test_search_page_in_a_real_browser(browser, server, client: httpx.Client, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 60)
+    browser.get(f"{server.base_url}/")
+    browser.find_element(By.ID, "query").send_keys(QUERY)
+    k = browser.find_element(By.ID, "k")
+    k.clear()
+    k.send_keys("5")
+    browser.find_element(By.ID, "search-button").click()
+
+    # The server wants a key: the page asks for it once ...
+    wait.until(lambda b: b.find_element(By.ID, "key-form").is_displayed())
+    browser.find_element(By.ID, "api-key").send_keys(API_KEY)
+    browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "li.result")) == 5)
+
+    # ... and shows what the API answers: the same ranking, with the matched words highlighted.
+    expected = client.post("/v1/search", json={"query": QUERY, "k": 5, "explain": True, "return_text": True,
+                                               "prefetch": True}).json()["results"]
+    items = browser.find_elements(By.CSS_SELECTOR, "li.result")
+    assert [item.get_attribute("data-id") for item in items] == [hit["id"] for hit in expected]
+    first, hit = items[0], expected[0]
+    marked = {mark.text for mark in first.find_elements(By.CSS_SELECTOR, ".text mark.hl")}
+    spans = {hit["text"][s["start"]:s["end"]] for m in hit["explanation"]["matches"] for s in m["spans"]
+             if s["field"] == "text"}
+    assert marked and marked <= spans and {"Moon", "eclipse"} <= marked
+    strengths = [float(mark.get_attribute("data-strength")) for mark in first.find_elements(By.CSS_SELECTOR, "mark.hl")]
+    assert all(0.0 <= s <= 1.0 for s in strengths) and len(set(strengths)) > 1  # strong and weak matches differ
+    assert hit["id"] in first.text and hit["title"] in first.text
+    stats = browser.find_element(By.ID, "stats")
+    assert stats.is_displayed()
+    stages = {row.get_attribute("data-stage") for row in stats.find_elements(By.CSS_SELECTOR, ".stage")}
+    assert {"encode", "ann", "maxsim", "explain"} <= stages
+    assert re.search(r"hit rate \d+%", stats.text) and re.search(r"bytes read [\d.]+ (B|KiB|MiB)", stats.text)
+    same_origin = browser.execute_script(
+        "return performance.getEntriesByType('resource').every(e => e.name.startsWith(location.origin))")
+    assert same_origin  # no CDN, no outside request
+
+    shot = tmp_path / "search-page.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("ESPN_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, ROOT / "docs" / "search-page.png")
+
+    # The key is kept for the session: a second search does not ask again.
+    query = browser.find_element(By.ID, "query")
+    query.clear()
+    query.send_keys("what causes ocean tides")
+    browser.find_element(By.ID, "search-button").click()
+    # Read in the page, in one step: the list is replaced while it renders (no stale element).
+    first_id = "const r = document.querySelector('li.result'); return r ? r.dataset.id : null"
+    wait.until(lambda b: b.execute_script(first_id) not in (None, hit["id"]))
+    assert not browser.find_element(By.ID, "key-form").is_displayed()
+    assert browser.find_elements(By.CSS_SELECTOR, "li.result mark.hl")
