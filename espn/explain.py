@@ -19,13 +19,15 @@ import torch
 
 from .corpus import PASSAGE_JOINER, passage_text
 from .encoders import Encoder, QueryEmbeddings
+from .encoders.base import VectorSpans
 from .errors import InvalidParameterError
+from .pooling import pool_vectors
 from .results import Explanation, PassageSpan, QueryResult, TokenMatch
 
 if TYPE_CHECKING:
     from .searcher import Searcher
 
-__all__ = ["can_explain", "explain_results", "passage_spans", "best_matches"]
+__all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,25 @@ def passage_spans(title: str, text: str, spans: Sequence[tuple[int, int]]) -> tu
         else:
             out.append(PassageSpan("text", start - text_start, end - text_start))
     return tuple(out)
+
+
+def pooled_spans(encoder: Encoder, passages: Sequence[str], spans: list[VectorSpans], factor: int) -> list[VectorSpans]:
+    """Spans of records the writer pooled (`store.pool_factor` > 1): re-encode the passages,
+    pool their vectors as the writer did (fp16, as the build's chunks hold them; the
+    clustering is deterministic) and give each stored vector the spans of every source
+    vector it merged, in text order."""
+    embedded = encoder.encode_documents(list(passages))
+    out: list[VectorSpans] = []
+    for (_, bow), source_spans in zip(embedded.split(), spans):
+        _, groups = pool_vectors(bow.astype(np.float16), factor)
+        if len(groups) != len(source_spans):
+            out.append([])  # the caller sees a count mismatch and reports it
+            continue
+        merged: VectorSpans = [[] for _ in range(int(groups.max()) + 1 if len(groups) else 0)]
+        for source, group in enumerate(groups.tolist()):
+            merged[group].extend(source_spans[source])
+        out.append(merged)
+    return out
 
 
 def best_matches(q_bow: torch.Tensor, pair_query: np.ndarray, vectors: torch.Tensor, offsets: np.ndarray,
@@ -112,8 +133,12 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
     vectors = data.vectors.float().cpu()
     stored = [searcher.docs.get(int(number)) for number in docs]  # (title, text) per unique document
     with searcher._tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
-        doc_spans = encoder.vector_spans([passage_text(title, text) for title, text in stored])
+        passages = [passage_text(title, text) for title, text in stored]
+        doc_spans = encoder.vector_spans(passages)
         query_spans = encoder.vector_spans(list(queries), is_query=True)
+        pool_factor = int(searcher.manifest["store"].get("pool_factor", 1))
+        if pool_factor > 1:
+            doc_spans = pooled_spans(encoder, passages, doc_spans, pool_factor)
     doc_of_row = np.searchsorted(docs, data.docs if data.docs is not None else docs)
     pair_query = np.array([i for i, _ in targets], dtype=np.int64)
     best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,

@@ -284,6 +284,10 @@ def test_whole_word_pooling_keeps_one_vector_per_content_word() -> None:
     assert int(first_word.sum()) > 1  # a word of several subwords: their mean, normalised
     expected = torch.nn.functional.normalize(hidden[0, first_word].mean(0), dim=-1).numpy()
     np.testing.assert_allclose(docs.bow[0], expected, atol=1e-5)
+    # Explanations map each word vector to its whole word in the text.
+    spans = encoder.vector_spans([text, "Of the ... !"])
+    assert [[text[a:b] for (a, b) in word] for word in spans[0]] == [["tokenization"], ["hypertension"], ["2019"], ["study"]]
+    assert spans[1] == []
     # Queries keep every token; the choice travels with the index's encoder config.
     assert "word_ids" not in encoder.tokenize([text], is_query=True)
     assert encoder.config()["bow_pooling"] == "words"

@@ -152,19 +152,37 @@ class HFEncoder(Encoder):
         return out
 
     def vector_spans(self, texts: Sequence[str], is_query: bool = False) -> list[VectorSpans]:
-        """One span per BOW vector: the character offsets of its token (specials excluded,
-        truncated as `tokenize` truncates), in the order `embed_*` keeps the tokens."""
+        """One entry per BOW vector, in the order `embed_*` keeps them (specials excluded,
+        truncated as `tokenize` truncates): a token's character offsets, or under
+        `bow_pooling="words"` (documents) the span of the whole kept word."""
+        words = self.bow_pooling == "words" and not is_query
         encoded = self.tokenizer(
             list(texts),
             truncation=True,
             max_length=self.query_max_length if is_query else self.max_length,
             return_offsets_mapping=True,
             return_special_tokens_mask=True,
+            padding=words,
+            return_tensors="pt" if words else None,
         )
-        return [
-            [[(int(start), int(end))] for (start, end), special in zip(offsets, specials) if not special]
-            for offsets, specials in zip(encoded["offset_mapping"], encoded["special_tokens_mask"])
-        ]
+        if not words:
+            return [
+                [[(int(start), int(end))] for (start, end), special in zip(offsets, specials) if not special]
+                for offsets, specials in zip(encoded["offset_mapping"], encoded["special_tokens_mask"])
+            ]
+        word_ids = self._kept_words(encoded).numpy()
+        offsets = encoded["offset_mapping"].numpy()
+        out: list[VectorSpans] = []
+        for row in range(len(word_ids)):
+            kept = word_ids[row]
+            n_words = int(kept.max()) + 1 if kept.size else 0
+            starts = np.full(n_words, np.iinfo(np.int64).max, dtype=np.int64)
+            ends = np.zeros(n_words, dtype=np.int64)
+            on = kept >= 0
+            np.minimum.at(starts, kept[on], offsets[row, on, 0])
+            np.maximum.at(ends, kept[on], offsets[row, on, 1])
+            out.append([[(int(a), int(b))] for a, b in zip(starts, ends)])
+        return out
 
     # -- model -----------------------------------------------------------------------
     @torch.inference_mode()
