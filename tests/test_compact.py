@@ -224,10 +224,9 @@ def test_format_1_index_still_opens(tmp_path: Path) -> None:
     counts = rng.integers(1, 30, size=40)
     (source / "CLS").mkdir(parents=True)
     (source / "BOW").mkdir()
-    (source / "COUNTS").mkdir()
     np.save(source / "CLS" / "0.npy", rng.normal(size=(40, 16)).astype(np.float16))
     np.save(source / "BOW" / "0.npy", rng.normal(size=(int(counts.sum()), 8)).astype(np.float16))
-    np.save(source / "COUNTS" / "0.npy", counts.astype(np.int32))
+    (source / "BOW" / "0.json").write_text(json.dumps(counts.tolist()))
     index = tmp_path / "index"
     run_espn("index", "--embeddings", source, "--out", index, "--nlist", "2", "--no-progress")
     with Searcher.open(index) as searcher:
