@@ -48,7 +48,7 @@ from .chunks import finished_chunks, read_chunk
 from .encode import encode_corpus
 from .scan import scan_corpus
 
-__all__ = ["LiveIndex", "NewDocument", "WriteResult", "IndexLockedError", "CompactionPolicy",
+__all__ = ["LiveIndex", "NewDocument", "WriteResult", "IndexLockedError", "CompactionPolicy", "live_stats",
            "MAX_ID_BYTES", "MAX_TEXT_CHARS"]
 
 log = logging.getLogger(__name__)
@@ -181,14 +181,8 @@ class LiveIndex:
         return self._encoder
 
     def stats(self) -> dict[str, Any]:
-        """Counts per segment, deleted documents, and drift: live documents added since the
-        encoder state (model, PCA, IVF centroids) was fitted, as a fraction of the base."""
-        g = self.current()
-        added = g.total - g.base_documents
-        drift = added / max(1, g.base_documents)
-        return {"generation": g.number, "base_documents": g.base_documents, "delta_segments": len(g.segments),
-                "delta_documents": added, "deleted_or_replaced": g.deleted_count, "live_documents": g.live_documents,
-                "drift": round(drift, 4), "rebuild_recommended": drift > 0.5}
+        return live_stats(self.root)
+
 
     # -- writes ----------------------------------------------------------------------
     def upsert(self, documents: Sequence[NewDocument]) -> WriteResult:
@@ -434,7 +428,9 @@ class LiveIndex:
             manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
             manifest["store"] = {**store, "file_bytes": file_bytes}
             manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
-            manifest["compacted"] = {"from_generation": current.number}
+            carried = int(base.manifest.get("compacted", {}).get("added_since_fit", 0))
+            from_deltas = int((keep >= current.base_documents).sum())
+            manifest["compacted"] = {"from_generation": current.number, "added_since_fit": carried + from_deltas}
         finally:
             view.close()
         write_manifest(staging, manifest)
@@ -608,3 +604,23 @@ def iter_ids_file(path: Path) -> Iterator[str]:
         for line in f:
             if line.strip():
                 yield line.strip()
+
+
+#: Above this many documents added since the encoder state was fitted (a fraction of the
+#: base it was fitted on), `stats` recommends a rebuild.
+DRIFT_REBUILD = 0.5
+
+
+def live_stats(root: Path | str) -> dict[str, Any]:
+    """Counts per segment, deleted documents, and drift: documents added since the encoder
+    state (model, PCA, IVF centroids) was fitted, as a fraction of the base. Needs no lock."""
+    root = Path(root)
+    g = read_current(root)
+    fitted_on = int(read_manifest(root)["counts"]["documents"])  # the first build fitted the encoder state
+    carried = int(read_manifest(root / g.base).get("compacted", {}).get("added_since_fit", 0))
+    added = carried + g.total - g.base_documents
+    drift = added / max(1, fitted_on)
+    return {"generation": g.number, "base_documents": g.base_documents, "delta_segments": len(g.segments),
+            "delta_documents": g.total - g.base_documents, "deleted_or_replaced": g.deleted_count,
+            "live_documents": g.live_documents, "fitted_on_documents": fitted_on,
+            "added_since_fit": added, "drift": round(drift, 4), "rebuild_recommended": drift > DRIFT_REBUILD}

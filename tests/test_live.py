@@ -106,10 +106,12 @@ def test_bad_writes_change_nothing(index: Path, encoder: Encoder) -> None:
 
 
 def _fresh_build(docs: list[dict], out: Path) -> None:
+    """What `espn index CORPUS --out OUT` does, in this process (no second torch start-up)."""
+    from espn_indexing.build import BuildConfig, build_index
+
     corpus = out.with_suffix(".jsonl")
     corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    subprocess.run([sys.executable, "-m", "espn.cli", "index", str(corpus), "--out", str(out), "--no-progress"],
-                   check=True, capture_output=True)
+    build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu"))
 
 
 def test_compact_ranks_like_a_fresh_build(index: Path, encoder: Encoder, sample_index: Path, tmp_path: Path) -> None:
@@ -213,8 +215,7 @@ CRASHER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("step", ["appended", "segment", "generation", "published", "compact-records",
-                                  "compact-renamed"])
+@pytest.mark.parametrize("step", ["appended", "generation", "published", "compact-records", "compact-renamed"])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])
@@ -245,3 +246,28 @@ def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Enc
     view = open_view(index, verify="full")
     view.close()
     assert not any(p.name.endswith(".tmp") or p.name == "incoming" for p in (index / "live").iterdir())
+
+
+def _espn(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "espn.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_add_delete_compact_stats(index: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "more.jsonl"
+    corpus.write_text(json.dumps({"_id": "cli-1", "title": "Volcanoes", "text": "Lava flows from an erupting volcano."})
+                      + "\n" + json.dumps({"_id": "s0001", "text": "The sun, replaced from the command line."}) + "\n")
+    done = _espn("add", str(index), str(corpus), "--no-progress", "--loader-workers", "0")
+    assert done.returncode == 0 and "1 added, 1 replaced; generation 1 published" in done.stdout, done.stderr
+    failed = _espn("delete", str(index), "s0002", "no-such-id")
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines()[-1] == "espn delete: error: no document with id 'no-such-id'"
+    ids = tmp_path / "ids.txt"
+    ids.write_text("s0002\n\ns0003\n")
+    assert _espn("delete", str(index), "--ids-file", str(ids)).returncode == 0
+    stats = json.loads(_espn("stats", str(index)).stdout)
+    assert stats["generation"] == 2 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 3
+    assert stats["live_documents"] == 299 and stats["rebuild_recommended"] is False
+    done = _espn("compact", str(index))
+    assert done.returncode == 0 and "one segment of 299 documents" in done.stdout, done.stderr
+    with Searcher.open(index) as searcher:
+        assert searcher.num_documents == 299 and _ids(searcher, "erupting volcano lava", k=1) == ["cli-1"]
