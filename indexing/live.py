@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from espn.encoders import Encoder, load_encoder
-from espn.errors import CorpusError, DocumentNotFoundError, EspnError, InvalidParameterError
+from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
 from espn.index import IndexDirectory, read_manifest, sha256_file, write_json_atomic, write_manifest
 from espn.segments import (
     LIVE_DIR,
@@ -56,10 +56,6 @@ log = logging.getLogger(__name__)
 #: Longest external id (utf-8 bytes) and passage (characters) a write accepts.
 MAX_ID_BYTES = 512
 MAX_TEXT_CHARS = 100_000
-
-
-class IndexLockedError(EspnError):
-    """Another process holds the index's writer lock."""
 
 
 @dataclasses.dataclass(frozen=True)
