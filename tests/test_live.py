@@ -106,31 +106,49 @@ def test_bad_writes_change_nothing(index: Path, encoder: Encoder) -> None:
 
 
 def _fresh_build(docs: list[dict], out: Path) -> None:
-    """What `espn index CORPUS --out OUT` does, in this process (no second torch start-up)."""
+    """What `espn index CORPUS --out OUT` does, in this process (no second torch start-up).
+
+    The projection is fitted on the first 16 documents (fit_sample), which no test edits,
+    so a rebuild of edited documents has the same encoder state."""
     from espn_indexing.build import BuildConfig, build_index
 
     corpus = out.with_suffix(".jsonl")
     corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu"))
+    build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu", fit_sample=16))
 
 
-def test_compact_ranks_like_a_fresh_build(index: Path, encoder: Encoder, sample_index: Path, tmp_path: Path) -> None:
-    docs = _corpus_docs(sample_index)
+@pytest.fixture(scope="module")
+def small_corpus(sample_index: Path) -> list[dict]:
+    return _corpus_docs(sample_index)[:48]
+
+
+@pytest.fixture(scope="module")
+def small_index(small_corpus: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 sample documents: a compaction-equals-build test that encodes ~100 documents in all."""
+    out = tmp_path_factory.mktemp("small") / "index"
+    _fresh_build(small_corpus, out)
+    return out
+
+
+def test_compact_ranks_like_a_fresh_build(small_index: Path, small_corpus: list[dict], tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(small_index, index)
+    docs = small_corpus
     added = [{"_id": "new-1", "title": "Elephants", "text": "A purple elephant is dancing on the moon tonight."},
              {"_id": "new-2", "title": "", "text": "Tomatoes, basil and olive oil make a simple pasta sauce."}]
-    replaced = {"_id": "s0290", "title": "Eclipses", "text": "During a total lunar eclipse the moon turns red."}
-    with LiveIndex.open(index, encoder=encoder) as writer:
+    replaced = {"_id": "s0040", "title": "Eclipses", "text": "During a total lunar eclipse the moon turns red."}
+    with LiveIndex.open(index) as writer:
         writer.upsert([NewDocument(d["_id"], d["text"], d["title"]) for d in added])
-        writer.apply([NewDocument(replaced["_id"], replaced["text"], replaced["title"])], ["s0270", "s0280"])
+        writer.apply([NewDocument(replaced["_id"], replaced["text"], replaced["title"])], ["s0020", "s0030"])
         writer.delete(["new-2"])
         writer.compact()
         assert writer.stats()["delta_segments"] == 0
     # The same documents in doc-number order: survivors of the base, then the deltas' (the fit
-    # sample, the first 256 documents, is untouched, so the fresh build fits the same PCA).
-    fresh_docs = [d for d in docs if d["_id"] not in ("s0270", "s0280", "s0290")] + [added[0], replaced]
+    # sample, the first 16 documents, is untouched, so the fresh build fits the same PCA).
+    fresh_docs = [d for d in docs if d["_id"] not in ("s0020", "s0030", "s0040")] + [added[0], replaced]
     _fresh_build(fresh_docs, tmp_path / "fresh")
     with Searcher.open(index) as compacted, Searcher.open(tmp_path / "fresh") as fresh:
-        assert compacted.num_documents == fresh.num_documents == 299 and compacted.live is None
+        assert compacted.num_documents == fresh.num_documents == 47 and compacted.live is None
         assert compacted.defaults == fresh.defaults
         for query in QUERIES:
             a = compacted.search([query], k=20, nprobe=compacted.nlist)[0].hits
@@ -215,7 +233,7 @@ CRASHER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("step", ["appended", "generation", "published", "compact-records", "compact-renamed"])
+@pytest.mark.parametrize("step", ["appended", "generation", "published", "compact-records"])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])
@@ -252,22 +270,20 @@ def _espn(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "espn.cli", *args], capture_output=True, text=True)
 
 
-def test_cli_add_delete_compact_stats(index: Path, tmp_path: Path) -> None:
+def test_cli_add_delete_stats(index: Path, tmp_path: Path) -> None:
     corpus = tmp_path / "more.jsonl"
     corpus.write_text(json.dumps({"_id": "cli-1", "title": "Volcanoes", "text": "Lava flows from an erupting volcano."})
                       + "\n" + json.dumps({"_id": "s0001", "text": "The sun, replaced from the command line."}) + "\n")
     done = _espn("add", str(index), str(corpus), "--no-progress", "--loader-workers", "0")
     assert done.returncode == 0 and "1 added, 1 replaced; generation 1 published" in done.stdout, done.stderr
-    failed = _espn("delete", str(index), "s0002", "no-such-id")
+    ids = tmp_path / "ids.txt"
+    ids.write_text("s0002\n\nno-such-id\n")
+    failed = _espn("delete", str(index), "s0003", "--ids-file", str(ids))
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines()[-1] == "espn delete: error: no document with id 'no-such-id'"
-    ids = tmp_path / "ids.txt"
-    ids.write_text("s0002\n\ns0003\n")
-    assert _espn("delete", str(index), "--ids-file", str(ids)).returncode == 0
-    stats = json.loads(_espn("stats", str(index)).stdout)
-    assert stats["generation"] == 2 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 3
-    assert stats["live_documents"] == 299 and stats["rebuild_recommended"] is False
-    done = _espn("compact", str(index))
-    assert done.returncode == 0 and "one segment of 299 documents" in done.stdout, done.stderr
+    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed delete wrote nothing
+    assert stats["generation"] == 1 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 1
+    assert stats["live_documents"] == 301 and stats["rebuild_recommended"] is False
     with Searcher.open(index) as searcher:
-        assert searcher.num_documents == 299 and _ids(searcher, "erupting volcano lava", k=1) == ["cli-1"]
+        assert _ids(searcher, "erupting volcano lava", k=1) == ["cli-1"]
+        assert searcher.document("s0003").doc_id == "s0003"
