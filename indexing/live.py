@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import faiss
 import numpy as np
 
+from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
 from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
 from espn.index import IndexDirectory, read_manifest, sha256_file, write_json_atomic, write_manifest
@@ -120,7 +122,6 @@ class LiveIndex:
         self.root = root
         self._lock_fd = lock_fd
         self._encoder = encoder
-        self.manifest = read_manifest(root)
         self._recover()
 
     @classmethod
@@ -320,10 +321,8 @@ class LiveIndex:
         np.cumsum([len(line) for line in lines], out=offsets[1:])
         (staging / "docs.jsonl").write_bytes(b"".join(lines))
         np.save(staging / "docs_offsets.npy", offsets)
-        ann = empty_ivf(_base_ivf(base))
+        ann = empty_ivf(load_ivf(base.file("ann.faiss")))
         ann.add_with_ids(cls, np.arange(first, first + n, dtype=np.int64))
-        import faiss
-
         faiss.write_index(ann, str(staging / "ann.faiss"))
         for file in SEGMENT_FILES:
             _fsync_file(staging / file)
@@ -415,8 +414,6 @@ class LiveIndex:
             del records
             np.save(staging / "ids_sorted.npy", np.argsort(ids, kind="stable"))
             del ids
-            import faiss
-
             faiss.write_index(ann, str(staging / "ann.faiss"))
             shutil.copytree(base.file("encoder"), staging / "encoder")
             manifest = {key: value for key, value in base.manifest.items() if key != "files"}
@@ -565,12 +562,6 @@ def _with_metadata(line: bytes, metadata: dict[str, Any]) -> bytes:
     obj = json.loads(line)
     obj["metadata"] = metadata
     return json.dumps(obj, ensure_ascii=False).encode("utf-8")
-
-
-def _base_ivf(base: IndexDirectory) -> Any:
-    from espn.ann import load_ivf
-
-    return load_ivf(base.file("ann.faiss"))
 
 
 def _validate_documents(documents: Sequence[NewDocument]) -> None:
