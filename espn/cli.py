@@ -282,10 +282,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from espn.index import IndexDirectory
+    from espn.segments import open_view
 
-    index = IndexDirectory.open(args.index, verify="full")
-    print(f"{args.index}: {len(index.manifest['files'])} files verified, {index.num_documents} documents")
+    view = open_view(args.index, verify="full")  # the base and every delta segment of the current generation
+    view.close()
+    generation = view.generation
+    files = len(view.base.manifest["files"]) + sum(len(s.files) for s in generation.segments)
+    print(f"{args.index}: {files} files verified, {generation.live_documents} documents"
+          + (f" (generation {generation.number})" if generation.number else ""))
     return 0
 
 

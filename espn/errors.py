@@ -10,6 +10,7 @@ __all__ = [
     "IndexExistsError",
     "DocumentNotFoundError",
     "BackendUnavailableError",
+    "IndexLockedError",
 ]
 
 
@@ -42,3 +43,7 @@ class DocumentNotFoundError(EspnError, KeyError):
 
 class BackendUnavailableError(EspnError):
     """An optional backend (kvikio, CUDA) was requested but cannot be used here."""
+
+
+class IndexLockedError(EspnError):
+    """Another process holds the index's writer lock (one writer at a time)."""

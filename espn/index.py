@@ -40,11 +40,19 @@ FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.np
 FULL_VERIFY_LIMIT = 2 << 30
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
+    """sha256 of the file, or of its bytes [start, stop) (a live index's appended ranges)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
+        f.seek(start)
+        left = None if stop is None else stop - start
+        while left is None or left > 0:
+            block = f.read(1 << 22 if left is None else min(1 << 22, left))
+            if not block:
+                break
             digest.update(block)
+            if left is not None:
+                left -= len(block)
     return digest.hexdigest()
 
 
@@ -110,9 +118,13 @@ class IndexDirectory:
         self.manifest = manifest
 
     @classmethod
-    def open(cls, path: Path | str, verify: str = "auto") -> "IndexDirectory":
+    def open(cls, path: Path | str, verify: str = "auto", appended: frozenset[str] = frozenset()) -> "IndexDirectory":
         """Validate against the manifest. verify: "full" (sha256 of all), "fast" (sizes, and
-        sha256 of files under 64 MiB), "auto" (full below 2 GiB), "none"."""
+        sha256 of files under 64 MiB), "auto" (full below 2 GiB), "none".
+
+        appended: files a live index appends to (embeddings.bin): they may be longer than the
+        manifest says, and only the bytes it lists are checked (espn.segments checks the rest).
+        """
         path = Path(path)
         if not path.is_dir():
             raise IndexCorruptError(f"{path}: no such index directory")
@@ -131,9 +143,11 @@ class IndexDirectory:
                 if not file.is_file():
                     raise IndexCorruptError(f"{file}: missing")
                 size = file.stat().st_size
-                if size != expected["bytes"]:
+                grown = name in appended and size > expected["bytes"]
+                if size != expected["bytes"] and not grown:
                     raise IndexCorruptError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated?)")
-                if (verify == "full" or size < 64 << 20) and sha256_file(file) != expected["sha256"]:
+                stop = expected["bytes"] if grown else None
+                if (verify == "full" or expected["bytes"] < 64 << 20) and sha256_file(file, 0, stop) != expected["sha256"]:
                     raise IndexCorruptError(f"{file}: checksum mismatch (corrupted)")
         return cls(path, manifest)
 

@@ -39,6 +39,7 @@ from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import cls_pairs, maxsim_pairs
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
+from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
 from .store import PendingRead, ReadBatch, open_reader
 from .store.format import StoreLayout
 
@@ -74,19 +75,31 @@ class Searcher:
 
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
                  device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None,
-                 reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2) -> None:
+                 reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
+                 view: LiveView | None = None) -> None:
+        """view: a generation of a live index (espn.segments.open_view); `index` is its base."""
         self.index = index
+        self.view = view
         self.manifest = index.manifest
         self.encoder = encoder
         store = self.manifest["store"]
         self.layout = StoreLayout.from_manifest(store)
-        self.records = index.load_array("records.npy")
-        self.ann = load_ivf(index.file("ann.faiss"))
-        if self.ann.ntotal != index.num_documents or len(self.records) != index.num_documents:
-            raise InvalidParameterError(f"{index.path}: ann/records/manifest disagree on the document count")
-        self.ids = IdMap(index.load_array("ids.npy"), index.load_array("ids_sorted.npy"))
-        self.docs = DocStore(index.file("docs.jsonl"), index.load_array("docs_offsets.npy"))
+        self.ids: IdMap | SegmentedIdMap
+        self.docs: DocStore | SegmentedDocStore
+        #: [N] bool, the documents not deleted or replaced (None: all); ANDed into every search.
+        self.live: np.ndarray | None = None
+        if view is not None:
+            self.records, self.ann, self.ids, self.docs, self.live = view.records, view.ann, view.ids, view.docs, view.live
+        else:
+            self.records = index.load_array("records.npy")
+            self.ann = load_ivf(index.file("ann.faiss"))
+            if self.ann.ntotal != index.num_documents or len(self.records) != index.num_documents:
+                raise InvalidParameterError(f"{index.path}: ann/records/manifest disagree on the document count")
+            self.ids = IdMap(index.load_array("ids.npy"), index.load_array("ids_sorted.npy"))
+            self.docs = DocStore(index.file("docs.jsonl"), index.load_array("docs_offsets.npy"))
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._reopen: dict[str, Any] = {}
+        self._token = (0, 0)
         self.reader = open_reader(reader_name, index.file("embeddings.bin"), self.records, self.layout,
                                   device=self.device, **dict(reader_options or {}))
         score = self.manifest["score"]
@@ -120,15 +133,49 @@ class Searcher:
         min_hidden_ms: a prefetch wave starts only while the scan still to come is expected to
         take at least this long (0: always; the cost model of `_wave_pays`).
         """
-        index = IndexDirectory.open(path, verify=verify)
-        encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
-        return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
-                   reader_options=reader_options, min_hidden_ms=min_hidden_ms)
+        view = open_view(path, verify=verify)
+        try:
+            index = view.base
+            encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
+            searcher = cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
+                           reader_options=reader_options, min_hidden_ms=min_hidden_ms, view=view)
+        except BaseException:
+            view.close()
+            raise
+        searcher._reopen = dict(reader_name=reader, device=device, early_rerank=early_rerank,
+                                reader_options=reader_options, min_hidden_ms=min_hidden_ms)
+        searcher._token = current_token(Path(path))
+        return searcher
+
+    def refresh(self) -> "Searcher | None":
+        """A Searcher over the live index's newest generation, sharing this one's encoder, or None
+        when none was published since this one opened (one stat of live/CURRENT). The caller
+        closes this one once its in-flight searches are done."""
+        if self.view is None:
+            return None
+        root = self.view.root
+        token = current_token(root)
+        if token == self._token:
+            return None
+        view = open_view(root, verify="none")  # the files were verified at start or fsynced by the writer
+        try:
+            searcher = type(self)(view.base, self.encoder, view=view, **self._reopen)
+        except BaseException:
+            view.close()
+            raise
+        searcher._reopen, searcher._token = self._reopen, token
+        return searcher
 
     # -- properties ------------------------------------------------------------------
     @property
     def num_documents(self) -> int:
-        return self.index.num_documents
+        """Doc numbers in use (in a live index, deleted and replaced ones included)."""
+        return int(len(self.records))
+
+    @property
+    def generation(self) -> int:
+        """The live-index generation this Searcher serves (0: never written to)."""
+        return self.view.generation.number if self.view is not None else 0
 
     @property
     def nlist(self) -> int:
@@ -141,6 +188,8 @@ class Searcher:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.reader.close()
+        if self.view is not None:
+            self.view.close()
 
     def __enter__(self) -> "Searcher":
         return self
@@ -229,6 +278,8 @@ class Searcher:
                 allowed: np.ndarray | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
         FAISS, so excluded documents are never read, re-ranked or counted against k."""
+        if self.live is not None:  # deleted and replaced documents, whatever the caller allows
+            allowed = self.live if allowed is None else allowed & self.live
         batch, n_docs = len(q), self.num_documents
         selector = None if allowed is None else bitmap_selector(allowed)
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
@@ -399,7 +450,9 @@ class Searcher:
     def search_exhaustive(self, queries: QueryEmbeddings, k: int, rerank_count: int = 1000,
                           block: int = 65536, allowed: np.ndarray | None = None) -> list[list[Hit]]:
         """Brute-force reference: exact CLS over every document (or the `allowed` [N] bool ones),
-        MaxSim over the top `rerank_count`."""
+        MaxSim over the top `rerank_count`. Deleted and replaced documents are never allowed."""
+        if self.live is not None:
+            allowed = self.live if allowed is None else allowed & self.live
         xq = torch.from_numpy(np.ascontiguousarray(queries.cls, dtype=np.float32))
         keep = max(k, rerank_count)
         best_scores = torch.full((len(queries), 0), float("-inf"))

@@ -51,6 +51,32 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_index)
 
+    p = sub.add_parser("add", help="add or replace documents of a live index (upsert by id) from a corpus file")
+    p.add_argument("index", type=Path)
+    p.add_argument("corpus", type=Path, help="BEIR corpus.jsonl[.gz] or id<TAB>text TSV; an id that exists is replaced")
+    p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
+    p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_add)
+
+    p = sub.add_parser("delete", help="delete documents of a live index by external id")
+    p.add_argument("index", type=Path)
+    p.add_argument("ids", nargs="*", help="external document ids")
+    p.add_argument("--ids-file", type=Path, help="a file of ids, one per line")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.set_defaults(handler=cmd_delete)
+
+    p = sub.add_parser("compact", help="merge a live index's segments into one, dropping deleted documents")
+    p.add_argument("index", type=Path)
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.set_defaults(handler=cmd_compact)
+
+    p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
+    p.add_argument("index", type=Path)
+    p.set_defaults(handler=cmd_stats)
+
     p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--partitions", type=int, default=1)
@@ -96,4 +122,53 @@ def cmd_index_merge(args: argparse.Namespace) -> int:
     with keeping_partial(args.out):
         manifest = merge_index(args.out, partitions=args.partitions, force=args.force)
     print(f"merged {manifest['counts']['documents']} documents into {args.out}")
+    return 0
+
+
+def _print_write(index: Path, what: str, result: Any) -> None:
+    print(f"{index}: {what}; generation {result.generation} published")
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    from .live import LiveIndex
+
+    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
+        result = writer.add_corpus(args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
+                                   progress=not args.no_progress, skip_bad=args.skip_bad)
+    _print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from espn.errors import InvalidParameterError
+
+    from .live import LiveIndex, iter_ids_file
+
+    ids = list(args.ids)
+    if args.ids_file is not None:
+        ids += list(iter_ids_file(args.ids_file))
+    if not ids:
+        raise InvalidParameterError("give ids to delete, or --ids-file FILE")
+    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
+        result = writer.delete(ids)
+    _print_write(args.index, f"{len(result.deleted)} deleted", result)
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .live import LiveIndex
+
+    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
+        result = writer.compact()
+        documents = writer.current().live_documents
+    _print_write(args.index, f"compacted to one segment of {documents} documents", result)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from .live import live_stats
+
+    print(json.dumps(live_stats(args.index), indent=2))
     return 0

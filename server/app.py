@@ -54,9 +54,10 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
                          reader_options=settings.reader_options())
 
 
-def _batch_search(searcher: "Searcher", metrics: ServerMetrics):  # noqa: ANN202 (closure)
+def _batch_search(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
     def search(queries: list[str], params: Mapping[str, Any]) -> Sequence["QueryResult"]:
-        results = searcher.search(queries, **params)
+        # The current generation's Searcher (swapped by require_searcher after a write).
+        results = state.require_searcher_unrefreshed().search(queries, **params)
         if results:  # stage times belong to the call, not to each query
             metrics.observe_batch(len(queries), results[0].stats.stage_ms)
         return results
@@ -94,7 +95,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     searcher = await asyncio.to_thread(_open_searcher, settings)
     executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
     batcher: MicroBatcher[QueryResult] = MicroBatcher(
-        _batch_search(searcher, state.metrics),
+        _batch_search(state, state.metrics),
         executor,
         max_batch_size=settings.max_batch_size,
         max_wait_s=settings.batch_wait_ms / 1000.0,
@@ -119,7 +120,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.wait([warm])
         await batcher.close()
         executor.shutdown(wait=True)
-        searcher.close()
+        state.require_searcher_unrefreshed().close()
+        for _, retired in state.retired:
+            retired.close()
         state.metrics.close()
         logger.info("index closed")
 
@@ -154,7 +157,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
         )
     # The API routes themselves (not the included-router wrappers) give the endpoint labels.

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from espn.errors import DocumentNotFoundError, InvalidParameterError
+from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
 
 from .batching import BatcherClosedError, QueueFullError
 
@@ -124,6 +124,15 @@ async def _on_document_not_found(request: Request, exc: Exception) -> JSONRespon
     return error_response(404, "document_not_found", str(exc))
 
 
+async def _on_index_locked(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "index_busy", f"{exc} (a write or a compaction is running; retry)",
+                          headers={"Retry-After": "2"})
+
+
+async def _on_corpus_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(422, "invalid_document", str(exc))
+
+
 async def _on_queue_full(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, "overloaded", f"search queue is full: {exc}", headers={"Retry-After": "1"})
 
@@ -140,4 +149,6 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
     app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)
     app.add_exception_handler(QueueFullError, _on_queue_full)
+    app.add_exception_handler(IndexLockedError, _on_index_locked)
+    app.add_exception_handler(CorpusError, _on_corpus_error)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

@@ -178,3 +178,39 @@ class ErrorResponse(BaseModel):
     error: str = Field(description="machine-readable code, e.g. invalid_parameter")
     message: str = Field(description="what went wrong, for a human")
     errors: Optional[list[dict[str, Any]]] = Field(None, description="per-field validation errors")
+
+
+# -- writes to a live index ---------------------------------------------------------------
+MAX_TEXT_CHARS = 100_000
+MAX_BATCH_WRITES = 1000
+
+
+class DocumentWrite(BaseModel):
+    """The body of PUT /v1/documents/{id}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    title: str = Field("", max_length=MAX_TEXT_CHARS)
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    metadata: Optional[dict[str, Any]] = Field(None, description="stored with the passage (JSON object)")
+
+
+class DocumentUpsert(DocumentWrite):
+    id: str = Field(min_length=1, max_length=MAX_DOC_ID_CHARS)
+
+
+class BatchWriteRequest(BaseModel):
+    """POST /v1/documents/batch: every upsert and delete published as one generation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    upsert: list[DocumentUpsert] = Field(default_factory=list, max_length=MAX_BATCH_WRITES)
+    delete: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_DOC_ID_CHARS)]] = Field(
+        default_factory=list, max_length=10 * MAX_BATCH_WRITES)
+
+
+class WriteResponse(BaseModel):
+    generation: int = Field(description="the generation the write published; searches see it from now on")
+    created: list[str]
+    replaced: list[str]
+    deleted: list[str]

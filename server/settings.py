@@ -75,6 +75,12 @@ class ServerSettings(BaseSettings):
     api_key: Optional[SecretStr] = Field(None, description="if set, /v1/* needs `Authorization: Bearer <key>`")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list, description="empty: CORS off")
 
+    # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
+    write_wait_s: float = Field(10.0, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
+    compact_max_segments: int = Field(8, ge=1, le=10_000, description="compact in the background past this many deltas")
+    compact_deleted_fraction: float = Field(0.2, gt=0.0, le=1.0,
+                                            description="... or past this fraction of deleted/replaced documents")
+
     # Operations.
     log_level: LogLevel = "info"
     warmup: bool = True

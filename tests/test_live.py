@@ -1,0 +1,289 @@
+"""The live index (espn/segments.py, indexing/live.py): upsert, delete, compact, crash safety.
+
+Everything runs on copies of the 300-document sample index with the offline MiniLM
+encoder; one module-scoped encoder is shared so each write costs an encode, not a load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from espn import Searcher
+from espn.encoders import Encoder, load_encoder
+from espn.errors import DocumentNotFoundError, InvalidParameterError
+from espn.index import read_manifest
+from espn.segments import open_view, read_current
+from espn_indexing.live import IndexLockedError, LiveIndex, NewDocument
+
+QUERIES = ["how does the sun produce energy", "purple elephant dancing on the moon", "cooking pasta with tomatoes",
+           "lunar eclipse red moon", "search engines rank documents"]
+
+
+@pytest.fixture(scope="module")
+def encoder(sample_index: Path) -> Encoder:
+    return load_encoder(sample_index / "encoder", read_manifest(sample_index)["encoder"], device="cpu")
+
+
+@pytest.fixture
+def index(sample_index: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "index"
+    shutil.copytree(sample_index, copy)
+    return copy
+
+
+def _ids(searcher: Searcher, query: str, k: int = 10, **overrides: object) -> list[str]:
+    return [hit.doc_id for hit in searcher.search([query], k=k, **overrides)[0].hits]
+
+
+def _corpus_docs(sample_index: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(__file__).parents[1] / "espn/data/sample_corpus.jsonl").open()]
+
+
+def test_upsert_replace_delete_are_visible_and_exclusive(index: Path, encoder: Encoder) -> None:
+    with Searcher.open(index) as before:
+        assert before.generation == 0 and "s0001" in _ids(before, QUERIES[0])
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        result = writer.upsert([NewDocument("new-1", "A purple elephant is dancing on the moon tonight."),
+                                NewDocument("s0001", "Cooking pasta with fresh tomatoes and basil.")])
+        assert (result.created, result.replaced) == (["new-1"], ["s0001"])
+        assert writer.delete(["s0003"]).deleted == ["s0003"]
+        with pytest.raises(DocumentNotFoundError, match="s0003"):
+            writer.delete(["s0003"])  # already gone: nothing written
+        assert writer.current().number == 2
+    with Searcher.open(index) as searcher:
+        assert searcher.generation == 2 and searcher.live is not None and int(searcher.live.sum()) == 300
+        assert _ids(searcher, QUERIES[1], k=1) == ["new-1"]
+        assert _ids(searcher, QUERIES[2], k=1) == ["s0001"]
+        assert searcher.document("s0001").text.startswith("Cooking pasta")
+        with pytest.raises(DocumentNotFoundError):
+            searcher.document("s0003")
+        # k hits come back although documents were deleted: the bitmap is applied inside FAISS.
+        for query in QUERIES:
+            hits = _ids(searcher, query, k=300, nprobe=searcher.nlist, rerank_count=300)
+            assert len(hits) == 300 and "s0003" not in hits and len(set(hits)) == 300
+            # The old version of s0001 (doc number 0) is never scored: at most one s0001 and it is the new one.
+            assert hits.count("s0001") == 1
+
+
+def test_a_second_writer_is_refused(index: Path) -> None:
+    with LiveIndex.open(index):
+        with pytest.raises(IndexLockedError, match="one writer at a time"):
+            LiveIndex.open(index)
+        # Another process is refused too (flock is per open file description).
+        proc = subprocess.run([sys.executable, "-c", f"from espn_indexing.live import LiveIndex; LiveIndex.open({str(index)!r})"],
+                              capture_output=True, text=True)
+        assert proc.returncode != 0 and "IndexLockedError" in proc.stderr
+    LiveIndex.open(index).close()  # released
+
+
+def test_bad_writes_change_nothing(index: Path, encoder: Encoder) -> None:
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        for upserts, deletes, match in [
+            ([NewDocument("", "text")], [], "id"),
+            ([NewDocument("a", "x"), NewDocument("a", "y")], [], "twice"),
+            ([NewDocument("a", "   ")], [], "empty"),
+            ([NewDocument("a", "x" * 100_001)], [], "at most"),
+            ([NewDocument("a", "x")], ["a"], "both"),
+            ([], [], "nothing"),
+        ]:
+            with pytest.raises(InvalidParameterError, match=match):
+                writer.apply(upserts, deletes)
+        with pytest.raises(DocumentNotFoundError):
+            writer.apply([NewDocument("fresh", "some text")], ["no-such-id"])
+    assert read_current(index).number == 0 and sorted(os.listdir(index / "live")) == ["LOCK"]
+
+
+def _fresh_build(docs: list[dict], out: Path) -> None:
+    """What `espn index CORPUS --out OUT` does, in this process (no second torch start-up).
+
+    The projection is fitted on the first 16 documents (fit_sample), which no test edits,
+    so a rebuild of edited documents has the same encoder state."""
+    from espn_indexing.build import BuildConfig, build_index
+
+    corpus = out.with_suffix(".jsonl")
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu", fit_sample=16))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(sample_index: Path) -> list[dict]:
+    return _corpus_docs(sample_index)[:48]
+
+
+@pytest.fixture(scope="module")
+def small_index(small_corpus: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 sample documents: a compaction-equals-build test that encodes ~100 documents in all."""
+    out = tmp_path_factory.mktemp("small") / "index"
+    _fresh_build(small_corpus, out)
+    return out
+
+
+def test_compact_ranks_like_a_fresh_build(small_index: Path, small_corpus: list[dict], tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(small_index, index)
+    docs = small_corpus
+    added = [{"_id": "new-1", "title": "Elephants", "text": "A purple elephant is dancing on the moon tonight."},
+             {"_id": "new-2", "title": "", "text": "Tomatoes, basil and olive oil make a simple pasta sauce."}]
+    replaced = {"_id": "s0040", "title": "Eclipses", "text": "During a total lunar eclipse the moon turns red."}
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument(d["_id"], d["text"], d["title"]) for d in added])
+        writer.apply([NewDocument(replaced["_id"], replaced["text"], replaced["title"])], ["s0020", "s0030"])
+        writer.delete(["new-2"])
+        writer.compact()
+        assert writer.stats()["delta_segments"] == 0
+    # The same documents in doc-number order: survivors of the base, then the deltas' (the fit
+    # sample, the first 16 documents, is untouched, so the fresh build fits the same PCA).
+    fresh_docs = [d for d in docs if d["_id"] not in ("s0020", "s0030", "s0040")] + [added[0], replaced]
+    _fresh_build(fresh_docs, tmp_path / "fresh")
+    with Searcher.open(index) as compacted, Searcher.open(tmp_path / "fresh") as fresh:
+        assert compacted.num_documents == fresh.num_documents == 47 and compacted.live is None
+        assert compacted.defaults == fresh.defaults
+        for query in QUERIES:
+            a = compacted.search([query], k=20, nprobe=compacted.nlist)[0].hits
+            b = fresh.search([query], k=20, nprobe=fresh.nlist)[0].hits
+            assert [h.doc_id for h in a] == [h.doc_id for h in b]
+            np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=2e-3)
+    assert sorted(os.listdir(index)) == ["encoder", "live", "manifest.json"]  # the old base was collected
+
+
+def test_an_open_generation_keeps_its_files(index: Path, encoder: Encoder) -> None:
+    reader = Searcher.open(index)
+    expected = _ids(reader, QUERIES[0])
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([NewDocument("new-1", "The sun fuses hydrogen into helium in its core.")])
+        writer.delete(["s0001"])
+        writer.compact()
+    assert (index / "embeddings.bin").exists(), "a reader still holds generation 0"
+    assert _ids(reader, QUERIES[0]) == expected and reader.document("s0001").doc_id == "s0001"
+    newer = reader.refresh()
+    assert newer is not None and newer.generation == 3 and "s0001" not in _ids(newer, QUERIES[0])
+    reader.close()
+    with LiveIndex.open(index) as writer:
+        assert "embeddings.bin" in writer.collect_garbage() or not (index / "embeddings.bin").exists()
+    assert _ids(newer, QUERIES[0])
+    newer.close()
+
+
+def test_searches_during_writes_never_fail_nor_see_half_a_batch(index: Path, encoder: Encoder) -> None:
+    """Each batch replaces pair-a and pair-b together; a reader must see both from one batch."""
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([NewDocument("pair-a", "version 0 of the pair"), NewDocument("pair-b", "version 0 of the pair")])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[int] = []
+
+    def read() -> None:
+        searcher = Searcher.open(index, verify="none")
+        try:
+            while not stop.is_set():
+                newer = searcher.refresh()
+                if newer is not None:
+                    searcher.close()
+                    searcher = newer
+                a, b = (searcher.document(x).text for x in ("pair-a", "pair-b"))
+                assert a == b, f"half a batch: {a!r} vs {b!r}"
+                assert _ids(searcher, "version of the pair", k=5)
+                seen.append(searcher.generation)
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+        finally:
+            searcher.close()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        with LiveIndex.open(index, encoder=encoder) as writer:
+            for version in range(1, 6):
+                text = f"version {version} of the pair"
+                writer.upsert([NewDocument("pair-a", text), NewDocument("pair-b", text)])
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[0]
+    assert len(set(seen)) >= 2, "the reader never saw a new generation"
+
+
+CRASHER = textwrap.dedent("""
+    import os, signal, sys
+    import espn_indexing.live as live
+    step = sys.argv[2]
+    def checkpoint(name):
+        if name == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    live._checkpoint = checkpoint
+    with live.LiveIndex.open(sys.argv[1]) as writer:
+        if step.startswith("compact"):
+            writer.compact()
+        else:
+            writer.apply([live.NewDocument("crash-new", "a document written while the writer was killed"),
+                          live.NewDocument("s0005", "a replacement written while the writer was killed")],
+                         ["s0006"])
+""")
+
+
+@pytest.mark.parametrize("step", ["appended", "generation", "published", "compact-records"])
+def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str) -> None:
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])
+        writer.delete(["s0007"])
+    acked = read_current(index)
+    proc = subprocess.run([sys.executable, "-c", CRASHER, str(index), step], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    published = step == "published"
+    current = read_current(index)
+    assert current.number == acked.number + (1 if published else 0)
+    with Searcher.open(index, verify="full") as searcher:
+        assert searcher.document("acked").doc_id == "acked"
+        with pytest.raises(DocumentNotFoundError):
+            searcher.document("s0007")
+        if published:
+            assert searcher.document("s0005").text.startswith("a replacement")
+            with pytest.raises(DocumentNotFoundError):
+                searcher.document("s0006")
+        else:
+            assert searcher.document("s0006").doc_id == "s0006"
+            with pytest.raises(DocumentNotFoundError):
+                searcher.document("crash-new")
+        assert _ids(searcher, "volcanoes erupting", k=1) == ["acked"]
+    # The next writer cleans up and works; the index then verifies in full.
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([NewDocument("after", "written after the crash")])
+        writer.compact()
+    view = open_view(index, verify="full")
+    view.close()
+    assert not any(p.name.endswith(".tmp") or p.name == "incoming" for p in (index / "live").iterdir())
+
+
+def _espn(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "espn.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_add_delete_stats(index: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "more.jsonl"
+    corpus.write_text(json.dumps({"_id": "cli-1", "title": "Volcanoes", "text": "Lava flows from an erupting volcano."})
+                      + "\n" + json.dumps({"_id": "s0001", "text": "The sun, replaced from the command line."}) + "\n")
+    done = _espn("add", str(index), str(corpus), "--no-progress", "--loader-workers", "0")
+    assert done.returncode == 0 and "1 added, 1 replaced; generation 1 published" in done.stdout, done.stderr
+    ids = tmp_path / "ids.txt"
+    ids.write_text("s0002\n\nno-such-id\n")
+    failed = _espn("delete", str(index), "s0003", "--ids-file", str(ids))
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines()[-1] == "espn delete: error: no document with id 'no-such-id'"
+    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed delete wrote nothing
+    assert stats["generation"] == 1 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 1
+    assert stats["live_documents"] == 301 and stats["rebuild_recommended"] is False
+    with Searcher.open(index) as searcher:
+        assert _ids(searcher, "erupting volcano lava", k=1) == ["cli-1"]
+        assert searcher.document("s0003").doc_id == "s0003"
