@@ -74,7 +74,10 @@ def canonical_filter(spec: Any) -> str:
     """One string per distinct filter (member order ignored): the cache key."""
     if isinstance(spec, str):
         spec = _loads(spec)
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise FilterError(f"filter: not a JSON value ({exc})") from None
 
 
 def _loads(text: str) -> Any:

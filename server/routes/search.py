@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
 
+from espn.filters import canonical_filter
+
 from ..batching import BatchedResult
 from ..budget import check_budget
 from ..deps import AppState, get_state
@@ -65,11 +67,18 @@ async def _search(
     searcher = state.require_searcher()
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
-    params = searcher.params(**options.search_kwargs())
+    kwargs = options.search_kwargs()
+    params = searcher.params(**kwargs)
     settings = state.settings
     check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
                  max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
-    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, options.search_kwargs())
+    if options.filter is not None:
+        # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
+        # cache off the event loop; the batch key carries its canonical text, so requests with
+        # the same filter share a batch and different filters never do.
+        await asyncio.to_thread(searcher.filtered_docs, options.filter)
+        kwargs["filter"] = canonical_filter(options.filter)
+    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
         wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
@@ -102,19 +111,18 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
                                   title=document.title, text=document.text))
         else:
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
-    return SearchResponse(
-        query=query,
-        results=hits,
-        stats=SearchStatsModel(
-            stage_ms=stats.stage_ms,
-            queue_ms=round(item.queue_ms, 3),
-            batch_size=item.batch_size,
-            hit_rate=stats.hit_rate,
-            bytes_read=stats.bytes_read,
-            ios=stats.ios,
-            prefetched=stats.prefetched,
-            missed=stats.missed,
-            read_amplification=stats.read_amplification,
-            engine=stats.engine or reader_engine,  # a searcher that does not fill it: the reader's engine
-        ),
+    model = SearchStatsModel(
+        stage_ms=stats.stage_ms,
+        queue_ms=round(item.queue_ms, 3),
+        batch_size=item.batch_size,
+        hit_rate=stats.hit_rate,
+        bytes_read=stats.bytes_read,
+        ios=stats.ios,
+        prefetched=stats.prefetched,
+        missed=stats.missed,
+        read_amplification=stats.read_amplification,
+        engine=stats.engine or reader_engine,  # a searcher that does not fill it: the reader's engine
     )
+    if stats.matched is not None:  # set only when filtered: exclude_unset keeps other answers as they were
+        model.matched, model.filter_path = stats.matched, stats.filter_path
+    return SearchResponse(query=query, results=hits, stats=model)
