@@ -37,6 +37,7 @@ __all__ = [
     "check_metadata",
     "merge_types",
     "MetadataWriter",
+    "write_columns",
     "MetadataColumns",
     "KeywordColumn",
     "KeywordsColumn",
@@ -233,6 +234,21 @@ class MetadataWriter:
             field.finish()
         return {"fields": [{"name": name, "type": f.kind, "file": f"{DIRECTORY}/{f.prefix}"}
                            for name, f in self.fields.items()]}
+
+
+def write_columns(directory: Path, fields: list[tuple[str, str, dict[str, np.ndarray]]]) -> dict[str, Any]:
+    """Save whole columns made elsewhere (e.g. synthetic ones): (name, type, {part: array}) each,
+    with the parts of the table above. Returns the manifest's `metadata` section."""
+    folder = Path(directory) / DIRECTORY
+    folder.mkdir(parents=True, exist_ok=True)
+    section = []
+    for i, (name, kind, parts) in enumerate(fields):
+        if kind not in FIELD_TYPES or not FIELD_NAME.match(name) or name in RESERVED_NAMES:
+            raise ValueError(f"metadata field {name!r} of type {kind!r} is not allowed")
+        for part, values in parts.items():
+            np.save(folder / f"f{i}.{part}.npy", values)
+        section.append({"name": name, "type": kind, "file": f"{DIRECTORY}/f{i}"})
+    return {"fields": section}
 
 
 # -- reading ------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ class SearchStats:
     engine:     what moved the bytes ("io_uring", "aio", "threads" under posix; else the reader)
     waves:      prefetch waves the batch started; waves_skipped: those the cost model skipped
     matched:    documents the search's filter admits (None: no filter)
-    filter_path: "exact" (every matching document scored) or "ivf" (the matches' lists probed
-                in coarse order); None without a filter
+    filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
+                in coarse order) or "all" (every document matches: searched unfiltered); None
+                without a filter
     """
 
     stage_ms: dict[str, float]

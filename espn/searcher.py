@@ -203,7 +203,7 @@ class Searcher:
     def filtered_docs(self, filter: Any) -> FilteredDocs | None:
         """A filter validated against this index's fields and compiled (cached per distinct filter).
 
-        None for no filter and for a filter every document satisfies (searched unfiltered).
+        None for no filter (and for `{}`); a filter every document satisfies is searched unfiltered.
         Raises FilterError (an InvalidParameterError) naming the problem.
         """
         if filter is None:
@@ -217,9 +217,9 @@ class Searcher:
             return found
         mask = compile_filter(node, self.metadata)
         matches = int(np.count_nonzero(mask))
-        if matches == self.num_documents:
-            return None
-        if matches * (self.ann.code_size + 8) + mask.nbytes <= self._filters.max_bytes:
+        if matches == self.num_documents:  # searched unfiltered; kept to report the count
+            compiled = FilteredDocs(mask, matches, self._list_sizes, None)
+        elif matches * (self.ann.code_size + 8) + mask.nbytes <= self._filters.max_bytes:
             sub, counts = subset_ivf(self.ann, mask)
             compiled = FilteredDocs(mask, matches, counts, sub)
         else:  # too large to copy: the bitmap over the full index, probed by the same rule
@@ -255,8 +255,9 @@ class Searcher:
         unfiltered search scans codes (`espn.filtered`)."""
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
-        if filtered is not None and filtered.ivf is None:
-            allowed = filtered.mask if allowed is None else allowed & filtered.mask
+        restricted = filtered if filtered is not None and filtered.matches < n_docs else None
+        if restricted is not None and restricted.ivf is None:
+            allowed = restricted.mask if allowed is None else allowed & restricted.mask
         selector = None if allowed is None else bitmap_selector(allowed)
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
         queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
@@ -264,16 +265,16 @@ class Searcher:
         candidates = params.candidates
         sizes = self._list_sizes
         exact = np.zeros(batch, dtype=bool)
-        if filtered is None:
+        if restricted is None:
             coarse_scores, lists = coarse_assign(self.ann, xq, params.nprobe)
         else:
             all_scores, all_lists = coarse_assign(self.ann, xq, self.nlist)
             # The unfiltered search would score this many codes; scan as many matching ones.
             target = np.maximum(sizes[all_lists[:, : params.nprobe]].sum(axis=1), candidates)
-            coarse_scores, lists, exact = probe_matching(all_scores, all_lists, filtered.list_counts, target)
-            sizes = filtered.list_counts
-            if filtered.ivf is not None:
-                ann = filtered.ivf
+            coarse_scores, lists, exact = probe_matching(all_scores, all_lists, restricted.list_counts, target)
+            sizes = restricted.list_counts
+            if restricted.ivf is not None:
+                ann = restricted.ivf
         timer.lap("quantizer")
 
         n_probe = lists.shape[1]
@@ -369,7 +370,8 @@ class Searcher:
                 read_amplification=float((prefetched[i] + missed[i]) / n_final[i]) if n_final[i] else 1.0,
                 engine=engine, waves=n_waves, waves_skipped=skipped,
                 matched=None if filtered is None else filtered.matches,
-                filter_path=None if filtered is None else ("exact" if exact[i] else "ivf")))
+                filter_path=None if filtered is None else (
+                    "all" if restricted is None else "exact" if exact[i] else "ivf")))
             for i, hits in enumerate(out)
         ]
 

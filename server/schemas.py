@@ -115,7 +115,8 @@ class SearchStatsModel(BaseModel):
     engine: str = Field(default="", description="what moved the bytes: io_uring, aio, threads (posix) or the reader's name")
     matched: Optional[int] = Field(default=None, description="documents the filter admits (absent without a filter)")
     filter_path: Optional[str] = Field(
-        default=None, description="exact: every matching document scored; ivf: the matches' lists probed")
+        default=None, description="exact: every matching document scored; ivf: the matches' lists probed; "
+                                  "all: every document matches")
 
 
 class SearchResponse(BaseModel):

@@ -160,3 +160,21 @@ def test_bench_gpu_without_cuda_or_kvikio_says_so_in_one_line(tmp_path: Path) ->
     assert len(lines) == 1 and lines[0].startswith("bench_gpu: ") and "absent" in lines[0], done.stderr
     assert "CUDA" in lines[0] or "kvikio" in lines[0]
     assert not (tmp_path / "results").exists()
+
+
+def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -> None:
+    import shutil
+
+    from benchmarks import bench_filter
+    from benchmarks.make_synthetic import add_synthetic_metadata
+
+    index = tmp_path / "tiny-with-metadata"  # a copy: the session's tiny index stays as built
+    shutil.copytree(tiny_index, index)
+    add_synthetic_metadata(index)
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_filter.main(["--index", str(index), "--queries-npz", str(queries), "--quick"]) == 0
+    payload = _check(results, "bench_filter", capsys, png=False)
+    rows = payload["rows"]
+    assert len(rows) == 2 * (1 + 2 * 5)  # (unfiltered + 2 fields x 5 selectivities) x prefetch on/off
+    # 2,000 documents: the default nprobe scans every list, so every filtered search is exact.
+    assert all(r["recall"] >= 0.99 for r in rows), rows
