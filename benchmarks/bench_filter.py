@@ -6,9 +6,11 @@
 Filters: a keyword filter `{"shard": {"in": [m of the 1,000 values]}}` and an integer range
 `{"rank": {"lt": s * 10^6}}`, both drawn independently of the vectors (the hard case: the
 matches are spread over every IVF list). Queries are pre-encoded and searched one at a
-time (batch 1). Each round runs every configuration (filter × prefetch) once over all
-queries in a shuffled order; the table gives the median over rounds of each round's p50
-and p99, and the ratio to the unfiltered search of the same round. "compile ms" is the
+time (batch 1). Each round takes the queries in a shuffled order and runs every
+configuration (filter × prefetch) on a query, in a shuffled order, before the next query,
+so all configurations see the same machine load. The table gives the median over rounds
+of each round's p50 and p99, and of the ratio of its p50 to the unfiltered p50 (same
+prefetch setting) of that round. "compile ms" is the
 first use of a filter (mask and sub-index); later uses hit the cache.
 
 Recall@10 is measured against the exhaustive filtered reference
@@ -43,13 +45,14 @@ def make_filter(field: str, selectivity: float) -> dict:
     return {"rank": {"lt": int(round(selectivity * RANK_RANGE))}}
 
 
-def run(searcher, queries, k: int, prefetch: bool, spec: dict | None) -> tuple[list[float], list]:
+def run(searcher, queries, k: int, prefetch: bool, spec: dict | None,
+        nprobe: int | None = None) -> tuple[list[float], list]:
     """Per-query latency (ms) and results, one query per call."""
     latencies, results = [], []
     for i in range(len(queries)):
         q = take_queries(queries, np.array([i]))
         t = time.perf_counter()
-        out = searcher.search_embeddings(q, k=k, prefetch=prefetch, filter=spec)
+        out = searcher.search_embeddings(q, k=k, prefetch=prefetch, filter=spec, nprobe=nprobe)
         latencies.append((time.perf_counter() - t) * 1000)
         results += out
     return latencies, results
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=100, help="queries")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=10)
+    p.add_argument("--nprobe", type=int, default=None, help="IVF lists (default: the index's); a filtered search "
+                   "scans as many matches as the unfiltered search at this nprobe scans codes")
     p.add_argument("--selectivities", default="0.001,0.01,0.1,0.5,1.0")
     p.add_argument("--fields", default="shard,rank")
     p.add_argument("--no-recall", action="store_true", help="latency only (the reference reads every match)")
@@ -91,21 +96,28 @@ def main(argv: list[str] | None = None) -> int:
     run(searcher, take_queries(queries, np.arange(min(8, n))), args.k, True, None)  # warm up
 
     configs = [(name, pf) for name in filters for pf in (True, False)]
-    raw = {c: {"p50": [], "p99": [], "latencies": []} for c in configs}
-    results: dict[str, list] = {}
-    paths: dict[str, str] = {}
+    raw = {c: {"p50": [], "p99": [], "ratio": [], "latencies": []} for c in configs}
+    results: dict[str, list] = {name: [None] * n for name in filters}
     rng = random.Random(0)
     for _ in range(args.repeats):
-        order = configs[:]
-        rng.shuffle(order)
-        for name, prefetch in order:
-            lat, out = run(searcher, queries, args.k, prefetch, filters[name])
+        # Interleaved per query: every configuration runs on query i, in a shuffled order, before
+        # query i+1, so all of them see the same machine load (it swings a lot on a shared box).
+        lat: dict[tuple, list[float]] = {c: [] for c in configs}
+        for i in rng.sample(range(n), n):
+            order = configs[:]
+            rng.shuffle(order)
+            for name, prefetch in order:
+                t, out = run(searcher, take_queries(queries, np.array([i])), args.k, prefetch, filters[name],
+                             args.nprobe)
+                lat[(name, prefetch)] += t
+                results[name][i] = out[0]
+        for (name, prefetch), values in lat.items():
             cell = raw[(name, prefetch)]
-            cell["p50"].append(float(np.percentile(lat, 50)))
-            cell["p99"].append(float(np.percentile(lat, 99)))
-            cell["latencies"] += lat
-            results[name] = out
-            paths[name] = ",".join(sorted({r.stats.filter_path or "-" for r in out}))
+            cell["p50"].append(float(np.percentile(values, 50)))
+            cell["p99"].append(float(np.percentile(values, 99)))
+            cell["ratio"].append(cell["p50"][-1] / float(np.percentile(lat[("unfiltered", prefetch)], 50)))
+            cell["latencies"] += values
+    paths = {name: ",".join(sorted({r.stats.filter_path or "-" for r in out})) for name, out in results.items()}
 
     recall: dict[str, float] = {}
     if not args.no_recall:
@@ -121,19 +133,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reference for {name}: {time.perf_counter() - t:.1f} s, recall@{args.k} {recall[name]:.4f}",
                   flush=True)
 
-    base = {pf: median(raw[("unfiltered", pf)]["p50"]) for pf in (True, False)}
     rows = []
     for name, prefetch in configs:
         cell = raw[(name, prefetch)]
         p50, p99 = median(cell["p50"]), median(cell["p99"])
         rows.append([name, f"{matched[name] / searcher.num_documents:.2%}", paths[name], "on" if prefetch else "off",
-                     p50, p99, p50 / base[prefetch], recall.get(name, "n/a"), compile_ms[name]])
-    print(f"# Filtered search: {args.index} ({n} queries, batch 1, k={args.k}, {args.repeats} rounds)")
+                     p50, p99, median(cell["ratio"]), recall.get(name, "n/a"), compile_ms[name]])
+    nprobe = args.nprobe or searcher.defaults.nprobe
+    print(f"# Filtered search: {args.index} ({n} queries, batch 1, k={args.k}, nprobe {nprobe} of {searcher.nlist}, "
+          f"{args.repeats} rounds)")
     print(machine_line(machine()))
     print(markdown_table(["filter", "matches", "path", "prefetch", "p50 ms", "p99 ms", "p50 / unfiltered",
                           f"recall@{args.k}", "compile ms"], rows))
     write_results("bench_filter", {
         "machine": machine(), "index": str(args.index), "queries": n, "k": args.k, "repeats": args.repeats,
+        "nprobe": nprobe,
         "rows": [dict(zip(["filter", "matches", "path", "prefetch", "p50_ms", "p99_ms", "ratio", "recall",
                            "compile_ms"], row)) for row in rows],
         "pooled": {f"{name}|{pf}": percentiles(raw[(name, pf)]["latencies"]) for name, pf in configs},
