@@ -72,7 +72,8 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str, str, str]:
     """-> (id, title, text) or raise CorpusError naming file:line."""
-    return _parse_with_metadata(path, number, line, fmt, kind)[:3]  # type: ignore[return-value]
+    doc_id, title, text, _ = _parse_with_metadata(path, number, line, fmt, kind)
+    return doc_id, title, text
 
 
 def _parse_with_metadata(path: Path, number: int, line: str, fmt: str,

@@ -108,6 +108,8 @@ class Searcher:
         self.min_hidden_ms = float(min_hidden_ms)
         self._list_sizes = list_sizes(self.ann)
         self.metadata = MetadataColumns.open(index.path, self.manifest)
+        if isinstance(filter_cache_bytes, bool) or not isinstance(filter_cache_bytes, int) or filter_cache_bytes < 0:
+            raise InvalidParameterError(f"filter_cache_bytes must be an integer >= 0, got {filter_cache_bytes!r}")
         # Compiled filters (mask + the matches' own IVF), least recently used out first.
         self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
