@@ -186,9 +186,43 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     return info
 
 
+#: Values of the synthetic keyword field: each holds 0.1% of the documents.
+SHARDS = 1000
+#: The synthetic integer field is uniform over [0, RANK_RANGE).
+RANK_RANGE = 1_000_000
+
+
+def add_synthetic_metadata(index: Path, seed: int = 0) -> dict:
+    """Two filter fields, drawn independently of the vectors (the hard case for an IVF):
+
+    `shard`: keyword, uniform over "s000" .. "s999" (so `{"shard": {"in": [...m values]}}`
+    keeps m/1000 of the documents); `rank`: integer, uniform over [0, 10^6) (so
+    `{"rank": {"lt": s * 10^6}}` keeps a fraction s). Written as whole columns
+    (`espn.metadata.write_columns`), then the manifest is rewritten with every checksum.
+    """
+    from espn.index import read_manifest, write_manifest
+    from espn.metadata import write_columns
+
+    manifest = read_manifest(index)
+    n = int(manifest["counts"]["documents"])
+    rng = np.random.default_rng(seed + 14)
+    dictionary = np.array([f"s{i:03d}".encode() for i in range(SHARDS)], dtype="S4")
+    section = write_columns(index, [
+        ("shard", "keyword", {"codes": rng.integers(0, SHARDS, n, dtype=np.int32), "dict": dictionary}),
+        ("rank", "integer", {"values": rng.integers(0, RANK_RANGE, n, dtype=np.int64),
+                             "present": np.ones(n, dtype=bool)}),
+    ])
+    manifest["metadata"] = section
+    write_manifest(index, manifest)
+    return {"index": str(index), "documents": n, "metadata": section}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--add-metadata", type=Path, metavar="INDEX",
+                   help="instead of generating: add the synthetic filter fields to an existing index (see "
+                        "add_synthetic_metadata) and update its manifest")
     p.add_argument("--docs", type=int, default=2_000_000, help="documents (default 2M; 8841823 = MS MARCO v1)")
     p.add_argument("--quick", action="store_true", help="20,000 documents")
     p.add_argument("--source", type=Path, default=SCIFACT_INDEX, help="built index whose vectors give the geometry")
@@ -207,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.add_metadata is not None:
+        print(json.dumps(add_synthetic_metadata(args.add_metadata, seed=args.seed)))
+        return 0
+    if args.out is None:
+        p.error("--out is required (or --add-metadata INDEX)")
     docs = 20_000 if args.quick else args.docs
     info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=args.d_bow, mean_bow=args.mean_bow,
                     queries=args.queries, chunk_size=args.chunk_size, nlist=args.nlist, ann=args.ann,

@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default="espn")
     p.add_argument("--explain", action="store_true", help="also write OUT.explain.jsonl: per re-ranked hit, each "
                    "query token's MaxSim contribution and the passage span it matched")
+    p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
+                   '\'{"topic": "oceans", "year": {"gte": 2000}}\' (see espn.filters)')
     _add_search_params(p, sorted(READERS))
     p.set_defaults(handler=cmd_search)
 
@@ -174,8 +176,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     from espn.evaluation import evaluate, strictly_decreasing, write_run
 
     # Everything that can be checked without the index is checked before it loads.
+    from espn.filters import canonical_filter
+
     overrides = _search_overrides(args)
     SearchParams().replace(k=args.k, **overrides).validate(nlist=1 << 30, num_documents=0)  # nlist: below
+    if args.filter is not None:
+        canonical_filter(args.filter)  # malformed JSON: one line before the index loads
     if args.batch_size < 1:
         raise InvalidParameterError(f"--batch-size must be >= 1, got {args.batch_size}")
     _check_output_file("search", args.out)
@@ -190,6 +196,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     qrels = read_qrels(args.qrels) if args.qrels else None
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
+    filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
+    if filtered is not None:
+        print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
     ranked, latencies, hit_rates = {}, [], []
     explained: list[tuple[str, int, Hit]] = []
     started = time.perf_counter()
@@ -203,12 +212,14 @@ def cmd_search(args: argparse.Namespace) -> int:
                 assert searcher.encoder is not None  # opened with_encoder above
                 q = searcher.encoder.encode_queries([text for _, text in batch])
             rerank = 1000 if args.rerank_count is None else args.rerank_count  # 0 is honoured: CLS only
-            hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=rerank)
+            hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=rerank,
+                                                   allowed=None if filtered is None else filtered.mask)
         else:
             if embeddings is not None:
-                results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k, **overrides)
+                results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k,
+                                                     filter=args.filter, **overrides)
             else:
-                results = searcher.search([text for _, text in batch], args.k, explain=args.explain, **overrides)
+                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain, **overrides)
             hit_lists = [r.hits for r in results]
             latencies.append(results[0].stats.stage_ms["total"])
             hit_rates += [r.stats.hit_rate for r in results]

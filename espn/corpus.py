@@ -12,9 +12,10 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 from .errors import CorpusError
+from .metadata import check_metadata
 
 __all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
            "PASSAGE_JOINER"]
@@ -37,6 +38,7 @@ class CorpusDocument:
     doc_id: str
     title: str
     text: str
+    metadata: dict[str, Any] | None = None  # the line's "metadata" object (checked by check_metadata)
 
     @property
     def full_text(self) -> str:
@@ -80,7 +82,15 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str, str, str]:
     """-> (id, title, text) or raise CorpusError naming file:line."""
+    doc_id, title, text, _ = _parse_with_metadata(path, number, line, fmt, kind)
+    return doc_id, title, text
+
+
+def _parse_with_metadata(path: Path, number: int, line: str, fmt: str,
+                         kind: str) -> tuple[str, str, str, dict[str, Any] | None]:
+    """-> (id, title, text, metadata or None) or raise CorpusError naming file:line."""
     where = f"{path}:{number}"
+    metadata = None
     if fmt == "jsonl":
         try:
             obj = json.loads(line)
@@ -97,6 +107,11 @@ def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str
         if text is None or not isinstance(text, str) or not isinstance(title, str):
             raise CorpusError(f"{where}: 'text' (and 'title', if present) must be strings")
         doc_id = str(doc_id)
+        if kind == "corpus" and obj.get("metadata") is not None:
+            try:
+                metadata = check_metadata(obj["metadata"]) or None
+            except ValueError as exc:
+                raise CorpusError(f"{where}: {exc}") from None
     else:
         parts = line.rstrip("\r\n").split("\t")
         if len(parts) < 2:
@@ -110,7 +125,7 @@ def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str
         raise CorpusError(f"{where}: {kind} {doc_id!r} has no text")
     # A document without text is kept (real corpora have them): it is indexed with no
     # BOW vectors, can be fetched by id, and the build warns once with a count.
-    return doc_id, title, text
+    return doc_id, title, text, metadata
 
 
 def iter_corpus(path: Path, skip_bad: bool = False) -> Iterator[CorpusDocument]:
@@ -124,14 +139,14 @@ def iter_corpus(path: Path, skip_bad: bool = False) -> Iterator[CorpusDocument]:
         if not line.strip():
             continue
         try:
-            doc_id, title, text = _parse(path, number, line, fmt, "corpus")
+            doc_id, title, text, metadata = _parse_with_metadata(path, number, line, fmt, "corpus")
         except CorpusError as exc:
             if not skip_bad:
                 raise
             skipped += 1
             log.warning("skipped %s", exc)
             continue
-        yield CorpusDocument(number, doc_id, title, text)
+        yield CorpusDocument(number, doc_id, title, text, metadata)
     if skipped:
         log.warning("%s: skipped %d bad line(s)", path, skipped)
 

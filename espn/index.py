@@ -58,9 +58,9 @@ def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
 
 def _index_files(directory: Path) -> list[str]:
     names = [name for name in FILES if (directory / name).exists()]
-    encoder = directory / "encoder"
-    if encoder.is_dir():
-        names += sorted(str(p.relative_to(directory)) for p in encoder.rglob("*") if p.is_file())
+    for folder in ("encoder", "metadata"):  # metadata/: per-field columns (espn.metadata)
+        if (directory / folder).is_dir():
+            names += sorted(str(p.relative_to(directory)) for p in (directory / folder).rglob("*") if p.is_file())
     return names
 
 

@@ -83,6 +83,10 @@ class SearchStats:
     read_amplification: documents read for this query ÷ documents re-ranked (1.0 = no waste)
     engine:     what moved the bytes ("io_uring", "aio", "threads" under posix; else the reader)
     waves:      prefetch waves the batch started; waves_skipped: those the cost model skipped
+    matched:    documents the search's filter admits (None: no filter)
+    filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
+                in coarse order) or "all" (every document matches: searched unfiltered); None
+                without a filter
     """
 
     stage_ms: dict[str, float]
@@ -95,6 +99,8 @@ class SearchStats:
     engine: str = ""
     waves: int = 0
     waves_skipped: int = 0
+    matched: Optional[int] = None
+    filter_path: Optional[str] = None
 
 
 @dataclasses.dataclass

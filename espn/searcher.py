@@ -35,8 +35,11 @@ from .ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_top
 from .encoders import Encoder, QueryEmbeddings, load_encoder
 from .errors import InvalidParameterError
 from .explain import can_explain, explain_results
+from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
+from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
 from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import cls_pairs, maxsim_pairs
+from .metadata import MetadataColumns
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
@@ -76,7 +79,7 @@ class Searcher:
     def __init__(self, index: IndexDirectory, encoder: Encoder | None, reader_name: str | None = None,
                  device: str | None = None, prefetch_threads: int = 4, early_rerank: bool | None = None,
                  reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
-                 view: LiveView | None = None) -> None:
+                 filter_cache_bytes: int = 512 << 20, view: LiveView | None = None) -> None:
         """view: a generation of a live index (espn.segments.open_view); `index` is its base."""
         self.index = index
         self.view = view
@@ -117,6 +120,11 @@ class Searcher:
             raise InvalidParameterError(f"min_hidden_ms must be a number >= 0, got {min_hidden_ms!r}")
         self.min_hidden_ms = float(min_hidden_ms)
         self._list_sizes = list_sizes(self.ann)
+        self.metadata = MetadataColumns.open(index.path, self.manifest)
+        if isinstance(filter_cache_bytes, bool) or not isinstance(filter_cache_bytes, int) or filter_cache_bytes < 0:
+            raise InvalidParameterError(f"filter_cache_bytes must be an integer >= 0, got {filter_cache_bytes!r}")
+        # Compiled filters (mask + the matches' own IVF), least recently used out first.
+        self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
@@ -124,7 +132,8 @@ class Searcher:
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
              with_encoder: bool = True, early_rerank: bool | None = None,
-             reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2) -> "Searcher":
+             reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
+             filter_cache_bytes: int = 512 << 20) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
 
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
@@ -132,18 +141,21 @@ class Searcher:
         `gds_threshold`, `task_size`, `bounce_buffer_size`, `compat_mode`, `max_extent_bytes`.
         min_hidden_ms: a prefetch wave starts only while the scan still to come is expected to
         take at least this long (0: always; the cost model of `_wave_pays`).
+        filter_cache_bytes: budget of the compiled-filter cache (masks and sub-indexes).
         """
         view = open_view(path, verify=verify)
         try:
             index = view.base
             encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
             searcher = cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
-                           reader_options=reader_options, min_hidden_ms=min_hidden_ms, view=view)
+                           reader_options=reader_options, min_hidden_ms=min_hidden_ms,
+                           filter_cache_bytes=filter_cache_bytes, view=view)
         except BaseException:
             view.close()
             raise
         searcher._reopen = dict(reader_name=reader, device=device, early_rerank=early_rerank,
-                                reader_options=reader_options, min_hidden_ms=min_hidden_ms)
+                                reader_options=reader_options, min_hidden_ms=min_hidden_ms,
+                                filter_cache_bytes=filter_cache_bytes)
         searcher._token = current_token(Path(path))
         return searcher
 
@@ -202,10 +214,11 @@ class Searcher:
         """The defaults with per-call overrides, validated against this index."""
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
-    def search(self, queries: Sequence[str], k: int | None = None, explain: bool = False,
+    def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
                **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
+        filter: a filter (JSON object or its text; see `espn.filters`) every hit must satisfy.
         explain: give every re-ranked hit an Explanation (per query token: its MaxSim
         contribution and the passage span it matched); computed after the search, for the
         returned hits only, and timed as stage "explain". False costs nothing.
@@ -224,6 +237,7 @@ class Searcher:
             if len(query) > MAX_QUERY_CHARS:
                 raise InvalidParameterError(f"query {i} has {len(query)} characters; at most {MAX_QUERY_CHARS}")
         params = self.params(k, **overrides)
+        filtered = self.filtered_docs(filter)
         if not queries:
             return []
         if self.encoder is None:
@@ -233,7 +247,7 @@ class Searcher:
             tokens = self.encoder.tokenize(list(queries), is_query=True)
         embeddings = self.encoder.embed_queries(tokens)
         timer.lap("encode")
-        results = self._search(embeddings, params, timer)
+        results = self._search(embeddings, params, timer, filtered=filtered)
         return self._explain(queries, embeddings, results) if explain else results
 
     def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
@@ -246,14 +260,43 @@ class Searcher:
             result.stats.stage_ms = {**stage_ms, "explain": round(ms, 3), "total": round(total + ms, 3)}
         return results
 
-    def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, **overrides: Any) -> list[QueryResult]:
+    def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, filter: Any = None,
+                          **overrides: Any) -> list[QueryResult]:
         """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L]."""
         params = self.params(k, **overrides)
+        filtered = self.filtered_docs(filter)
         if queries.cls.ndim != 2 or queries.cls.shape[1] != self.layout.d_cls or queries.bow.shape[-1] != self.layout.d_bow:
             raise InvalidParameterError(
                 f"query embeddings must have d_cls={self.layout.d_cls}, d_bow={self.layout.d_bow}; "
                 f"got cls {queries.cls.shape}, bow {queries.bow.shape}")
-        return self._search(queries, params, _Timer())
+        return self._search(queries, params, _Timer(), filtered=filtered)
+
+    def filtered_docs(self, filter: Any) -> FilteredDocs | None:
+        """A filter validated against this index's fields and compiled (cached per distinct filter).
+
+        None for no filter (and for `{}`); a filter every document satisfies is searched unfiltered.
+        Raises FilterError (an InvalidParameterError) naming the problem.
+        """
+        if filter is None:
+            return None
+        node = parse_filter(filter, self.metadata.schema)
+        if node is None:
+            return None
+        key = canonical_filter(filter)
+        found = self._filters.get(key)
+        if found is not None:
+            return found
+        mask = compile_filter(node, self.metadata)
+        matches = int(np.count_nonzero(mask))
+        if matches == self.num_documents:  # searched unfiltered; kept to report the count
+            compiled = FilteredDocs(mask, matches, self._list_sizes, None)
+        elif matches * (self.ann.code_size + 8) + mask.nbytes <= self._filters.max_bytes:
+            sub, counts = subset_ivf(self.ann, mask)
+            compiled = FilteredDocs(mask, matches, counts, sub)
+        else:  # too large to copy: the bitmap over the full index, probed by the same rule
+            compiled = FilteredDocs(mask, matches, matches_per_list(self.ann, mask), None)
+        self._filters.put(key, compiled)
+        return compiled
 
     def document(self, doc_id: str) -> Document:
         """The stored passage of an external id; raises DocumentNotFoundError."""
@@ -275,21 +318,40 @@ class Searcher:
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
-                allowed: np.ndarray | None = None) -> list[QueryResult]:
+                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
-        FAISS, so excluded documents are never read, re-ranked or counted against k."""
+        FAISS, so excluded documents are never read, re-ranked or counted against k.
+        filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
+        over its sub-index, probing lists until it has scanned as many matches as the
+        unfiltered search scans codes (`espn.filtered`)."""
         if self.live is not None:  # deleted and replaced documents, whatever the caller allows
             allowed = self.live if allowed is None else allowed & self.live
         batch, n_docs = len(q), self.num_documents
+        ann = self.ann
+        restricted = filtered if filtered is not None and filtered.matches < n_docs else None
+        if restricted is not None and restricted.ivf is None:
+            allowed = restricted.mask if allowed is None else allowed & restricted.mask
         selector = None if allowed is None else bitmap_selector(allowed)
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
         queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
                                 torch.from_numpy(np.asarray(q.mask, dtype=bool)))
         candidates = params.candidates
-        coarse_scores, lists = coarse_assign(self.ann, xq, params.nprobe)
+        sizes = self._list_sizes
+        exact = np.zeros(batch, dtype=bool)
+        if restricted is None:
+            coarse_scores, lists = coarse_assign(self.ann, xq, params.nprobe)
+        else:
+            all_scores, all_lists = coarse_assign(self.ann, xq, self.nlist)
+            # The unfiltered search would score this many codes; scan as many matching ones.
+            target = np.maximum(sizes[all_lists[:, : params.nprobe]].sum(axis=1), candidates)
+            coarse_scores, lists, exact = probe_matching(all_scores, all_lists, restricted.list_counts, target)
+            sizes = restricted.list_counts
+            if restricted.ivf is not None:
+                ann = restricted.ivf
         timer.lap("quantizer")
 
-        segments = segment_bounds(params.nprobe, params.prefetch_step)
+        n_probe = lists.shape[1]
+        segments = segment_bounds(n_probe, params.prefetch_step)
         use_prefetch = (params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
                         and self.reader.io_bound)
         max_waves = params.prefetch_waves or len(segments)
@@ -302,16 +364,16 @@ class Searcher:
         scan_started = time.perf_counter()
         try:
             for a, b in segments:
-                part = search_preassigned(self.ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
+                part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
-                if not use_prefetch or b >= params.nprobe or n_waves >= max_waves:
+                if not use_prefetch or b >= n_probe or n_waves >= max_waves:
                     continue
                 head = top[1][:, : params.wave_size]
                 keys = (rows + head)[head >= 0]
                 new = keys[~np.isin(keys, submitted)]
                 if len(new) == 0:
                     continue
-                if not self._wave_pays(lists[:, :b], lists[:, b:], (time.perf_counter() - scan_started) * 1000):
+                if not self._wave_pays(lists[:, :b], lists[:, b:], (time.perf_counter() - scan_started) * 1000, sizes):
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
@@ -379,11 +441,15 @@ class Searcher:
                 bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
                 prefetched=int(prefetched[i]), missed=int(missed[i]),
                 read_amplification=float((prefetched[i] + missed[i]) / n_final[i]) if n_final[i] else 1.0,
-                engine=engine, waves=n_waves, waves_skipped=skipped))
+                engine=engine, waves=n_waves, waves_skipped=skipped,
+                matched=None if filtered is None else filtered.matches,
+                filter_path=None if filtered is None else (
+                    "all" if restricted is None else "exact" if exact[i] else "ivf")))
             for i, hits in enumerate(out)
         ]
 
-    def _wave_pays(self, scanned: np.ndarray, remaining: np.ndarray, elapsed_ms: float) -> bool:
+    def _wave_pays(self, scanned: np.ndarray, remaining: np.ndarray, elapsed_ms: float,
+                   sizes: np.ndarray | None = None) -> bool:
         """The cost model: a wave pays when the scan still to come can hide its reads.
 
         The scan time left is estimated from this very search: the rate measured over the
@@ -393,8 +459,9 @@ class Searcher:
         """
         if self.min_hidden_ms == 0:
             return True
-        done = int(self._list_sizes[scanned].sum())
-        left = int(self._list_sizes[remaining].sum())
+        sizes = self._list_sizes if sizes is None else sizes  # codes per list of the index searched
+        done = int(sizes[scanned[scanned >= 0]].sum())
+        left = int(sizes[remaining[remaining >= 0]].sum())
         return done > 0 and elapsed_ms * left / done >= self.min_hidden_ms
 
     def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":

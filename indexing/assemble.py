@@ -7,6 +7,7 @@ arrays sized by the corpus are numpy memmaps.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -21,9 +22,10 @@ import numpy as np
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, write_manifest
+from espn.metadata import MetadataWriter
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
-from .chunks import chunk_path, read_chunk
+from .chunks import Chunk, chunk_path, read_chunk, unpack_strings
 from .workdir import WorkDir
 
 __all__ = ["assemble", "publish", "default_search_params"]
@@ -107,6 +109,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
     docs_offsets[0] = 0
     position = n_bow = n_encoded = first = 0
+    metadata = MetadataWriter(staging, n_docs)
     started = time.perf_counter()
     with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
@@ -121,6 +124,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
             ids[rows] = chunk.ids
             cls_tmp[rows] = chunk.cls
             docs.write(chunk.docs_blob.tobytes())
+            _add_metadata(metadata, chunk, position)
             docs_offsets[position + 1 : position + len(chunk) + 1] = docs_offsets[position] + chunk.docs_offsets[1:]
             position += len(chunk)
             n_bow += int(written["n_bow"].sum())
@@ -130,6 +134,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         os.fsync(docs.fileno())
     for array in (records, ids, docs_offsets):
         array.flush()
+    metadata_section = metadata.finish()
 
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
@@ -170,10 +175,22 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "partition": {"index": partition, "count": partitions},
         "source": {"corpus": job["corpus"]},
     }
+    if metadata_section is not None:
+        manifest["metadata"] = metadata_section
     manifest = write_manifest(staging, manifest)
     log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, n_bow, file_bytes / 1e6,
              time.perf_counter() - started)
     return manifest
+
+
+def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:
+    """Metadata columns from the chunk's document lines (only chunks that carry any are parsed)."""
+    if b'"metadata"' not in chunk.docs_blob.tobytes():
+        return
+    for i, line in enumerate(unpack_strings(chunk.docs_blob, chunk.docs_offsets)):
+        meta = json.loads(line).get("metadata")
+        if meta:
+            writer.add(first + i, meta, where=f"document {bytes(chunk.ids[i]).decode('utf-8')!r}")
 
 
 def publish(staging: Path, out: Path, force: bool) -> None:

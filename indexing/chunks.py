@@ -61,14 +61,21 @@ def unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
 
 
 def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
-                ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None) -> Path:
-    """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings)."""
+                ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None,
+                metadata: Sequence[dict | None] | None = None) -> Path:
+    """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings).
+
+    metadata: per document its metadata object or None; kept in the document's JSON line,
+    from which the assembler builds the metadata columns.
+    """
     n = len(counts)
     if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):
         raise ValueError(f"chunk {index}: {len(cls)} CLS rows, {len(ids)} ids, {n} counts, {len(bow)} BOW rows disagree")
     titles = titles if titles is not None else [""] * n
     texts = texts if texts is not None else [""] * n
-    lines = [json.dumps({"title": t, "text": x}, ensure_ascii=False) for t, x in zip(titles, texts)]
+    metas = metadata if metadata is not None else [None] * n
+    lines = [json.dumps({"title": t, "text": x, **({"metadata": m} if m else {})}, ensure_ascii=False)
+             for t, x, m in zip(titles, texts, metas)]
     docs_blob, docs_offsets = pack_strings(lines)
     path = chunk_path(work_dir, index)
     path.parent.mkdir(parents=True, exist_ok=True)

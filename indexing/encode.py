@@ -101,7 +101,7 @@ class _TokenisedChunks(IterableDataset):
                     "rows": np.asarray(rows, dtype=np.int64),
                     "tokens": self.encoder.tokenize([texts[i] for i in rows], is_query=False),
                     "last": number == len(starts) - 1,
-                    "meta": [(d.doc_id, d.title, d.text) for d in chunk] if number == 0 else None,
+                    "meta": [(d.doc_id, d.title, d.text, d.metadata) for d in chunk] if number == 0 else None,
                 }
         yield {"end": True, "documents": total_docs, "chunks": total_chunks}
 
@@ -156,9 +156,9 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
             if item["last"]:
                 index = int(item["chunk"])
                 chunk = reorder_chunk(pending.pop(index)["parts"])
-                ids, titles, texts = zip(*state["meta"])
+                ids, titles, texts, metadata = zip(*state["meta"])
                 assert len(chunk) == len(ids)
-                write_chunk(work_dir, index, chunk.cls, chunk.bow, chunk.counts, ids, titles, texts)
+                write_chunk(work_dir, index, chunk.cls, chunk.bow, chunk.counts, ids, titles, texts, metadata)
                 log.debug("chunk %d written (%d documents)", index, len(ids))
     return totals
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from espn.corpus import iter_corpus
 from espn.errors import CorpusError
+from espn.metadata import merge_types, value_type
 
 __all__ = ["CorpusScan", "scan_corpus"]
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class CorpusScan:
     documents: int  # documents the build will index (bad lines skipped with skip_bad)
     empty: int  # documents without title or text: indexed with no BOW vectors
+    metadata_fields: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> type
 
 
 def _hash(doc_id: str) -> int:
@@ -38,8 +40,17 @@ def scan_corpus(corpus: Path, skip_bad: bool = False) -> CorpusScan:
     """Parse every line; raise CorpusError naming the lines of the first repeated id."""
     hashes = array("Q")
     empty = 0
+    fields: dict[str, str] = {}  # one entry per metadata field, not per document
     for doc in iter_corpus(corpus, skip_bad=skip_bad):
         hashes.append(_hash(doc.doc_id))
+        if doc.metadata:
+            for name, value in doc.metadata.items():
+                try:
+                    kind = merge_types(fields.get(name), value_type(value))
+                except ValueError as exc:
+                    raise CorpusError(f"{corpus}:{doc.line}: metadata field {name!r} {exc}") from None
+                if kind is not None:
+                    fields[name] = kind
         if not (doc.title.strip() or doc.text.strip()):
             empty += 1
     values = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
@@ -50,7 +61,7 @@ def scan_corpus(corpus: Path, skip_bad: bool = False) -> CorpusScan:
     if empty:
         log.warning("%s: %d document(s) have no text; they are indexed with no BOW vectors "
                     "(fetchable by id, found only by their CLS vector)", corpus, empty)
-    return CorpusScan(documents=len(values), empty=empty)
+    return CorpusScan(documents=len(values), empty=empty, metadata_fields=fields)
 
 
 def _raise_duplicate(corpus: Path, skip_bad: bool, suspects: set[int]) -> None:

@@ -63,6 +63,9 @@ class SearchOptions(BaseModel):
     prefetch_waves: Optional[int] = Field(None, ge=1, le=1000, description="most prefetch waves (1 = one prefetch)")
     prefetch: Optional[bool] = Field(None, description="false: read candidates after the ANN (faster on small CPUs)")
     return_text: bool = Field(False, description="include each hit's title and text")
+    filter: Optional[dict[str, Any]] = Field(
+        None, description='metadata filter every hit satisfies, e.g. {"topic": "oceans", "year": {"gte": 2000}}; '
+                          'operators in, not_in, gt, gte, lt, lte, exists; and, or, not (see espn.filters)')
 
     def search_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for Searcher.search (None = index default)."""
@@ -148,6 +151,10 @@ class SearchStatsModel(BaseModel):
     # Defaults: the router still parses answers of shards that predate these fields (rolling upgrades).
     read_amplification: float = Field(default=1.0, description="documents read / documents re-ranked (1.0 = no waste)")
     engine: str = Field(default="", description="what moved the bytes: io_uring, aio, threads (posix) or the reader's name")
+    matched: Optional[int] = Field(default=None, description="documents the filter admits (absent without a filter)")
+    filter_path: Optional[str] = Field(
+        default=None, description="exact: every matching document scored; ivf: the matches' lists probed; "
+                                  "all: every document matches")
 
 
 class SearchResponse(BaseModel):

@@ -176,3 +176,21 @@ def test_bench_compact_assembles_every_setting_from_one_encode(tiny_index: Path,
     assert (tmp_path / "pool2-int8" / "embeddings.bin").stat().st_size < (tiny_index / "embeddings.bin").stat().st_size / 3
     (per_vector, _, error), (per_dim, _, _) = bench_compact.scale_errors(encoded, docs=50)
     assert per_vector.startswith("per vector") and per_dim == "per dimension" and 0 < error < 0.01
+
+
+def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -> None:
+    import shutil
+
+    from benchmarks import bench_filter
+    from benchmarks.make_synthetic import add_synthetic_metadata
+
+    index = tmp_path / "tiny-with-metadata"  # a copy: the session's tiny index stays as built
+    shutil.copytree(tiny_index, index)
+    add_synthetic_metadata(index)
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_filter.main(["--index", str(index), "--queries-npz", str(queries), "--quick"]) == 0
+    payload = _check(results, "bench_filter", capsys, png=False)
+    rows = payload["rows"]
+    assert len(rows) == 2 * (1 + 2 * 5)  # (unfiltered + 2 fields x 5 selectivities) x prefetch on/off
+    # 2,000 documents: the default nprobe scans every list, so every filtered search is exact.
+    assert all(r["recall"] >= 0.99 for r in rows), rows

@@ -2,8 +2,6 @@
 // (passage text goes in as textContent, never as HTML).
 "use strict";
 
-// Set to true once the server accepts "filter" on /v1/search (filtered search).
-const FILTERS_ENABLED = false;
 const KEY_STORAGE = "espn-api-key";
 
 const $ = (id) => document.getElementById(id);
@@ -34,7 +32,7 @@ function requestBody() {
     if (value !== null) body[name] = value;
   }
   const filter = $("filter").value.trim();
-  if (FILTERS_ENABLED && filter !== "") {
+  if (filter !== "") {
     try {
       body.filter = JSON.parse(filter);
     } catch (err) {
@@ -248,4 +246,3 @@ $("key-form").addEventListener("submit", (event) => {
   }
 });
 
-$("filter-row").hidden = !FILTERS_ENABLED;

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
 
+from espn.filters import canonical_filter
+
 from ..batching import BatchedResult
 from ..budget import check_budget
 from ..deps import AppState, get_state
@@ -67,7 +69,8 @@ async def _search(
     searcher = state.require_searcher()
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
-    params = searcher.params(**options.search_kwargs())
+    kwargs = options.search_kwargs()
+    params = searcher.params(**kwargs)
     if explain:
         from espn.explain import can_explain  # the searcher has loaded torch already
 
@@ -75,7 +78,14 @@ async def _search(
     settings = state.settings
     check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
                  max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
-    kwargs = {**options.search_kwargs(), "explain": True} if explain else options.search_kwargs()
+    if options.filter is not None:
+        # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
+        # cache off the event loop; the batch key carries its canonical text, so requests with
+        # the same filter share a batch and different filters never do.
+        await asyncio.to_thread(searcher.filtered_docs, options.filter)
+        kwargs["filter"] = canonical_filter(options.filter)
+    if explain:
+        kwargs["explain"] = True
     batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
@@ -111,19 +121,18 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
         if hit.explanation is not None:  # set only when asked: exclude_unset keeps other answers as they were
             hits[-1].explanation = ExplanationModel.model_validate(dataclasses.asdict(hit.explanation))
-    return SearchResponse(
-        query=query,
-        results=hits,
-        stats=SearchStatsModel(
-            stage_ms=stats.stage_ms,
-            queue_ms=round(item.queue_ms, 3),
-            batch_size=item.batch_size,
-            hit_rate=stats.hit_rate,
-            bytes_read=stats.bytes_read,
-            ios=stats.ios,
-            prefetched=stats.prefetched,
-            missed=stats.missed,
-            read_amplification=stats.read_amplification,
-            engine=stats.engine or reader_engine,  # a searcher that does not fill it: the reader's engine
-        ),
+    model = SearchStatsModel(
+        stage_ms=stats.stage_ms,
+        queue_ms=round(item.queue_ms, 3),
+        batch_size=item.batch_size,
+        hit_rate=stats.hit_rate,
+        bytes_read=stats.bytes_read,
+        ios=stats.ios,
+        prefetched=stats.prefetched,
+        missed=stats.missed,
+        read_amplification=stats.read_amplification,
+        engine=stats.engine or reader_engine,  # a searcher that does not fill it: the reader's engine
     )
+    if stats.matched is not None:  # set only when filtered: exclude_unset keeps other answers as they were
+        model.matched, model.filter_path = stats.matched, stats.filter_path
+    return SearchResponse(query=query, results=hits, stats=model)
