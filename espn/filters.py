@@ -30,7 +30,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar, Union
 import numpy as np
 
 from .errors import InvalidParameterError
-from .metadata import BooleanColumn, KeywordColumn, MetadataColumns, NumberColumn
+from .metadata import BooleanColumn, KeywordColumn, MetadataColumns, NumberColumn, SegmentedColumns
 
 __all__ = ["FilterError", "Condition", "And", "Or", "Not", "parse_filter", "compile_filter", "canonical_filter",
            "FilterCache", "MAX_FILTER_NODES", "MAX_FILTER_VALUES"]
@@ -184,8 +184,10 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def compile_filter(node: Node | None, columns: MetadataColumns) -> np.ndarray:
+def compile_filter(node: Node | None, columns: MetadataColumns | SegmentedColumns) -> np.ndarray:
     """[N] bool: the documents `node` admits (every document for None)."""
+    if isinstance(columns, SegmentedColumns):
+        return np.concatenate([compile_filter(node, part) for part in columns.parts])
     n = columns.num_documents
     if node is None:
         return np.ones(n, dtype=bool)

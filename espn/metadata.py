@@ -21,11 +21,12 @@ axis. A missing value and JSON `null` are the same thing.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from array import array
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -39,6 +40,9 @@ __all__ = [
     "MetadataWriter",
     "write_columns",
     "MetadataColumns",
+    "SegmentedColumns",
+    "add_from_passages",
+    "schema_of",
     "KeywordColumn",
     "KeywordsColumn",
     "NumberColumn",
@@ -236,6 +240,30 @@ class MetadataWriter:
                            for name, f in self.fields.items()]}
 
 
+def add_from_passages(writer: MetadataWriter, lines: Iterable[bytes], first: int = 0) -> None:
+    """Columns from passage JSON lines (docs.jsonl), which carry each document's metadata:
+    what the build, a live `add` and compaction all store, so all three agree."""
+    for i, line in enumerate(lines):
+        if b'"metadata"' in line:
+            meta = json.loads(line).get("metadata")
+            if meta:
+                writer.add(first + i, meta)
+
+
+def schema_of(sections: Sequence[Mapping[str, Any] | None]) -> dict[str, str]:
+    """Field name -> type over several segments' `metadata` sections; ValueError on a conflict."""
+    schema: dict[str, str] = {}
+    for section in sections:
+        for spec in (section or {}).get("fields", []):
+            try:
+                merged = merge_types(schema.get(spec["name"]), spec["type"])
+            except ValueError as exc:
+                raise ValueError(f"metadata field {spec['name']!r} {exc}") from None
+            assert merged is not None
+            schema[spec["name"]] = merged
+    return schema
+
+
 def write_columns(directory: Path, fields: list[tuple[str, str, dict[str, np.ndarray]]]) -> dict[str, Any]:
     """Save whole columns made elsewhere (e.g. synthetic ones): (name, type, {part: array}) each,
     with the parts of the table above. Returns the manifest's `metadata` section."""
@@ -374,3 +402,37 @@ class MetadataColumns:
                                         f"the index {n_docs} documents")
             fields[spec["name"]] = column
         return cls(fields, n_docs)
+
+    def with_fields(self, schema: Mapping[str, str]) -> "MetadataColumns":
+        """These columns plus an all-missing one for each field of `schema` they lack (a field
+        that only another segment's documents carry)."""
+        missing = {name: kind for name, kind in schema.items() if name not in self.fields}
+        if not missing:
+            return self
+        n = self.num_documents
+        fields = dict(self.fields)
+        for name, kind in missing.items():
+            empty = np.zeros(0, dtype="S1")
+            if kind == "keyword":
+                fields[name] = KeywordColumn(np.full(n, -1, dtype=np.int32), empty)
+            elif kind == "keywords":
+                fields[name] = KeywordsColumn(np.zeros(n + 1, dtype=np.int64), np.zeros(0, np.int32), empty)
+            elif kind in ("integer", "float"):
+                fields[name] = NumberColumn(kind, np.zeros(n, np.int64 if kind == "integer" else np.float64),
+                                            np.zeros(n, dtype=bool))
+            else:
+                fields[name] = BooleanColumn(np.full(n, -1, dtype=np.int8))
+        return MetadataColumns(fields, n)
+
+
+class SegmentedColumns:
+    """The columns of a live index's segments, one `MetadataColumns` each, in doc-number order.
+
+    A filter compiles per segment (each has its own keyword dictionaries) and the masks
+    concatenate: nothing is copied or re-coded when a segment is added.
+    """
+
+    def __init__(self, parts: Sequence[MetadataColumns], schema: Mapping[str, str]) -> None:
+        self.schema = dict(schema)
+        self.parts = [part.with_fields(self.schema) for part in parts]
+        self.num_documents = sum(part.num_documents for part in parts)

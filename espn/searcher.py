@@ -120,7 +120,7 @@ class Searcher:
             raise InvalidParameterError(f"min_hidden_ms must be a number >= 0, got {min_hidden_ms!r}")
         self.min_hidden_ms = float(min_hidden_ms)
         self._list_sizes = list_sizes(self.ann)
-        self.metadata = MetadataColumns.open(index.path, self.manifest)
+        self.metadata = view.metadata if view is not None else MetadataColumns.open(index.path, self.manifest)
         if isinstance(filter_cache_bytes, bool) or not isinstance(filter_cache_bytes, int) or filter_cache_bytes < 0:
             raise InvalidParameterError(f"filter_cache_bytes must be an integer >= 0, got {filter_cache_bytes!r}")
         # Compiled filters (mask + the matches' own IVF), least recently used out first.
@@ -287,6 +287,8 @@ class Searcher:
         if found is not None:
             return found
         mask = compile_filter(node, self.metadata)
+        if self.live is not None:  # deleted and replaced documents match nothing
+            mask &= self.live
         matches = int(np.count_nonzero(mask))
         if matches == self.num_documents:  # searched unfiltered; kept to report the count
             compiled = FilteredDocs(mask, matches, self._list_sizes, None)

@@ -34,6 +34,7 @@ import numpy as np
 from .ann import load_ivf
 from .errors import DocumentNotFoundError, IndexCorruptError
 from .index import DocStore, IdMap, IndexDirectory, sha256_file
+from .metadata import MetadataColumns, SegmentedColumns, schema_of
 from .results import Document
 
 __all__ = [
@@ -69,16 +70,22 @@ class SegmentInfo:
     embeddings: tuple[int, int]
     embeddings_sha256: str
     files: dict[str, dict[str, Any]]
+    #: The segment's `metadata` section (its columns under seg-N/metadata/), None: no metadata.
+    metadata: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "first": self.first, "documents": self.documents,
-                "embeddings": list(self.embeddings), "embeddings_sha256": self.embeddings_sha256, "files": self.files}
+                "embeddings": list(self.embeddings), "embeddings_sha256": self.embeddings_sha256, "files": self.files,
+                "metadata": self.metadata}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "SegmentInfo":
         start, stop = obj["embeddings"]
         return cls(obj["name"], int(obj["first"]), int(obj["documents"]), (int(start), int(stop)),
-                   obj["embeddings_sha256"], obj["files"])
+                   obj["embeddings_sha256"], obj["files"], obj.get("metadata"))
+
+    def columns(self, directory: Path) -> MetadataColumns:
+        return MetadataColumns.open(directory, {"counts": {"documents": self.documents}, "metadata": self.metadata})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +328,8 @@ class LiveView:
     ids: SegmentedIdMap
     docs: SegmentedDocStore
     live: np.ndarray | None
+    #: The metadata columns of every segment (filters compile over them).
+    metadata: MetadataColumns | SegmentedColumns
     _lock_fd: int | None = None
 
     @property
@@ -349,6 +358,14 @@ def _check_segment(directory: Path, info: SegmentInfo, embeddings: Path, verify:
         raise IndexCorruptError(f"{embeddings}: segment {info.name}'s records fail their checksum")
 
 
+def generation_schema(base: IndexDirectory, generation: Generation) -> dict[str, str]:
+    """Metadata field -> type over the base and every delta of a generation (from the manifests only)."""
+    try:
+        return schema_of([base.manifest.get("metadata")] + [info.metadata for info in generation.segments])
+    except ValueError as exc:
+        raise IndexCorruptError(f"{base.path}: {exc}") from None
+
+
 def open_view(root: Path | str, verify: str = "auto") -> LiveView:
     """Open the current generation of the index at `root` and hold it until `close()`.
 
@@ -366,6 +383,7 @@ def open_view(root: Path | str, verify: str = "auto") -> LiveView:
         maps = [IdMap(base.load_array("ids.npy"), base.load_array("ids_sorted.npy"))]
         stores = [DocStore(base.file("docs.jsonl"), base.load_array("docs_offsets.npy"))]
         firsts = [0]
+        columns = [MetadataColumns.open(base.path, base.manifest)]
         seg_verify = {"auto": "full", "full": "full", "fast": "fast", "none": "none"}.get(verify, verify)
         for info in generation.segments:
             directory = root / LIVE_DIR / info.name
@@ -377,6 +395,7 @@ def open_view(root: Path | str, verify: str = "auto") -> LiveView:
             maps.append(IdMap(seg.load_array("ids.npy"), seg.load_array("ids_sorted.npy")))
             stores.append(DocStore(directory / "docs.jsonl", seg.load_array("docs_offsets.npy")))
             firsts.append(info.first)
+            columns.append(info.columns(directory))
         deleted = read_deleted(root, generation)
         all_records = records[0] if len(records) == 1 else np.concatenate(records)
         ann = stack_ivf(ann_parts)
@@ -384,7 +403,9 @@ def open_view(root: Path | str, verify: str = "auto") -> LiveView:
             raise IndexCorruptError(f"{root}: generation {generation.number} counts {generation.total} documents, "
                                     f"its files {ann.ntotal} vectors and {len(all_records)} records")
         return LiveView(root, generation, base, ann, all_records, SegmentedIdMap(maps, firsts, deleted),
-                        SegmentedDocStore(stores, firsts), None if deleted is None else ~deleted, fd)
+                        SegmentedDocStore(stores, firsts), None if deleted is None else ~deleted,
+                        columns[0] if len(columns) == 1 else SegmentedColumns(columns, generation_schema(base, generation)),
+                        fd)
     except BaseException:
         os.close(fd)
         raise

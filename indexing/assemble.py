@@ -7,7 +7,6 @@ arrays sized by the corpus are numpy memmaps.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -22,10 +21,10 @@ import numpy as np
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, write_manifest
-from espn.metadata import MetadataWriter
+from espn.metadata import MetadataWriter, add_from_passages
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
-from .chunks import Chunk, chunk_path, read_chunk, unpack_strings
+from .chunks import Chunk, chunk_path, read_chunk
 from .workdir import WorkDir
 
 __all__ = ["assemble", "publish", "default_search_params"]
@@ -185,12 +184,10 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
 
 def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:
     """Metadata columns from the chunk's document lines (only chunks that carry any are parsed)."""
-    if b'"metadata"' not in chunk.docs_blob.tobytes():
-        return
-    for i, line in enumerate(unpack_strings(chunk.docs_blob, chunk.docs_offsets)):
-        meta = json.loads(line).get("metadata")
-        if meta:
-            writer.add(first + i, meta, where=f"document {bytes(chunk.ids[i]).decode('utf-8')!r}")
+    if b'"metadata"' in chunk.docs_blob.tobytes():
+        blob = chunk.docs_blob.tobytes()
+        offsets = chunk.docs_offsets.tolist()
+        add_from_passages(writer, (blob[a:b] for a, b in zip(offsets[:-1], offsets[1:])), first)
 
 
 def publish(staging: Path, out: Path, force: bool) -> None:

@@ -42,6 +42,7 @@ from espn.segments import (
     open_view,
     read_current,
 )
+from espn.metadata import MetadataWriter, add_from_passages, check_metadata, schema_of
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
@@ -298,6 +299,13 @@ class LiveIndex:
         records = np.empty(n, dtype=RECORD_DTYPE)
         ids = np.concatenate([c.ids for c in chunks]) if chunks else np.zeros(0, "S1")
         cls = np.concatenate([c.cls for c in chunks]).astype(np.float32)
+        lines = []
+        for c in chunks:
+            blob = c.docs_blob.tobytes()
+            lines += [blob[c.docs_offsets[i] : c.docs_offsets[i + 1]] for i in range(len(c))]
+        if metadata is not None:
+            lines = [_with_metadata(line, meta) for line, meta in zip(lines, metadata)]
+        columns = self._write_columns(staging, lines, base, current)
         start = current.embeddings_bytes
         # Truncates any unpublished tail first (a crashed writer's), then appends block-aligned.
         with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start) as writer:
@@ -310,12 +318,6 @@ class LiveIndex:
         np.save(staging / "records.npy", records)
         np.save(staging / "ids.npy", ids)
         np.save(staging / "ids_sorted.npy", np.argsort(ids, kind="stable"))
-        lines = []
-        for c in chunks:
-            blob = c.docs_blob.tobytes()
-            lines += [blob[c.docs_offsets[i] : c.docs_offsets[i + 1]] for i in range(len(c))]
-        if metadata is not None:
-            lines = [_with_metadata(line, meta) for line, meta in zip(lines, metadata)]
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(line) for line in lines], out=offsets[1:])
         (staging / "docs.jsonl").write_bytes(b"".join(lines))
@@ -323,17 +325,33 @@ class LiveIndex:
         ann = empty_ivf(load_ivf(base.file("ann.faiss")))
         ann.add_with_ids(cls, np.arange(first, first + n, dtype=np.int64))
         faiss.write_index(ann, str(staging / "ann.faiss"))
-        for file in SEGMENT_FILES:
-            _fsync_file(staging / file)
+        for path in [*(staging / f for f in SEGMENT_FILES), *(staging / "metadata").glob("*.npy")]:
+            _fsync_file(path)
+        if (staging / "metadata").is_dir():
+            fsync_dir(staging / "metadata")
         fsync_dir(staging)
         final = self.live_dir / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         fsync_dir(self.live_dir)
         _checkpoint("segment")
+        column_files = sorted(str(p.relative_to(final)) for p in (final / "metadata").glob("*.npy"))
         info = SegmentInfo(name, first, n, (start, stop), sha256_file(base.file("embeddings.bin"), start, stop),
-                           _file_entries(final, SEGMENT_FILES))
+                           _file_entries(final, [*SEGMENT_FILES, *column_files]), columns)
         return info, [bytes(i).decode("utf-8") for i in ids]
+
+    def _write_columns(self, staging: Path, lines: list[bytes], base: IndexDirectory,
+                       current: Generation) -> dict[str, Any] | None:
+        """The segment's metadata columns, from its passages; refused (before anything is
+        appended) when a field's type conflicts with the one the index already holds."""
+        writer = MetadataWriter(staging, len(lines))
+        add_from_passages(writer, lines)
+        section = writer.finish()
+        try:
+            schema_of([base.manifest.get("metadata"), *(info.metadata for info in current.segments), section])
+        except ValueError as exc:
+            raise InvalidParameterError(str(exc)) from None
+        return section
 
     def _write_deleted(self, deleted: np.ndarray, number: int) -> dict[str, Any] | None:
         count = int(deleted.sum())
@@ -409,6 +427,7 @@ class LiveIndex:
                 reader.close()
             _checkpoint("compact-records")
             self._copy_ids_and_docs(view, keep, ids, staging)
+            columns = _columns_from_docs(staging, n)
             records.flush()
             ids.flush()
             del records
@@ -421,14 +440,20 @@ class LiveIndex:
             manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
             manifest["store"] = {**store, "file_bytes": file_bytes}
             manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
+            manifest.pop("metadata", None)
+            if columns is not None:
+                manifest["metadata"] = columns
             carried = int(base.manifest.get("compacted", {}).get("added_since_fit", 0))
             from_deltas = int((keep >= current.base_documents).sum())
             manifest["compacted"] = {"from_generation": current.number, "added_since_fit": carried + from_deltas}
         finally:
             view.close()
         write_manifest(staging, manifest)
-        for file in ("records.npy", "ids.npy", "ids_sorted.npy", "ann.faiss", "docs_offsets.npy"):
-            _fsync_file(staging / file)
+        compacted_files = ("records.npy", "ids.npy", "ids_sorted.npy", "ann.faiss", "docs_offsets.npy")
+        for path in [*(staging / f for f in compacted_files), *(staging / "metadata").glob("*.npy")]:
+            _fsync_file(path)
+        if (staging / "metadata").is_dir():
+            fsync_dir(staging / "metadata")
         fsync_dir(staging)
         _checkpoint("compact-staged")
         final = self.live_dir / name
@@ -556,6 +581,20 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _columns_from_docs(directory: Path, n_docs: int, block: int = 65536) -> dict[str, Any] | None:
+    """Metadata columns of a compacted base from its docs.jsonl (which carries every document's
+    metadata), read in bounded blocks of lines; returns the manifest's `metadata` section."""
+    writer = MetadataWriter(directory, n_docs)
+    offsets = np.load(directory / "docs_offsets.npy")
+    blob = np.memmap(directory / "docs.jsonl", dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, np.uint8)
+    for first in range(0, n_docs, block):
+        bounds = offsets[first : min(first + block, n_docs) + 1].tolist()
+        data = blob[bounds[0] : bounds[-1]].tobytes()
+        add_from_passages(writer, (data[a - bounds[0] : b - bounds[0]] for a, b in zip(bounds[:-1], bounds[1:])), first)
+    del blob
+    return writer.finish()
+
+
 def _with_metadata(line: bytes, metadata: dict[str, Any]) -> bytes:
     if not metadata:
         return line
@@ -581,8 +620,10 @@ def _validate_documents(documents: Sequence[NewDocument]) -> None:
         if len(d.text) + len(d.title) > MAX_TEXT_CHARS:
             raise InvalidParameterError(f"document {d.doc_id!r}: title and text hold {len(d.text) + len(d.title)} "
                                         f"characters; at most {MAX_TEXT_CHARS}")
-        if d.metadata is not None and not isinstance(d.metadata, Mapping):
-            raise InvalidParameterError(f"document {d.doc_id!r}: metadata must be an object")
+        try:
+            check_metadata(None if d.metadata is None else d.metadata)
+        except ValueError as exc:
+            raise InvalidParameterError(f"document {d.doc_id!r}: {exc}") from None
 
 
 def iter_ids_file(path: Path) -> Iterator[str]:

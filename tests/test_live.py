@@ -287,3 +287,45 @@ def test_cli_add_delete_stats(index: Path, tmp_path: Path) -> None:
     with Searcher.open(index) as searcher:
         assert _ids(searcher, "erupting volcano lava", k=1) == ["cli-1"]
         assert searcher.document("s0003").doc_id == "s0003"
+
+
+def test_filters_follow_writes_and_compaction(index: Path, encoder: Encoder) -> None:
+    """Metadata of added documents becomes columns of their segment; a filter compiles over every
+    segment, never matches a deleted or replaced version, and holds after compaction."""
+    with Searcher.open(index) as before:
+        astronomy = set(np.flatnonzero(before.filtered_docs({"topic": "astronomy"}).mask))
+        assert 0 < len(astronomy) < 300
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([
+            NewDocument("new-1", "A purple elephant is dancing on the moon tonight.",
+                        metadata={"topic": "circus", "year": 2031, "venue": "big top"}),
+            NewDocument("s0001", "Cooking pasta with fresh tomatoes and basil.", metadata={"topic": "test-kitchen"}),
+        ])
+        writer.delete(["s0003"])
+        generation = writer.current().number
+        with pytest.raises(InvalidParameterError, match="year"):  # an integer field given a keyword
+            writer.upsert([NewDocument("new-2", "Another text.", metadata={"year": "last year"})])
+        with pytest.raises(InvalidParameterError, match="metadata"):
+            writer.upsert([NewDocument("new-3", "Another text.", metadata={"year": {"nested": 1}})])
+        assert writer.current().number == generation  # nothing published by the refused writes
+
+    def check(searcher: Searcher) -> None:
+        for spec, expected in [({"topic": "circus"}, {"new-1"}), ({"year": {"gte": 2030}}, {"new-1"}),
+                               ({"venue": {"exists": True}}, {"new-1"}), ({"topic": "test-kitchen"}, {"s0001"})]:
+            result = searcher.search(["moon"], k=5, filter=spec)[0]
+            assert {h.doc_id for h in result.hits} == expected and result.stats.matched == len(expected), spec
+        # s0001 was astronomy before its replacement, s0003 is deleted: neither matches any more.
+        hits = searcher.search(["sun stars planets"], k=300, filter={"topic": "astronomy"})[0].hits
+        got = {h.doc_id for h in hits}
+        assert "s0001" not in got and "s0003" not in got and len(got) >= len(astronomy) - 2
+        not_circus = searcher.filtered_docs({"not": {"topic": "circus"}})
+        assert not_circus is not None and not_circus.matches == 300 - 1  # 300 live documents, one circus
+
+    with Searcher.open(index) as searcher:
+        assert searcher.generation == generation
+        check(searcher)
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.compact()
+    with Searcher.open(index) as searcher:
+        assert searcher.live is None and searcher.num_documents == 300
+        check(searcher)
