@@ -287,7 +287,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             best_w, best = float(w), value
     print(f"best w = {best_w:.2f} ({args.measure} {best:.4f} on {len(heads)} queries; was {searcher.weight:.2f})")
     if not args.dry_run:
-        update_manifest(args.index, score={**searcher.manifest["score"], "w": best_w, "calibrated": True,
+        # The manifest of the base the searcher serves: after a live index's compaction that is
+        # live/base-N, whose manifest the next compaction carries forward.
+        update_manifest(searcher.index.path, score={**searcher.manifest["score"], "w": best_w, "calibrated": True,
                                            "calibrated_on": str(Path(args.qrels).absolute())})
     return 0
 
