@@ -24,6 +24,7 @@ __all__ = [
     "IdMap",
     "DocStore",
     "sha256_file",
+    "fsync_path",
     "write_manifest",
     "read_manifest",
 ]
@@ -38,6 +39,15 @@ FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.np
 #: Below this total size `verify="auto"` hashes every file on open; above it only sizes
 #: and the small files (hashing tens of GB at every start would take minutes).
 FULL_VERIFY_LIMIT = 2 << 30
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:

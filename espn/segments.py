@@ -33,7 +33,7 @@ import numpy as np
 
 from .ann import load_ivf
 from .errors import DocumentNotFoundError, IndexCorruptError
-from .index import DocStore, IdMap, IndexDirectory, sha256_file
+from .index import DocStore, IdMap, IndexDirectory, fsync_path, sha256_file
 from .metadata import MetadataColumns, SegmentedColumns, schema_of
 from .results import Document
 
@@ -50,7 +50,6 @@ __all__ = [
     "empty_ivf",
     "stack_ivf",
     "read_deleted",
-    "fsync_dir",
     "current_token",
 ]
 
@@ -134,14 +133,6 @@ class Generation:
         if self.deleted:
             names.add(f"{LIVE_DIR}/{self.deleted['file']}")
         return names
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _generation_zero(root: Path) -> Generation:

@@ -20,7 +20,7 @@ import numpy as np
 
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.errors import CorpusError, IndexExistsError
-from espn.index import FORMAT_VERSION, write_manifest
+from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
@@ -192,7 +192,7 @@ def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:
 
 def publish(staging: Path, out: Path, force: bool) -> None:
     """Move a finished staging directory to `out` by rename; an old index is replaced only with force."""
-    _fsync_dir(staging)
+    fsync_path(staging)
     if out.exists():
         if not force:
             raise IndexExistsError(f"{out} exists; pass --force to replace it")
@@ -203,12 +203,4 @@ def publish(staging: Path, out: Path, force: bool) -> None:
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, out)
-    _fsync_dir(out.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out.parent)

@@ -30,7 +30,7 @@ import numpy as np
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
 from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
-from espn.index import IndexDirectory, read_manifest, sha256_file, write_json_atomic, write_manifest
+from espn.index import FILES, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic, write_manifest
 from espn.segments import (
     LIVE_DIR,
     SEGMENT_FILES,
@@ -38,10 +38,10 @@ from espn.segments import (
     LiveView,
     SegmentInfo,
     empty_ivf,
-    fsync_dir,
     open_view,
     read_current,
 )
+from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.metadata import MetadataWriter, add_from_passages, check_metadata, schema_of
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
@@ -97,14 +97,6 @@ class CompactionPolicy:
 
 #: Test hook: called with a step name at each point a crash test kills the writer.
 _checkpoint: Callable[[str], None] = lambda step: None
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _file_entries(directory: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -326,14 +318,14 @@ class LiveIndex:
         ann.add_with_ids(cls, np.arange(first, first + n, dtype=np.int64))
         faiss.write_index(ann, str(staging / "ann.faiss"))
         for path in [*(staging / f for f in SEGMENT_FILES), *(staging / "metadata").glob("*.npy")]:
-            _fsync_file(path)
+            fsync_path(path)
         if (staging / "metadata").is_dir():
-            fsync_dir(staging / "metadata")
-        fsync_dir(staging)
+            fsync_path(staging / "metadata")
+        fsync_path(staging)
         final = self.live_dir / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        fsync_dir(self.live_dir)
+        fsync_path(self.live_dir)
         _checkpoint("segment")
         column_files = sorted(str(p.relative_to(final)) for p in (final / "metadata").glob("*.npy"))
         info = SegmentInfo(name, first, n, (start, stop), sha256_file(base.file("embeddings.bin"), start, stop),
@@ -376,7 +368,7 @@ class LiveIndex:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.live_dir / "CURRENT")
-        fsync_dir(self.live_dir)
+        fsync_path(self.live_dir)
         _checkpoint("published")
         log.info("published generation %d (%d segments, %d live documents)", generation.number,
                  len(generation.segments), generation.live_documents)
@@ -451,15 +443,15 @@ class LiveIndex:
         write_manifest(staging, manifest)
         compacted_files = ("records.npy", "ids.npy", "ids_sorted.npy", "ann.faiss", "docs_offsets.npy")
         for path in [*(staging / f for f in compacted_files), *(staging / "metadata").glob("*.npy")]:
-            _fsync_file(path)
+            fsync_path(path)
         if (staging / "metadata").is_dir():
-            fsync_dir(staging / "metadata")
-        fsync_dir(staging)
+            fsync_path(staging / "metadata")
+        fsync_path(staging)
         _checkpoint("compact-staged")
         final = self.live_dir / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        fsync_dir(self.live_dir)
+        fsync_path(self.live_dir)
         _checkpoint("compact-renamed")
         self._commit(Generation(number, f"{LIVE_DIR}/{name}", n, file_bytes, (), None, _now()))
         return WriteResult(number)
@@ -528,13 +520,15 @@ class LiveIndex:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
                 removed.append(name)
         if not root_in_use:
-            for file in ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl",
-                         "docs_offsets.npy"):
+            for file in FILES:
                 if (self.root / file).exists():
                     (self.root / file).unlink()
                     removed.append(file)
+            if (self.root / METADATA_DIR).is_dir():  # the first base's columns
+                shutil.rmtree(self.root / METADATA_DIR)
+                removed.append(METADATA_DIR)
         if removed:
-            fsync_dir(self.live_dir)
+            fsync_path(self.live_dir)
             log.info("removed %s", ", ".join(removed))
         return removed
 
@@ -542,28 +536,20 @@ class LiveIndex:
 def _remove_if_unused(path: Path) -> bool:
     """Unlink a generation file unless a reader holds it; under the exclusive lock, so a reader
     locking it afterwards finds it gone and opens the current one instead."""
+    return _unused(path, unlink=True)
+
+
+def _unused(path: Path, unlink: bool = False) -> bool:
+    """True when no reader holds a shared lock on `path` (taken and dropped at once; with
+    `unlink`, the file is removed while the lock is held)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        path.unlink()
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _unused(path: Path) -> bool:
-    """True when no reader holds a shared lock on `path` (taken and dropped at once)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if unlink:
+            path.unlink()
         return True
     except BlockingIOError:
         return False
