@@ -60,7 +60,9 @@ def test_explained_spans_point_into_the_returned_text(client: httpx.Client) -> N
         "results"][0]
     words = {m["token"]: [hit[s["field"]][s["start"]:s["end"]] for s in m["spans"] if s["field"] != "joiner"]
              for m in hit["explanation"]["matches"]}
-    assert words["moon"] == ["Moon"] and words["eclipse"] == ["eclipse"]  # the same word, in the passage
+    # The same word, in the passage (a vector pooled at index time may also cover its neighbours).
+    assert "Moon" in words["moon"] and "eclipse" in words["eclipse"]
+    assert all(text.strip() for texts in words.values() for text in texts)
 
 
 @pytest.mark.parametrize("body, message", [
