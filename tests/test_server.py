@@ -25,7 +25,7 @@ import pytest
 from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
-from server_fixtures import running_server
+from server_fixtures import ServerProcess, running_server
 
 API_KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -422,6 +422,30 @@ def test_concurrent_clients_match_serial(client: httpx.Client, server) -> None:
     assert max(batch_sizes) > 1, "concurrent requests were never micro-batched"
 
 
+def _sigterm_during_a_long_batch(server: ServerProcess) -> httpx.Response:
+    """SIGTERM the server while a 256-query batch is in flight; that batch's response."""
+    base = server.base_url
+    outcome: dict[str, httpx.Response] = {}
+
+    def long_request() -> None:
+        body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
+        outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{base}/metrics").text
+        if _metric(text, "espn_http_requests_in_flight", endpoint="/v1/search/batch") >= 1:
+            break
+        time.sleep(0.005)
+    else:
+        pytest.fail("the batch request never showed as in flight")
+    os.kill(server.pid, signal.SIGTERM)
+    thread.join(120)
+    return outcome["response"]
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     total = 0.0
@@ -494,25 +518,7 @@ def test_workers_share_metrics_and_drain_on_sigterm(sample_index: Path, tmp_path
         assert cors.headers["access-control-allow-origin"] == "https://app.example"
 
         # A long batch is in flight when SIGTERM arrives: it must still complete.
-        outcome: dict[str, Any] = {}
-
-        def long_request() -> None:
-            body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
-            outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            text = httpx.get(f"{base}/metrics").text
-            if _metric(text, "espn_http_requests_in_flight", endpoint="/v1/search/batch") >= 1:
-                break
-            time.sleep(0.005)
-        else:
-            pytest.fail("the batch request never showed as in flight")
-        os.kill(server.pid, signal.SIGTERM)
-        thread.join(120)
-        response = outcome["response"]
+        response = _sigterm_during_a_long_batch(server)
         assert response.status_code == 200, response.text[:300]
         assert len(response.json()["responses"]) == 256
         assert server.process.wait(60) == 0
@@ -592,26 +598,9 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
 
 def test_shutdown_past_the_grace_period_answers_503_and_exits_0(sample_index: Path, tmp_path: Path) -> None:
     with running_server(sample_index, tmp_path, "--graceful-timeout", "1", name="deadline") as server:
-        base = server.base_url
-        outcome: dict[str, Any] = {}
-
-        def long_request() -> None:
-            body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
-            outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
-
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if _metric(httpx.get(f"{base}/metrics").text, "espn_http_requests_in_flight",
-                       endpoint="/v1/search/batch") >= 1:
-                break
-            time.sleep(0.005)
-        os.kill(server.pid, signal.SIGTERM)
-        thread.join(120)
+        response = _sigterm_during_a_long_batch(server)
         assert server.process.wait(60) == 0
         log = server.log()
-    response = outcome["response"]
     assert response.status_code == 503, response.text[:300]
     assert response.json()["error"] == "shutting_down"
     assert "Traceback" not in log and "CancelledError" not in log
