@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import faiss
 import numpy as np
 import torch
 
@@ -100,6 +101,9 @@ class Searcher:
                 raise InvalidParameterError(f"{index.path}: ann/records/manifest disagree on the document count")
             self.ids = IdMap(index.load_array("ids.npy"), index.load_array("ids_sorted.npy"))
             self.docs = DocStore(index.file("docs.jsonl"), index.load_array("docs_offsets.npy"))
+        # The live bitmap is packed for FAISS once per generation, not once per search.
+        self._live_selector = None if self.live is None else bitmap_selector(self.live)
+        self._live_count = len(self.records) if self.live is None else int(np.count_nonzero(self.live))
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._reopen: dict[str, Any] = {}
         self._token = (0, 0)
@@ -290,7 +294,7 @@ class Searcher:
         if self.live is not None:  # deleted and replaced documents match nothing
             mask &= self.live
         matches = int(np.count_nonzero(mask))
-        if matches == self.num_documents:  # searched unfiltered; kept to report the count
+        if matches == self._live_count:  # searched unfiltered; kept to report the count
             compiled = FilteredDocs(mask, matches, self._list_sizes, None)
         elif matches * (self.ann.code_size + 8) + mask.nbytes <= self._filters.max_bytes:
             sub, counts = subset_ivf(self.ann, mask)
@@ -326,14 +330,24 @@ class Searcher:
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
         unfiltered search scans codes (`espn.filtered`)."""
-        if self.live is not None:  # deleted and replaced documents, whatever the caller allows
-            allowed = self.live if allowed is None else allowed & self.live
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
-        restricted = filtered if filtered is not None and filtered.matches < n_docs else None
-        if restricted is not None and restricted.ivf is None:
-            allowed = restricted.mask if allowed is None else allowed & restricted.mask
-        selector = None if allowed is None else bitmap_selector(allowed)
+        restricted = filtered if filtered is not None and filtered.matches < self._live_count else None
+        # Deleted and replaced documents are out whatever the caller allows; a filter's mask and
+        # sub-index exclude them already.
+        selector: faiss.IDSelector | None
+        if allowed is not None:
+            if self.live is not None:
+                allowed = allowed & self.live
+            if restricted is not None and restricted.ivf is None:
+                allowed = allowed & restricted.mask
+            selector = bitmap_selector(allowed)
+        elif restricted is None:
+            selector = self._live_selector
+        elif restricted.ivf is None:
+            selector = bitmap_selector(restricted.mask)
+        else:
+            selector = None  # the sub-index holds the filter's live matches only
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
         queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
                                 torch.from_numpy(np.asarray(q.mask, dtype=bool)))
