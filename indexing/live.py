@@ -607,7 +607,7 @@ def _validate_documents(documents: Sequence[NewDocument]) -> None:
             raise InvalidParameterError(f"document {d.doc_id!r}: title and text hold {len(d.text) + len(d.title)} "
                                         f"characters; at most {MAX_TEXT_CHARS}")
         try:
-            check_metadata(None if d.metadata is None else d.metadata)
+            check_metadata(d.metadata)
         except ValueError as exc:
             raise InvalidParameterError(f"document {d.doc_id!r}: {exc}") from None
 
