@@ -16,6 +16,18 @@ SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / 
 SAMPLE_CORPUS = ROOT / "espn" / "data" / "sample_corpus.jsonl"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def strict_buffer_ownership() -> Iterator[None]:
+    """Every test runs under the strict ownership policy: a read buffer given back to its pool
+    while a read still targets it raises OwnershipError, and given-back buffers carry a canary
+    that is checked when they are handed out again (see espn/store/engines/base.py)."""
+    from espn.store.engines import OwnershipPolicy, set_ownership_policy
+
+    previous = set_ownership_policy(OwnershipPolicy(strict=True, canary=True))
+    yield
+    set_ownership_policy(previous)
+
+
 @pytest.fixture(scope="session")
 def scifact_dir() -> Path:
     if not (SCIFACT / "corpus.jsonl.gz").is_file():

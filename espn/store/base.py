@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import functools
 import logging
 import mmap
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
+from .engines import base as _engines
+from .engines.base import CANARY, ReturnGuard, StoreClosedError
 from .format import RECORD_DTYPE, StoreLayout, dequantize_int8, record_nbytes
 
 __all__ = [
@@ -113,7 +116,12 @@ class Fetch(abc.ABC):
         """Wait for the read; (buffer, starts, bytes_read, ios) as `Reader._fetch` returns them."""
 
     def release(self) -> None:
-        """The buffer has been parsed: give it back (pooled backends)."""
+        """The buffer has been parsed, or is abandoned: give it back (pooled backends) once no
+        read targets it any more (drain it first, or quarantine it). Idempotent."""
+
+    def cancel(self) -> None:
+        """Withdraw what has not been handed to the storage yet (a search being abandoned);
+        `complete` or `release` still reaps the rest."""
 
 
 class _DeferredFetch(Fetch):
@@ -165,8 +173,12 @@ class PendingRead:
                     raise
                 return part
 
-            self._parts.append(_Part(np.zeros(0, np.int64), np.zeros(0, np.int64), None,
-                                     future=executor.submit(start_and_wait)))
+            try:
+                future = executor.submit(start_and_wait)
+            except RuntimeError:  # the executor is shut down (its owner is closing): read here instead
+                self._parts.append(_Part(*self._reader._start(doc_numbers)))
+                return self
+            self._parts.append(_Part(np.zeros(0, np.int64), np.zeros(0, np.int64), None, future=future))
         return self
 
     def wait(self) -> None:
@@ -187,14 +199,17 @@ class PendingRead:
         return self._result
 
     def discard(self) -> None:
-        """Wait for the reads without parsing them (a search that failed part-way)."""
+        """Cancel what has not gone to the storage yet and wait for the rest without parsing
+        it (a search that failed part-way, or was abandoned). Cancellations are not errors."""
         parts, self._parts = self._parts, []
         try:
+            for part in parts:
+                part.cancel()
             error = _wait_all(parts)  # every read must finish before the buffers go back
         finally:
             for part in parts:
                 part.release()
-        if error is not None:
+        if error is not None and getattr(error, "errno", None) != errno.ECANCELED:
             raise error
 
 
@@ -212,11 +227,19 @@ class _Part:
     def wait(self) -> tuple[Buffer, np.ndarray, int, int] | None:
         if self.future is not None:
             future, self.future = self.future, None
+            if future.cancelled():  # cancelled before it started: nothing was read
+                return None
             ran: _Part = future.result()  # re-raises the worker's error
             self.docs, self.n_bow, self.fetch, self.done = ran.docs, ran.n_bow, ran.fetch, ran.done
         if self.done is None and self.fetch is not None:
             self.done = self.fetch.complete()
         return self.done
+
+    def cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()  # not started yet: it never will be
+        elif self.fetch is not None and self.done is None:
+            self.fetch.cancel()
 
     def release(self) -> None:
         if self.future is not None:  # abandoned: the worker's read must end before its buffer goes back
@@ -258,12 +281,28 @@ def _pick(parts: list[_Part], select: np.ndarray) -> list[np.ndarray]:
     return picks
 
 
+def _mmap_span(buf: mmap.mmap) -> tuple[int, int]:
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]), len(buf)
+
+
+def _mmap_fill(buf: mmap.mmap) -> None:
+    np.frombuffer(buf, dtype=np.uint8).fill(CANARY)
+
+
+def _mmap_intact(buf: mmap.mmap) -> bool:
+    return bool((np.frombuffer(buf, dtype=np.uint8) == CANARY).all())
+
+
 class BufferPool:
     """Page-aligned anonymous buffers, reused across reads.
 
     A fresh mapping costs a page fault per 4 KiB on first touch; reusing buffers keeps that
     off the read path. Buffers are kept in power-of-two size classes up to `retain_bytes`
     in total; beyond that a released buffer is dropped.
+
+    Every buffer that comes back passes the ownership check (`engines.base.ReturnGuard`):
+    one that a read in flight still targets is quarantined, never reused, until the read
+    drains (an OwnershipError under the strict policy, unless the caller said so).
     """
 
     MIN_BYTES = 1 << 16
@@ -272,30 +311,72 @@ class BufferPool:
         self.retain_bytes = retain_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
         self._retained = 0
+        self._in_use = 0
         self._lock = threading.Lock()
+        self._guard = ReturnGuard("host read buffer", _mmap_span, _mmap_fill, _mmap_intact)
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
         return max(BufferPool.MIN_BYTES, 1 << (max(1, nbytes) - 1).bit_length())
 
     def acquire(self, nbytes: int) -> mmap.mmap:
+        if self._guard.quarantined:
+            for buf in self._guard.reclaim():
+                self._keep(buf)
         size = self._size_class(nbytes)
         with self._lock:
+            self._in_use += 1
             free = self._free.get(size)
             if free:
                 self._retained -= size
-                return free.pop()
-        return mmap.mmap(-1, size)
+                buf = free.pop()
+            else:
+                buf = None
+        if buf is None:
+            return mmap.mmap(-1, size)
+        try:
+            self._guard.handing_out(buf)
+        except BaseException:
+            with self._lock:
+                self._in_use -= 1
+            raise
+        return buf
 
-    def release(self, buf: mmap.mmap) -> None:
+    def release(self, buf: mmap.mmap, in_flight: bool = False) -> None:
+        """Give `buf` back. in_flight: the caller knows reads may still target it (a failure
+        it could not drain): it is quarantined until they have drained, without an error."""
+        with self._lock:
+            self._in_use -= 1
+        if self._guard.give_back(buf, known_in_flight=in_flight):
+            self._keep(buf)
+
+    def _keep(self, buf: mmap.mmap) -> None:
         size = len(buf)
         with self._lock:
             if size == self._size_class(size) and self._retained + size <= self.retain_bytes:
                 self._free.setdefault(size, []).append(buf)
                 self._retained += size
+                return
+        self._guard.forget(buf)
+
+    def check(self) -> None:
+        """Check that no free buffer changed since it came back (canary policy; tests)."""
+        with self._lock:
+            free = [b for bufs in self._free.values() for b in bufs]
+        self._guard.check(free)
+
+    def stats(self) -> dict[str, int]:
+        """free buffers, bytes they hold, buffers handed out and not back, quarantined ones."""
+        with self._lock:
+            free = sum(len(b) for b in self._free.values())
+            retained, in_use = self._retained, self._in_use
+        return {"free": free, "retained_bytes": retained, "in_use": in_use, "quarantined": self._guard.quarantined}
 
     def clear(self) -> None:
         with self._lock:
+            for bufs in self._free.values():
+                for buf in bufs:
+                    self._guard.forget(buf)
             self._free.clear()
             self._retained = 0
 
@@ -509,7 +590,7 @@ class Reader(abc.ABC):
     def _start(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
         """Validate, look up the records and start their fetch: (docs, n_bow, fetch or None)."""
         if self.closed:
-            raise ValueError(f"the {self.name} reader of {self.path} is closed")
+            raise StoreClosedError(f"the {self.name} reader of {self.path} is closed")
         docs = self._validate(doc_numbers)
         lay = self.layout
         if len(docs) == 0:
@@ -539,6 +620,9 @@ class Reader(abc.ABC):
             error = _wait_all(parts)  # every read finished (or failed) before any buffer is parsed
             if error is not None:
                 raise error
+            faults = _engines._faults
+            if faults is not None:
+                faults.point("gather")
             picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
             counts = [p.n_bow[pick] for p, pick in zip(parts, picks)]
             n = sum(len(c) for c in counts)

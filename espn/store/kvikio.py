@@ -57,10 +57,22 @@ reader: the parse (`gather_records`) is queued on the caller's current stream an
 the records out into fresh tensors, and `Fetch.release()` records a CUDA event on that
 stream with the buffer. The pool hands the buffer out again only once that event has
 completed (a buffer whose event is still pending is skipped; only when the pool is at its
-cap does it wait on the oldest event). kvikio itself, in GDS mode, synchronises the CUDA
+cap does it wait on the oldest event; a buffer dropped beyond the cap, or by `close`, is
+freed only once its event has completed, so torch's allocator never hands memory to
+another kernel while a parse still reads it). kvikio itself, in GDS mode, synchronises the CUDA
 null stream once per `pread` call (`sync_default_stream=true`, not exposed to Python): it
 waits for work on the legacy default stream, and is cheap when the caller's kernels run on
 a non-blocking stream such as torch's side streams.
+
+Failures and lifetimes (the ownership rule of `engines/base.py`): a wave claims its
+buffer in the ledger until every future of the wave is done; a wave that fails part-way
+through its submission, or is abandoned, waits for the futures it started before the
+buffer goes back, and a buffer given back while a future still runs is quarantined.
+kvikio's `IOFuture.get()` for a read split into several tasks raises at the first failed
+task while the others may still be writing (libkvikio gathers them in order), so the
+reader keeps every extent within one task (`max_extent_bytes` <= `task_size`): a future
+that has raised is then a read that is over. `close` refuses new reads and waits for
+every wave in flight before it closes the file.
 
 End of file: kvikio raises at EOF ("POSIX error on pread: EOF") instead of returning a short
 count, so the extent that reaches past the end of an unpadded file is clamped to the file
@@ -76,6 +88,8 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -85,6 +99,7 @@ import torch
 
 from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
 from .base import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .engines.base import CANARY, LEDGER, ReturnGuard, StoreClosedError
 from .format import StoreLayout
 
 __all__ = [
@@ -244,6 +259,18 @@ def _allocate_device(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _tensor_span(buf: torch.Tensor) -> tuple[int, int]:
+    return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+
+
+def _tensor_fill(buf: torch.Tensor) -> None:
+    buf.fill_(CANARY)
+
+
+def _tensor_intact(buf: torch.Tensor) -> bool:
+    return bool((buf == CANARY).all())
+
+
 class DeviceBufferPool:
     """Device byte buffers owned by one reader, reused across reads, guarded by events.
 
@@ -253,23 +280,32 @@ class DeviceBufferPool:
     into memory a queued kernel may still read. When no free buffer of the class is
     ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
     waits for the oldest event of the class (the only host wait the pool ever does).
+    A buffer released beyond the cap is freed once its event has completed; one that a
+    read still targets is quarantined (`engines.base.ReturnGuard`).
     """
 
     def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:
         self.device = device
         self.retain_bytes = retain_bytes
         self._free: dict[int, list[tuple[torch.Tensor, _Event | None]]] = {}
-        self._held = 0  # bytes allocated by the pool, in use or free
+        self._retiring: list[tuple[torch.Tensor, _Event | None]] = []  # beyond the cap, freed once their event is done
+        self._held = 0  # bytes allocated by the pool, in use, free, retiring or quarantined
         self._lock = threading.Lock()
+        self._guard = ReturnGuard("device read buffer", _tensor_span, _tensor_fill, _tensor_intact)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
+        if self._guard.quarantined:
+            for buf in self._guard.reclaim():
+                self._keep(buf)
         size = BufferPool._size_class(nbytes)
         wait: tuple[torch.Tensor, _Event | None] | None = None
         with self._lock:
+            self._prune_retiring()
             free = self._free.get(size, [])
             for i, (buf, event) in enumerate(free):
                 if event is None or event.query():
                     del free[i]
+                    self._guard.handing_out(buf)
                     return buf
             if free and self._held + size > self.retain_bytes:
                 wait = free.pop(0)  # the oldest: its parse was queued first
@@ -279,24 +315,58 @@ class DeviceBufferPool:
             buf, event = wait
             if event is not None:
                 event.synchronize()
+            self._guard.handing_out(buf)
             return buf
         return _allocate_device(size, self.device)
 
-    def release(self, buf: torch.Tensor) -> None:
-        event = _record_event(self.device)
+    def release(self, buf: torch.Tensor, in_flight: bool = False) -> None:
+        """Give `buf` back after the kernels that parse it were queued on the current stream.
+        in_flight: the caller knows a read may still target it (quarantined, no error)."""
+        if self._guard.give_back(buf, known_in_flight=in_flight):
+            self._keep(buf)
+
+    def _keep(self, buf: torch.Tensor) -> None:
+        event = _record_event(self.device)  # after the parse (and the canary, if any)
         size = buf.numel()
         with self._lock:
             if self._held <= self.retain_bytes:
                 self._free.setdefault(size, []).append((buf, event))
-                return
-            self._held -= size
-        # Over the cap: let the caching allocator have it back. Its stream-ordered reuse is
-        # safe for torch kernels; kvikio never sees it again.
+            else:
+                self._retiring.append((buf, event))
+
+    def _prune_retiring(self) -> None:
+        """Under the lock: free the buffers beyond the cap whose parse has run."""
+        keep: list[tuple[torch.Tensor, _Event | None]] = []
+        for buf, event in self._retiring:
+            if event is None or event.query():
+                self._held -= buf.numel()
+                self._guard.forget(buf)
+            else:
+                keep.append((buf, event))
+        self._retiring = keep
+
+    def check(self) -> None:
+        """Check that no free buffer changed since it came back (canary policy; tests)."""
+        with self._lock:
+            free = [b for bufs in self._free.values() for b, _ in bufs]
+        self._guard.check(free)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"free": sum(len(b) for b in self._free.values()), "retiring": len(self._retiring),
+                    "held_bytes": self._held, "quarantined": self._guard.quarantined}
 
     def clear(self) -> None:
+        """Drop every free buffer, once the kernels that parse it have run."""
         with self._lock:
+            pending = [pair for bufs in self._free.values() for pair in bufs] + self._retiring
             self._free.clear()
+            self._retiring = []
             self._held = 0
+        for buf, event in pending:
+            if event is not None and not event.query():
+                event.synchronize()
+            self._guard.forget(buf)
 
 
 # -- the reader ------------------------------------------------------------------------------
@@ -306,37 +376,58 @@ class _KvikioFetch(Fetch):
     """The futures of one wave; `complete()` may run on any thread, once or many times."""
 
     def __init__(self, reader: "KvikioReader", plan: ExtentPlan, buffer: Any, array: Buffer,
-                 futures: list[Any], nbytes: int) -> None:
+                 futures: list[Any], nbytes: int, claim: int) -> None:
         self._reader = reader
         self._plan = plan
         self._buffer = buffer  # what goes back to the pool
         self._array = array  # the 1-D uint8 view the base parses
         self._futures = futures
         self._nbytes = nbytes
+        self._claim: int | None = claim
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
         self._released = False
 
+    @property
+    def drained(self) -> bool:
+        """Every future of the wave is done: kvikio writes no more into the buffer."""
+        if self._claim is not None and all(f.done() for f in self._futures):
+            LEDGER.settle(self._claim)
+            self._claim = None
+        return self._claim is None
+
+    def _wait(self) -> None:
+        """Under the lock: wait for every future once, keeping the first error."""
+        if not self._done:
+            self._error = self._reader._wait_all(self._futures)
+            self._done = True
+            self.drained  # noqa: B018 - settles the claim
+
     def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
         with self._lock:
-            if not self._done:
-                self._error = self._reader._wait_all(self._futures)
-                self._futures = []
-                self._done = True
+            self._wait()
             if self._error is not None:
                 raise self._error
         return self._array, self._plan.starts, self._nbytes, len(self._plan)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every future to be done, without taking their results
+        (a reader closing under a wave in flight); True when drained."""
+        deadline = time.monotonic() + timeout
+        while not self.drained and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.drained
 
     def release(self) -> None:
         with self._lock:
             if self._released:
                 return
-            if not self._done:  # never hand back a buffer kvikio may still write into
-                self._reader._wait_all(self._futures)
-                self._futures, self._done = [], True
             self._released = True
-        self._reader._give_back(self._buffer)
+            try:
+                self._wait()  # never hand back a buffer kvikio may still write into
+            finally:
+                self._reader._give_back(self._buffer, in_flight=not self.drained)
 
 
 class KvikioReader(Reader):
@@ -385,7 +476,10 @@ class KvikioReader(Reader):
             raise InvalidParameterError(f"max_extent_bytes must be a positive integer, got {max_extent_bytes!r}")
         self.config = KvikioConfig(nthreads=nthreads, gds_threshold=gds_threshold, task_size=task_size,
                                    bounce_buffer_size=bounce_buffer_size, compat_mode=compat_mode)
-        self.max_extent_bytes = max(layout.block_size, max_extent_bytes - max_extent_bytes % layout.block_size)
+        # One kvikio task per extent (see the module doc: a multi-task future raises before
+        # its other tasks are done).
+        cap = min(max_extent_bytes, self.config.task_size)
+        self.max_extent_bytes = max(layout.block_size, cap - cap % layout.block_size)
         if self.config.gds_threshold > layout.block_size:
             logger.warning(
                 "gds_threshold=%d is above the block size %d: one-block reads take kvikio's "
@@ -398,6 +492,9 @@ class KvikioReader(Reader):
         self.device_buffers = self._is_cuda_device()
         self._device_pool = DeviceBufferPool(self.device) if self.device_buffers else None
         self._host_pool = BufferPool()
+        self._waves: weakref.WeakSet[_KvikioFetch] = weakref.WeakSet()  # in flight, for close
+        self._starting = 0  # submissions between the closed check and their fetch
+        self._waves_cond = threading.Condition()
         try:
             self._file = self._kvikio.CuFile(self.path, "r")
         except BaseException:
@@ -429,6 +526,21 @@ class KvikioReader(Reader):
     # -- reading --------------------------------------------------------------------------
 
     def _submit(self, offsets: np.ndarray, lengths: np.ndarray) -> Fetch:
+        with self._waves_cond:
+            if self.closed:
+                raise StoreClosedError(f"the kvikio reader of {self.path} is closed")
+            self._starting += 1
+        try:
+            fetch = self._start_wave(offsets, lengths)
+            with self._waves_cond:
+                self._waves.add(fetch)
+            return fetch
+        finally:
+            with self._waves_cond:
+                self._starting -= 1
+                self._waves_cond.notify_all()
+
+    def _start_wave(self, offsets: np.ndarray, lengths: np.ndarray) -> "_KvikioFetch":
         plan = plan_extents(offsets, lengths, self.layout.block_size, self.max_extent_bytes)
         # kvikio raises at EOF instead of returning a short count: clamp the last extent of
         # an unpadded file. Records end inside the file (checked at open), so no record
@@ -443,16 +555,28 @@ class KvikioReader(Reader):
             buffer = self._host_pool.acquire(plan.nbytes)
             array = np.frombuffer(buffer, dtype=np.uint8)
         futures: list[Any] = []
+        claim = LEDGER.claim(*self._span(array), poll=lambda: all(f.done() for f in futures))
         pread, task_size = self._file.pread, self.config.task_size
         try:
             for file_offset, size, at in zip(plan.file_offsets.tolist(), sizes.tolist(),
                                              plan.buffer_offsets.tolist()):
                 futures.append(pread(array[at : at + size], size, file_offset, task_size))
         except BaseException:
-            self._wait_all(futures)  # none may write into the buffer once it is back in the pool
-            self._give_back(buffer)
+            try:
+                self._wait_all(futures)  # none may write into the buffer once it is back in the pool
+            finally:
+                drained = all(f.done() for f in futures)
+                if drained:
+                    LEDGER.settle(claim)
+                self._give_back(buffer, in_flight=not drained)
             raise
-        return _KvikioFetch(self, plan, buffer, array, futures, int(sizes.sum()))
+        return _KvikioFetch(self, plan, buffer, array, futures, int(sizes.sum()), claim)
+
+    @staticmethod
+    def _span(array: Buffer) -> tuple[int, int]:
+        if isinstance(array, torch.Tensor):
+            return _tensor_span(array)
+        return int(array.__array_interface__["data"][0]), int(array.nbytes)
 
     def _wait_all(self, futures: list[Any]) -> BaseException | None:
         """Wait for every future; the first error (as the reader raises it), or None."""
@@ -472,19 +596,35 @@ class KvikioReader(Reader):
             return err
         return exc
 
-    def _give_back(self, buffer: Any) -> None:
+    def _give_back(self, buffer: Any, in_flight: bool = False) -> None:
         if isinstance(buffer, torch.Tensor):
             if self._device_pool is not None:
-                self._device_pool.release(buffer)
+                self._device_pool.release(buffer, in_flight=in_flight)
         else:
-            self._host_pool.release(buffer)
+            self._host_pool.release(buffer, in_flight=in_flight)
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
+    @property
+    def buffer_pool(self) -> "BufferPool | DeviceBufferPool":
+        """The pool the waves read into (device buffers on CUDA, host ones otherwise)."""
+        return self._device_pool if self._device_pool is not None else self._host_pool
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new reads, wait (up to `timeout` s) for every wave in flight, close the file.
+        A wave still running after that keeps the file open and its buffer quarantined."""
+        deadline = time.monotonic() + timeout
+        with self._waves_cond:
+            if self.closed:
+                return
+            super().close()
+            self._waves_cond.wait_for(lambda: not self._starting, timeout)
+            waves = list(self._waves)
         _reader_closed()
-        self._file.close()
+        stuck = [w for w in waves if not w.drain(max(0.0, deadline - time.monotonic()))]
+        if stuck:
+            logger.warning("kvikio reader of %s closed with %d wave(s) still reading after %g s: the file "
+                           "stays open for them", self.path, len(stuck), timeout)
+        else:
+            self._file.close()
         if self._device_pool is not None:
             self._device_pool.clear()
         self._host_pool.clear()

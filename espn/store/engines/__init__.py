@@ -12,11 +12,14 @@ import logging
 
 from ...errors import BackendUnavailableError, InvalidParameterError
 from .aio import AioEngine
-from .base import EngineRead, EngineUnavailable, ReadEngine
+from .base import (EngineRead, EngineUnavailable, FaultInjector, IoLimits, OwnershipError, OwnershipPolicy, ReadEngine,
+                   ReadError, StoreClosedError, inject_faults, set_ownership_policy)
 from .threads import ThreadsEngine
 from .uring import UringEngine
 
-__all__ = ["ENGINES", "ENGINE_ORDER", "EngineRead", "EngineUnavailable", "ReadEngine", "open_engine"]
+__all__ = ["ENGINES", "ENGINE_ORDER", "EngineRead", "EngineUnavailable", "FaultInjector", "IoLimits", "OwnershipError",
+           "OwnershipPolicy", "ReadEngine", "ReadError", "StoreClosedError", "inject_faults", "open_engine",
+           "set_ownership_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +28,11 @@ ENGINES: dict[str, type[ReadEngine]] = {cls.name: cls for cls in (UringEngine, A
 ENGINE_ORDER = tuple(ENGINES)
 
 
-def open_engine(name: str | None = None, depth: int | None = None) -> ReadEngine:
+def open_engine(name: str | None = None, depth: int | None = None, limits: IoLimits | None = None) -> ReadEngine:
     """The engine called `name`, or (None / "auto") the best one this host allows."""
-    options = {} if depth is None else {"depth": depth}
+    options: dict = {} if depth is None else {"depth": depth}
+    if limits is not None:
+        options["limits"] = limits
     if name not in (None, "auto"):
         if name not in ENGINES:
             raise InvalidParameterError(f"unknown io engine {name!r}; choose one of auto, {', '.join(ENGINES)}")

@@ -10,8 +10,16 @@ A batch is one `io_submit` of an array of iocb pointers (looped only if the kern
 fewer); `wait` is `io_getevents`. The kernel copies each iocb at `io_submit`, so the iocb
 array is reused for the next batch. Results go through the same bookkeeping as io_uring
 (`native.KernelQueue`): completions attributed by `aio_data` = submission id << 32 |
-extent, retries of EINTR/EAGAIN and of short transfers before the end of the file,
+extent, retries of transient results and of short transfers before the end of the file,
 errors raised once every extent has finished.
+
+Failures: EAGAIN, EBUSY, ENOMEM and EINTR from `io_submit` ("insufficient resources") and
+`io_getevents` (a signal) are retried after reaping what has completed, with backoff, at
+most `IoLimits.max_retries` times in a row; then the iocbs the kernel never took fail with
+that errno. Waits carry `io_getevents`' own timeout. AIO cannot cancel a file read in
+flight, so a read stuck past `IoLimits.timeout_s` breaks the context: its buffer stays
+quarantined and the context is left to the kernel rather than destroyed (`io_destroy`
+would wait for the stuck read).
 """
 
 from __future__ import annotations
@@ -19,15 +27,22 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
+import os
 import platform
 import sys
 
 import numpy as np
 
-from .native import KernelQueue, NativeEngine, probe_read
+from . import base as _base
+from .base import TRANSIENT_ERRNOS, IoLimits
+from .native import WITHDRAWN, KernelQueue, NativeEngine, QueueBroken, probe_read
+from . import uring as _uring
 from .uring import _syscall
 
 __all__ = ["AioEngine", "IOCB_DTYPE", "IO_EVENT_DTYPE"]
+
+logger = logging.getLogger(__name__)
 
 #: (io_setup, io_destroy, io_submit, io_getevents) per architecture.
 _SYSCALLS = {
@@ -66,14 +81,19 @@ def io_destroy(ctx: int) -> None:
 class _Context(KernelQueue):
     """One AIO context and an event array; iocbs live with their submission."""
 
-    def __init__(self, capacity: int) -> None:
+    engine_name = "aio"
+
+    def __init__(self, capacity: int, limits: IoLimits | None = None) -> None:
         self.ctx = io_setup(capacity)
-        super().__init__(capacity)
+        super().__init__(capacity, limits)
         _, _, self._nr_submit, self._nr_getevents = _numbers()
+        self._sys = _uring._libc_syscall()
         self._events = np.zeros(capacity, dtype=IO_EVENT_DTYPE)
         self._events_address = self._events.ctypes.data
+        self._timespec = np.zeros(2, dtype=np.int64)  # struct timespec for io_getevents
         self._staged: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (iocbs, pointers, start, stop)
         self._with_kernel = 0  # submitted and not reaped (excludes requests refused at io_submit)
+        self._wait_failures = 0  # transient failures of io_getevents in a row
         self._reaped: list[np.ndarray] = []  # events reaped during one _exchange
 
     def _prepare(self, fd: int, offsets: np.ndarray, addrs: np.ndarray, lengths: np.ndarray,
@@ -92,52 +112,99 @@ class _Context(KernelQueue):
     def _issue(self, requests: tuple[np.ndarray, np.ndarray], start: int, stop: int) -> None:
         self._staged.append((*requests, start, stop))
 
+    def _io_submit(self, count: int, address: int) -> int:
+        """io_submit(2): iocbs taken, or -errno."""
+        faults = _base._faults
+        if faults is not None:
+            err = faults.syscall("io_submit")
+            if err:
+                return -err
+        ret = self._sys(self._nr_submit, self.ctx, count, address, 0, 0, 0)
+        return int(ret) if ret >= 0 else -ctypes.get_errno()
+
+    def _io_getevents(self, min_complete: int, timeout: float | None) -> int:
+        """io_getevents(2) into self._events: events reaped, or -errno."""
+        faults = _base._faults
+        if faults is not None:
+            err = faults.syscall("io_getevents")
+            if err:
+                return -err
+        pointer = 0
+        if timeout is not None:
+            seconds = int(timeout)
+            self._timespec[0] = seconds
+            self._timespec[1] = int((timeout - seconds) * 1e9)
+            pointer = self._timespec.ctypes.data
+        ret = self._sys(self._nr_getevents, self.ctx, min_complete, len(self._events), self._events_address,
+                        pointer, 0)
+        return int(ret) if ret >= 0 else -ctypes.get_errno()
+
     def _submit_staged(self) -> tuple[list[int], list[int]]:
-        """io_submit every staged iocb; those the kernel refuses outright come back as failures."""
+        """io_submit every staged iocb; those the kernel refuses come back as failures.
+
+        Progress is written back to `_staged` after every call, so an exception between two
+        calls leaves exactly the iocbs the kernel has not taken staged."""
         failed_data: list[int] = []
         failed_res: list[int] = []
-        staged, self._staged = self._staged, []
-        for iocbs, pointers, done, stop in staged:
-            address = pointers.ctypes.data
-            while done < stop:
-                try:
-                    n = _syscall(self._nr_submit, self.ctx, stop - done, address + 8 * done)
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    if exc.errno == errno.EAGAIN and self._with_kernel:
-                        self._wait_events(1)  # out of kernel resources: let some finish first
-                        continue
-                    # io_submit reports an error only for the first iocb of the call (bad
-                    # fd, misaligned O_DIRECT...): that read has failed; carry on with the next.
-                    failed_data.append(int(iocbs["aio_data"][done]))
-                    failed_res.append(-(exc.errno or errno.EIO))
-                    done += 1
-                    continue
-                if n == 0:
-                    raise OSError(errno.EAGAIN, "io_submit accepted no request")
-                done += n
+        failures = 0
+        while self._staged:
+            iocbs, pointers, done, stop = self._staged[0]
+            if done >= stop:
+                self._staged.pop(0)
+                continue
+            n = self._io_submit(stop - done, pointers.ctypes.data + 8 * done)
+            if n > 0:
+                self._staged[0] = (iocbs, pointers, done + n, stop)
                 self._with_kernel += n
+                failures = 0
+                continue
+            err = -n if n < 0 else errno.EAGAIN  # 0: the kernel took nothing
+            if err in TRANSIENT_ERRNOS and failures < self.limits.max_retries:
+                failures += 1
+                if err == errno.EINTR:
+                    continue
+                if self._with_kernel:  # out of kernel resources: let some finish first
+                    self._wait_events(1, self.limits.backoff_s * (1 << min(failures, 20)))
+                else:
+                    self.limits.pause(failures)
+                continue
+            if err in TRANSIENT_ERRNOS:  # the budget is spent: what the kernel never took fails
+                failed_data.extend(iocbs["aio_data"][done:stop].tolist())
+                failed_res.extend([-(err + WITHDRAWN)] * (stop - done))
+                self._staged[0] = (iocbs, pointers, stop, stop)
+                failures = 0
+                continue
+            # io_submit reports an error only for the first iocb of the call (bad fd,
+            # misaligned O_DIRECT...): that read has failed; carry on with the next.
+            failed_data.append(int(iocbs["aio_data"][done]))
+            failed_res.append(-err)
+            self._staged[0] = (iocbs, pointers, done + 1, stop)
         return failed_data, failed_res
 
-    def _wait_events(self, min_complete: int) -> None:
-        """Reap at least `min_complete` events (all that are ready, up to capacity)."""
-        while True:
-            try:
-                n = _syscall(self._nr_getevents, self.ctx, min_complete, len(self._events), self._events_address, 0)
-            except InterruptedError:
-                continue
-            break
-        self._reaped.append(self._events[:n].copy())
-        self._with_kernel -= n
+    def _wait_events(self, min_complete: int, timeout: float | None) -> None:
+        """Reap at least `min_complete` events (all that are ready, up to capacity), or what
+        arrived within `timeout`, or nothing after a transient failure (the caller's time
+        limit bounds those); QueueBroken when the context refuses."""
+        n = self._io_getevents(min_complete, timeout)
+        if n < 0:
+            if -n not in TRANSIENT_ERRNOS:
+                raise QueueBroken(-n, f"io_getevents cannot reap completions: {os.strerror(-n)}")
+            self._wait_failures += 1
+            if -n != errno.EINTR:
+                self.limits.pause(self._wait_failures)
+            return
+        self._wait_failures = 0
+        if n:
+            self._reaped.append(self._events[:n].copy())
+            self._with_kernel -= n
 
-    def _exchange(self, min_complete: int) -> tuple[np.ndarray, np.ndarray]:
+    def _exchange(self, min_complete: int, timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         self._reaped = []
         failed_data, failed_res = self._submit_staged() if self._staged else ([], [])
         got = sum(len(e) for e in self._reaped)
         need = min(min_complete - len(failed_data) - got, self._with_kernel)
         if need > 0:
-            self._wait_events(need)
+            self._wait_events(need, timeout)
         reaped, self._reaped = self._reaped, []
         if not failed_data:
             if not reaped:
@@ -150,10 +217,19 @@ class _Context(KernelQueue):
         res = np.concatenate([events["res"], np.asarray(failed_res, dtype=np.int64)])
         return user_data, res
 
+    def _cancel_in_flight(self) -> bool:
+        return False  # io_cancel(2) does not cancel file reads on the kernels that matter
+
     def _release(self) -> None:
         ctx, self.ctx = getattr(self, "ctx", 0), 0
-        if ctx:
-            io_destroy(ctx)  # waits for (or cancels) anything still in flight
+        if not ctx:
+            return
+        if self.broken is not None and self._with_kernel:
+            # io_destroy waits for every read in flight, and these do not complete: leave the
+            # context to the kernel (it goes with the process).
+            logger.warning("leaving a broken AIO context with %d read(s) in flight to the kernel", self._with_kernel)
+            return
+        io_destroy(ctx)  # waits for (or cancels) anything still in flight
 
 
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
@@ -188,4 +264,4 @@ class AioEngine(NativeEngine):
         return probe()
 
     def _new_queue(self) -> KernelQueue:
-        return _Context(self.depth)
+        return _Context(self.depth, self.limits)

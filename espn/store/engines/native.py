@@ -1,5 +1,6 @@
 """What the kernel-queue engines (`io_uring`, `aio`) share: submissions, the in-flight
-budget, completions attributed by `user_data`, retries, errors, one queue per thread.
+budget, completions attributed by `user_data`, retries, errors, one queue per thread, and
+the lifetime of each queue.
 
 An engine owns one kernel queue per submitting thread (a ring, an AIO context), created
 on that thread's first `submit`. A queue keeps at most `capacity` (the engine's depth)
@@ -9,40 +10,66 @@ kernel by later `submit`s and `wait`s as slots free up. Several submissions can 
 flight on one thread at once (the searcher submits a prefetch wave, scans, submits the
 next, then waits for both), so completions are attributed by `user_data`
 (submission id << 32 | extent index): a `wait` for one submission keeps what it reaps
-for the others.
+for the others. Submission id 0 is the queue's own (cancel requests).
 
 Per extent there is no Python work. A submission's requests (SQEs, iocbs) are built once,
 vectorised, when it is submitted; the queue then copies slices of them to the kernel as
 slots free up. Completions are kept as the raw arrays reaped and checked once per
 submission, when its last extent is back (vectorised; only a failed or short read takes
-a Python loop, and a short read before the end of the file is handed back to the kernel
-for the rest). Per wake-up the Python cost is a dozen numpy calls on small arrays, so a
+a Python loop). Per wake-up the Python cost is a dozen numpy calls on small arrays, so a
 wait returns only once a slice of the queue (`refill_fraction`) has completed.
+
+Failures (the ownership rule of `base.py` applied to a queue):
+- a transient errno from the syscalls is retried by the subclass's `_exchange`, with
+  backoff, after reaping; after `IoLimits.max_retries` the requests the kernel never took
+  are withdrawn and fail with that errno (`_withdrawn`), so nothing is left staged;
+- a transient result of one read (-EAGAIN, -EINTR...) is handed back to the kernel after a
+  pause, at most `max_retries` times; a short read before the end of the file re-reads
+  from the aligned block that holds the remainder (`base.realign`);
+- a wait that sees no completion for `IoLimits.timeout_s` cancels what is in flight
+  (`_cancel_in_flight`), reaps it, and fails with ETIMEDOUT; a queue whose kernel object
+  stops answering altogether is *broken*: its submissions finish with the error but keep
+  their ledger claims (their buffers stay quarantined) and the thread gets a new queue;
+- an exception between the syscalls (KeyboardInterrupt, MemoryError) in `add` withdraws
+  the submission and drains what the kernel took before it propagates.
+
+Closing: a queue is released by its own thread once it has drained, or by the closing
+thread after the owner has drained it (`shut`); a closing queue refuses new submissions.
 """
 
 from __future__ import annotations
 
 import abc
 import errno
+import logging
 import os
 import threading
+import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .base import EngineRead, ReadEngine, check_extents
+from . import base as _base
+from .base import (LEDGER, EngineRead, IoLimits, ReadEngine, ReadError, StoreClosedError, TRANSIENT_ERRNOS,
+                   buffer_span, check_extents, describe_fd, realign)
 
-__all__ = ["KernelQueue", "NativeEngine", "Submission", "MAX_EXTENT_BYTES"]
+__all__ = ["KernelQueue", "NativeEngine", "QueueBroken", "Submission", "MAX_EXTENT_BYTES", "WITHDRAWN"]
+
+logger = logging.getLogger(__name__)
 
 #: Longest extent one request may ask for: io_uring's result is an s32, and the kernel
 #: caps one read at 2 GiB - 4 KiB; 1 GiB keeps every count representable.
 MAX_EXTENT_BYTES = 1 << 30
 
+#: Added to the errno of a request the kernel never took (withdrawn after the syscall kept
+#: failing): such a result is final, not retried again. errnos are below 4096.
+WITHDRAWN = 1 << 16
+
 _SHIFT = np.uint64(32)
 _INDEX_MASK = np.uint64(0xFFFFFFFF)
-_RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN)
 
 # A forked child inherits the parent's thread-local queues, but a ring or AIO context
 # belongs to the process (and thread) that created it: the child makes its own.
@@ -56,6 +83,10 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class QueueBroken(OSError):
+    """The kernel object stopped answering: nothing more can be submitted or reaped."""
 
 
 class Submission(EngineRead):
@@ -81,8 +112,12 @@ class Submission(EngineRead):
         self.inflight = 0  # handed to the queue, not yet reaped
         self.retries: list[int] = []  # extents to hand over again, from counts[i] on
         self.reaped: list[tuple[np.ndarray, np.ndarray]] = []  # (user_data, res) as reaped, not yet checked
+        self.attempts: np.ndarray | None = None  # [m] retries so far, made at the first retry
+        self.cancelled = False
         self.finished = m == 0
-        self.errno = 0
+        self.error: OSError | None = None
+        # The ledger claim: settled once no extent can be with the kernel any more.
+        self.claim: int | None = LEDGER.claim(*buffer_span(buffer)) if m and buffer is not None else None
         self.buffer = buffer  # kept alive while the kernel may write into it
 
     @property
@@ -90,16 +125,41 @@ class Submission(EngineRead):
         """Some extent still waits to be handed to the kernel."""
         return self.cursor < len(self.lengths) or bool(self.retries)
 
+    @property
+    def drained(self) -> bool:
+        return self.claim is None
+
     def wait(self) -> np.ndarray:
         if not self.finished:
             self.queue.wait_for(self)
-        self.buffer = None
-        if self.errno:
-            raise OSError(self.errno, os.strerror(self.errno))
+        if self.error is not None:
+            raise self.error
         return self.counts
 
-    def settle(self) -> None:
+    def cancel(self) -> None:
+        if not self.finished:
+            self.queue.cancel(self)
+
+    def fail(self, i: int, err: int, detail: str = "") -> None:
+        """Extent i failed for good; the first failure is the one `wait` raises."""
+        if self.error is None:
+            self.error = ReadError(err, describe_fd(self.fd), int(self.offsets[i]), detail)
+
+    def finish(self, drained: bool = True) -> None:
+        """No extent will be handed over again; with `drained`, none is with the kernel either."""
+        self.finished = True
+        self.retries = []
+        self.cursor = len(self.lengths)
+        if drained and self.claim is not None:
+            LEDGER.settle(self.claim)
+            self.claim = None
+            self.buffer = None
+
+    def settle(self, limits: IoLimits) -> None:
         """Every extent handed over is back: check the results (vectorised), queue retries."""
+        if not self.reaped:
+            self.finished = not self.retries
+            return
         if len(self.reaped) == 1:
             user_data, res = self.reaped[0]
         else:
@@ -114,19 +174,47 @@ class Submission(EngineRead):
             self.counts[index] += res
         else:
             self.counts[index[whole]] += res[whole]
-            odd = ~whole
-            for i, got in zip(index[odd].tolist(), res[odd].tolist()):
-                if got < 0:
-                    if -got in _RETRY_ERRNOS:
-                        self.retries.append(i)
-                    else:
-                        self.errno = self.errno or -got  # the first error is the one raised
-                elif got > 0:
-                    self.counts[i] += got
-                    if self.offsets[i] + self.counts[i] < os.fstat(self.fd).st_size:
-                        self.retries.append(i)  # short, but not at the end of the file: read the rest
-                # got == 0: the file ends here
+            self._settle_odd(index[~whole], res[~whole], limits)
         self.finished = not self.retries
+
+    def _settle_odd(self, index: np.ndarray, res: np.ndarray, limits: IoLimits) -> None:
+        """Failed and short reads: retry the transient ones within the budget, fail the rest."""
+        if self.attempts is None:
+            self.attempts = np.zeros(len(self.lengths), dtype=np.int32)
+        file_size: int | None = None
+        pause = 0
+        for i, got in zip(index.tolist(), res.tolist()):
+            if got <= -WITHDRAWN:
+                self.fail(i, -got - WITHDRAWN, f"(the kernel refused the request {limits.max_retries + 1} times)")
+            elif got < 0:
+                if self.cancelled:
+                    self.fail(i, -got)
+                elif -got in TRANSIENT_ERRNOS:
+                    self.attempts[i] += 1
+                    if self.attempts[i] > limits.max_retries:
+                        self.fail(i, -got, f"after {limits.max_retries} retries")
+                    else:
+                        self.retries.append(i)
+                        pause = max(pause, int(self.attempts[i]))
+                else:
+                    self.fail(i, -got)
+            elif got > 0:
+                self.counts[i] += got
+                if file_size is None:
+                    file_size = os.fstat(self.fd).st_size
+                if self.counts[i] < self.lengths[i] and self.offsets[i] + self.counts[i] < file_size \
+                        and not self.cancelled:
+                    # Short, but not at the end of the file: read the rest, from the aligned
+                    # block that holds it (O_DIRECT refuses an unaligned offset).
+                    self.attempts[i] += 1
+                    if self.attempts[i] > limits.max_retries:
+                        self.fail(i, errno.EIO, f"(still short after {limits.max_retries} re-reads)")
+                    else:
+                        self.counts[i] = realign(int(self.counts[i]), int(self.offsets[i]), int(self.addrs[i]))
+                        self.retries.append(i)
+            # got == 0: the file ends here
+        if pause:
+            limits.pause(pause)
 
     def retry_requests(self, take: list[int]) -> Any:
         """Requests for the rest of extents `take` (from what they have read so far)."""
@@ -139,9 +227,10 @@ class Submission(EngineRead):
 class KernelQueue(abc.ABC):
     """One thread's kernel queue (an io_uring ring, an AIO context) and its bookkeeping.
 
-    Subclasses fill four hooks: `_prepare` builds requests, `_issue` stages some of them,
-    `_exchange` hands the staged ones to the kernel and reaps completions, `_release`
-    frees the kernel objects. Only the creating thread may use a queue.
+    Subclasses fill five hooks: `_prepare` builds requests, `_issue` stages some of them,
+    `_exchange` hands the staged ones to the kernel and reaps completions,
+    `_cancel_in_flight` asks the kernel to cancel what it has, `_release` frees the kernel
+    objects. Only the creating thread may submit to or reap from a queue.
     """
 
     #: When extents still wait for a slot, a wait returns once this fraction of the queue
@@ -150,17 +239,30 @@ class KernelQueue(abc.ABC):
     #: measured at depth 32 against fio (bench_io), 0.5 gave 81% of fio's IOPS at 4.7 us
     #: CPU per read, 0.25 gave 76% at 5.4 us, 0.125 67%, 0.75 66%.
     refill_fraction = 0.5
+    #: The engine's name, for fault injection and messages.
+    engine_name = "native"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, limits: IoLimits | None = None) -> None:
         self.capacity = capacity
+        self.limits = limits or IoLimits()
         self.owner = threading.get_ident()
         self.fork_generation = _fork_generation
         self.inflight = 0  # issued (staged or with the kernel) and not yet reaped
         self.backlog: deque[Submission] = deque()
         self.active: dict[int, Submission] = {}
-        self.closed = False
+        self.closing = False  # refuses new submissions; released once drained
+        self.released = False
+        self.broken: OSError | None = None
+        self._busy = 0  # add / wait_for calls of the owner in progress
+        self.on_release: weakref.WeakMethod | None = None  # the engine's, told when this queue is released
+        self._state = threading.Condition(threading.Lock())
+        self._internal = 0  # the queue's own requests with the kernel (sid 0: cancels)
         self._next_sid = 1
         self._wake = max(1, int(capacity * self.refill_fraction))
+
+    @property
+    def closed(self) -> bool:
+        return self.released
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -174,55 +276,179 @@ class KernelQueue(abc.ABC):
         """Stage requests[start:stop] (stop - start <= capacity - in flight)."""
 
     @abc.abstractmethod
-    def _exchange(self, min_complete: int) -> tuple[np.ndarray, np.ndarray]:
+    def _exchange(self, min_complete: int, timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Hand every staged request to the kernel, wait until at least `min_complete`
-        (<= in flight) have completed, and return the completions now available:
-        ([c] uint64 user_data, [c] signed bytes read or -errno)."""
+        (<= in flight) have completed or `timeout` seconds have passed, and return the
+        completions now available: ([c] uint64 user_data, [c] signed bytes read or -errno).
+
+        Transient syscall errors are retried within `limits`; requests the kernel never
+        took are then returned as completions with -(errno + WITHDRAWN). Raises
+        QueueBroken when nothing more can be reaped.
+        """
+
+    @abc.abstractmethod
+    def _cancel_in_flight(self) -> bool:
+        """Ask the kernel to cancel every request it holds (their completions follow);
+        False when it cannot."""
 
     @abc.abstractmethod
     def _release(self) -> None:
         """Free the kernel objects (ring, context) and their mappings."""
 
-    # -- bookkeeping ------------------------------------------------------------------------
+    # -- the owner's operations -----------------------------------------------------------
+
+    def _begin(self, submitting: bool) -> None:
+        with self._state:
+            if self.released or (submitting and self.closing):
+                raise StoreClosedError(f"the {self.engine_name} engine is closed")
+            self._busy += 1
+
+    def _end(self) -> None:
+        with self._state:
+            self._busy -= 1
+            if self.closing and not self._busy:
+                if not self.active and not self.released:
+                    self._release_now()  # drained, on its own thread
+                self._state.notify_all()
 
     def add(self, fd: int, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray,
             buffer: np.ndarray | None) -> Submission:
         """Queue one submission and hand the kernel as much of it as the depth allows."""
-        if self.closed:
-            raise ValueError("the read engine is closed")
-        sid = self._next_sid
-        while sid in self.active:  # 4 billion submissions later, one still unwaited
-            sid = sid % 0xFFFFFFFF + 1
-        self._next_sid = sid % 0xFFFFFFFF + 1
-        sub = Submission(self, sid, fd, offsets, lengths, addrs, buffer)
-        if sub.finished:
+        self._begin(submitting=True)
+        try:
+            sid = self._next_sid
+            while sid in self.active:  # 4 billion submissions later, one still unwaited
+                sid = sid % 0xFFFFFFFF + 1
+            self._next_sid = sid % 0xFFFFFFFF + 1
+            sub = Submission(self, sid, fd, offsets, lengths, addrs, buffer)
+            try:
+                if sub.finished:
+                    return sub
+                self.active[sid] = sub
+                self.backlog.append(sub)
+                self._fill()
+                user_data, res = self._exchange(0)
+                if len(user_data):
+                    self._complete(user_data, res)
+            except QueueBroken as exc:
+                self._break(exc)  # sub carries the error; its wait raises it
+            except BaseException:
+                self._abandon(sub)  # nothing in flight may outlive a submit that raised
+                raise
             return sub
-        self.active[sid] = sub
-        self.backlog.append(sub)
-        self._fill()
-        user_data, res = self._exchange(0)
-        if len(user_data):
-            self._complete(user_data, res)
-        return sub
+        finally:
+            self._end()
 
     def wait_for(self, sub: Submission) -> None:
         """Drive the queue until `sub` has finished (others progress on the way)."""
         if threading.get_ident() != self.owner:
             raise RuntimeError("wait() must run on the thread that submitted (one kernel queue per thread)")
-        if self.closed:
-            raise ValueError("the read engine is closed")
-        while not sub.finished:
-            self._fill()
-            if sub.queued:
-                # Extents still wait for a slot: wake when a slice of the queue can be refilled.
-                min_complete = min(self.inflight, self._wake)
-            else:
-                # All of sub is with the kernel: at least sub.inflight completions must arrive.
-                min_complete = sub.inflight
-            assert 0 < min_complete <= self.inflight, (min_complete, self.inflight)
-            user_data, res = self._exchange(min_complete)
+        self._begin(submitting=False)
+        try:
+            self._drive(lambda: sub.finished, sub)
+        finally:
+            self._end()
+
+    def cancel(self, sub: Submission) -> None:
+        """Withdraw what `sub` has not handed to the kernel yet; the rest is reaped later."""
+        if sub.finished:
+            return
+        sub.cancelled = True
+        for i in list(range(sub.cursor, len(sub.lengths))) + sub.retries:
+            sub.fail(i, errno.ECANCELED, "(cancelled before it was submitted)")
+        sub.cursor = len(sub.lengths)
+        sub.retries = []
+        try:
+            self.backlog.remove(sub)
+        except ValueError:
+            pass
+        if not sub.inflight:
+            sub.settle(self.limits)
+            self._finished(sub)
+
+    def _abandon(self, sub: Submission) -> None:
+        """After an exception in `add`: withdraw `sub` and drain what the kernel took, even
+        through further KeyboardInterrupts; failures here leave it claimed (quarantined)."""
+        interrupted = 0
+        while not sub.finished and interrupted < 100:
+            try:
+                self.cancel(sub)
+                if not sub.finished:
+                    self._drive(lambda: sub.finished, sub)
+            except KeyboardInterrupt:
+                interrupted += 1
+            except QueueBroken as exc:
+                self._break(exc)
+            except Exception:  # noqa: BLE001 - the original exception is the one to report
+                logger.warning("could not drain a read abandoned by an exception", exc_info=True)
+                return
+
+    def _drive(self, done: Callable[[], bool], target: Submission | None) -> None:
+        """Exchange with the kernel until `done()`; the stall limit is a real code path."""
+        idle_since: float | None = None
+        timeout = self.limits.timeout_s
+        try:
+            while not done():
+                self._fill()
+                if self.inflight <= 0:
+                    raise RuntimeError(f"{self.engine_name} queue bookkeeping: a read is unfinished "
+                                       "with nothing in flight")
+                if target is None:
+                    min_complete = self.inflight
+                elif target.queued:
+                    # Extents still wait for a slot: wake when a slice of the queue can be refilled.
+                    min_complete = min(self.inflight, self._wake)
+                else:
+                    # All of target is with the kernel: at least target.inflight completions must arrive.
+                    min_complete = max(1, min(target.inflight, self.inflight))
+                left = timeout if idle_since is None else timeout - (time.monotonic() - idle_since)
+                user_data, res = self._exchange(min_complete, max(left, 1e-3))
+                if len(user_data):
+                    self._complete(user_data, res)
+                    idle_since = None
+                    continue
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= timeout:
+                    self._stalled()
+                    idle_since = None
+        except QueueBroken as exc:
+            self._break(exc)
+
+    def _stalled(self) -> None:
+        """No completion for `timeout_s`: fail what is in flight with ETIMEDOUT, cancel it,
+        and reap it within another `timeout_s`; a kernel that does not give it back breaks
+        the queue."""
+        timeout = self.limits.timeout_s
+        for sub in list(self.active.values()):
+            if sub.inflight and sub.error is None:
+                sub.error = ReadError(errno.ETIMEDOUT, describe_fd(sub.fd), int(sub.offsets[0]),
+                                      f"(a read of this batch did not complete within {timeout:g} s)")
+            self.cancel(sub)
+        if not self._cancel_in_flight():
+            raise QueueBroken(errno.ETIMEDOUT, f"reads did not complete within {timeout:g} s and cannot be cancelled")
+        deadline = time.monotonic() + timeout
+        while self.inflight > 0 and time.monotonic() < deadline:
+            user_data, res = self._exchange(min(self.inflight, 1), deadline - time.monotonic())
             if len(user_data):
                 self._complete(user_data, res)
+        if self.inflight > 0:
+            raise QueueBroken(errno.ETIMEDOUT, f"cancelled reads were not given back within {timeout:g} s")
+
+    def _break(self, exc: OSError) -> None:
+        """The kernel object stopped answering: every submission finishes with the error but
+        keeps its claim (its buffer stays quarantined); the thread gets a new queue."""
+        self.broken = exc
+        for sub in list(self.active.values()):
+            if sub.error is None:
+                sub.error = ReadError(exc.errno or errno.EIO, describe_fd(sub.fd), int(sub.offsets[0]),
+                                      f"({self.engine_name} queue broken: {exc.strerror})")
+            sub.finish(drained=False)
+        self.active.clear()
+        self.backlog.clear()
+        logger.error("%s queue broken (%s): reads still in flight keep their buffers quarantined",
+                     self.engine_name, exc)
 
     def _fill(self) -> None:
         """Stage retries and backlog extents, oldest submission first, while slots are free."""
@@ -247,6 +473,10 @@ class KernelQueue(abc.ABC):
 
     def _complete(self, user_data: np.ndarray, res: np.ndarray) -> None:
         """Hand reaped completions to their submissions; settle those that are all back."""
+        if self._internal:  # the queue's own requests (cancels) were never counted in flight
+            keep = (user_data >> _SHIFT) != 0
+            self._internal -= int(len(keep) - np.count_nonzero(keep))
+            user_data, res = user_data[keep], res[keep]
         self.inflight -= len(user_data)
         if len(self.active) == 1:
             groups: list[tuple[Submission, np.ndarray, np.ndarray]] = [
@@ -257,25 +487,97 @@ class KernelQueue(abc.ABC):
             for sid in np.unique(sids).tolist():
                 sel = sids == sid
                 groups.append((self.active[sid], user_data[sel], res[sel]))
+        faults = _base._faults
         for sub, ud, r in groups:
+            if faults is not None:
+                index = (ud & _INDEX_MASK).astype(np.intp)
+                r = np.asarray(faults.results(self.engine_name, sub.lengths[index] - sub.counts[index], r.copy()))
             sub.reaped.append((ud, r))
             sub.inflight -= len(ud)
             if sub.inflight or sub.queued:
                 continue
-            sub.settle()
+            sub.settle(self.limits)
             if sub.finished:
-                del self.active[sub.sid]
+                self._finished(sub)
             elif sub not in self.backlog:  # retries: back in line (the backlog holds a few at most)
                 self.backlog.append(sub)
 
+    def _finished(self, sub: Submission) -> None:
+        self.active.pop(sub.sid, None)
+        sub.finish()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def shut(self) -> bool:
+        """Close: refuse new submissions, let every read in flight drain, release. On the owner
+        thread the queue is drained here (backlog cancelled, the rest reaped); from another
+        thread, this waits up to `timeout_s` for the owner to drain it, and the owner releases
+        it itself if that takes longer. True when released."""
+        with self._state:
+            if self.released:
+                return True
+            self.closing = True
+        if self.fork_generation != _fork_generation:
+            # Inherited from the parent: its reads write into the parent's pages, not ours.
+            with self._state:
+                self._release_now()
+            return True
+        if threading.get_ident() == self.owner:
+            if self._busy:  # called from inside add/wait (a fault hook): the owner releases it at the end
+                return False
+            self._begin(submitting=False)
+            try:
+                for sub in list(self.active.values()):
+                    self.cancel(sub)
+                self._drive(lambda: not self.active, None)
+            except QueueBroken as exc:
+                self._break(exc)
+            finally:
+                self._end()  # releases it: drained, on its own thread
+            return self.released
+        with self._state:
+            drained = self._state.wait_for(lambda: self.released or (not self._busy and not self.active),
+                                           self.limits.timeout_s)
+            if drained and not self.released:
+                self._release_now()
+            if not self.released:
+                logger.warning("a %s queue of thread %d still has %d read(s) in flight after %g s; its thread "
+                               "releases it once they drain, their buffers stay quarantined until then",
+                               self.engine_name, self.owner, sum(s.inflight for s in self.active.values()),
+                               self.limits.timeout_s)
+            return self.released
+
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        self.shut()
+
+    def _release_now(self) -> None:
+        """Under `_state`: nothing is in flight (or the queue is broken, or inherited)."""
+        self.released = True
+        self.closing = True
+        try:
             self._release()
+        except OSError:
+            logger.warning("releasing a %s queue failed", self.engine_name, exc_info=True)
+        self._notify_released()
+
+    def _notify_released(self) -> None:
+        hook, self.on_release = self.on_release, None
+        if hook is not None:
+            method = hook()
+            if method is not None:
+                method()
 
     def __del__(self) -> None:
         try:
-            self.close()
+            if not self.released:
+                if any(s.inflight for s in self.active.values()):
+                    logger.warning("a %s queue was dropped with reads in flight; their buffers stay "
+                                   "quarantined", self.engine_name)
+                    for sub in list(self.active.values()):
+                        sub.finish(drained=False)
+                self.released = True
+                self._release()
+                self._notify_released()
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
             pass
 
@@ -284,33 +586,41 @@ class NativeEngine(ReadEngine):
     """A ReadEngine over per-thread `KernelQueue`s; subclasses say how to make one.
 
     `wait()` must run on the thread that called `submit` (the queue belongs to it).
-    `close()` releases every thread's queue; call it once no read is in flight.
+    `close()` lets every thread's reads drain first (see `KernelQueue.shut`).
     """
 
-    def __init__(self, depth: int = 64, **options: Any) -> None:
-        super().__init__(depth, **options)
+    def __init__(self, depth: int = 64, limits: IoLimits | None = None, **options: Any) -> None:
+        super().__init__(depth, limits, **options)
         self._local = threading.local()
         self._queues: weakref.WeakSet[KernelQueue] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        self._idle_callbacks: list[Callable[[], None]] = []
 
     @abc.abstractmethod
     def _new_queue(self) -> KernelQueue:
         """A queue for the calling thread, of capacity `self.depth`."""
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _queue(self) -> KernelQueue:
         queue: KernelQueue | None = getattr(self._local, "queue", None)
-        if queue is None or queue.fork_generation != _fork_generation:
+        if queue is None or queue.fork_generation != _fork_generation or queue.broken is not None:
             with self._lock:
                 if self._closed:
-                    raise ValueError(f"the {self.name} engine is closed")
+                    raise StoreClosedError(f"the {self.name} engine is closed")
                 queue = self._new_queue()
+                queue.on_release = weakref.WeakMethod(self._queue_released)
                 self._queues.add(queue)
             self._local.queue = queue
         return queue
 
     def submit(self, fd: int, file_offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
                buffer_offsets: np.ndarray) -> EngineRead:
+        if self._closed:
+            raise StoreClosedError(f"the {self.name} engine is closed")
         file_offsets, lengths, buffer_offsets = check_extents(file_offsets, lengths, buffer, buffer_offsets)
         if len(lengths) and int(lengths.max()) > MAX_EXTENT_BYTES:
             raise ValueError(f"an extent is longer than {MAX_EXTENT_BYTES} bytes")
@@ -321,9 +631,25 @@ class NativeEngine(ReadEngine):
         with self._lock:
             self._closed = True
             queues = list(self._queues)
-            self._queues = weakref.WeakSet()
         for queue in queues:
-            queue.close()
+            queue.shut()
+        self._run_idle_callbacks()
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._idle_callbacks.append(callback)
+        self._run_idle_callbacks()
+
+    def _queue_released(self) -> None:
+        self._run_idle_callbacks()
+
+    def _run_idle_callbacks(self) -> None:
+        with self._lock:
+            if not self._closed or any(not q.released for q in self._queues):
+                return
+            callbacks, self._idle_callbacks = self._idle_callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 def probe_read(queue: "KernelQueue", label: str) -> str | None:
@@ -341,5 +667,5 @@ def probe_read(queue: "KernelQueue", label: str) -> str | None:
         return f"{label} test read failed: {exc}"
     finally:
         os.close(src)
-        queue.close()
+        queue.shut()
     return None

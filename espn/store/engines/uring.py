@@ -30,22 +30,24 @@ up to a power of two and the kernel's default CQ of twice that; at most `depth` 
 in flight per ring, so the CQ never overflows; larger submissions are handed over in
 slices as completions free slots.
 
-Memory ordering. Submission side: we write the SQEs, then the SQ tail (a numpy uint32
-store into the mapping), then call `io_uring_enter` on the same thread; without SQPOLL
-the kernel reads the tail and consumes the SQEs inside that syscall, in program order
-after our stores, so no barrier is needed (a thread that migrates between CPUs passes
-through the scheduler's full barriers). The kernel copies what it needs from each SQE at
-submission, so the slots may be rewritten once `io_uring_enter` has returned.
-Completion side: with DEFER_TASKRUN every CQE, and the CQ tail after it, is written by
-our own thread inside `io_uring_enter(GETEVENTS)`, so reading the tail and then the CQEs
-afterwards is ordered by program order on any architecture. On older kernels without
-DEFER_TASKRUN, O_DIRECT completions are still posted from our task's task_work, but a
-request the kernel punts to its io-wq workers completes from another CPU: x86's TSO
-keeps our load of the tail before our loads of the CQEs; on ARM64 (weak ordering) that
-case has no acquire barrier from Python, a known caveat for kernels before 6.1 only.
-Advancing the CQ head needs no barrier either: we never have more than depth reads in
-flight and the CQ holds twice that, so the kernel cannot reuse a slot we have just read
-before we have reaped again.
+Memory ordering, as liburing does it: the SQ tail is a plain store (the kernel reads it
+inside our own `io_uring_enter`, in program order after our SQE stores, since we use no
+SQPOLL thread); the CQ tail is read with acquire semantics before the CQEs it covers, and
+the CQ head is written with release semantics after they have been copied out. On x86-64
+(total store order) every load is an acquire and every store a release, and each access
+from Python is a separate C call the compiler cannot reorder, so plain loads and stores
+are those semantics. Elsewhere (ARM64: weak ordering) a ten-line C helper with
+`__atomic_load_n(..., __ATOMIC_ACQUIRE)` / `__atomic_store_n(..., __ATOMIC_RELEASE)` is
+compiled at first use with the system's C compiler (`ring_index_access`); where there is
+none, io_uring is not chosen and the reader falls back to AIO with one log line.
+
+Failures: see `native.py`. `_exchange` retries EAGAIN, EBUSY, ENOMEM and EINTR from
+`io_uring_enter` (and a call that took nothing) after reaping and a pause, at most
+`IoLimits.max_retries` times in a row; then the SQEs the kernel never consumed are taken
+back (the SQ tail rewound to the kernel's head: without SQPOLL nothing else reads them)
+and their reads fail with that errno. Waits carry a timeout (IORING_ENTER_EXT_ARG, 5.11),
+so a read that never completes ends in IORING_OP_ASYNC_CANCEL (IORING_ASYNC_CANCEL_ANY,
+5.19) and ETIMEDOUT instead of a hang.
 """
 
 from __future__ import annotations
@@ -53,17 +55,26 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
 import mmap
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import numpy as np
 
-from .native import KernelQueue, NativeEngine, probe_read
+from . import base as _base
+from .base import TRANSIENT_ERRNOS, EngineUnavailable, InvalidParameterError, IoLimits
+from .native import WITHDRAWN, KernelQueue, NativeEngine, QueueBroken, probe_read
 
-__all__ = ["UringEngine", "SQE_DTYPE", "CQE_DTYPE", "PARAMS_DTYPE", "io_uring_setup", "io_uring_enter"]
+__all__ = ["UringEngine", "SQE_DTYPE", "CQE_DTYPE", "PARAMS_DTYPE", "io_uring_setup", "io_uring_enter",
+           "ring_index_access", "find_c_compiler"]
+
+logger = logging.getLogger(__name__)
 
 # Syscall numbers: the generic table, the same on x86_64 and aarch64.
 _NR_SETUP, _NR_ENTER, _NR_REGISTER = 425, 426, 427
@@ -72,9 +83,13 @@ _ARCHES = {"x86_64", "amd64", "aarch64", "arm64"}
 IORING_OFF_SQ_RING = 0
 IORING_OFF_CQ_RING = 0x8000000
 IORING_OFF_SQES = 0x10000000
+IORING_OP_ASYNC_CANCEL = 14
 IORING_OP_READ = 22  # Linux 5.6
 IORING_ENTER_GETEVENTS = 1
+IORING_ENTER_EXT_ARG = 1 << 3  # 5.11: a timeout for the wait
 IORING_FEAT_SINGLE_MMAP = 1
+IORING_FEAT_EXT_ARG = 1 << 8
+IORING_ASYNC_CANCEL_ANY = 1 << 2  # 5.19: cancel every request of the ring
 IORING_REGISTER_PROBE = 8
 IO_URING_OP_SUPPORTED = 1
 IORING_SETUP_SUBMIT_ALL = 1 << 7  # 5.18: do not stop the batch at a request that fails to prepare
@@ -142,10 +157,103 @@ def _round_up_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# -- ring indices: acquire / release ----------------------------------------------------------
+
+#: Machines whose hardware memory model is total store order: a plain load is an acquire, a
+#: plain store a release.
+_TSO_MACHINES = {"x86_64", "amd64"}
+
+_ATOMICS_SOURCE = r"""
+#include <stdint.h>
+/* liburing's io_uring_smp_load_acquire / io_uring_smp_store_release on a u32 ring index. */
+uint32_t espn_load_acquire_u32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void espn_store_release_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+"""
+
+
+def find_c_compiler() -> str | None:
+    """The system C compiler (cc, gcc or clang on PATH), or None."""
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_atomics(compiler: str) -> tuple[Any, Any] | str:
+    """(load_acquire, store_release) from the C helper built with `compiler`, or why not.
+
+    Built once per process into a temporary directory (removed at once: the mapping stays).
+    """
+    try:
+        with tempfile.TemporaryDirectory(prefix="espn-atomics-") as work:
+            source, library = os.path.join(work, "atomics.c"), os.path.join(work, "atomics.so")
+            with open(source, "w") as f:
+                f.write(_ATOMICS_SOURCE)
+            proc = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                return f"{compiler} failed: {proc.stderr.strip()[-300:]}"
+            lib = ctypes.CDLL(library)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{compiler} could not build it: {exc}"
+    load, store = lib.espn_load_acquire_u32, lib.espn_store_release_u32
+    load.restype, load.argtypes = ctypes.c_uint32, [ctypes.c_void_p]
+    store.restype, store.argtypes = None, [ctypes.c_void_p, ctypes.c_uint32]
+    probe = ctypes.c_uint32(0)
+    store(ctypes.addressof(probe), 0xE5B1)
+    if load(ctypes.addressof(probe)) != 0xE5B1:
+        return "the compiled helper does not round-trip a value"
+    return load, store
+
+
+def ring_index_access(machine: str, atomics: str = "auto", compiler: str | None = None) -> tuple[str | None, str]:
+    """How ring indices get acquire/release semantics on `machine`: ("plain" | "compiled", why),
+    or (None, why not). atomics="compiled" asks for the C helper even where plain would do
+    (it is what other architectures run; the tests use it here too)."""
+    if atomics == "auto" and machine.lower() in _TSO_MACHINES:
+        return "plain", f"{machine} orders memory totally (TSO): plain loads and stores acquire and release"
+    compiler = compiler or find_c_compiler()
+    if compiler is None:
+        return None, (f"no C compiler to build the ring's acquire/release helper for {machine} "
+                      "(install gcc or clang, or use the aio engine)")
+    built = _compiled_atomics(compiler)
+    if isinstance(built, str):
+        return None, f"the ring's acquire/release helper for {machine} did not build: {built}"
+    return "compiled", f"acquire/release through a helper compiled with {compiler}"
+
+
+class _Word:
+    """One u32 ring index in a mapping: plain access (what liburing's READ_ONCE / WRITE_ONCE
+    compile to), and acquire / release (plain on TSO machines, else the compiled helper)."""
+
+    __slots__ = ("view", "address", "load_acquire", "store_release")
+
+    def __init__(self, m: mmap.mmap, offset: int, compiled: tuple[Any, Any] | None) -> None:
+        self.view = memoryview(m)[offset: offset + 4].cast("I")
+        self.address = ctypes.addressof(ctypes.c_uint32.from_buffer(m, offset)) if compiled else 0
+        if compiled is None:
+            self.load_acquire = self._plain_load
+            self.store_release = self._plain_store
+        else:
+            load, store = compiled
+            self.load_acquire = functools.partial(load, self.address)
+            self.store_release = functools.partial(store, self.address)
+
+    def _plain_load(self) -> int:
+        return self.view[0]
+
+    def _plain_store(self, value: int) -> None:
+        self.view[0] = value
+
+
 class _Ring(KernelQueue):
     """One io_uring instance: SQ, CQ and SQE array mapped and viewed through numpy."""
 
-    def __init__(self, capacity: int) -> None:
+    engine_name = "io_uring"
+
+    def __init__(self, capacity: int, limits: IoLimits | None = None, atomics: str = "plain") -> None:
         entries = _round_up_pow2(max(capacity, 2))
         params = np.zeros(1, dtype=PARAMS_DTYPE)
         for flags in _SETUP_FLAGS:
@@ -157,23 +265,42 @@ class _Ring(KernelQueue):
             except OSError as exc:
                 if exc.errno != errno.EINVAL or flags == _SETUP_FLAGS[-1]:
                     raise
-        super().__init__(min(capacity, entries))
+        super().__init__(min(capacity, entries), limits)
         self.fd = fd
         self.setup_flags = int(params["flags"][0])
+        self.atomics = atomics
         os.set_inheritable(fd, False)  # the kernel makes it O_CLOEXEC already; say so anyway
         p = params[0]
         sq, cq = p["sq_off"], p["cq_off"]
+        self.features = int(p["features"])
         self.sq_entries, self.cq_entries = int(p["sq_entries"]), int(p["cq_entries"])
         sq_size = int(sq["array"]) + self.sq_entries * 4
         cq_size = int(cq["cqes"]) + self.cq_entries * CQE_DTYPE.itemsize
-        single = bool(int(p["features"]) & IORING_FEAT_SINGLE_MMAP)
+        single = bool(self.features & IORING_FEAT_SINGLE_MMAP)
         if single:
             sq_size = cq_size = max(sq_size, cq_size)
         self._maps: list[mmap.mmap] = []
+        self._words: list[_Word] = []
         try:
             sq_map = self._map(sq_size, IORING_OFF_SQ_RING)
             cq_map = sq_map if single else self._map(cq_size, IORING_OFF_CQ_RING)
             sqe_map = self._map(self.sq_entries * SQE_DTYPE.itemsize, IORING_OFF_SQES)
+            compiled = None
+            if atomics == "compiled":
+                built = _compiled_atomics(find_c_compiler() or "cc")
+                if isinstance(built, str):
+                    raise OSError(errno.ENOSYS, built)
+                compiled = built
+
+            def word(m: mmap.mmap, offset: Any) -> _Word:
+                w = _Word(m, int(offset), compiled)
+                self._words.append(w)
+                return w
+
+            self._sq_head = word(sq_map, sq["head"])
+            self._sq_tail = word(sq_map, sq["tail"])
+            self._cq_head = word(cq_map, cq["head"])
+            self._cq_tail = word(cq_map, cq["tail"])
         except BaseException:
             self._release()
             raise
@@ -181,25 +308,23 @@ class _Ring(KernelQueue):
         def u32(m: mmap.mmap, offset: Any, count: int = 1) -> np.ndarray:
             return np.frombuffer(m, dtype=np.uint32, count=count, offset=int(offset))
 
-        def word(m: mmap.mmap, offset: Any) -> memoryview:  # one u32 as a Python int: faster than numpy scalars
-            view = memoryview(m)[int(offset): int(offset) + 4].cast("I")
-            self._words.append(view)
-            return view
-
-        self._words: list[memoryview] = []
-        self._sq_tail = word(sq_map, sq["tail"])
         self._sq_mask = int(u32(sq_map, sq["ring_mask"])[0])
         # Identity SQ array: SQE slot i is entry i, so the tail alone says what to submit.
         u32(sq_map, sq["array"], self.sq_entries)[:] = np.arange(self.sq_entries, dtype=np.uint32)
         self._sqes = np.frombuffer(sqe_map, dtype=np.uint64, count=self.sq_entries * 8).reshape(-1, 8)
-        self._cq_head = word(cq_map, cq["head"])
-        self._cq_tail = word(cq_map, cq["tail"])
         self._cq_mask = int(u32(cq_map, cq["ring_mask"])[0])
         self._cqes = np.frombuffer(cq_map, dtype=np.uint64, count=self.cq_entries * 2,
                                    offset=int(cq["cqes"])).reshape(-1, 2)  # rows of CQE_DTYPE
-        self._tail = int(self._sq_tail[0])
+        self._tail = self._sq_tail.view[0]
         self._staged = 0
+        self._wait_failures = 0  # transient failures of waits in a row
         self._sys = _libc_syscall()
+        # The wait's timeout: struct io_uring_getevents_arg {sigmask, sigmask_sz + pad, ts}
+        # pointing at a struct __kernel_timespec; used where the kernel has EXT_ARG.
+        self._ext_arg = bool(self.features & IORING_FEAT_EXT_ARG)
+        self._timespec = np.zeros(2, dtype=np.int64)
+        self._getevents_arg = np.zeros(3, dtype=np.uint64)
+        self._getevents_arg[2] = self._timespec.ctypes.data
 
     def _map(self, size: int, offset: int) -> mmap.mmap:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -227,36 +352,87 @@ class _Ring(KernelQueue):
         if first < k:  # the ring wraps
             self._sqes[: k - first] = requests[start + first: stop]
         self._tail = (self._tail + k) & 0xFFFFFFFF
-        self._sq_tail[0] = self._tail  # read by the kernel in our next io_uring_enter
+        # A plain store, as liburing without SQPOLL: the kernel reads it in our next
+        # io_uring_enter, on this thread, after the SQE stores above.
+        self._sq_tail.view[0] = self._tail
         self._staged += k
 
-    def _exchange(self, min_complete: int) -> tuple[np.ndarray, np.ndarray]:
+    def _exchange(self, min_complete: int, timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        reaped: list[tuple[np.ndarray, np.ndarray]] = []
         waited = min_complete == 0
+        failures = 0
         while self._staged:
             staged = self._staged
             wait = 0 if waited else min_complete
-            done = self._enter(staged, wait, IORING_ENTER_GETEVENTS if wait else 0)
-            if done == 0:
-                raise OSError(errno.EAGAIN, "io_uring_enter accepted no request")
-            self._staged -= done
-            waited = waited or done == staged  # a partial submission returns without waiting
-        if not waited:
-            self._enter(0, min_complete, IORING_ENTER_GETEVENTS)
-        return self._reap()
+            done = self._enter(staged, wait, IORING_ENTER_GETEVENTS if wait else 0, timeout if wait else None)
+            if done > 0:
+                self._staged -= done
+                failures = 0
+                waited = waited or done == staged  # a partial submission returns without waiting
+                continue
+            err = -done if done < 0 else errno.EAGAIN  # 0: the kernel took nothing
+            if err == errno.ETIME:  # the wait timed out after a submission of none: ask again
+                err = errno.EAGAIN
+            if err in TRANSIENT_ERRNOS and failures < self.limits.max_retries:
+                failures += 1
+                reaped.append(self._reap())  # make room (EBUSY: completions not yet reaped)
+                if err != errno.EINTR:
+                    self.limits.pause(failures)
+                continue
+            reaped.append(self._withdraw(err))
+        got = sum(len(u) for u, _ in reaped)
+        if not waited and min_complete > got:
+            ret = self._enter(0, min_complete - got, IORING_ENTER_GETEVENTS, timeout)
+            if ret >= 0 or -ret == errno.ETIME:
+                self._wait_failures = 0
+            elif -ret in TRANSIENT_ERRNOS:
+                # Nothing waited for: the caller comes back (its time limit, not a count, bounds it).
+                self._wait_failures += 1
+                if -ret != errno.EINTR:
+                    self.limits.pause(self._wait_failures)
+            else:
+                raise QueueBroken(-ret, f"io_uring_enter cannot wait for completions: {os.strerror(-ret)}")
+        reaped.append(self._reap())
+        if len(reaped) == 1:
+            return reaped[0]
+        return np.concatenate([u for u, _ in reaped]), np.concatenate([r for _, r in reaped])
 
-    def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
-        """`io_uring_enter` inlined (the hot path: one call per refill); retries EINTR."""
-        while True:
+    def _enter(self, to_submit: int, min_complete: int, flags: int, timeout: float | None = None) -> int:
+        """`io_uring_enter` inlined (the hot path: one call per refill): its result, or -errno."""
+        faults = _base._faults
+        if faults is not None:
+            err = faults.syscall("io_uring_enter")
+            if err:
+                return -err
+        if timeout is not None and min_complete and self._ext_arg:
+            seconds = int(timeout)
+            self._timespec[0] = seconds
+            self._timespec[1] = int((timeout - seconds) * 1e9)
+            ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags | IORING_ENTER_EXT_ARG,
+                            self._getevents_arg.ctypes.data, 24)
+        else:
             ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 8)
-            if ret >= 0:
-                return int(ret)
-            err = ctypes.get_errno()
-            if err != errno.EINTR:  # EINTR comes only when nothing was submitted: repeat the call
-                raise OSError(err, os.strerror(err))
+        return int(ret) if ret >= 0 else -ctypes.get_errno()
+
+    def _withdraw(self, err: int) -> tuple[np.ndarray, np.ndarray]:
+        """Take back the SQEs the kernel has not consumed (their reads fail with `err`)."""
+        head = self._sq_head.view[0]  # READ_ONCE: without SQPOLL the kernel moves it only in our calls
+        n = (self._tail - head) & 0xFFFFFFFF
+        slots = (head + np.arange(n, dtype=np.int64)) & self._sq_mask
+        user_data = self._sqes[slots, 4].copy()  # user_data is the SQE's fifth u64
+        self._tail = head
+        self._sq_tail.view[0] = head
+        self._staged = 0
+        own = (user_data >> np.uint64(32)) == 0
+        if own.any():  # a cancel request that never went out
+            self._internal -= int(np.count_nonzero(own))
+            user_data = user_data[~own]
+        return user_data, np.full(len(user_data), -(err + WITHDRAWN), dtype=np.int64)
 
     def _reap(self) -> tuple[np.ndarray, np.ndarray]:
-        head = self._cq_head[0]
-        n = (self._cq_tail[0] - head) & 0xFFFFFFFF
+        tail = self._cq_tail.load_acquire()  # the CQEs up to here are written before we read them
+        head = self._cq_head.view[0]  # ours: the kernel never writes it
+        n = (tail - head) & 0xFFFFFFFF
         if not n:
             return _EMPTY_U64, _EMPTY_I32
         start = head & self._cq_mask
@@ -264,17 +440,31 @@ class _Ring(KernelQueue):
             cqes = self._cqes[start: start + n].copy()
         else:
             cqes = np.concatenate([self._cqes[start:], self._cqes[: start + n - self.cq_entries]])
-        self._cq_head[0] = (head + n) & 0xFFFFFFFF  # after the copy: the slots are ours until here
+        self._cq_head.store_release((head + n) & 0xFFFFFFFF)  # after the copy: the slots are the kernel's again
         # [n, 2] uint64 rows: user_data, then res (s32) and flags (u32)
         return cqes[:, 0], cqes.view(np.int32)[:, 2]
 
+    def _cancel_in_flight(self) -> bool:
+        """One IORING_OP_ASYNC_CANCEL for every request of the ring (its own CQE has sid 0)."""
+        if self._staged >= self.sq_entries:
+            return False
+        sqe = np.zeros(1, dtype=SQE_DTYPE)
+        sqe["opcode"] = IORING_OP_ASYNC_CANCEL
+        sqe["fd"] = -1
+        sqe["rw_flags"] = IORING_ASYNC_CANCEL_ANY
+        sqe["user_data"] = 0
+        self._issue(sqe.view(np.uint64).reshape(-1, 8), 0, 1)
+        self._internal += 1
+        return True
+
     def _release(self) -> None:
         # Drop the numpy views first: an mmap with exported buffers refuses to close.
-        for name in ("_sq_tail", "_sqes", "_cq_head", "_cq_tail", "_cqes"):
+        for name in ("_sqes", "_cqes", "_sq_head", "_sq_tail", "_cq_head", "_cq_tail"):
             self.__dict__.pop(name, None)
-        for view in self.__dict__.pop("_words", []):
-            view.release()
-        for m in self._maps:
+        for word in self.__dict__.pop("_words", []):
+            word.view.release()
+            word.load_acquire = word.store_release = None  # type: ignore[assignment]
+        for m in getattr(self, "_maps", []):
             try:
                 m.close()
             except BufferError:  # a view escaped; the mapping goes when it does
@@ -333,22 +523,39 @@ def probe() -> str | None:
             return "the kernel lacks IORING_OP_READ (Linux 5.6 or later needed)"
     finally:
         os.close(fd)
+    access, why = ring_index_access(platform.machine())
+    if access is None:
+        return why
     # A real read through the rings, so every part the engine uses is known to work.
     try:
-        ring = _Ring(2)
+        ring = _Ring(2, atomics=access)
     except OSError as exc:
         return _refusal(exc)
     return probe_read(ring, "io_uring")
 
 
 class UringEngine(NativeEngine):
-    """io_uring: one ring per submitting thread, `depth` reads in flight per ring."""
+    """io_uring: one ring per submitting thread, `depth` reads in flight per ring.
+
+    atomics: "auto" (plain ring-index accesses on x86-64, the compiled helper elsewhere) or
+    "compiled" (the helper everywhere: how other architectures run, testable here).
+    """
 
     name = "io_uring"
+
+    def __init__(self, depth: int = 64, limits: IoLimits | None = None, atomics: str = "auto",
+                 **options: Any) -> None:
+        if atomics not in ("auto", "compiled"):
+            raise InvalidParameterError(f"atomics must be 'auto' or 'compiled', got {atomics!r}")
+        super().__init__(depth, limits, **options)
+        access, why = ring_index_access(platform.machine(), atomics)
+        if access is None:
+            raise EngineUnavailable(why)
+        self.atomics = access
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return probe()
 
     def _new_queue(self) -> KernelQueue:
-        return _Ring(self.depth)
+        return _Ring(self.depth, self.limits, self.atomics)

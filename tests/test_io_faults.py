@@ -1,0 +1,512 @@
+"""The read engines under injected faults: the kernel never writes into memory handed back.
+
+Real files in tmp_path read with O_DIRECT (the filesystem is probed; where it refuses
+O_DIRECT the tests that need it skip, the others run buffered and say so in `direct`),
+real rings and AIO contexts. Faults come through the engines' public test hook,
+`espn.store.engines.inject_faults`: a FaultInjector sees every syscall (io_uring_enter,
+io_submit, io_getevents, preadv), every batch of read results and the gather, and fails,
+shortens or interrupts them as a loaded kernel (or a Ctrl-C) would. No private name is
+patched.
+
+Every test runs under the strict ownership policy (tests/conftest.py): a buffer given
+back to its pool while a read still targets it raises OwnershipError, and given-back
+buffers are filled with a canary that is checked when they are handed out again and
+once more at the end (`assert_clean`): no byte of a buffer changes after it was given
+back. Every read returns exactly the bytes that were written, or a clear error.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_store import LAYOUTS, Store, assert_batch_equal, direct_io_supported, random_counts, write_store
+
+from espn.store import PosixReader
+from espn.store.base import BufferPool
+from espn.store.engines import (ENGINES, FaultInjector, IoLimits, OwnershipError, ReadError, StoreClosedError,
+                                inject_faults, open_engine)
+from espn.store.engines import uring as uring_module
+from espn.store.engines.base import CANARY, LEDGER
+
+LAYOUT = LAYOUTS[1]  # 4096-byte blocks, records of up to ~3 blocks
+AVAILABLE = [name for name, cls in ENGINES.items() if cls.unavailable_reason() is None]
+NATIVE = [name for name in ("io_uring", "aio") if name in AVAILABLE]
+#: (engine, syscall) pairs the hook can fail: every syscall each engine makes per read.
+CALLS = [(e, c) for e, c in [("io_uring", "io_uring_enter"), ("aio", "io_submit"), ("aio", "io_getevents"),
+                             ("threads", "preadv")] if e in AVAILABLE]
+TRANSIENT = [errno.EAGAIN, errno.EBUSY, errno.ENOMEM, errno.EINTR]
+QUICK = IoLimits(max_retries=4, backoff_s=1e-4, max_backoff_s=1e-3)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    rng = np.random.default_rng(22)
+    # Unpadded: the last extent comes back short at the end of the file, as in production.
+    return write_store(tmp_path_factory.mktemp("faults"), LAYOUT, random_counts(rng, 400, LAYOUT), pad=False)
+
+
+@pytest.fixture(scope="module")
+def direct(store: Store) -> bool:
+    return direct_io_supported(store.path, LAYOUT.block_size)
+
+
+def requests(store: Store, seed: int = 0) -> list[np.ndarray]:
+    """Reads of every size: one document, a few, a wave, every document (a backlog at depth 8)."""
+    rng = np.random.default_rng(seed)
+    n = len(store.records)
+    return [np.array([n - 1]), rng.integers(0, n, 5), rng.integers(0, n, 64), np.arange(n), rng.integers(0, n, 200)]
+
+
+def open_posix(store: Store, engine: str, depth: int = 8, limits: IoLimits | None = None) -> PosixReader:
+    return PosixReader(store.path, store.records, store.layout, io_engine=engine, io_depth=depth, io_limits=limits)
+
+
+def assert_clean(reader: PosixReader) -> None:
+    """Every buffer is back and unquarantined, no claim is left, and no byte of a free buffer
+    changed since it was given back (a late write by the kernel would show here)."""
+    time.sleep(0.02)  # a stray write still in the device queue would land by now
+    reader.buffer_pool.check()
+    stats = reader.buffer_pool.stats()
+    assert stats["in_use"] == 0 and stats["quarantined"] == 0, stats
+    assert LEDGER.outstanding() == 0
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class RandomFaults(FaultInjector):
+    """Fails a fraction of the calls named in `calls` with one of `errnos` (seeded, thread-safe)."""
+
+    def __init__(self, calls: set[str], errnos: list[int], rate: float, seed: int = 0) -> None:
+        self.calls, self.errnos, self.rate = calls, errnos, rate
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.injected = 0
+
+    def syscall(self, name: str) -> int:
+        if name not in self.calls:
+            return 0
+        with self.lock:
+            if self.rng.random() >= self.rate:
+                return 0
+            self.injected += 1
+            return self.rng.choice(self.errnos)
+
+
+class InterruptAt(FaultInjector):
+    """Raises KeyboardInterrupt at the n-th call of `call` (once), as a Ctrl-C landing there."""
+
+    def __init__(self, call: str, nth: int) -> None:
+        self.call, self.nth, self.seen, self.fired = call, nth, 0, 0
+        self.lock = threading.Lock()
+
+    def syscall(self, name: str) -> int:
+        if name == self.call:
+            with self.lock:
+                self.seen += 1
+                fire = self.seen == self.nth
+                self.fired += fire
+            if fire:
+                raise KeyboardInterrupt
+        return 0
+
+
+class Slow(FaultInjector):
+    """Every syscall takes `seconds` longer: a wave stays in flight long enough to close under it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def syscall(self, name: str) -> int:
+        time.sleep(self.seconds)
+        return 0
+
+
+# -- transient errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("err", TRANSIENT, ids=lambda e: errno.errorcode[e])
+@pytest.mark.parametrize("engine,call", CALLS, ids=[f"{e}-{c}" for e, c in CALLS])
+def test_transient_errors_at_each_syscall_are_retried(store: Store, direct: bool, engine: str, call: str,
+                                                      err: int) -> None:
+    faults = RandomFaults({call}, [err], rate=0.3, seed=err)
+    with open_posix(store, engine) as reader, inject_faults(faults):
+        assert reader.direct == direct
+        for docs in requests(store, err):
+            assert_batch_equal(reader.read(docs), store.expected(docs))
+        # Two in flight on one thread (a prefetch wave and the misses), waited in reverse.
+        docs_a, docs_b = requests(store, err + 1)[2], requests(store, err + 1)[4]
+        first, second = reader.submit(docs_a), reader.submit(docs_b)
+        assert_batch_equal(second.result(), store.expected(docs_b))
+        assert_batch_equal(first.result(), store.expected(docs_a))
+        assert faults.injected > 0
+        assert_clean(reader)
+
+
+@pytest.mark.parametrize("engine,call", [c for c in CALLS if c[1] != "io_getevents"],
+                         ids=[f"{e}-{c}" for e, c in CALLS if c != "io_getevents"])
+def test_a_call_that_keeps_failing_ends_in_one_error_naming_file_offset_and_errno(
+        store: Store, engine: str, call: str) -> None:
+    docs = requests(store)[2]
+    with open_posix(store, engine, limits=QUICK) as reader:
+        with inject_faults(RandomFaults({call}, [errno.EAGAIN], rate=1.0)), pytest.raises(ReadError) as info:
+            reader.read(docs)
+        error = info.value
+        assert error.errno == errno.EAGAIN and error.filename == str(store.path)
+        assert error.offset % LAYOUT.block_size == 0 and 0 <= error.offset < store.path.stat().st_size
+        assert f"{store.path} at offset {error.offset}" in str(error) and "EAGAIN" in str(error)
+        assert_clean(reader)
+        assert_batch_equal(reader.read(docs), store.expected(docs))  # the engine goes on
+
+
+class FailResults(FaultInjector):
+    """Every read completes with -err, as the kernel reports a failed read."""
+
+    def __init__(self, err: int) -> None:
+        self.err = err
+
+    def results(self, engine: str, lengths: np.ndarray, results: np.ndarray) -> np.ndarray:
+        return np.full_like(results, -self.err)
+
+
+@pytest.mark.parametrize("engine", AVAILABLE)
+def test_a_read_whose_result_stays_transient_fails_after_its_retry_budget(store: Store, engine: str) -> None:
+    docs = requests(store)[2]
+    with open_posix(store, engine, limits=QUICK) as reader:
+        with inject_faults(FailResults(errno.EAGAIN)), pytest.raises(ReadError, match="after 4 retries") as info:
+            reader.read(docs)
+        assert info.value.errno == errno.EAGAIN and info.value.filename == str(store.path)
+        # A hard error is not retried, and does not make the reader give up O_DIRECT.
+        direct = reader.direct
+        with inject_faults(FailResults(errno.EINVAL)), pytest.raises(ReadError, match="EINVAL"):
+            reader.read(docs)
+        assert reader.direct == direct
+        assert_clean(reader)
+        assert_batch_equal(reader.read(docs), store.expected(docs))
+
+
+@pytest.mark.skipif("io_uring" not in AVAILABLE, reason="io_uring is refused here")
+def test_a_read_that_never_completes_is_cancelled_at_the_time_limit() -> None:
+    # A read from an empty pipe: the kernel parks it until data comes, i.e. forever.
+    r, w = os.pipe()
+    engine = ENGINES["io_uring"](depth=4, limits=IoLimits(timeout_s=0.3))
+    buffer = np.frombuffer(mmap.mmap(-1, 4096), dtype=np.uint8)
+    buffer[:] = CANARY
+    zero = np.zeros(1, dtype=np.int64)
+    try:
+        pending = engine.submit(r, zero, zero + 4096, buffer, zero)
+        with pytest.raises(ReadError) as info:
+            pending.wait()
+        assert info.value.errno == errno.ETIMEDOUT and "pipe:" in str(info.value) and "0.3 s" in str(info.value)
+        assert pending.drained  # cancelled (IORING_OP_ASYNC_CANCEL) and reaped: the buffer is free
+        os.write(w, b"late")
+        time.sleep(0.05)
+        assert (buffer == CANARY).all()  # the cancelled read never wrote
+        out = np.frombuffer(mmap.mmap(-1, 4096), dtype=np.uint8)
+        assert engine.submit(r, zero, zero + 4, out, zero).wait().tolist() == [4]  # the ring goes on
+        assert out[:4].tobytes() == b"late"
+    finally:
+        engine.close()
+        os.close(r)
+        os.close(w)
+
+
+# -- exceptions between the steps ------------------------------------------------------------
+
+
+class RaiseIn(FaultInjector):
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def point(self, name: str) -> None:
+        if name == "gather":
+            raise self.exc
+
+
+@pytest.mark.parametrize("engine", AVAILABLE)
+def test_an_exception_inside_the_gather_gives_every_buffer_back(store: Store, engine: str) -> None:
+    reqs = requests(store, 3)
+    with open_posix(store, engine) as reader:
+        pending = reader.submit(reqs[2]).submit(reqs[3])  # two waves into one group
+        with inject_faults(RaiseIn(RuntimeError("injected in the gather"))), \
+                pytest.raises(RuntimeError, match="injected in the gather"):
+            pending.result()
+        with inject_faults(RaiseIn(KeyboardInterrupt())), pytest.raises(KeyboardInterrupt):
+            reader.read(reqs[4])
+        assert_clean(reader)
+        assert_batch_equal(reader.read(reqs[4]), store.expected(reqs[4]))
+
+
+@pytest.mark.parametrize("nth", [1, 3])
+@pytest.mark.parametrize("engine,call", CALLS, ids=[f"{e}-{c}" for e, c in CALLS])
+def test_keyboard_interrupt_at_a_syscall_drains_before_it_propagates(store: Store, engine: str, call: str,
+                                                                     nth: int) -> None:
+    faults = InterruptAt(call, nth)
+    interrupted = 0
+    with open_posix(store, engine, depth=4) as reader:
+        with inject_faults(faults):
+            for docs in requests(store, nth):
+                try:
+                    batch = reader.read(docs)
+                except KeyboardInterrupt:
+                    interrupted += 1
+                    continue
+                assert_batch_equal(batch, store.expected(docs))
+        assert faults.fired == 1 and interrupted == 1
+        assert_clean(reader)
+        docs = requests(store)[3]
+        assert_batch_equal(reader.read(docs), store.expected(docs))
+
+
+@pytest.mark.parametrize("engine", AVAILABLE)
+def test_discarding_a_read_cancels_what_the_kernel_has_not_taken(store: Store, engine: str) -> None:
+    class Count(FaultInjector):
+        def __init__(self) -> None:
+            self.completed = 0
+            self.lock = threading.Lock()
+
+        def results(self, engine: str, lengths: np.ndarray, results: np.ndarray) -> np.ndarray:
+            with self.lock:
+                self.completed += len(results)
+            return results
+
+    docs = np.arange(len(store.records))
+    count = Count()
+    with open_posix(store, engine, depth=2) as reader, inject_faults(count):
+        pending = reader.submit(docs)
+        pending.discard()  # a search abandoned right after it started its reads
+        if engine != "threads":  # the threads engine may have read its groups already
+            assert count.completed < len(store.records) // 4
+        assert_clean(reader)
+        assert_batch_equal(reader.read(docs[:50]), store.expected(docs[:50]))
+
+
+# -- closing under reads in flight -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", AVAILABLE)
+def test_closing_the_reader_from_another_thread_waits_for_the_reads_in_flight(store: Store, engine: str) -> None:
+    baseline = open_descriptors()
+    reader = open_posix(store, engine, depth=2)
+    docs = np.arange(len(store.records))
+    submitted, closing = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def search() -> None:
+        try:
+            with inject_faults(Slow(0.001)):
+                pending = reader.submit(docs)  # many extents, two in flight at a time
+                submitted.set()
+                closing.wait(10)
+                time.sleep(0.1)  # the closer is now waiting for these reads
+                outcome["batch"] = pending.result()
+            try:
+                reader.submit(docs[:3])
+            except StoreClosedError as exc:
+                outcome["after"] = exc
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    assert submitted.wait(10)
+    closing.set()
+    reader.close()  # from this thread, while the worker's wave is in flight
+    worker.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    assert_batch_equal(outcome["batch"], store.expected(docs))
+    assert isinstance(outcome["after"], StoreClosedError) and "closed" in str(outcome["after"])
+    assert_clean(reader)
+    assert open_descriptors() == baseline  # the worker's ring and the file are closed
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_a_ring_whose_thread_has_not_waited_yet_is_closed_by_that_thread(store: Store, engine: str,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    baseline = open_descriptors()
+    reader = open_posix(store, engine, depth=2, limits=IoLimits(timeout_s=0.3))
+    docs = np.arange(len(store.records))
+    submitted, closed = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def search() -> None:
+        pending = reader.submit(docs)
+        submitted.set()
+        closed.wait(10)  # waits only after close has given up waiting for it
+        outcome["batch"] = pending.result()
+
+    worker = threading.Thread(target=search)
+    worker.start()
+    assert submitted.wait(10)
+    with caplog.at_level(logging.WARNING, logger="espn.store.engines"):
+        reader.close()  # returns after timeout_s: the worker's reads are still in flight
+    closed.set()
+    worker.join(30)
+    assert any("still has" in r.getMessage() and "in flight" in r.getMessage() for r in caplog.records)
+    assert_batch_equal(outcome["batch"], store.expected(docs))  # the worker's reads completed intact
+    assert_clean(reader)
+    assert open_descriptors() == baseline  # its thread released the ring once drained
+
+
+def test_a_closed_engine_refuses_reads_with_a_clear_error(store: Store) -> None:
+    for name in AVAILABLE:
+        engine = open_engine(name, 4)
+        engine.close()
+        buffer = np.frombuffer(mmap.mmap(-1, 4096), dtype=np.uint8)
+        one = np.zeros(1, dtype=np.int64)
+        fd = os.open(store.path, os.O_RDONLY)
+        try:
+            with pytest.raises(StoreClosedError, match=f"{name} engine is closed"):
+                engine.submit(fd, one, one + 4096, buffer, one)
+        finally:
+            os.close(fd)
+    reader = open_posix(store, AVAILABLE[0])
+    reader.close()
+    with pytest.raises(StoreClosedError, match="reader .* is closed"):
+        reader.read(np.arange(3))
+
+
+# -- short reads under O_DIRECT --------------------------------------------------------------
+
+
+class ShortReads(FaultInjector):
+    """Multi-block reads come back 1000 bytes short (an unaligned count), as a kernel may
+    return them; the engine must re-read from the aligned block holding the rest."""
+
+    def __init__(self) -> None:
+        self.shortened = 0
+        self.lock = threading.Lock()
+
+    def results(self, engine: str, lengths: np.ndarray, results: np.ndarray) -> np.ndarray:
+        cut = (results == lengths) & (lengths >= 2 * LAYOUT.block_size)
+        with self.lock:
+            self.shortened += int(cut.sum())
+        results = results.copy()
+        results[cut] -= 1000
+        return results
+
+
+@pytest.mark.parametrize("engine", AVAILABLE)
+def test_short_reads_under_o_direct_re_read_the_aligned_block(store: Store, direct: bool, engine: str) -> None:
+    if not direct:
+        pytest.skip(f"the filesystem of {store.path} refuses O_DIRECT")
+    short = ShortReads()
+    with open_posix(store, engine) as reader, inject_faults(short):
+        for docs in requests(store, 5):
+            assert_batch_equal(reader.read(docs), store.expected(docs))
+        assert short.shortened > 0
+        assert reader.direct  # never falls back mid-flight
+        assert_clean(reader)
+
+
+# -- the pool's check ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif("io_uring" not in AVAILABLE, reason="io_uring is refused here")
+def test_the_pool_refuses_a_buffer_a_read_still_targets() -> None:
+    r, w = os.pipe()
+    engine = ENGINES["io_uring"](depth=4)
+    pool = BufferPool()
+    buf = pool.acquire(4096)
+    zero = np.zeros(1, dtype=np.int64)
+    try:
+        pending = engine.submit(r, zero, zero + 4, np.frombuffer(buf, dtype=np.uint8), zero)
+        with pytest.raises(OwnershipError, match="still targets it"):
+            pool.release(buf)  # the bug this issue is about: the pool says no
+        assert pool.stats()["quarantined"] == 1
+        assert pool.acquire(4096) is not buf  # never handed out while quarantined
+        os.write(w, b"espn")
+        assert pending.wait().tolist() == [4]
+        assert pool.acquire(4096) is buf  # drained: back from quarantine
+        assert pool.stats()["quarantined"] == 0
+    finally:
+        engine.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_the_canary_catches_a_write_into_a_buffer_given_back() -> None:
+    pool = BufferPool()
+    buf = pool.acquire(1 << 16)
+    pool.release(buf)
+    pool.check()
+    np.frombuffer(buf, dtype=np.uint8)[1234] = 7  # what a late DMA into freed memory looks like
+    with pytest.raises(OwnershipError, match="changed after it was given back"):
+        pool.check()
+    with pytest.raises(OwnershipError, match="changed after it was given back"):
+        pool.acquire(1 << 16)
+
+
+# -- ring indices: acquire / release ---------------------------------------------------------
+
+
+@pytest.mark.skipif("io_uring" not in AVAILABLE, reason="io_uring is refused here")
+def test_the_compiled_acquire_release_helper_reads_the_same_bytes(store: Store) -> None:
+    """What a weakly ordered machine (ARM64) runs: ring indices through a C helper built at
+    first use with the system compiler; it must read exactly what the plain path reads."""
+    if uring_module.find_c_compiler() is None:
+        pytest.skip("no C compiler here")
+    engine = ENGINES["io_uring"](depth=8, atomics="compiled")
+    assert engine.atomics == "compiled"
+    fd = os.open(store.path, os.O_RDONLY)
+    try:
+        data = np.fromfile(store.path, dtype=np.uint8)
+        offsets = np.arange(0, len(data) - 8192, 4096, dtype=np.int64)[::3]
+        lengths = np.full(len(offsets), 8192, dtype=np.int64)
+        at = np.arange(len(offsets), dtype=np.int64) * 8192
+        buffer = np.frombuffer(mmap.mmap(-1, int(at[-1]) + 8192), dtype=np.uint8)
+        assert (engine.submit(fd, offsets, lengths, buffer, at).wait() == 8192).all()
+        for off, pos in zip(offsets.tolist(), at.tolist()):
+            assert np.array_equal(buffer[pos: pos + 8192], data[off: off + 8192])
+    finally:
+        engine.close()
+        os.close(fd)
+
+
+def test_without_acquire_release_io_uring_is_passed_over_with_one_log_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On a weakly ordered machine with no C compiler the ring cannot be driven safely: the
+    next engine is chosen, and the one log line says why."""
+    assert uring_module.ring_index_access("x86_64")[0] == "plain"
+    monkeypatch.setattr(uring_module, "find_c_compiler", lambda: None)
+    access, why = uring_module.ring_index_access("aarch64")
+    assert access is None and "no C compiler" in why and "aarch64" in why
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    uring_module.probe.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="espn.store.engines"):
+            engine = open_engine(None)
+        try:
+            assert engine.name != "io_uring"
+        finally:
+            engine.close()
+        lines = [r.getMessage() for r in caplog.records if r.name == "espn.store.engines"]
+        assert len(lines) == 1 and "io_uring" in lines[0] and "no C compiler" in lines[0], lines
+    finally:
+        uring_module.probe.cache_clear()
+
+
+# -- the same suite without asserts in the library -------------------------------------------
+
+
+def test_engine_and_fault_tests_pass_under_python_O(tmp_path: Path) -> None:
+    """`python -O` strips assert statements: no time limit or invariant may live in one."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-O", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
+         "tests/test_engines.py", "tests/test_io_faults.py", "-k", "not python_O"],
+        cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
