@@ -30,7 +30,9 @@ from test_store import LAYOUTS, Store, assert_batch_equal, random_counts, write_
 import espn.store.kvikio as kvikio_module
 from espn.errors import IndexCorruptError
 from espn.store import KvikioReader, default_reader_name, open_reader
-from espn.store.kvikio import DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_TASK_SIZE
+from espn.store.engines import StoreClosedError
+from espn.store.engines.base import LEDGER
+from espn.store.kvikio import DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_TASK_SIZE, DeviceBufferPool
 
 
 @pytest.fixture(params=LAYOUTS, ids=lambda lay: f"B{lay.block_size}")
@@ -385,6 +387,90 @@ def test_kvikio_result_on_another_thread_and_concurrent_waves(store: Store, fake
         for docs, batch in zip(waves, results):
             assert_batch_equal(batch, store.expected(docs))
         assert pending[0].result() is results[0]  # result() is idempotent
+
+
+# -- lifetimes: no buffer goes back while kvikio may write into it -------------------------------
+
+
+def test_kvikio_close_from_another_thread_waits_for_the_waves_in_flight(
+        store: Store, fake_kvikio: ModuleType, device_branch: list[FakeCudaEvent]) -> None:
+    # STANDS IN FOR A GPU: the fake kvikio holds the reads; CPU tensors stand in for device memory.
+    fake = fake_kvikio._fake
+    docs = np.arange(0, len(store.records), 7)
+    # gds_threshold=0: the short last extent of the file goes to the pool too, not the shortcut.
+    reader = KvikioReader(store.path, store.records, store.layout, gds_threshold=0)
+    fake.release.clear()
+    pending = reader.submit(docs)
+    closer = threading.Thread(target=reader.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close returned while kvikio was still reading into a wave's buffer"
+    with pytest.raises(StoreClosedError, match="closed"):
+        reader.submit(docs)
+    fake.release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    # The held reads ran against a file that was still open (the fake refuses a closed one).
+    assert_batch_equal(pending.result(), store.expected(docs))
+    pool = reader.buffer_pool
+    assert pool.stats()["quarantined"] == 0 and LEDGER.outstanding() == 0
+    pool.check()
+
+
+def test_kvikio_abandoned_wave_gives_its_device_buffer_back_only_once_read(
+        store: Store, fake_kvikio: ModuleType, device_branch: list[FakeCudaEvent]) -> None:
+    # STANDS IN FOR A GPU (fake kvikio, CPU tensors as device memory, fake CUDA events).
+    fake = fake_kvikio._fake
+    docs = np.arange(0, len(store.records), 5)
+    with KvikioReader(store.path, store.records, store.layout, gds_threshold=0) as reader:
+        fake.release.clear()
+        pending = reader.submit(docs)
+        abandon = threading.Thread(target=pending.discard)  # a search that failed after its wave started
+        abandon.start()
+        abandon.join(0.3)
+        assert abandon.is_alive() and reader.buffer_pool.stats()["free"] == 0
+        fake.release.set()
+        abandon.join(10)
+        stats = reader.buffer_pool.stats()
+        assert stats["free"] == 1 and stats["quarantined"] == 0, stats
+        reader.buffer_pool.check()  # nothing wrote into it after it came back
+        assert_batch_equal(reader.read(docs), store.expected(docs))
+
+
+def test_kvikio_device_buffer_beyond_the_cap_is_freed_only_after_its_event(
+        fake_kvikio: ModuleType, device_branch: list[FakeCudaEvent]) -> None:
+    # STANDS IN FOR A GPU: CPU tensors as device memory, fake CUDA events the test completes.
+    pool = DeviceBufferPool(torch.device("cpu"), retain_bytes=1 << 16)
+    a, b = pool.acquire(1 << 16), pool.acquire(1 << 16)  # 128 KiB held: over the cap
+    pool.release(a)
+    device_branch[-1].done = False  # the parse that reads `a` has not run yet
+    assert pool.stats()["retiring"] == 1
+    c = pool.acquire(1 << 16)
+    assert c is not a and pool.stats()["retiring"] == 1  # still held back from torch's allocator
+    device_branch[-1].done = True
+    pool.release(b)  # over the cap too: retiring, its (fake) parse already done
+    pool.acquire(1 << 16)  # frees both retiring buffers, allocates one
+    stats = pool.stats()
+    assert stats["retiring"] == 0 and stats["held_bytes"] == 2 << 16, stats  # c and the new one
+    # close: a free buffer whose parse is still queued is waited for before it is dropped.
+    pool.release(c)
+    device_branch[-1].done = False
+    pool.clear()
+    assert device_branch[-1].waited
+
+
+def test_kvikio_keeps_each_extent_within_one_task(store: Store, fake_kvikio: ModuleType) -> None:
+    # Fake kvikio standing in for a GPU. A future of several tasks raises at the first failed
+    # one while the others may still write: the reader never issues such a read.
+    fake = fake_kvikio._fake
+    docs = np.arange(len(store.records))
+    with KvikioReader(store.path, store.records, store.layout, task_size=8192) as reader:
+        assert reader.max_extent_bytes == 8192
+        fake.trace.clear()
+        assert_batch_equal(reader.read(docs), store.expected(docs))
+        preads = [e for e in fake.trace if e[0] == "pread"]
+        tasks = [e for e in fake.trace if e[0] == "task"]
+        assert len(tasks) == len(preads) and max(e[2] for e in preads) <= 8192
 
 
 # -- deployment ----------------------------------------------------------------------------------
