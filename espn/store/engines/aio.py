@@ -91,14 +91,18 @@ class _Context(KernelQueue):
         self._events = np.zeros(capacity, dtype=IO_EVENT_DTYPE)
         self._events_address = self._events.ctypes.data
         self._timespec = np.zeros(2, dtype=np.int64)  # struct timespec for io_getevents
-        self._staged: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (iocbs, pointers, start, stop)
+        self._timespec_address = int(self._timespec.ctypes.data)
+        self._timeout = -1.0  # what the timespec holds now
+        # (iocbs, their pointers, the pointers' address, start, stop): the arrays stay referenced here.
+        self._staged: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
         self._with_kernel = 0  # submitted and not reaped (excludes requests refused at io_submit)
         self._wait_failures = 0  # transient failures of io_getevents in a row
         self._reaped: list[np.ndarray] = []  # events reaped during one _exchange
 
     def _prepare(self, fd: int, offsets: np.ndarray, addrs: np.ndarray, lengths: np.ndarray,
-                 user_data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """k iocbs (IOCB_CMD_PREAD) and the [k] uint64 array of their addresses io_submit takes."""
+                 user_data: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """k iocbs (IOCB_CMD_PREAD), the [k] uint64 array of their addresses io_submit takes,
+        and that array's own address."""
         iocbs = np.zeros(len(lengths), dtype=IOCB_DTYPE)
         iocbs["aio_lio_opcode"] = IOCB_CMD_PREAD
         iocbs["aio_fildes"] = fd
@@ -107,9 +111,9 @@ class _Context(KernelQueue):
         iocbs["aio_nbytes"] = lengths
         iocbs["aio_data"] = user_data
         pointers = iocbs.ctypes.data + np.arange(len(lengths), dtype=np.uint64) * np.uint64(IOCB_DTYPE.itemsize)
-        return iocbs, pointers
+        return iocbs, pointers, int(pointers.ctypes.data)
 
-    def _issue(self, requests: tuple[np.ndarray, np.ndarray], start: int, stop: int) -> None:
+    def _issue(self, requests: tuple[np.ndarray, np.ndarray, int], start: int, stop: int) -> None:
         self._staged.append((*requests, start, stop))
 
     def _io_submit(self, count: int, address: int) -> int:
@@ -131,10 +135,12 @@ class _Context(KernelQueue):
                 return -err
         pointer = 0
         if timeout is not None:
-            seconds = int(timeout)
-            self._timespec[0] = seconds
-            self._timespec[1] = int((timeout - seconds) * 1e9)
-            pointer = self._timespec.ctypes.data
+            if timeout != self._timeout:  # the same limit wait after wait: set it once
+                seconds = int(timeout)
+                self._timespec[0] = seconds
+                self._timespec[1] = int((timeout - seconds) * 1e9)
+                self._timeout = timeout
+            pointer = self._timespec_address
         ret = self._sys(self._nr_getevents, self.ctx, min_complete, len(self._events), self._events_address,
                         pointer, 0)
         return int(ret) if ret >= 0 else -ctypes.get_errno()
@@ -148,13 +154,13 @@ class _Context(KernelQueue):
         failed_res: list[int] = []
         failures = 0
         while self._staged:
-            iocbs, pointers, done, stop = self._staged[0]
+            iocbs, pointers, address, done, stop = self._staged[0]
             if done >= stop:
                 self._staged.pop(0)
                 continue
-            n = self._io_submit(stop - done, pointers.ctypes.data + 8 * done)
+            n = self._io_submit(stop - done, address + 8 * done)
             if n > 0:
-                self._staged[0] = (iocbs, pointers, done + n, stop)
+                self._staged[0] = (iocbs, pointers, address, done + n, stop)
                 self._with_kernel += n
                 failures = 0
                 continue
@@ -171,14 +177,14 @@ class _Context(KernelQueue):
             if err in TRANSIENT_ERRNOS:  # the budget is spent: what the kernel never took fails
                 failed_data.extend(iocbs["aio_data"][done:stop].tolist())
                 failed_res.extend([-(err + WITHDRAWN)] * (stop - done))
-                self._staged[0] = (iocbs, pointers, stop, stop)
+                self._staged[0] = (iocbs, pointers, address, stop, stop)
                 failures = 0
                 continue
             # io_submit reports an error only for the first iocb of the call (bad fd,
             # misaligned O_DIRECT...): that read has failed; carry on with the next.
             failed_data.append(int(iocbs["aio_data"][done]))
             failed_res.append(-err)
-            self._staged[0] = (iocbs, pointers, done + 1, stop)
+            self._staged[0] = (iocbs, pointers, address, done + 1, stop)
         return failed_data, failed_res
 
     def _wait_events(self, min_complete: int, timeout: float | None) -> None:

@@ -325,6 +325,12 @@ class _Ring(KernelQueue):
         self._timespec = np.zeros(2, dtype=np.int64)
         self._getevents_arg = np.zeros(3, dtype=np.uint64)
         self._getevents_arg[2] = self._timespec.ctypes.data
+        self._getevents_address = int(self._getevents_arg.ctypes.data)
+        self._timeout = -1.0  # what the timespec holds now
+        # On TSO machines acquire/release are the plain accesses: read the views directly.
+        self._plain = compiled is None
+        self._cq_head_view = self._cq_head.view
+        self._cq_tail_view = self._cq_tail.view
 
     def _map(self, size: int, offset: int) -> mmap.mmap:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -405,11 +411,13 @@ class _Ring(KernelQueue):
             if err:
                 return -err
         if timeout is not None and min_complete and self._ext_arg:
-            seconds = int(timeout)
-            self._timespec[0] = seconds
-            self._timespec[1] = int((timeout - seconds) * 1e9)
+            if timeout != self._timeout:  # the same limit wait after wait: set it once
+                seconds = int(timeout)
+                self._timespec[0] = seconds
+                self._timespec[1] = int((timeout - seconds) * 1e9)
+                self._timeout = timeout
             ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags | IORING_ENTER_EXT_ARG,
-                            self._getevents_arg.ctypes.data, 24)
+                            self._getevents_address, 24)
         else:
             ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 8)
         return int(ret) if ret >= 0 else -ctypes.get_errno()
@@ -430,8 +438,9 @@ class _Ring(KernelQueue):
         return user_data, np.full(len(user_data), -(err + WITHDRAWN), dtype=np.int64)
 
     def _reap(self) -> tuple[np.ndarray, np.ndarray]:
-        tail = self._cq_tail.load_acquire()  # the CQEs up to here are written before we read them
-        head = self._cq_head.view[0]  # ours: the kernel never writes it
+        # Acquire: the CQEs up to the tail are written before we read them.
+        tail = self._cq_tail_view[0] if self._plain else self._cq_tail.load_acquire()
+        head = self._cq_head_view[0]  # ours: the kernel never writes it
         n = (tail - head) & 0xFFFFFFFF
         if not n:
             return _EMPTY_U64, _EMPTY_I32
@@ -440,7 +449,11 @@ class _Ring(KernelQueue):
             cqes = self._cqes[start: start + n].copy()
         else:
             cqes = np.concatenate([self._cqes[start:], self._cqes[: start + n - self.cq_entries]])
-        self._cq_head.store_release((head + n) & 0xFFFFFFFF)  # after the copy: the slots are the kernel's again
+        # Release, after the copy: the slots are the kernel's again.
+        if self._plain:
+            self._cq_head_view[0] = (head + n) & 0xFFFFFFFF
+        else:
+            self._cq_head.store_release((head + n) & 0xFFFFFFFF)
         # [n, 2] uint64 rows: user_data, then res (s32) and flags (u32)
         return cqes[:, 0], cqes.view(np.int32)[:, 2]
 
@@ -459,7 +472,8 @@ class _Ring(KernelQueue):
 
     def _release(self) -> None:
         # Drop the numpy views first: an mmap with exported buffers refuses to close.
-        for name in ("_sqes", "_cqes", "_sq_head", "_sq_tail", "_cq_head", "_cq_tail"):
+        for name in ("_sqes", "_cqes", "_sq_head", "_sq_tail", "_cq_head", "_cq_tail", "_cq_head_view",
+                     "_cq_tail_view"):
             self.__dict__.pop(name, None)
         for word in self.__dict__.pop("_words", []):
             word.view.release()
