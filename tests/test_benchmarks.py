@@ -94,6 +94,16 @@ def test_bench_io(tiny_index: Path, results: Path, capsys) -> None:
     assert payload["rounds"][0]["posix16_blocks"]["iops"] > 0
 
 
+def test_bench_faults(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_faults
+
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    argv = ["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--rate", "0.2"]
+    assert bench_faults.main(argv) == 0
+    payload = _check(results, "faults", capsys, png=False)
+    assert all(r["rankings_differing"] == 0 and r["errors"] == 0 for r in payload["runs"]), payload["runs"]
+
+
 def test_bench_memory(tiny_index: Path, results: Path, capsys) -> None:
     from benchmarks import bench_memory
 

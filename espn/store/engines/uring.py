@@ -386,7 +386,7 @@ class _Ring(KernelQueue):
                     self.limits.pause(failures)
                 continue
             reaped.append(self._withdraw(err))
-        got = sum(len(u) for u, _ in reaped)
+        got = sum(len(u) for u, _ in reaped) if reaped else 0
         if not waited and min_complete > got:
             ret = self._enter(0, min_complete - got, IORING_ENTER_GETEVENTS, timeout)
             if ret >= 0 or -ret == errno.ETIME:
