@@ -23,8 +23,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 from benchmarks.common import set_omp_env
 
 set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_ENV

@@ -350,8 +350,9 @@ class KernelQueue(abc.ABC):
             self._end()
 
     def cancel(self, sub: Submission) -> None:
-        """Withdraw what `sub` has not handed to the kernel yet; the rest is reaped later."""
-        if sub.finished:
+        """Withdraw what `sub` has not handed to the kernel yet; the rest is reaped later.
+        Only the owner thread touches the queue: elsewhere this does nothing."""
+        if sub.finished or threading.get_ident() != self.owner:
             return
         sub.cancelled = True
         for i in list(range(sub.cursor, len(sub.lengths))) + sub.retries:
