@@ -55,9 +55,17 @@ def test_the_command_line_needs_httpx_only_to_route(argv: list[str]) -> None:
     assert "usage: espn" in done.stdout
 
 
-def test_the_wheel_installs_only_names_we_own(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True)
+def test_the_wheel_builds_without_warnings_and_installs_only_names_we_own(tmp_path: Path) -> None:
+    # --isolated: this machine's pip configuration (extra indexes) plays no part in a local build.
+    built = subprocess.run([sys.executable, "-m", "pip", "--isolated", "wheel", "-v", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    # setuptools reports packaging mistakes as *Warning lines (e.g. a data directory left out of
+    # `packages`: "Package 'espn.data' ... would be ignored"); pip itself warns as "WARNING:".
+    output = built.stdout + built.stderr
+    warnings = [line.strip() for line in output.splitlines()
+                if re.search(r"\w+Warning\b|would be ignored|^\s*WARNING:", line)]
+    assert not warnings, "\n".join(warnings)
     (wheel,) = tmp_path.glob("espn-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
