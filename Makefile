@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ESPN := $(VENV)/bin/espn
 SAMPLE_INDEX ?= .espn/sample-index
 
-.PHONY: install serve-sample test check-wheel browser bench clean
+.PHONY: install serve-sample test check-wheel browser bench clean settings-table
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -51,6 +51,10 @@ check-wheel: install
 	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
 		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/run.trec --k 10
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
+
+# The README's settings tables, from the settings models (server/settings.py): run after adding a setting.
+settings-table: install
+	$(PY) -m espn_server.settings_doc --write README.md
 
 clean:
 	rm -rf $(VENV) .espn
