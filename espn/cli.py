@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence, cast
 
 import numpy as np
 
@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", type=Path)
     p.set_defaults(handler=cmd_verify)
 
-    _register_plugins(sub)
+    # The plugins' register(sub) take the plain argparse type; the parsers they add are CliParsers.
+    _register_plugins(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
     return parser
 
 
