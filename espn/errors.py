@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "EspnError",
     "InvalidParameterError",
+    "ConflictError",
     "CorpusError",
     "IndexCorruptError",
     "IndexExistsError",
@@ -20,6 +21,11 @@ class EspnError(Exception):
 
 class InvalidParameterError(EspnError, ValueError):
     """A caller passed a parameter outside its allowed range; the message names it and the range."""
+
+
+class ConflictError(InvalidParameterError):
+    """A write that conflicts with itself (an id twice, an id both upserted and deleted) or with the
+    index (a metadata field given another type than the index holds). HTTP: 409."""
 
 
 class CorpusError(EspnError):

@@ -46,7 +46,8 @@ SERVE_GROUPS = (
     ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "torch_threads",
                 "max_pending", "fair_chunk_queries")),
     ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct")),
-    ("requests", ("max_body_bytes", "max_batch_queries", "max_request_work", "max_response_bytes", "cors_origins")),
+    ("requests", ("max_body_bytes", "max_batch_queries", "max_batch_writes", "max_request_work", "max_response_bytes",
+                  "cors_origins")),
     ("writes to a live index", ("write_wait_s", "compact_max_segments", "compact_deleted_fraction")),
     ("operations", ("log_level", "warmup", "metrics_port")),
 )

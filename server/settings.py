@@ -79,6 +79,8 @@ class ServerSettings(BaseSettings):
     # Request limits.
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
     max_batch_queries: int = Field(256, ge=1, le=10_000, description="queries accepted by /v1/search/batch")
+    max_batch_writes: int = Field(1000, ge=1, le=1000,
+                                  description="most upserts, and most deletes, in one /v1/documents/batch")
     # Work budget of one request: queries x max(k, rerank_count, prefetch_k) candidates.
     # The default admits 256 queries at k = 1000 but not a 256-query batch re-ranking 10,000 each.
     max_request_work: int = Field(262_144, ge=1, le=1 << 40,
