@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-embeddings", type=Path, help="queries encoded elsewhere (see espn.encoders.precomputed)")
     p.add_argument("--out", type=Path, required=True, help="TREC run file to write")
     p.add_argument("--k", type=int, default=1000)
-    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against")
+    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against; only the queries it "
+                   "judges are searched (BEIR's queries.jsonl holds those of every split)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
@@ -245,6 +246,14 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.index} is not an ESPN index directory (no manifest.json)")
     queries, embeddings = _load_queries(args)
     qrels = read_qrels(args.qrels) if args.qrels else None
+    if qrels is not None:  # evaluate what was judged: BEIR's queries.jsonl holds every split's queries
+        judged = [i for i, (qid, _) in enumerate(queries) if qid in qrels]
+        if not judged:
+            raise InvalidParameterError(f"--qrels {args.qrels}: none of the {len(queries)} queries has judgements in it")
+        if len(judged) < len(queries):
+            print(f"searching the {len(judged)} of {len(queries)} queries that {args.qrels} judges")
+            queries = [queries[i] for i in judged]
+            embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields

