@@ -176,7 +176,7 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups
 
 def environment_help(model: type[BaseSettings]) -> str:
     """The --help epilog: settings that have no flag (environment only)."""
-    lines = [f"{s.env}: {s.help}" for s in settings_of(model) if s.name in ENV_ONLY]
+    lines = [f"Environment only, {s.env}: {s.help}." for s in settings_of(model) if s.name in ENV_ONLY]
     lines.append("Every flag can also be given as its environment variable; a flag wins over the variable.")
     return " ".join(lines).replace("%", "%%")
 
