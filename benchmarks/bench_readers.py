@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--io-engine", default=None, help="posix read engine (default: best available)")
-    p.add_argument("--quick", action="store_true", help="20 queries, 2 rounds")
+    p.add_argument("--quick", action="store_true", help="at most 20 queries and 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.repeats = 20, 2
+        args.n, args.repeats = min(args.n, 20), min(args.repeats, 2)
 
     from espn import Searcher
     from espn.corpus import read_qrels

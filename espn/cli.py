@@ -1,7 +1,9 @@
 """`espn` command line: search, calibrate, verify here; index, index-merge, serve, route plug in.
 
-The only place that reads argv; every command calls the library. Errors end as one
-line on stderr and a non-zero exit, never a traceback (set ESPN_DEBUG=1 for one).
+The only place that reads argv; every command calls the library. Every error ends as one
+line on stderr, `espn CMD: error: ...`, with exit status 1, or 2 when the command line
+itself is wrong (as argparse does); never a traceback (`-v` adds one). Third-party
+libraries' log lines (FAISS's loader, transformers, ...) are shown only with `-v`.
 
 The library must not import the build job or the server (they import it), so their
 subcommands register themselves through the `espn.commands` entry-point group: each
@@ -18,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence, cast
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from .errors import EspnError, InvalidParameterError
 from .params import SearchParams
 from .results import Hit
 
-__all__ = ["main", "add_reader_options", "reader_options", "COMMANDS_GROUP"]
+__all__ = ["main", "add_reader_options", "reader_options", "configure_logging", "CliParser", "UsageError",
+           "COMMANDS_GROUP"]
 
 COMMANDS_GROUP = "espn.commands"
 # Entry points register in this order, so `espn --help` lists the build before the server.
@@ -34,6 +37,51 @@ _PLUGIN_ORDER = ("indexing", "server")
 IO_ENGINES = ("auto", "io_uring", "aio", "threads")
 
 log = logging.getLogger("espn")
+#: Loggers of this project (the library, the build job, the server): INFO by default.
+OWN_LOGGERS = ("espn", "espn_indexing", "espn_server")
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (a missing or conflicting flag): exit status 2, as argparse gives."""
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `espn search: error: ... (see `espn search --help`)`, exit 2.
+
+    argparse prints the whole usage block before its error; the help is one flag away.
+    Subparsers inherit the class (`add_subparsers` uses the parent's type).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def configure_logging(verbosity: int) -> None:
+    """This project's INFO lines on stderr; third-party loggers and Python warnings only with -v.
+
+    verbosity 0: ours at INFO, everyone else's at ERROR (FAISS's loader announces its
+    fallbacks at INFO, with a ModuleNotFoundError in the text: noise to a user).
+    1 (-v): ours at DEBUG, theirs at INFO; 2 (-vv): everything at DEBUG.
+    Calling it again replaces the handler it installed (tests call `main` more than once).
+    """
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "espn_cli", False)]:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.espn_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel((logging.ERROR, logging.INFO, logging.DEBUG)[min(verbosity, 2)])
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbosity else logging.INFO)
+    logging.captureWarnings(True)  # warnings.warn from libraries: through the "py.warnings" logger, as above
+    # transformers logs through its own handler, not the root's: its own switch (a user's setting wins).
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", ("error", "info", "debug")[min(verbosity, 2)])
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (some libraries' messages span several)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def add_reader_options(p: argparse.ArgumentParser) -> None:
@@ -108,7 +156,7 @@ def _register_plugins(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
-        raise SystemExit(f"espn {args.command}: error: the {name} commands cannot load: {exc}")
+        raise EspnError(f"the {name} commands cannot load: {exc}")
 
     return handler
 
@@ -117,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     from espn.evaluation import DEFAULT_MEASURES
     from espn.store import READERS
 
-    parser = argparse.ArgumentParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser = CliParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more output: -v adds debug lines, other libraries' log lines and a traceback with an "
+                             "error; -vv debug lines of every library")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("search", help="batch queries to a TREC run file; with --qrels, print effectiveness")
@@ -127,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-embeddings", type=Path, help="queries encoded elsewhere (see espn.encoders.precomputed)")
     p.add_argument("--out", type=Path, required=True, help="TREC run file to write")
     p.add_argument("--k", type=int, default=1000)
-    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against")
+    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against; only the queries it "
+                   "judges are searched (BEIR's queries.jsonl holds those of every split)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
@@ -153,13 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", type=Path)
     p.set_defaults(handler=cmd_verify)
 
-    _register_plugins(sub)
+    # The plugins' register(sub) take the plain argparse type; the parsers they add are CliParsers.
+    _register_plugins(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
     return parser
 
 
 def _load_queries(args: argparse.Namespace):
     if (args.queries is None) == (args.query_embeddings is None):
-        raise SystemExit(f"espn {args.command}: error: give exactly one of --queries and --query-embeddings")
+        raise UsageError("give exactly one of --queries and --query-embeddings")
     if args.queries is not None:
         from espn.corpus import read_queries
 
@@ -194,6 +246,14 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.index} is not an ESPN index directory (no manifest.json)")
     queries, embeddings = _load_queries(args)
     qrels = read_qrels(args.qrels) if args.qrels else None
+    if qrels is not None:  # evaluate what was judged: BEIR's queries.jsonl holds every split's queries
+        judged = [i for i, (qid, _) in enumerate(queries) if qid in qrels]
+        if not judged:
+            raise InvalidParameterError(f"--qrels {args.qrels}: none of the {len(queries)} queries has judgements in it")
+        if len(judged) < len(queries):
+            print(f"searching the {len(judged)} of {len(queries)} queries that {args.qrels} judges")
+            queries = [queries[i] for i in judged]
+            embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
@@ -270,7 +330,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     searcher = Searcher.open(args.index, reader=args.reader, reader_options=options)
     queries = [(qid, text) for qid, text in queries if qid in qrels]
     if not queries:
-        raise SystemExit("espn calibrate: error: no query has judgements in --qrels")
+        raise InvalidParameterError(f"--qrels {args.qrels}: no query of --queries has judgements in it")
     params = searcher.defaults
     heads: dict[str, list] = {}
     for start in range(0, len(queries), 32):
@@ -312,30 +372,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    prefix = f"espn {args.command}: error:"
     try:
         return handler(args)
     except KeyboardInterrupt:
         print(f"espn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except UsageError as exc:
+        print(f"{prefix} {_one_line(exc)} (see `espn {args.command} --help`)", file=sys.stderr)
+        return 2
     except (EspnError, ValueError, FileNotFoundError) as exc:
-        if os.environ.get("ESPN_DEBUG"):
-            raise
-        print(f"espn {args.command}: error: {exc}", file=sys.stderr)
+        log.debug("traceback", exc_info=True)
+        print(f"{prefix} {_one_line(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:
-        if os.environ.get("ESPN_DEBUG"):
-            raise
+        log.debug("traceback", exc_info=True)
         if exc.errno == errno.ENOSPC:
-            print(f"espn {args.command}: error: no space left on device"
+            print(f"{prefix} no space left on device"
                   f"{' writing ' + str(exc.filename) if exc.filename else ''}; the partial build is kept, "
                   "free space and re-run the same command to resume", file=sys.stderr)
         else:
-            print(f"espn {args.command}: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}",
+            print(f"{prefix} {exc.strerror or _one_line(exc)}{': ' + str(exc.filename) if exc.filename else ''}",
                   file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug: still one line, the traceback one -v away
+        log.debug("traceback", exc_info=True)
+        print(f"{prefix} internal error, {type(exc).__name__}: {_one_line(exc)} (run with -v for the traceback; "
+              "please report it)", file=sys.stderr)
         return 1
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 __all__ = [
     "EspnError",
     "InvalidParameterError",
+    "ConflictError",
     "CorpusError",
     "IndexCorruptError",
     "IndexExistsError",
     "DocumentNotFoundError",
     "BackendUnavailableError",
+    "CorruptModelError",
     "IndexLockedError",
 ]
 
@@ -20,6 +22,11 @@ class EspnError(Exception):
 
 class InvalidParameterError(EspnError, ValueError):
     """A caller passed a parameter outside its allowed range; the message names it and the range."""
+
+
+class ConflictError(InvalidParameterError):
+    """A write that conflicts with itself (an id twice, an id both upserted and deleted) or with the
+    index (a metadata field given another type than the index holds). HTTP: 409."""
 
 
 class CorpusError(EspnError):
@@ -39,6 +46,10 @@ class DocumentNotFoundError(EspnError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message.
         return str(self.args[0]) if self.args else "document not found"
+
+
+class CorruptModelError(EspnError):
+    """A model file is missing or does not hash to what it must (the default encoder's wheel)."""
 
 
 class BackendUnavailableError(EspnError):

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 FIELD_TYPES = ("keyword", "keywords", "integer", "float", "boolean")
-FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
+FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a trailing newline
 #: Filter operators: a field of this name could not be told apart from them.
 RESERVED_NAMES = frozenset({"and", "or", "not"})
 DIRECTORY = "metadata"
@@ -87,7 +87,7 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be a JSON object, got {type(metadata).__name__}")
     for name, value in metadata.items():
-        if not FIELD_NAME.match(name) or name in RESERVED_NAMES:
+        if not FIELD_NAME.fullmatch(name) or name in RESERVED_NAMES:
             raise ValueError(f"metadata field name {name!r} is not allowed (letters, digits, _ . -; at most 64; "
                              f"not and/or/not)")
         try:
@@ -271,7 +271,7 @@ def write_columns(directory: Path, fields: list[tuple[str, str, dict[str, np.nda
     folder.mkdir(parents=True, exist_ok=True)
     section = []
     for i, (name, kind, parts) in enumerate(fields):
-        if kind not in FIELD_TYPES or not FIELD_NAME.match(name) or name in RESERVED_NAMES:
+        if kind not in FIELD_TYPES or not FIELD_NAME.fullmatch(name) or name in RESERVED_NAMES:
             raise ValueError(f"metadata field {name!r} of type {kind!r} is not allowed")
         for part, values in parts.items():
             np.save(folder / f"f{i}.{part}.npy", values)

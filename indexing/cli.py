@@ -97,7 +97,9 @@ def cmd_index(args: argparse.Namespace) -> int:
                                          bow_dtype=args.bow_dtype or "float16")
     else:
         if args.corpus is None:
-            raise SystemExit("espn index: error: give a CORPUS file or --embeddings DIR")
+            from espn.cli import UsageError
+
+            raise UsageError("give a CORPUS file or --embeddings DIR")
         config = BuildConfig(
             corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
             ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
@@ -141,14 +143,17 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     from espn.errors import InvalidParameterError
+    from espn.cli import UsageError
 
     from .live import LiveIndex, iter_ids_file
 
+    if not args.ids and args.ids_file is None:
+        raise UsageError("give ids to delete, or --ids-file FILE")
     ids = list(args.ids)
     if args.ids_file is not None:
         ids += list(iter_ids_file(args.ids_file))
     if not ids:
-        raise InvalidParameterError("give ids to delete, or --ids-file FILE")
+        raise InvalidParameterError(f"--ids-file {args.ids_file}: no ids in it")
     with LiveIndex.open(args.index, wait_s=args.wait) as writer:
         result = writer.delete(ids)
     _print_write(args.index, f"{len(result.deleted)} deleted", result)

@@ -29,7 +29,7 @@ import numpy as np
 
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
-from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
+from espn.errors import ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
 from espn.index import FILES, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic, write_manifest
 from espn.segments import (
     LIVE_DIR,
@@ -188,9 +188,9 @@ class LiveIndex:
         doc_ids = [d.doc_id for d in upserts]
         both = set(doc_ids) & set(deletes)
         if both:
-            raise InvalidParameterError(f"id {sorted(both)[0]!r} is both upserted and deleted in one batch")
+            raise ConflictError(f"id {sorted(both)[0]!r} is both upserted and deleted in one batch")
         if len(set(deletes)) != len(deletes):
-            raise InvalidParameterError("delete lists an id twice")
+            raise ConflictError("delete lists an id twice")
         if not upserts and not deletes:
             raise InvalidParameterError("nothing to write: give documents to upsert or ids to delete")
         if deletes:  # unknown ids fail before anything is encoded or written
@@ -342,7 +342,7 @@ class LiveIndex:
         try:
             schema_of([base.manifest.get("metadata"), *(info.metadata for info in current.segments), section])
         except ValueError as exc:
-            raise InvalidParameterError(str(exc)) from None
+            raise ConflictError(str(exc)) from None
         return section
 
     def _write_deleted(self, deleted: np.ndarray, number: int) -> dict[str, Any] | None:
@@ -597,7 +597,7 @@ def _validate_documents(documents: Sequence[NewDocument]) -> None:
         if len(d.doc_id.encode("utf-8")) > MAX_ID_BYTES or any(c in d.doc_id for c in "\t\n\r"):
             raise InvalidParameterError(f"document {i}: id must be at most {MAX_ID_BYTES} bytes, no tabs or newlines")
         if d.doc_id in seen:
-            raise InvalidParameterError(f"document id {d.doc_id!r} appears twice in one write")
+            raise ConflictError(f"document id {d.doc_id!r} appears twice in one write")
         seen.add(d.doc_id)
         if not isinstance(d.text, str) or not isinstance(d.title, str):
             raise InvalidParameterError(f"document {d.doc_id!r}: title and text must be strings")

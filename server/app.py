@@ -18,13 +18,15 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from .batching import MicroBatcher
-from .deps import AppState, require_api_key
+from .deps import AppState, declare_api_key
 from .docs import add_offline_docs
 from .errors import register_exception_handlers
 from .metrics import ServerMetrics
-from .middleware import AccessMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .openapi import add_contract
 from .page import add_search_page
 from .routes import documents, health, search
+from .schemas import ErrorResponse
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -143,16 +145,26 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.state.espn = AppState(settings=settings, metrics=metrics)
 
     register_exception_handlers(app)
-    protected = [Depends(require_api_key)]
-    app.include_router(search.router, dependencies=protected)
-    app.include_router(documents.router, dependencies=protected)
+    # With a key, the bearer scheme and its 401 are part of every /v1 operation's contract;
+    # without one they are not (ApiKeyMiddleware does the checking).
+    keyed = settings.api_key is not None
+    protected = [Depends(declare_api_key)] if keyed else []
+    unauthorized: dict[int | str, dict[str, Any]] = {
+        401: {"model": ErrorResponse, "description": "missing or wrong API key"}} if keyed else {}
+    app.include_router(search.router, dependencies=protected, responses=unauthorized)
+    app.include_router(documents.router, dependencies=protected, responses=unauthorized)
     app.include_router(health.router)
     if settings.metrics_port is None:  # else the parent process serves it on its own port
         app.include_router(health.metrics_router)
 
-    # Added innermost first: the access log sees every response, 413s and CORS included.
+    add_contract(app)
+
+    # Added innermost first: the access log sees every response, 413s and CORS included; the
+    # key is checked before the body is read; a CORS preflight is answered without the key.
     app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -1,9 +1,8 @@
-"""What routes depend on: the per-app state and the API-key check."""
+"""What routes depend on: the per-app state, and the API key's declaration in the OpenAPI document."""
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .errors import ApiError, ServiceUnavailableError
+from .errors import ServiceUnavailableError
 from .metrics import ServerMetrics
 from .settings import ServerSettings
 
@@ -20,7 +19,7 @@ if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the 
 
     from .batching import MicroBatcher
 
-__all__ = ["AppState", "get_state", "require_api_key"]
+__all__ = ["AppState", "get_state", "declare_api_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +84,11 @@ def get_state(request: Request) -> AppState:
     return request.app.state.espn
 
 
-_bearer = HTTPBearer(auto_error=False, description="the value of ESPN_API_KEY, when it is set")
+_bearer = HTTPBearer(auto_error=False, description="the value of ESPN_API_KEY")
 
 
-async def require_api_key(
-    request: Request, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)
-) -> None:
-    """Check `Authorization: Bearer <ESPN_API_KEY>` when a key is configured."""
-    expected = get_state(request).settings.api_key
-    if expected is None:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    # compare_digest: the time taken does not reveal how much of the key matched.
-    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
-        raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                       headers={"WWW-Authenticate": "Bearer"})
+async def declare_api_key(credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> None:
+    """Declares the bearer scheme in the OpenAPI document (added to /v1/* only when a key is set).
+
+    The key itself is checked by ApiKeyMiddleware, before the body is read.
+    """

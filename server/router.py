@@ -29,15 +29,14 @@ import heapq
 import logging
 import sys
 import time
-from typing import Annotated, Any, AsyncIterator, Optional, Sequence
-from urllib.parse import quote, urlsplit
+from typing import Any, AsyncIterator, Optional, Sequence
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError
 
 from .schemas import (
     BatchSearchRequest,
@@ -47,6 +46,7 @@ from .schemas import (
     SearchRequest,
     SearchResponse,
 )
+from .settings import ROUTER_ENV_PREFIX, RouterSettings
 
 __all__ = [
     "RouterSettings",
@@ -60,49 +60,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
 # Request headers passed on to the shards: the API key, and a request id for tracing.
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
-
-
-class RouterSettings(BaseSettings):
-    """Configuration of `espn route`; each field is `ESPN_ROUTER_<NAME>` in the environment."""
-
-    model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
-
-    shards: Annotated[list[str], NoDecode] = Field(
-        description="base URL of each partition's service, e.g. http://espn-part-0:8000 (comma-separated in env)"
-    )
-    timeout_ms: float = Field(2000.0, gt=0.0, le=600_000.0, description="per-shard time limit of one request")
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
-
-    @field_validator("shards", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("shards")
-    @classmethod
-    def _check_shards(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one shard URL is needed")
-        urls = []
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"shard URL must be http(s)://host[:port][/prefix], got {url!r}")
-            if parts.query or parts.fragment:
-                raise ValueError(f"shard URL must not carry a query or fragment, got {url!r}")
-            urls.append(url.rstrip("/"))
-        duplicates = sorted({u for u in urls if urls.count(u) > 1})
-        if duplicates:
-            raise ValueError(f"shard URLs repeat: {', '.join(duplicates)}")
-        return urls
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,13 +427,13 @@ def run_route(args: argparse.Namespace) -> int:
     """Validate the settings and serve until SIGTERM/SIGINT. Returns an exit code."""
     import uvicorn
 
-    given = {name: getattr(args, name, None) for name in ("shards", "timeout_ms", "host", "port", "log_level")}
+    from .cli import settings_error_line
+
+    given = {name: getattr(args, name, None) for name in RouterSettings.model_fields}
     try:
         settings = RouterSettings(**{name: value for name, value in given.items() if value is not None})
     except ValidationError as error:
-        for item in error.errors():
-            field = ".".join(str(part) for part in item["loc"]) or "settings"
-            print(f"espn route: {field} ({ROUTER_ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
+        print(settings_error_line("route", ROUTER_ENV_PREFIX, error), file=sys.stderr)
         return 2
     print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
           f"listening on {settings.host}:{settings.port}", file=sys.stderr)

@@ -194,3 +194,49 @@ def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -
     assert len(rows) == 2 * (1 + 2 * 5)  # (unfiltered + 2 fields x 5 selectivities) x prefetch on/off
     # 2,000 documents: the default nprobe scans every list, so every filtered search is exact.
     assert all(r["recall"] >= 0.99 for r in rows), rows
+
+
+def test_bench_readers(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_readers
+
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches",
+                               "1,4", "--n", "8", "--repeats", "1"]) == 0
+    payload = _check(results, "readers", capsys, png=False)
+    assert set(payload["configs"]) == {f"{r}/{p}/B{b}" for r in ("memory", "posix") for p in ("on", "off")
+                                       for b in (1, 4)}
+
+
+def test_bench_reopen(sample_index: Path, capsys) -> None:
+    from benchmarks import bench_reopen
+
+    assert bench_reopen.main(["--index", str(sample_index), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "over 3 generations" in out and "the per-request check" in out
+    assert not (sample_index / "live").exists()  # it works on a copy
+
+
+def test_bench_updates(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_updates
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_updates.main(["--index", str(sample_index), "--corpus", str(data / "sample_corpus.jsonl"),
+                               "--queries", str(data / "sample_queries.jsonl"), "--quick"]) == 0
+    payload = _check(results, "bench_updates_quick", capsys, png=False)
+    assert list(payload["search"]) == ["0 deltas", "1 deltas", "2 deltas", "2 deltas + 10% deleted", "compacted"]
+    assert payload["search"]["2 deltas"]["segments"] == 2 and payload["search"]["compacted"]["segments"] == 0
+    assert not (sample_index / "live").exists()
+
+
+def test_bench_server(sample_index: Path, tmp_path: Path, capsys) -> None:
+    from benchmarks import bench_server
+
+    data = common.ROOT / "espn" / "data"
+    out = tmp_path / "server.json"
+    assert bench_server.main(["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+                              "--qrels", str(data / "sample_qrels.tsv"), "--quick", "--json", str(out)]) == 0
+    assert "|---" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert set(payload["memory"]) == {"1"} and payload["memory"]["1"]["pss_total"] > 0
+    assert {key: (row["errors"], row["requests"]) for key, row in payload["load"].items()} == {"1x1": (0, 20),
+                                                                                           "1x4": (0, 20)}

@@ -81,8 +81,14 @@ def test_batch_is_one_generation(live_server) -> None:
     ("PUT", "/v1/documents/x-1", {"text": "y" * 2_000_000}, 413),                      # over the body limit
     ("DELETE", "/v1/documents/no-such-id", None, 404),
     ("POST", "/v1/documents/batch", {"upsert": [{"id": "x-1", "text": "ok"}], "delete": ["no-such-id"]}, 404),
-    ("POST", "/v1/documents/batch", {"upsert": [{"id": "x-1", "text": "a"}, {"id": "x-1", "text": "b"}]}, 422),
-    ("POST", "/v1/documents/batch", {"upsert": [{"id": "x-1", "text": "a"}], "delete": ["x-1"]}, 422),
+    ("PUT", "/v1/documents/x-1", {"title": "t" * 10_001, "text": "ok"}, 422),         # oversize title
+    ("PUT", "/v1/documents/x-1", {"text": "   "}, 422),                                # blank text
+    ("PUT", "/v1/documents/%20x-1", {"text": "ok"}, 422),                              # id with a leading space
+    ("PUT", "/v1/documents/x-1", {"text": "ok", "metadata": {"year": "x"}}, 409),      # year is an integer field
+    ("POST", "/v1/documents/batch", {"upsert": [{"id": "x-1", "text": "a"}, {"id": "x-1", "text": "b"}]}, 409),
+    ("POST", "/v1/documents/batch", {"upsert": [{"id": "x-1", "text": "a"}], "delete": ["x-1"]}, 409),
+    ("POST", "/v1/documents/batch", {"delete": []}, 422),
+    ("GET", "/v1/documents/batch", None, 405),
     ("POST", "/v1/documents/batch", {}, 422),
 ])
 def test_bad_writes_are_4xx_and_write_nothing(live_server, method: str, path: str, body, status: int) -> None:
@@ -92,6 +98,8 @@ def test_bad_writes_are_4xx_and_write_nothing(live_server, method: str, path: st
     response = httpx.request(method, f"{live_server.base_url}{path}", timeout=60, **kwargs)
     assert response.status_code == status, response.text
     assert response.json()["message"]
+    if status == 405:
+        assert response.headers["allow"] == "POST"
     assert read_current(live_server.index) == before
     assert httpx.get(f"{live_server.base_url}/v1/documents/x-1", headers=AUTH).status_code == 404
 

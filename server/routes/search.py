@@ -35,10 +35,13 @@ router = APIRouter(prefix="/v1/search", tags=["search"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "request body too large"},
-    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds"},
-    503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full"},
+    415: {"model": ErrorResponse, "description": "the body is not application/json"},
+    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds, an invalid filter, or a "
+                                                 "request over the work budget (over_budget: queries x max(k, "
+                                                 "rerank_count, prefetch_k) above ESPN_MAX_REQUEST_WORK, or an "
+                                                 "estimated response above ESPN_MAX_RESPONSE_BYTES)"},
+    503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full (Retry-After)"},
 }
 
 
