@@ -71,6 +71,8 @@ def measure_rounds(searchers, queries, qids, qrels, configs, repeats: int, k: in
             cell["amplification"] = float(np.mean([s.read_amplification for s in stats]))
             cell["engine"] = stats[0].engine
             cell["waves"] = float(np.mean([s.waves for s in stats]))
+            for stage in ("ann", "prefetch_wait", "miss_read", "maxsim"):
+                cell.setdefault(f"{stage}_ms", []).append(float(np.median([s.stage_ms.get(stage, 0.0) for s in stats])))
             if qrels is not None:
                 run = {qid: {h.doc_id: h.score for h in r.hits} for qid, r in zip(qids, results)}
                 cell["ndcg10"] = evaluate(run, qrels)["nDCG@10"]
@@ -126,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([batch, reader, "on" if prefetch else "off", cell["engine"], median(cell["round_p50"]),
                      median(cell["round_p99"]), pooled["mean"], median(cell["round_qps"]),
                      cell["hit_rate"] if prefetch else "n/a",
-                     cell["amplification"] if prefetch else "n/a",
+                     cell["amplification"] if prefetch else "n/a", cell["waves"] if prefetch else "n/a",
+                     median(cell["ann_ms"]), median(cell["prefetch_wait_ms"]) + median(cell["miss_read_ms"]),
+                     median(cell["maxsim_ms"]),
                      f"{cell['ndcg10']:.4f}" if "ndcg10" in cell else "n/a"])
     print(f"# Readers, prefetch on/off: {args.index} ({n} queries, k={args.k}, {args.repeats} rounds; load: {load})")
     print(machine_line(info))
     print(markdown_table(["batch", "reader", "prefetch", "engine", "p50 ms/call", "p99 ms/call", "mean ms/call",
-                          "QPS", "hit rate", "read amplification", "nDCG@10"], rows))
+                          "QPS", "hit rate", "read amplification", "waves", "ANN ms", "read wait ms", "MaxSim ms",
+                          "nDCG@10"], rows))
     ratio_rows = []
     for batch in batches:
         def p50(reader: str, prefetch: bool) -> float:

@@ -43,7 +43,7 @@ from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import QueryScoring, score_records
 from .metadata import MetadataColumns
 from .params import SearchParams
-from .prefetch import PrefetchModel
+from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
 from .store import PendingRead, RecordBatch, open_reader
@@ -380,15 +380,15 @@ class Searcher:
         submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
-        scan_started = time.perf_counter()
+        use_prefetch = use_prefetch and not self._prefetch.explore()  # now and then a plain read, to measure
+        progress = ScanProgress(segment_codes(lists, sizes, segments))
         try:
-            for a, b in segments:
+            for segment, (a, b) in enumerate(segments):
                 part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
                 if not use_prefetch or b >= n_probe or n_waves >= max_waves:
                     continue
-                scan_left = self._scan_left_ms(lists[:, :b], lists[:, b:], (time.perf_counter() - scan_started) * 1000,
-                                               sizes)
+                scan_left = progress.left_ms(segment)
                 if not self._prefetch.may_pay(scan_left):  # too little scan left to hide anything
                     skipped += 1
                     continue
@@ -398,7 +398,7 @@ class Searcher:
                 if len(new) == 0:
                     continue
                 docs = np.unique(new % n_docs)
-                if not self._prefetch.wave_pays(scan_left, int(self.records["length"][docs].sum())):
+                if not self._prefetch.wave_pays(scan_left, len(docs), int(self.records["length"][docs].sum())):
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
@@ -410,7 +410,12 @@ class Searcher:
                     # returns, the scan goes on, and they are reaped after it, here.
                     started = time.perf_counter()
                     group.submit(docs)
-                    self._prefetch.observe_submit((time.perf_counter() - started) * 1000)
+                    ended = time.perf_counter()
+                    self._prefetch.observe_submit(len(docs), (ended - started) * 1000)
+                    progress.waved(segment, len(docs), started, ended)
+            slowdown = progress.slowdown()
+            if slowdown is not None and not self.early_rerank:
+                self._prefetch.observe_slowdown(*slowdown)
             timer.lap("ann")
 
             rerank = top[1][:, : params.rerank_count]
@@ -421,8 +426,11 @@ class Searcher:
             bytes_read = ios = 0
             in_waves = np.isin(final, submitted)
             misses = np.unique(final[~in_waves] % n_docs)
-            read_started = time.perf_counter()
+            started = time.perf_counter()
             group.submit(misses)  # in flight beside the waves' tails while early waves are collected
+            in_flight = time.perf_counter()
+            if self.reader.io_bound:
+                self._prefetch.observe_submit(len(misses), (in_flight - started) * 1000)
             final_sorted = np.argsort(final, kind="stable") if early else final
             for wave in early:
                 (wave_bytes, wave_ios), wave_scores = wave.finish()
@@ -435,9 +443,9 @@ class Searcher:
             timer.lap("prefetch_wait")
 
             group.wait()
-            if n_waves == 0 and len(misses):  # a read no wave overlapped: what the device takes
-                self._prefetch.observe_read(int(self.records["length"][misses].sum()),
-                                            (time.perf_counter() - read_started) * 1000)
+            missed_bytes = int(self.records["length"][misses].sum())
+            if n_waves == 0 and len(misses) and self.reader.io_bound:  # no wave overlapped it: the device's time
+                self._prefetch.observe_read(missed_bytes, (time.perf_counter() - in_flight) * 1000)
             timer.lap("miss_read")
             todo = np.flatnonzero(~scored)
             need = np.unique(final[todo] % n_docs)
@@ -458,7 +466,8 @@ class Searcher:
         n_final = valid.sum(axis=1)
         prefetched = np.bincount(submitted // n_docs, minlength=batch)
         hits_in_final = np.bincount(final[in_waves] // n_docs, minlength=batch)
-        self._prefetch.observe_usefulness(len(submitted), int(in_waves.sum()))
+        if n_waves:
+            self._prefetch.observe_waves(len(submitted), int(in_waves.sum()), missed_bytes)
         missed = n_final - hits_in_final
         cls_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         bow_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
@@ -481,13 +490,6 @@ class Searcher:
                     "all" if restricted is None else "exact" if exact[i] else "ivf")))
             for i, hits in enumerate(out)
         ]
-
-    def _scan_left_ms(self, scanned: np.ndarray, remaining: np.ndarray, elapsed_ms: float, sizes: np.ndarray) -> float:
-        """How long the scan still to come will take: this very search's rate so far (its index
-        type, dimension, batch size and the CPU it gets) times the codes in the lists left."""
-        done = int(sizes[scanned[scanned >= 0]].sum())
-        left = int(sizes[remaining[remaining >= 0]].sum())
-        return elapsed_ms * left / done if done else 0.0
 
     def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring) -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
