@@ -223,18 +223,45 @@ class Searcher:
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
     def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
-               **overrides: Any) -> list[QueryResult]:
+               embeddings: QueryEmbeddings | None = None, **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
         filter: a filter (JSON object or its text; see `espn.filters`) every hit must satisfy.
         explain: give every re-ranked hit an Explanation (per query token: its MaxSim
         contribution and the passage span it matched); computed after the search, for the
         returned hits only, and timed as stage "explain". False costs nothing.
+        embeddings: these queries already encoded by `encode` (the server encodes concurrent
+        requests of different parameters in one call); stage "encode" is then 0 here.
         """
         if not isinstance(explain, bool):
             raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
         if explain:
             can_explain(self.encoder)
+        self._check_texts(queries)
+        params = self.params(k, **overrides)
+        filtered = self.filtered_docs(filter)
+        if not queries:
+            return []
+        timer = _Timer()
+        if embeddings is None:
+            embeddings = self.encode(queries)
+        elif len(embeddings) != len(queries):
+            raise InvalidParameterError(f"embeddings hold {len(embeddings)} queries for {len(queries)} texts")
+        timer.lap("encode")
+        results = self._search(embeddings, params, timer, filtered=filtered)
+        return self._explain(queries, embeddings, results) if explain else results
+
+    def encode(self, queries: Sequence[str]) -> QueryEmbeddings:
+        """Encode query texts with the index's encoder (tokenised and run as one batch)."""
+        self._check_texts(queries)
+        if self.encoder is None:
+            raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
+        with self._tokenizer_lock:
+            tokens = self.encoder.tokenize(list(queries), is_query=True)
+        return self.encoder.embed_queries(tokens)
+
+    @staticmethod
+    def _check_texts(queries: Sequence[str]) -> None:
         if isinstance(queries, str) or not isinstance(queries, Sequence):
             raise InvalidParameterError("queries must be a list of strings")
         if len(queries) > MAX_BATCH:
@@ -244,19 +271,6 @@ class Searcher:
                 raise InvalidParameterError(f"query {i} must be a non-empty string")
             if len(query) > MAX_QUERY_CHARS:
                 raise InvalidParameterError(f"query {i} has {len(query)} characters; at most {MAX_QUERY_CHARS}")
-        params = self.params(k, **overrides)
-        filtered = self.filtered_docs(filter)
-        if not queries:
-            return []
-        if self.encoder is None:
-            raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
-        timer = _Timer()
-        with self._tokenizer_lock:
-            tokens = self.encoder.tokenize(list(queries), is_query=True)
-        embeddings = self.encoder.embed_queries(tokens)
-        timer.lap("encode")
-        results = self._search(embeddings, params, timer, filtered=filtered)
-        return self._explain(queries, embeddings, results) if explain else results
 
     def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
         started = time.perf_counter()
