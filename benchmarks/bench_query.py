@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="query")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.repeats = 20, 1
+        args.n, args.repeats = min(args.n, 20), 1
 
     from espn import Searcher
     from espn.corpus import read_qrels
@@ -83,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     qrels = read_qrels(args.qrels) if str(args.qrels) and args.qrels.is_file() else None
     qids, texts = read_texts(args.queries, qrels, args.n)
-    if not texts:  # an index of our own (synthetic): its passages' first words as queries
-        texts = ["cell biology of the immune response", "protein folding in bacteria", "a randomized trial of aspirin"]
-        qids, qrels = [str(i) for i in range(len(texts))], None
+    if not texts:
+        p.error(f"no queries with judgements in {args.queries}")
     readers = args.readers.split(",")
     searchers = {name: Searcher.open(args.index, reader=name, verify="none") for name in readers}
     encoder = searchers[readers[0]].encoder

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="20 queries, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.repeats = 20, 2
+        args.n, args.repeats = min(args.n, 20), 2
 
     from espn import Searcher
     from espn.corpus import read_qrels

@@ -194,3 +194,29 @@ def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -
     assert len(rows) == 2 * (1 + 2 * 5)  # (unfiltered + 2 fields x 5 selectivities) x prefetch on/off
     # 2,000 documents: the default nprobe scans every list, so every filtered search is exact.
     assert all(r["recall"] >= 0.99 for r in rows), rows
+
+
+def test_bench_readers_under_cpu_load(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_readers
+
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches", "1,4",
+                               "--cpu-load", "1"]) == 0
+    payload = _check(results, "readers", capsys, png=False)
+    assert payload["load"].startswith("1 CPU-bound process")
+    assert {"memory/on/B1", "posix/off/B4"} <= set(payload["configs"])
+    assert all(cell["round_qps"][0] > 0 for cell in payload["configs"].values())
+
+
+def test_bench_query_text_to_hits(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_query
+
+    data = common.ROOT / "espn" / "data"
+    argv = ["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+            "--qrels", str(data / "sample_qrels.tsv"), "--quick", "--n", "8"]
+    assert bench_query.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| text/posix |" in out and "| encoder only |" in out and "onnxruntime" in out
+    payload = json.loads((results / "query.json").read_text())
+    assert 0 < payload["configs"]["text/memory"]["share"][0] < 1
+    assert 0 <= payload["configs"]["text/posix"]["ndcg10"] <= 1
