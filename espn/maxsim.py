@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from .store import RecordBatch, StoreLayout
 
-__all__ = ["maxsim", "maxsim_pairs", "cls_pairs", "score_records", "QueryScoring"]
+__all__ = ["maxsim", "maxsim_pairs", "cls_pairs", "score_records", "record_vectors", "QueryScoring"]
 
 #: Most fp32 elements of gathered document vectors per chunk (32 MiB): bounds the memory a
 #: batch of 256 queries × 1000 re-ranked documents needs.
@@ -244,11 +244,12 @@ def score_records(queries: QueryScoring, records: "RecordBatch", layout: "StoreL
     return torch.stack([cls_t, bow_t_]).cpu().numpy()
 
 
-def _score_records_torch(queries: QueryScoring, records: "RecordBatch", layout: "StoreLayout", pair_query: np.ndarray,
-                         pair_row: np.ndarray, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_batch(records: "RecordBatch", layout: "StoreLayout") -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """Every row's stored values as they are stored (`split_records`), across the batch's
+    buffers: cls, cls_scales, bow, bow_scales (None for float16 records), offsets [n + 1]."""
     from .store import split_records
 
-    device = records.buffers[0].device if isinstance(records.buffers[0], torch.Tensor) else torch.device("cpu")
     pieces = []
     for b, buffer in enumerate(records.buffers):  # a buffer's rows are contiguous, buffers in row order
         rows = np.flatnonzero(records.buffer_of == b)
@@ -260,6 +261,23 @@ def _score_records_torch(queries: QueryScoring, records: "RecordBatch", layout: 
     assert cls_values is not None and bow_values is not None
     offsets = np.zeros(len(records) + 1, dtype=np.int64)
     np.cumsum(records.n_bow, out=offsets[1:])
+    return cls_values, cls_scales, bow_values, bow_scales, offsets
+
+
+def record_vectors(records: "RecordBatch", layout: "StoreLayout") -> tuple[torch.Tensor, np.ndarray]:
+    """The rows' BOW vectors decoded in fp32 (int8: code x scale, exact), [T, D], with offsets
+    [n + 1]: the values `score_records` scores, for callers that need each similarity (explain)."""
+    if not len(records):
+        return torch.zeros((0, layout.d_bow), dtype=torch.float32), np.zeros(1, dtype=np.int64)
+    _, _, bow, scales, offsets = _split_batch(records, layout)
+    vectors = bow.float() if scales is None else bow.float() * scales.float()[:, None]
+    return vectors, offsets
+
+
+def _score_records_torch(queries: QueryScoring, records: "RecordBatch", layout: "StoreLayout", pair_query: np.ndarray,
+                         pair_row: np.ndarray, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    device = records.buffers[0].device if isinstance(records.buffers[0], torch.Tensor) else torch.device("cpu")
+    cls_values, cls_scales, bow_values, bow_scales, offsets = _split_batch(records, layout)
     q_cls, q_bow, q_mask = queries.on(device)
     rows_t = torch.from_numpy(pair_row).to(device)
     cls = (cls_values.index_select(0, rows_t).float() * q_cls[torch.from_numpy(pair_query).to(device)]).sum(dim=1)
