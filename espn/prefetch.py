@@ -19,9 +19,11 @@ on a loaded machine means on the scan). A wave is taken when
 with every term measured online, as exponentially weighted means:
 
 - scan left: this search's own scan rate so far times the codes left to scan;
-- T(bytes) = latency + bytes / bandwidth, fitted to the searches' critical-path reads that no
-  wave overlapped (one search in `EXPLORE_EVERY` takes no waves, so the fit stays current
-  even while waves are taken);
+- T(bytes) = latency + bytes / bandwidth, fitted to the searches' critical-path reads: all
+  final candidates where no wave ran (one search in `EXPLORE_EVERY` takes none, so large
+  reads keep being measured while waves are taken), the misses where waves ran (small
+  reads; a wave's tail still in flight makes them look slower, which errs towards
+  stepping aside);
 - call and submission: the wall time of `submit`, fitted as a cost per call plus a cost per
   document over every submission (waves and misses);
 - slowdown: how much longer the scan took per wave document than its rate before the wave
@@ -146,7 +148,8 @@ class PrefetchModel:
         return self.min_gain_ms == 0 or self.expected_gain_ms(scan_left_ms, wave_docs, wave_bytes) >= self.min_gain_ms
 
     def observe_read(self, record_bytes: int, ms: float) -> None:
-        """A read on the critical path that no wave overlapped: its record bytes and wall time."""
+        """A read on the critical path: its record bytes and the wall time from its submission
+        until every read of the search was reaped."""
         if record_bytes > 0 and ms > 0:
             with self._lock:
                 self._read.add(float(record_bytes), ms)

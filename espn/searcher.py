@@ -458,7 +458,7 @@ class Searcher:
 
             group.wait()
             missed_bytes = int(self.records["length"][misses].sum())
-            if n_waves == 0 and len(misses) and self.reader.io_bound:  # no wave overlapped it: the device's time
+            if len(misses) and self.reader.io_bound:  # what the device took (after waves: or their tail, if later)
                 self._prefetch.observe_read(missed_bytes, (time.perf_counter() - in_flight) * 1000)
             timer.lap("miss_read")
             todo = np.flatnonzero(~scored)
