@@ -12,7 +12,7 @@ are dropped, as ColBERTer does with its learned gate; queries keep every token v
 
 Queries on a CPU run the transformer on ONNX Runtime (`espn.encoders.onnx`: the same
 weights exported to a graph, 2-3x faster per query than torch eager, hidden states equal
-to 1e-4); documents (the build, live adds) keep torch. A batch of queries runs in groups
+within 2e-6, checked against 1e-4 when the graph loads); documents (the build, live adds) keep torch. A batch of queries runs in groups
 of similar length, so short queries are not padded to the longest.
 """
 
@@ -222,7 +222,7 @@ class HFEncoder(Encoder):
         return self._graph or None
 
     def _make_graph(self) -> Any:
-        from .onnx import OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
+        from .onnx import GRAPH_TOLERANCE, OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
 
         if self.query_backend == "torch" or (self.query_backend == "auto" and not self.device.startswith("cpu")):
             return None
@@ -244,8 +244,6 @@ class HFEncoder(Encoder):
                 raise
             log.warning("could not build the ONNX graph of %s; queries are encoded with torch", self.name, exc_info=True)
             return None
-        from .onnx import GRAPH_TOLERANCE
-
         if difference > GRAPH_TOLERANCE:
             log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
                         self.name, difference, GRAPH_TOLERANCE)
