@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import logging
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import Depends, FastAPI
@@ -56,15 +57,40 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
                          reader_options=settings.reader_options())
 
 
-def _batch_search(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
-    def search(queries: list[str], params: Mapping[str, Any]) -> Sequence["QueryResult"]:
-        # The current generation's Searcher (swapped by require_searcher after a write).
-        results = state.require_searcher_unrefreshed().search(queries, **params)
-        if results:  # stage times belong to the call, not to each query
-            metrics.observe_batch(len(queries), results[0].stats.stage_ms)
-        return results
+def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
+    """Concurrent requests of several parameter sets: every query tokenised and encoded in one
+    batch, then each group searched with its own parameters (a failure stays in its group)."""
 
-    return search
+    def search_many(groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        searcher = state.require_searcher_unrefreshed()
+        texts = [query for queries, _ in groups for query in queries]
+        started = time.perf_counter()
+        try:
+            embeddings = searcher.encode(texts) if len(groups) > 1 else None
+        except Exception:  # noqa: BLE001 - a bad group fails below, on its own
+            embeddings = None
+        encode_ms = (time.perf_counter() - started) * 1000
+        outcomes: list[Any] = []
+        start = 0
+        for queries, params in groups:
+            rows = slice(start, start + len(queries))
+            start += len(queries)
+            try:
+                results = searcher.search(queries, embeddings=None if embeddings is None else embeddings[rows],
+                                          **params)
+            except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
+                outcomes.append(exc)
+                continue
+            if results and embeddings is not None:  # the shared encode, in this call's stage times
+                stage_ms = results[0].stats.stage_ms
+                stage_ms["encode"] = round(encode_ms, 3)
+                stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
+            if results:
+                metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+            outcomes.append(results)
+        return outcomes
+
+    return search_many
 
 
 def _mean_text_bytes(searcher: "Searcher") -> float:
@@ -97,7 +123,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     searcher = await asyncio.to_thread(_open_searcher, settings)
     executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
     batcher: MicroBatcher[QueryResult] = MicroBatcher(
-        _batch_search(state, state.metrics),
+        None,
         executor,
         max_batch_size=settings.max_batch_size,
         max_wait_s=settings.batch_wait_ms / 1000.0,
@@ -105,6 +131,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_pending=settings.max_pending,
         fair_chunk=settings.fair_chunk_queries,
         on_batch=lambda size, seconds: state.metrics.queued.set(batcher.pending),
+        search_many=_batch_search_many(state, state.metrics),
     )
     batcher.start()
     state.searcher, state.batcher = searcher, batcher

@@ -196,17 +196,6 @@ def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -
     assert all(r["recall"] >= 0.99 for r in rows), rows
 
 
-def test_bench_readers(tiny_index: Path, results: Path, capsys) -> None:
-    from benchmarks import bench_readers
-
-    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
-    assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches",
-                               "1,4", "--n", "8", "--repeats", "1"]) == 0
-    payload = _check(results, "readers", capsys, png=False)
-    assert set(payload["configs"]) == {f"{r}/{p}/B{b}" for r in ("memory", "posix") for p in ("on", "off")
-                                       for b in (1, 4)}
-
-
 def test_bench_reopen(sample_index: Path, capsys) -> None:
     from benchmarks import bench_reopen
 
@@ -240,3 +229,29 @@ def test_bench_server(sample_index: Path, tmp_path: Path, capsys) -> None:
     assert set(payload["memory"]) == {"1"} and payload["memory"]["1"]["pss_total"] > 0
     assert {key: (row["errors"], row["requests"]) for key, row in payload["load"].items()} == {"1x1": (0, 20),
                                                                                            "1x4": (0, 20)}
+
+
+def test_bench_readers_under_cpu_load(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_readers
+
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches", "1,4",
+                               "--cpu-load", "1"]) == 0
+    payload = _check(results, "readers", capsys, png=False)
+    assert payload["load"].startswith("1 CPU-bound process")
+    assert {"memory/on/B1", "posix/off/B4"} <= set(payload["configs"])
+    assert all(cell["round_qps"][0] > 0 for cell in payload["configs"].values())
+
+
+def test_bench_query_text_to_hits(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_query
+
+    data = common.ROOT / "espn" / "data"
+    argv = ["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+            "--qrels", str(data / "sample_qrels.tsv"), "--quick", "--n", "8"]
+    assert bench_query.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| text/posix |" in out and "| encoder only |" in out and "onnxruntime" in out
+    payload = json.loads((results / "query.json").read_text())
+    assert 0 < payload["configs"]["text/memory"]["share"][0] < 1
+    assert 0 <= payload["configs"]["text/posix"]["ndcg10"] <= 1
