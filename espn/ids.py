@@ -55,6 +55,11 @@ def decode_doc_id(raw: bytes, what: str = "document id") -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
+        try:  # a surrogate encoded as UTF-8 (CESU-8, WTF-8): name it
+            check_doc_id(raw.decode("utf-8", "surrogatepass"), what)
+        except (UnicodeDecodeError, InvalidParameterError) as named:
+            if isinstance(named, InvalidParameterError):
+                raise named from None
         raise InvalidParameterError(f"{what} {raw!r} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     return check_doc_id(text, what)
 

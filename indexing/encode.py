@@ -125,6 +125,22 @@ class EncodedDocuments:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def take(self, rows: Sequence[int]) -> "EncodedDocuments":
+        """The documents at `rows`, in that order."""
+        picked = np.asarray(rows, dtype=np.int64)
+        counts = np.asarray(self.counts, dtype=np.int64)
+        starts = np.cumsum(counts) - counts
+        lengths = counts[picked]
+        gather = np.repeat(starts[picked] - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+        return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
+                                self.bow[gather], self.counts[picked])
+
+    @classmethod
+    def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
+        return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
+                   np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
+                   np.concatenate([p.counts for p in parts]))
+
     @classmethod
     def from_chunk(cls, chunk: Chunk) -> "EncodedDocuments":
         blob, offsets = chunk.docs_blob.tobytes(), chunk.docs_offsets

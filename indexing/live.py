@@ -74,7 +74,7 @@ from .encode import EncodedDocuments, encode_corpus, encode_documents
 from .scan import scan_corpus
 
 __all__ = ["LiveIndex", "NewDocument", "WriteRequest", "WriteResult", "WriteLimits", "SideIndex", "IndexLockedError",
-           "check_write", "live_stats", "iter_ids_file", "MAX_ID_BYTES", "MAX_TEXT_CHARS", "Staging"]
+           "check_write", "live_stats", "iter_ids_file", "read_only_reason", "MAX_ID_BYTES", "MAX_TEXT_CHARS", "Staging"]
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,8 @@ class _IndexState:
     def __init__(self, root: Path, generation: Generation, previous: "_IndexState | None") -> None:
         self.generation = generation
         reuse = previous if previous is not None and previous.generation.base == generation.base else None
-        if reuse is not None:
-            self.base = reuse.base
-        else:
-            self.base = IndexDirectory(root / generation.base, read_manifest(root / generation.base))
+        self.base: IndexDirectory = reuse.base if reuse is not None else \
+            IndexDirectory(root / generation.base, read_manifest(root / generation.base))
         maps = {} if reuse is None else reuse.maps
         self.maps: dict[str, IdMap] = {".": maps.get(".") or IdMap(self.base.load_array("ids.npy"),
                                                                    self.base.load_array("ids_sorted.npy"))}
@@ -315,7 +313,8 @@ def _resolve(state: _IndexState, requests: Sequence[WriteRequest], limits: Write
             outcomes.append(InvalidParameterError(str(exc)))
             continue
         schema = merged
-        created, replaced = [], []
+        created: list[str] = []
+        replaced: list[str] = []
         for doc_id in request.deletes:
             drop(where(doc_id))
             pending[doc_id] = None
@@ -332,18 +331,13 @@ def _resolve(state: _IndexState, requests: Sequence[WriteRequest], limits: Write
 
 
 def _gather(encoded: Sequence[EncodedDocuments | None], keep: Sequence[tuple[int, int]]) -> EncodedDocuments:
-    """The kept documents of a group, in order, as one EncodedDocuments."""
-    ids, lines, cls, bow, counts = [], [], [], [], []
-    for r, i in keep:
+    """The kept (write, document) pairs of a group, in order, as one EncodedDocuments."""
+    parts = []
+    for r in sorted({r for r, _ in keep}):
         part = encoded[r]
         assert part is not None, "a write with upserts was encoded"
-        ends = np.cumsum(part.counts)
-        ids.append(part.ids[i])
-        lines.append(part.lines[i])
-        cls.append(part.cls[i : i + 1])
-        bow.append(part.bow[int(ends[i] - part.counts[i]) : int(ends[i])])
-        counts.append(part.counts[i : i + 1])
-    return EncodedDocuments(ids, lines, np.concatenate(cls), np.concatenate(bow), np.concatenate(counts))
+        parts.append(part.take([i for w, i in keep if w == r]))
+    return parts[0] if len(parts) == 1 else EncodedDocuments.concat(parts)
 
 
 class LiveIndex:
@@ -365,7 +359,7 @@ class LiveIndex:
         self._held = False  # by open(): kept across publishes
         self._mutex = threading.RLock()  # one publish at a time through this object
         self._state: _IndexState | None = None
-        self._template: tuple[str, bytes] | None = None  # (base, its IVF with empty lists, serialized)
+        self._template: tuple[str, np.ndarray] | None = None  # (base, its IVF with empty lists, serialized)
 
     @classmethod
     def open(cls, root: Path | str, wait_s: float = 0.0, encoder: Encoder | None = None,
@@ -533,9 +527,7 @@ class LiveIndex:
                           progress=progress, skip_bad=skip_bad, total_documents=scan.documents)
             _checkpoint("encoded")
             parts = [EncodedDocuments.from_chunk(read_chunk(work.path, c)) for c in finished_chunks(work.path)]
-            documents = EncodedDocuments([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
-                                         np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                                         np.concatenate([p.counts for p in parts]))
+            documents = EncodedDocuments.concat(parts)
             try:
                 check_field_count(scan.metadata_fields, self.limits.metadata)
             except ValueError as exc:
@@ -748,6 +740,20 @@ def _unused(path: Path, unlink: bool = False) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def read_only_reason(root: Path | str) -> str | None:
+    """Why a writer could not write the index at `root` from this process (a read-only mount,
+    no permission), or None when it can."""
+    root = Path(root)
+    current = read_current(root)
+    live_dir = root / LIVE_DIR
+    for target in (live_dir if live_dir.is_dir() else root, root / current.base / "embeddings.bin"):
+        if os.statvfs(target).f_flag & os.ST_RDONLY:
+            return f"{target} is on a read-only filesystem"
+        if not os.access(target, os.W_OK):
+            return f"{target} is not writable by this user"
+    return None
 
 
 def _now() -> str:

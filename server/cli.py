@@ -61,6 +61,16 @@ _FLAG_FIELDS = {
     "max_request_work": "max_request_work",
     "max_response_bytes": "max_response_bytes",
     "metrics_port": "metrics_port",
+    "write_wait": "write_wait_s",
+    "write_nice": "write_nice",
+    "write_queue": "write_queue",
+    "compact_max_segments": "compact_max_segments",
+    "compact_merge_factor": "compact_merge_factor",
+    "compact_base_ratio": "compact_base_ratio",
+    "compact_deleted_fraction": "compact_deleted_fraction",
+    "max_metadata_fields": "max_metadata_fields",
+    "max_metadata_bytes": "max_metadata_bytes",
+    "max_index_fields": "max_index_fields",
 }
 
 # The app factory, named by whatever name this package is installed under (espn_server).
@@ -149,6 +159,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "default 262144)")
     limits.add_argument("--max-response-bytes", type=int, metavar="B",
                         help="largest estimated response (ESPN_MAX_RESPONSE_BYTES, default 16 MiB)")
+    writes = parser.add_argument_group("writes (PUT/DELETE /v1/documents, POST /v1/documents/batch)")
+    writes.add_argument("--read-only", action="store_true",
+                        help="refuse writes with 409 (ESPN_READ_ONLY; default: read-only when the index directory "
+                        "is not writable, e.g. mounted read-only)")
+    writes.add_argument("--write-wait", type=float, metavar="S",
+                        help="how long a write waits for the writer lock before a 503 (ESPN_WRITE_WAIT_S, default 10)")
+    writes.add_argument("--write-nice", type=int, metavar="N",
+                        help="CPU priority (nice, 0-19) of write encoding and compaction, so searches keep the CPU "
+                        "they need (ESPN_WRITE_NICE, default 10)")
+    writes.add_argument("--write-queue", type=int, metavar="N",
+                        help="documents and deletes queued per worker before writes get 503 (ESPN_WRITE_QUEUE, "
+                        "default 10000)")
+    writes.add_argument("--compact-max-segments", type=int, metavar="N",
+                        help="merge deltas in the background past this many (ESPN_COMPACT_MAX_SEGMENTS, default 8)")
+    writes.add_argument("--compact-merge-factor", type=int, metavar="N",
+                        help="deltas merged into one at a time (ESPN_COMPACT_MERGE_FACTOR, default 4)")
+    writes.add_argument("--compact-base-ratio", type=float, metavar="R",
+                        help="rewrite the base once deltas hold this fraction of its documents "
+                        "(ESPN_COMPACT_BASE_RATIO, default 0.5)")
+    writes.add_argument("--compact-deleted-fraction", type=float, metavar="F",
+                        help="... or once this fraction of documents is deleted or replaced "
+                        "(ESPN_COMPACT_DELETED_FRACTION, default 0.2)")
+    writes.add_argument("--max-metadata-fields", type=int, metavar="N",
+                        help="metadata fields per document (ESPN_MAX_METADATA_FIELDS, default 64)")
+    writes.add_argument("--max-metadata-bytes", type=int, metavar="B",
+                        help="a document's metadata as JSON (ESPN_MAX_METADATA_BYTES, default 16384)")
+    writes.add_argument("--max-index-fields", type=int, metavar="N",
+                        help="distinct metadata fields per index (ESPN_MAX_INDEX_FIELDS, default 256)")
     ops = parser.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve /metrics on this port instead of the API port (ESPN_METRICS_PORT)")
@@ -176,6 +214,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         env[ENV_PREFIX + "PRELOAD"] = "false"
     if getattr(args, "no_direct", False):
         env[ENV_PREFIX + "DIRECT"] = "false"
+    if getattr(args, "read_only", False):
+        env[ENV_PREFIX + "READ_ONLY"] = "true"
     return env
 
 
@@ -240,14 +280,24 @@ def run_serve(args: argparse.Namespace) -> int:
         _print_errors(error)
         return 2
     # A damaged index is one line and exit 1 here, not a traceback from every worker's start-up.
+    # What is checked is what the workers will serve: the current generation of a live index.
     from espn.errors import EspnError
-    from espn.index import IndexDirectory
+    from espn.segments import open_view
 
     try:
-        IndexDirectory.open(settings.index, verify="fast")
+        open_view(settings.index, verify="fast").close()
     except (EspnError, ValueError, OSError) as error:
         print(f"espn serve: error: {error}", file=sys.stderr)
         return 1
+    if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
+        from espn_indexing.live import read_only_reason
+
+        reason = read_only_reason(settings.index)
+        settings = settings.model_copy(update={"read_only": reason is not None})
+        if reason is not None:
+            print(json.dumps({"level": "WARNING", "event": "read_only",
+                              "message": f"serving read-only: {reason}; writes get 409 (--read-only says so "
+                              "explicitly)"}), file=sys.stderr, flush=True)
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)

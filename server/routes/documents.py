@@ -1,10 +1,16 @@
 """/v1/documents: a passage by its external id; writes to a live index (PUT, DELETE, batch).
 
-A write runs the library's `LiveIndex` (the same code as `espn add/delete`) in a thread:
-it takes the index's writer lock (waiting up to `write_wait_s`), publishes one
-generation durably, and this worker swaps to it before answering. Other workers look
-at live/CURRENT (one stat) at the start of every request, so any search that starts
-after the response sees the write.
+A write is checked (ids, text, metadata limits: a 422 before anything is queued) and handed
+to this worker's group committer (`espn_indexing.commit.GroupCommit`): writes that arrive
+while a generation is being published are encoded together and published as the next
+generation, under the index's writer lock, which the workers take in turn. This worker
+swaps to the new generation before it answers; other workers look at live/CURRENT (one
+stat) at the start of every request, so any request that starts after the answer sees
+the write. On a read-only index every write is a 409 that says so.
+
+Ids in the URL path are taken from the raw path and decoded as strict UTF-8 (Starlette's
+decoding would turn invalid bytes into U+FFFD, so two different ids could collide): a
+NUL, a control character, invalid UTF-8 or a lone surrogate is a 422 naming it.
 """
 
 from __future__ import annotations
@@ -12,19 +18,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import urllib.parse
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
+
+from espn.ids import decode_doc_id
 
 from ..deps import AppState, get_state
+from ..errors import ApiError
 from ..schemas import MAX_DOC_ID_CHARS, BatchWriteRequest, DocumentResponse, DocumentWrite, ErrorResponse, WriteResponse
 
 if TYPE_CHECKING:
+    from espn_indexing.commit import GroupCommit
     from espn_indexing.live import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
+
+_ID_DESCRIPTION = "external document id (UTF-8; no control characters)"
+
+
+def _path_id(request: Request) -> str:
+    """The id in the URL exactly as sent: the raw path after /v1/documents/, percent-decoded to
+    bytes, then strict UTF-8 and the id rules (InvalidParameterError, a 422, naming the problem)."""
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
+    tail = raw.split(b"/v1/documents/", 1)[-1]
+    return decode_doc_id(urllib.parse.unquote_to_bytes(tail))
 
 
 @router.get(
@@ -34,72 +55,83 @@ router = APIRouter(prefix="/v1/documents", tags=["documents"])
     responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
 )
 async def get_document(
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    request: Request,
+    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
     state: AppState = Depends(get_state),
 ) -> DocumentResponse:
-    searcher = state.require_searcher()
-    # Reads passage text from disk: keep it off the event loop.
-    document = await asyncio.to_thread(searcher.document, doc_id)
+    exact = _path_id(request)
+    with state.lease() as searcher:
+        # Reads passage text from disk: keep it off the event loop.
+        document = await asyncio.to_thread(searcher.document, exact)
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text)
 
 
 _WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-    422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
+    401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
+    413: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
 }
-_encoder_lock = threading.Lock()
+_writer_lock = threading.Lock()
 
 
-def _write_encoder(state: AppState) -> Any:
-    """The encoder writes use: its own instance (a fast tokenizer refuses concurrent use), loaded once."""
-    with _encoder_lock:
-        encoder = state.write_encoder
-        if encoder is None:
-            from espn.encoders import load_encoder
+def _writer(state: AppState) -> "GroupCommit":
+    """This worker's group committer, made at the first write (its encoder loads in its thread)."""
+    if state.read_only:
+        raise ApiError(409, f"this server serves {state.settings.index} read-only (--read-only, or the index is "
+                       "on a read-only mount); writes are refused", code="read_only")
+    with _writer_lock:
+        if state.writer is None:
+            from espn.metadata import MetadataLimits
+            from espn_indexing.commit import GroupCommit
+            from espn_indexing.live import LiveIndex, WriteLimits
 
-            base = state.require_searcher_unrefreshed().index
-            encoder = load_encoder(base.file("encoder"), base.manifest["encoder"], device="cpu")
-            state.write_encoder = encoder
-        return encoder
-
-
-def _write(state: AppState, upserts: Sequence["NewDocument"], deletes: Sequence[str]) -> "WriteResult":
-    """One generation through the library's writer (in a worker thread)."""
-    from espn_indexing.live import LiveIndex
-
-    with LiveIndex.open(state.settings.index, wait_s=state.settings.write_wait_s,
-                        encoder=_write_encoder(state) if upserts else None) as writer:
-        return writer.apply(upserts, deletes)
+            settings = state.settings
+            limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
+                                                settings.max_index_fields))
+            live = state.require_live()
+            state.writer = GroupCommit(LiveIndex(settings.index, limits=limits), wait_s=settings.write_wait_s,
+                                       nice=settings.write_nice, max_queued=settings.write_queue,
+                                       on_publish=lambda generation: live.refresh())
+        return state.writer
 
 
 async def _apply(state: AppState, upserts: Sequence["NewDocument"], deletes: Sequence[str]) -> "WriteResult":
-    state.require_searcher()
-    result = await asyncio.to_thread(_write, state, upserts, deletes)
-    state.refresh()  # this worker serves the new generation before it answers
+    state.require_live()
+    future = _writer(state).submit(upserts, deletes)  # a bad write is refused here, before it is queued
+    result = await asyncio.wrap_future(future)
     _maybe_compact(state)
     return result
 
 
 def _maybe_compact(state: AppState) -> None:
-    """Past the policy's threshold, compact in a background thread of this worker. Searches go
-    on throughout (they swap to the compacted generation when it is published); writes wait
-    for the writer lock meanwhile (up to write_wait_s, then 503)."""
-    from espn_indexing.live import CompactionPolicy, LiveIndex
+    """Past the policy's thresholds, compact in a background thread of this worker: a merge of
+    small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
+    only for the swap. One compaction per index at a time: when another worker's is running,
+    this one is one log line."""
+    from espn.errors import EspnError
+    from espn.segments import read_current
+    from espn_indexing.commit import lower_priority
+    from espn_indexing.compaction import CompactionPolicy, CompactionRunningError
+    from espn_indexing.live import LiveIndex
 
     settings = state.settings
-    policy = CompactionPolicy(settings.compact_max_segments, settings.compact_deleted_fraction)
-    searcher = state.require_searcher_unrefreshed()
-    if state.compacting or searcher.view is None or not policy.due(searcher.view.generation):
+    policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
+                              settings.compact_base_ratio, settings.compact_deleted_fraction)
+    if state.compacting or not policy.due(read_current(settings.index)):
         return
     state.compacting = True
+    writer = state.writer
+    assert writer is not None
 
     def run() -> None:
+        lower_priority(settings.write_nice)
         try:
-            with LiveIndex.open(settings.index, wait_s=0.0) as writer:
-                if policy.due(writer.current()):
-                    writer.compact()
-        except Exception:  # another writer has the lock, or the disk is full: try after a later write
-            logger.warning("background compaction did not run", exc_info=True)
+            LiveIndex(settings.index, limits=writer.index.limits).maintain(policy, wait_s=settings.write_wait_s)
+        except CompactionRunningError:
+            logger.info("compaction not started: another one is running on this index")
+        except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
+            logger.warning("compaction did not run: %s", exc)
+        except Exception:  # a bug: its traceback is worth having
+            logger.exception("compaction failed")
         finally:
             state.compacting = False
 
@@ -120,13 +152,14 @@ def _response(result: "WriteResult") -> WriteResponse:
 )
 async def put_document(
     body: DocumentWrite,
+    request: Request,
     response: Response,
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
     from espn_indexing.live import NewDocument
 
-    result = await _apply(state, [NewDocument(doc_id, body.text, body.title, body.metadata)], [])
+    result = await _apply(state, [NewDocument(_path_id(request), body.text, body.title, body.metadata)], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -139,10 +172,11 @@ async def put_document(
     responses=_WRITE_ERRORS,
 )
 async def delete_document(
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    request: Request,
+    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    return _response(await _apply(state, [], [doc_id]))
+    return _response(await _apply(state, [], [_path_id(request)]))
 
 
 @router.post(
