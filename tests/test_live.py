@@ -238,6 +238,13 @@ CRASHER = textwrap.dedent("""
         run_compaction(writer, Plan("merge", tuple(s.name for s in writer.current().segments)))
     elif sys.argv[3] == "rewrite":
         writer.compact()
+    elif sys.argv[3] == "group":
+        from espn_indexing.commit import GroupCommit
+        commit = GroupCommit(writer)
+        futures = [commit.submit([live.NewDocument("crash-new", "a document written while the writer was killed"),
+                                  live.NewDocument("s0005", "a replacement written while the writer was killed")]),
+                   commit.submit(deletes=["s0006"])]
+        [f.result() for f in futures]
     else:
         writer.apply([live.NewDocument("crash-new", "a document written while the writer was killed"),
                       live.NewDocument("s0005", "a replacement written while the writer was killed")],
@@ -246,7 +253,8 @@ CRASHER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("generation", "write"),
-                                       ("published", "write"), ("merge-built", "merge"), ("swap-renamed", "merge"),
+                                       ("published", "write"), ("queued", "group"), ("encoded", "group"),
+                                       ("merge-built", "merge"), ("swap-renamed", "merge"),
                                        ("compact-records", "rewrite"), ("swap-carried", "rewrite")])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str, job: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
@@ -297,7 +305,12 @@ def test_cli_add_delete_stats(index: Path, tmp_path: Path) -> None:
     failed = _espn("delete", str(index), "s0003", "--ids-file", str(ids))
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines()[-1] == "espn delete: error: no document with id 'no-such-id'"
-    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed delete wrote nothing
+    # Ids are exact UTF-8 bytes: invalid UTF-8 on the command line is refused by name, before anything is written.
+    bad = subprocess.run([sys.executable, "-m", "espn.cli", "delete", str(index), b"s0002\xff"], capture_output=True)
+    assert bad.returncode == 1
+    assert bad.stderr.decode().strip().splitlines()[-1] == (
+        "espn delete: error: id to delete 's0002\\udcff' is not valid UTF-8: a lone surrogate U+DCFF at character 5")
+    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed deletes wrote nothing
     assert stats["generation"] == 1 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 1
     assert stats["live_documents"] == 301 and stats["rebuild_recommended"] is False
     with Searcher.open(index) as searcher:
