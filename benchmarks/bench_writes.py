@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, short windows (for the CI smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.documents, args.encode_docs, args.puts, args.seconds, args.deletes = 64, 16, 12, 2.0, 5
+        args.documents, args.encode_docs, args.puts, args.seconds, args.deletes = 64, 8, 12, 1.0, 5
     out = run(args)
     print(report(out, args))
     write_results("bench_writes" + ("_quick" if args.quick else ""), out)

@@ -131,13 +131,18 @@ def _compaction_lock(live_dir: Path, wait_s: float) -> Iterator[None]:
 
 
 def run_compaction(writer: LiveIndex, plan: Plan | None, policy: CompactionPolicy | None = None,
-                   wait_s: float = 10.0, compaction_wait_s: float = 0.0) -> int | None:
+                   wait_s: float = 10.0, compaction_wait_s: float = 0.0,
+                   swap: Callable[[Callable[[], int]], int] | None = None) -> int | None:
     """Run `plan` (or the one `policy` picks for the current generation) and swap it in;
     returns the generation published, None when there was nothing to do.
 
     wait_s: how long the swap waits for the writer lock; compaction_wait_s: how long to
-    wait for another compaction to finish (CompactionRunningError after it).
+    wait for another compaction to finish (CompactionRunningError after it). swap: runs the
+    swap (the part under the writer lock) and returns its result; a server hands it to its
+    publishing thread (commit.GroupCommit.run_exclusive), which runs at normal priority
+    while the compaction itself runs at a lowered one. Default: run it in this thread.
     """
+    swap = swap or (lambda run: run())
     with _compaction_lock(writer.live_dir, compaction_wait_s):
         view = open_view(writer.root, verify="none")  # the snapshot: held, so its files stay
         try:
@@ -145,11 +150,11 @@ def run_compaction(writer: LiveIndex, plan: Plan | None, policy: CompactionPolic
             plan = plan if plan is not None else (policy or CompactionPolicy()).plan(snapshot)
             if plan is None or (plan.kind == "rewrite" and not snapshot.segments and not snapshot.tombstones):
                 return None
-            with Staging(writer.live_dir, "compact") as staging:
+            with Staging(writer, "compact", wait_s) as staging:
                 if plan.kind == "merge":
-                    number = _merge(writer, view, plan, staging.path, wait_s)
+                    number = _merge(writer, view, plan, staging.path, wait_s, swap)
                 else:
-                    number = _rewrite(writer, view, staging.path, wait_s)
+                    number = _rewrite(writer, view, staging.path, wait_s, swap)
         finally:
             view.close()
     with contextlib.suppress(IndexLockedError):  # the snapshot's files go now, or at the next write
@@ -160,7 +165,8 @@ def run_compaction(writer: LiveIndex, plan: Plan | None, policy: CompactionPolic
 
 # -- merge ------------------------------------------------------------------------------------
 
-def _merge(writer: LiveIndex, view: LiveView, plan: Plan, staging: Path, wait_s: float) -> int:
+def _merge(writer: LiveIndex, view: LiveView, plan: Plan, staging: Path, wait_s: float,
+           swap: Callable[[Callable[[], int]], int]) -> int:
     snapshot = view.generation
     names = [s.name for s in snapshot.segments]
     at = names.index(plan.segments[0]) if plan.segments and plan.segments[0] in names else -1
@@ -172,22 +178,27 @@ def _merge(writer: LiveIndex, view: LiveView, plan: Plan, staging: Path, wait_s:
         if view.live is not None else np.zeros(0, np.int64)
     merged = merge_segments(writer, sources, staging / "seg", dead=dead)
     live._checkpoint("merge-built")
-    with writer.locked(wait_s) as current:
-        live._checkpoint("swap")
-        names = [s.name for s in current.segments]
-        if tuple(names[at : at + len(sources)]) != plan.segments:  # only compaction removes deltas, one at a time
-            raise RuntimeError(f"merge: the deltas {plan.segments} changed while they were merged")
-        number = current.number + 1
-        name = f"seg-{number:06d}"
-        os.replace(staging / "seg", writer.live_dir / name)
-        fsync_path(writer.live_dir)
-        live._checkpoint("swap-renamed")
-        segments = (*current.segments[:at], dataclasses.replace(merged, name=name), *current.segments[at + len(sources):])
-        side = _side_on_swap(writer, current, number, lambda numbers: numbers)
-        writer.commit(Generation(number, current.base, current.base_documents, current.embeddings_bytes, segments,
-                                 current.tombstones, live._now(), current.base_files, side))
-    log.info("merged %d deltas (%d documents) into %s", len(sources), merged.documents, name)
-    return number
+
+    def do_swap() -> int:
+        with writer.locked(wait_s) as current:
+            live._checkpoint("swap")
+            names = [s.name for s in current.segments]
+            if tuple(names[at : at + len(sources)]) != plan.segments:  # only compaction removes deltas, one at a time
+                raise RuntimeError(f"merge: the deltas {plan.segments} changed while they were merged")
+            number = current.number + 1
+            name = f"seg-{number:06d}"
+            os.replace(staging / "seg", writer.live_dir / name)
+            fsync_path(writer.live_dir)
+            live._checkpoint("swap-renamed")
+            segments = (*current.segments[:at], dataclasses.replace(merged, name=name),
+                        *current.segments[at + len(sources):])
+            side = _side_on_swap(writer, current, number, lambda numbers: numbers)
+            writer.commit(Generation(number, current.base, current.base_documents, current.embeddings_bytes, segments,
+                                     current.tombstones, live._now(), current.base_files, side))
+        log.info("merged %d deltas (%d documents) into %s", len(sources), merged.documents, name)
+        return number
+
+    return swap(do_swap)
 
 
 def merge_segments(writer: LiveIndex, sources: Sequence[SegmentInfo], out: Path, *, dead: np.ndarray,
@@ -274,11 +285,20 @@ def _side_on_swap(writer: LiveIndex, current: Generation, number: int,
 
 # -- rewrite ----------------------------------------------------------------------------------
 
-def _rewrite(writer: LiveIndex, view: LiveView, staging: Path, wait_s: float) -> int:
+def _rewrite(writer: LiveIndex, view: LiveView, staging: Path, wait_s: float,
+             swap: Callable[[Callable[[], int]], int]) -> int:
     snapshot = view.generation
     out = staging / "base"
     keep = write_base(view, out)
     live._checkpoint("compact-staged")
+    return swap(lambda: _carry(writer, snapshot, keep, view.live, staging, wait_s))
+
+
+def _carry(writer: LiveIndex, snapshot: Generation, keep: np.ndarray, live_mask: np.ndarray | None,
+           staging: Path, wait_s: float) -> int:
+    """The swap of a base rewrite, under the writer lock: what was published since the
+    snapshot moves onto the new base (staging/base), which then becomes current."""
+    out = staging / "base"
     n = len(keep)
     base_bytes = (out / "embeddings.bin").stat().st_size
     with writer.locked(wait_s) as current:
@@ -290,7 +310,8 @@ def _rewrite(writer: LiveIndex, view: LiveView, staging: Path, wait_s: float) ->
         carried = [s for s in current.segments if s.first >= snapshot.total]
         shift = n - snapshot.total  # doc numbers published since the snapshot move down by this much
         tombstones = read_tombstones(writer.root, current)
-        since = np.setdiff1d(tombstones, read_tombstones(writer.root, snapshot), assume_unique=True)
+        before = np.flatnonzero(~live_mask) if live_mask is not None else np.zeros(0, np.int64)
+        since = np.setdiff1d(tombstones, before, assume_unique=True)
         segments: tuple[SegmentInfo, ...] = ()
         end = base_bytes
         if carried:

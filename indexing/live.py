@@ -205,15 +205,16 @@ class Staging:
     """A work directory under live/ that survives the writers' crash recovery while its owner
     lives: the owner holds an `flock` on it, and `_recover` removes a staging directory only
     when it can take that lock (its owner died). For `espn add`'s encoding and compaction,
-    which run without the writer lock."""
+    which run without the writer lock; it is made under that lock (briefly), so that no
+    recovery sees it before it is locked."""
 
     PREFIXES = ("stage-",)
 
-    def __init__(self, live_dir: Path, kind: str) -> None:
-        live_dir.mkdir(exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=live_dir))
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    def __init__(self, writer: "LiveIndex", kind: str, wait_s: float) -> None:
+        with writer.locked(wait_s):
+            self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=writer.live_dir))
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def __enter__(self) -> "Staging":
         return self
@@ -522,7 +523,7 @@ class LiveIndex:
         scan = scan_corpus(corpus, skip_bad)  # ids valid and unique, lines valid, before any encoding
         if scan.documents == 0:
             raise CorpusError(f"{corpus}: the corpus has no documents")
-        with Staging(self.live_dir, "add") as work:
+        with Staging(self, "add", wait_s) as work:
             encode_corpus(corpus, work.path, self.encoder(), batch_size=batch_size, loader_workers=loader_workers,
                           progress=progress, skip_bad=skip_bad, total_documents=scan.documents)
             _checkpoint("encoded")
@@ -649,12 +650,13 @@ class LiveIndex:
         number = run_compaction(self, Plan("rewrite"), wait_s=wait_s, compaction_wait_s=wait_s)
         return WriteResult(self.current().number if number is None else number)
 
-    def maintain(self, policy: Any, wait_s: float = 10.0) -> int | None:
+    def maintain(self, policy: Any, wait_s: float = 10.0, swap: Callable[[Callable[[], int]], int] | None = None) -> int | None:
         """Run the compaction `policy` (a compaction.CompactionPolicy) asks for now, if any; the
-        generation it published, or None. CompactionRunningError when another one runs."""
+        generation it published, or None. CompactionRunningError when another one runs.
+        swap: what runs its swap (compaction.run_compaction)."""
         from .compaction import run_compaction
 
-        return run_compaction(self, None, policy, wait_s=wait_s)
+        return run_compaction(self, None, policy, wait_s=wait_s, swap=swap)
 
     # -- recovery and garbage ------------------------------------------------------------
     def _recover(self) -> None:

@@ -83,10 +83,9 @@ def _mean_text_bytes(searcher: "Searcher") -> float:
     return size / max(1, searcher.num_documents)
 
 
-def _warmup(state: AppState) -> int:
+def _warmup(state: AppState) -> None:
     with state.require_live().lease() as searcher:
         searcher.warmup()
-        return searcher.num_documents
 
 
 async def _warm(state: AppState) -> None:

@@ -252,9 +252,9 @@ CRASHER = textwrap.dedent("""
 """)
 
 
+# tests/test_live_restart.py kills a real server in a merge's swap ("swap-renamed") as well.
 @pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("generation", "write"),
-                                       ("published", "write"), ("queued", "group"), ("encoded", "group"),
-                                       ("merge-built", "merge"), ("swap-renamed", "merge"),
+                                       ("published", "write"), ("queued", "group"), ("merge-built", "merge"),
                                        ("compact-records", "rewrite"), ("swap-carried", "rewrite")])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str, job: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
@@ -122,10 +122,15 @@ def _maybe_compact(state: AppState) -> None:
     writer = state.writer
     assert writer is not None
 
+    def swap(run: Callable[[], int]) -> int:
+        """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
+        return writer.run_exclusive(run).result()
+
     def run() -> None:
-        lower_priority(settings.write_nice)
+        lower_priority(settings.write_nice)  # the work before the swap takes what searches leave
         try:
-            LiveIndex(settings.index, limits=writer.index.limits).maintain(policy, wait_s=settings.write_wait_s)
+            LiveIndex(settings.index, limits=writer.index.limits).maintain(policy, wait_s=settings.write_wait_s,
+                                                                           swap=swap)
         except CompactionRunningError:
             logger.info("compaction not started: another one is running on this index")
         except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
