@@ -54,7 +54,6 @@ from .ann import load_ivf
 from .errors import DocumentNotFoundError, IndexCorruptError
 from .index import DocStore, IdMap, IndexDirectory, sha256_file
 from .lease import Shared
-from .mapped import map_npy
 from .metadata import MetadataColumns, SegmentedColumns, schema_of
 from .results import Document
 

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import os
 import re

@@ -447,7 +447,7 @@ def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encod
 
 
 def test_a_merge_keeps_doc_numbers_and_rankings(index: Path, encoder: Encoder) -> None:
-    from espn_indexing.compaction import CompactionPolicy, Plan, run_compaction
+    from espn_indexing.compaction import CompactionPolicy, run_compaction
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         for i in range(5):
