@@ -360,7 +360,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     view = open_view(args.index, verify="full")  # the base and every delta segment of the current generation
     view.close()
     generation = view.generation
-    files = len(view.base.manifest["files"]) + sum(len(s.files) for s in generation.segments)
+    files = len(view.base.manifest["files"]) + sum(len(s.files) for s in generation.segments) + len(generation.tombstones)
     print(f"{args.index}: {files} files verified, {generation.live_documents} documents"
           + (f" (generation {generation.number})" if generation.number else ""))
     return 0

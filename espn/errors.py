@@ -13,6 +13,8 @@ __all__ = [
     "BackendUnavailableError",
     "CorruptModelError",
     "IndexLockedError",
+    "ReadOnlyIndexError",
+    "WriteFailedError",
 ]
 
 
@@ -58,3 +60,12 @@ class BackendUnavailableError(EspnError):
 
 class IndexLockedError(EspnError):
     """Another process holds the index's writer lock (one writer at a time)."""
+
+
+class ReadOnlyIndexError(EspnError):
+    """A write to an index that is served or mounted read-only."""
+
+
+class WriteFailedError(EspnError):
+    """A write could not be published (the disk is full, the writer queue is full, ...);
+    nothing of it is visible and it may be retried."""

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import faiss
 import numpy as np
@@ -46,7 +46,7 @@ from .params import SearchParams
 from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
-from .store import PendingRead, RecordBatch, open_reader
+from .store import PendingRead, RecordBatch, Reader, open_reader
 from .store.format import StoreLayout
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
@@ -109,8 +109,9 @@ class Searcher:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._reopen: dict[str, Any] = {}
         self._token = (0, 0)
-        self.reader = open_reader(reader_name, index.file("embeddings.bin"), self.records, self.layout,
-                                  device=self.device, **dict(reader_options or {}))
+        #: What this Searcher closes itself; what it shares with other generations closes with their base.
+        self._owned: list[Callable[[], None]] = []
+        self.reader = self._open_reader(reader_name, dict(reader_options or {}))
         score = self.manifest["score"]
         self.weight = float(score["w"])
         self.bow_reduction = score.get("bow_reduction", "mean")
@@ -132,9 +133,35 @@ class Searcher:
             raise InvalidParameterError(f"filter_cache_bytes must be an integer >= 0, got {filter_cache_bytes!r}")
         # Compiled filters (mask + the matches' own IVF), least recently used out first.
         self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
-        self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
+        self._pool = self._shared("prefetch-pool", lambda: ThreadPoolExecutor(
+            max_workers=prefetch_threads, thread_name_prefix="espn-prefetch"), lambda pool: pool.shutdown(wait=True))
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
+
+    def _shared(self, key: str, make: Callable[[], Any], close: Callable[[Any], None]) -> Any:
+        """One object for every generation over this live-index base (closed with the base),
+        or this Searcher's own without a view."""
+        if self.view is not None:
+            return self.view.shared.attached(key, make, close)
+        value = make()
+        self._owned.append(lambda: close(value))
+        return value
+
+    def _open_reader(self, name: str | None, options: dict[str, Any]) -> Reader:
+        """The reader of embeddings.bin. The Searchers of one live-index base share one: a newer
+        generation only extends its records table (the rows of older doc numbers never change),
+        so a write costs no new descriptors, rings or threads. Readers that hold a copy or a
+        map of the file (memory, mmap) cannot follow appends: there each generation has its own."""
+        def make() -> Reader:
+            return open_reader(name, self.index.file("embeddings.bin"), self.records, self.layout,  # type: ignore[arg-type]
+                               device=self.device, **options)
+
+        reader: Reader = self._shared("reader", make, lambda r: r.close())
+        if reader.extend_records(self.records):  # type: ignore[arg-type]  # a RecordTable reads like one
+            return reader
+        reader = make()
+        self._owned.append(reader.close)
+        return reader
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
@@ -177,7 +204,9 @@ class Searcher:
         token = current_token(root)
         if token == self._token:
             return None
-        view = open_view(root, verify="none")  # the files were verified at start or fsynced by the writer
+        # The files were verified at start or fsynced by the writer; what the generations share
+        # (the base, its reader, the segments) is taken over from this one.
+        view = open_view(root, verify="none", previous=self.view)
         try:
             searcher = type(self)(view.base, self.encoder, view=view, **self._reopen)
         except BaseException:
@@ -206,8 +235,11 @@ class Searcher:
         return self.reader.name
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.reader.close()
+        """Release what this Searcher holds; what it shares with other generations closes with
+        the last of them. Call it once no search runs on it (espn.lease.LiveSearcher does)."""
+        owned, self._owned = self._owned, []
+        for close in reversed(owned):
+            close()
         if self.view is not None:
             self.view.close()
 

@@ -57,7 +57,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_add)
 
@@ -65,12 +66,14 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("index", type=Path)
     p.add_argument("ids", nargs="*", help="external document ids")
     p.add_argument("--ids-file", type=Path, help="a file of ids, one per line")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.set_defaults(handler=cmd_delete)
 
     p = sub.add_parser("compact", help="merge a live index's segments into one, dropping deleted documents")
     p.add_argument("index", type=Path)
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
@@ -134,9 +137,10 @@ def _print_write(index: Path, what: str, result: Any) -> None:
 def cmd_add(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.add_corpus(args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
-                                   progress=not args.no_progress, skip_bad=args.skip_bad)
+    # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
+    result = LiveIndex(args.index).add_corpus(args.corpus, batch_size=args.batch_size,
+                                              loader_workers=args.loader_workers, progress=not args.no_progress,
+                                              skip_bad=args.skip_bad, wait_s=args.wait)
     _print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
     return 0
 
@@ -154,8 +158,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
         ids += list(iter_ids_file(args.ids_file))
     if not ids:
         raise InvalidParameterError(f"--ids-file {args.ids_file}: no ids in it")
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.delete(ids)
+    result = LiveIndex(args.index).apply(deletes=ids, wait_s=args.wait)
     _print_write(args.index, f"{len(result.deleted)} deleted", result)
     return 0
 
@@ -163,10 +166,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.compact()
-        documents = writer.current().live_documents
-    _print_write(args.index, f"compacted to one segment of {documents} documents", result)
+    # From a snapshot: writes go on meanwhile and wait only for the swap.
+    writer = LiveIndex(args.index)
+    result = writer.compact(wait_s=args.wait)
+    _print_write(args.index, f"compacted ({writer.current().live_documents} live documents)", result)
     return 0
 
 

@@ -57,12 +57,27 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
                          reader_options=settings.reader_options())
 
 
+def _read_only(settings: ServerSettings) -> bool:
+    """Without `espn serve` (which decides it once): read-only when the index cannot be written."""
+    from espn_indexing.live import read_only_reason
+
+    reason = read_only_reason(settings.index)
+    if reason is not None:
+        logger.warning("serving read-only: %s; writes get 409", reason)
+    return reason is not None
+
+
 def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
     """Concurrent requests of several parameter sets: every query tokenised and encoded in one
-    batch, then each group searched with its own parameters (a failure stays in its group)."""
+    batch, then each group searched with its own parameters (a failure stays in its group).
+    The newest generation's Searcher is leased for the call: a write that swaps in a newer
+    one meanwhile closes this one only when the call is done."""
 
     def search_many(groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
-        searcher = state.require_searcher_unrefreshed()
+        with state.require_live().lease() as searcher:
+            return _search_groups(searcher, groups)
+
+    def _search_groups(searcher: "Searcher", groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
         texts = [query for queries, _ in groups for query in queries]
         started = time.perf_counter()
         try:
@@ -99,14 +114,20 @@ def _mean_text_bytes(searcher: "Searcher") -> float:
     return size / max(1, searcher.num_documents)
 
 
+def _warmup(state: AppState) -> None:
+    with state.require_live().lease() as searcher:
+        searcher.warmup()
+
+
 async def _warm(state: AppState) -> None:
-    searcher = state.require_searcher()
     if state.settings.warmup:
         state.status = "warming"
-        await asyncio.to_thread(searcher.warmup)
+        await asyncio.to_thread(_warmup, state)
     state.status, state.ready = "ready", True
     state.metrics.ready.set(1)
-    logger.info("ready", extra={"index": str(state.settings.index), "documents": searcher.num_documents})
+    searcher = state.require_live().current
+    logger.info("ready", extra={"index": str(state.settings.index), "documents": searcher.num_documents,
+                                "generation": searcher.generation, "read_only": state.read_only})
 
 
 def _log_warm_failure(task: "asyncio.Task[None]") -> None:
@@ -121,6 +142,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = state.settings
     state.metrics.ready.set(0)
     searcher = await asyncio.to_thread(_open_searcher, settings)
+    from espn.lease import LiveSearcher
+
+    state.read_only = settings.read_only if settings.read_only is not None else _read_only(settings)
     executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
     batcher: MicroBatcher[QueryResult] = MicroBatcher(
         None,
@@ -134,7 +158,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         search_many=_batch_search_many(state, state.metrics),
     )
     batcher.start()
-    state.searcher, state.batcher = searcher, batcher
+    state.live, state.batcher = LiveSearcher(searcher), batcher
     state.text_bytes = _mean_text_bytes(searcher)
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
@@ -149,9 +173,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.wait([warm])
         await batcher.close()
         executor.shutdown(wait=True)
-        state.require_searcher_unrefreshed().close()
-        for _, retired in state.retired:
-            retired.close()
+        if state.writer is not None:  # what was accepted is published before the index closes
+            await asyncio.to_thread(state.writer.close)
+        state.require_live().close()
         state.metrics.close()
         logger.info("index closed")
 

@@ -48,7 +48,9 @@ SERVE_GROUPS = (
     ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct")),
     ("requests", ("max_body_bytes", "max_batch_queries", "max_batch_writes", "max_request_work", "max_response_bytes",
                   "cors_origins")),
-    ("writes to a live index", ("write_wait_s", "compact_max_segments", "compact_deleted_fraction")),
+    ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
+                                "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
+                                "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
     ("operations", ("log_level", "warmup", "metrics_port")),
 )
 
@@ -170,14 +172,24 @@ def run_serve(args: argparse.Namespace) -> int:
         print(settings_error_line("serve", ENV_PREFIX, error), file=sys.stderr)
         return 2
     # A damaged index is one line and exit 1 here, not a traceback from every worker's start-up.
+    # What is checked is what the workers will serve: the current generation of a live index.
     from espn.errors import EspnError
-    from espn.index import IndexDirectory
+    from espn.segments import open_view
 
     try:
-        IndexDirectory.open(settings.index, verify="fast")
+        open_view(settings.index, verify="fast").close()
     except (EspnError, ValueError, OSError) as error:
         print(f"espn serve: error: {error}", file=sys.stderr)
         return 1
+    if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
+        from espn_indexing.live import read_only_reason
+
+        reason = read_only_reason(settings.index)
+        settings = settings.model_copy(update={"read_only": reason is not None})
+        if reason is not None:
+            print(json.dumps({"level": "WARNING", "event": "read_only",
+                              "message": f"serving read-only: {reason}; writes get 409 (--read-only says so "
+                              "explicitly)"}), file=sys.stderr, flush=True)
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from espn.errors import ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
+from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError,
+                         ReadOnlyIndexError, WriteFailedError)
 
 from .batching import BatcherClosedError, QueueFullError
 
@@ -149,6 +150,14 @@ async def _on_conflict(request: Request, exc: Exception) -> JSONResponse:
     return error_response(409, "conflict", str(exc))
 
 
+async def _on_read_only(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(409, "read_only", f"{exc} (this server serves the index read-only)")
+
+
+async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
+
+
 async def _on_corpus_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid_document", str(exc))
 
@@ -172,4 +181,6 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(QueueFullError, _on_queue_full)
     app.add_exception_handler(IndexLockedError, _on_index_locked)
     app.add_exception_handler(CorpusError, _on_corpus_error)
+    app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
+    app.add_exception_handler(WriteFailedError, _on_write_failed)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

@@ -71,9 +71,9 @@ def _add_limits(document: dict[str, Any], app: FastAPI) -> None:
     schemas["BatchSearchRequest"]["properties"]["queries"]["maxItems"] = state.settings.max_batch_queries
     for name in ("upsert", "delete"):
         schemas["BatchWriteRequest"]["properties"][name]["maxItems"] = state.settings.max_batch_writes
-    searcher = state.searcher
-    if searcher is None:  # still starting: the limits of the index are not known yet
+    if state.live is None:  # still starting: the limits of the index are not known yet
         return
+    searcher = state.live.current  # its schema and nlist only: no lease needed
     schemas["Filter"] = filter_schema(searcher.metadata.schema)
     for name in ("SearchRequest", "BatchSearchRequest"):
         properties = schemas[name]["properties"]

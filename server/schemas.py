@@ -35,6 +35,7 @@ __all__ = [
     "BatchSearchResponse",
     "DocumentResponse",
     "HealthResponse",
+    "ReadinessResponse",
     "ErrorResponse",
 ]
 
@@ -218,6 +219,13 @@ class HealthResponse(BaseModel):
     status: str
     detail: Optional[str] = None
     reader: Optional[dict[str, Any]] = Field(default=None, description="the embedding reader: name, I/O engine, device, ...")
+
+
+class ReadinessResponse(HealthResponse):
+    """GET /readyz of a server: its index's generation and whether it takes writes."""
+
+    generation: Optional[int] = Field(default=None, description="the live-index generation served (0: as built)")
+    mode: Optional[str] = Field(default=None, description='"read-write", or "read-only" (writes get 409)')
 
 
 class ErrorResponse(BaseModel):

@@ -100,11 +100,22 @@ class ServerSettings(BaseSettings):
                                           "empty: CORS off")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
-    write_wait_s: float = Field(10.0, ge=0.0, le=600.0,
-                                description="seconds a write waits for the writer lock before its 503")
-    compact_max_segments: int = Field(8, ge=1, le=10_000, description="compact in the background past this many deltas")
+    read_only: Optional[bool] = Field(
+        None, description="refuse writes (409); None: read-only when the index directory is not writable")
+    write_wait_s: float = Field(10.0, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
+    write_nice: int = Field(10, ge=0, le=19, description="CPU priority (nice) of write encoding and compaction threads")
+    write_queue: int = Field(10_000, ge=1, le=1_000_000,
+                             description="documents and deletes queued per worker before writes get 503")
+    compact_max_segments: int = Field(8, ge=1, le=10_000, description="merge deltas in the background past this many")
+    compact_merge_factor: int = Field(4, ge=2, le=1000, description="deltas merged into one at a time")
+    compact_base_ratio: float = Field(0.5, gt=0.0, le=100.0,
+                                      description="rewrite the base once deltas hold this fraction of its documents")
     compact_deleted_fraction: float = Field(0.2, gt=0.0, le=1.0,
-                                            description="... or past this fraction of its documents deleted or replaced")
+                                            description="... or past this fraction of deleted/replaced documents")
+    max_metadata_fields: int = Field(64, ge=1, le=10_000, description="metadata fields per document")
+    max_metadata_bytes: int = Field(16 << 10, ge=64, le=16 << 20,
+                                    description="a document's metadata as JSON, in bytes")
+    max_index_fields: int = Field(256, ge=1, le=100_000, description="distinct metadata fields per index")
 
     # Operations.
     log_level: LogLevel = Field("info", description="server log level")

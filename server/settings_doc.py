@@ -33,6 +33,7 @@ __all__ = ["Setting", "settings_of", "markdown_table", "write_readme", "FLAG_NAM
 FLAG_NAMES = {
     "graceful_timeout_s": "--graceful-timeout",
     "cors_origins": "--cors-origin",
+    "read_only": "--read-only",  # unset means "detect"; the flag forces read-only
 }
 #: Read from the environment only: a flag would show the secret in `ps`.
 ENV_ONLY = frozenset({"api_key"})

@@ -255,3 +255,19 @@ def test_bench_query_text_to_hits(sample_index: Path, results: Path, capsys) -> 
     payload = json.loads((results / "query.json").read_text())
     assert 0 < payload["configs"]["text/memory"]["share"][0] < 1
     assert 0 <= payload["configs"]["text/posix"]["ndcg10"] <= 1
+def test_bench_writes(tiny_index: Path, results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """A served copy of the sample index (it has a text encoder) takes sequential and concurrent
+    PUTs, searches and a compaction; deletes run on a live copy of the tiny index."""
+    from benchmarks import bench_writes
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_writes.main(["--index", str(sample_index), "--corpus", str(data / "sample_corpus.jsonl"),
+                              "--queries", str(data / "sample_queries.jsonl"), "--large", str(tiny_index),
+                              "--work", str(tmp_path / "work"), "--quick", "--writers", "4", "--searchers", "2"]) == 0
+    payload = _check(results, "bench_writes_quick", capsys, png=False)
+    assert payload["sequential_puts"]["statuses"] == {"201": 12}
+    assert payload["writes_alone"]["errors_5xx"] == 0 and payload["writes_alone"]["per_s"] > 0
+    assert payload["compaction"]["compactions"] >= 1 and payload["server_log_tracebacks"] == 0
+    assert payload["deletes"]["deletes"] == 5 and payload["deletes"]["max_write_bytes"] < 65536
+    assert payload["deletes"]["documents"] == 2000
+    assert not (sample_index / "live").exists() and not (tiny_index / "live").exists()  # copies took the writes

@@ -162,8 +162,12 @@ GOOD = {"_id": "a", "title": "Alpha", "text": "The first document is about alpha
         ([json.dumps(GOOD), json.dumps({"_id": "b", "text": 5})], r"corpus.jsonl:2: 'text'"),
         ([json.dumps(GOOD), json.dumps({**GOOD, "text": "again"})], r"duplicate document id 'a'"),
         ([], r"no documents"),
+        ([json.dumps(GOOD), json.dumps({**GOOD, "_id": "a\x00"})], r"corpus.jsonl:2: document id 'a\\x00' contains "
+                                                                     r"the control character U\+0000"),
+        ([json.dumps({**GOOD, "_id": "b\ud800"})], r"corpus.jsonl:1: document id 'b\\ud800' is not valid UTF-8: "
+                                                    r"a lone surrogate U\+D800"),
     ],
-    ids=["malformed-json", "missing-id", "wrong-type", "duplicate-id", "empty"],
+    ids=["malformed-json", "missing-id", "wrong-type", "duplicate-id", "empty", "nul-in-id", "surrogate-in-id"],
 )
 def test_bad_corpus_fails_with_one_clear_line(tmp_path: Path, lines: list[str], message: str) -> None:
     corpus = tmp_path / "corpus.jsonl"

@@ -286,6 +286,9 @@ def test_servers_serve_from_local_nvme(rendered: tuple[str, list[dict[str, Any]]
         index_path = server["args"][server["args"].index("serve") + 1]
         mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
         assert any(index_path.startswith(path) and name == "local-index" for path, name in mounts.items())
+        # Each pod serves its own read-only copy: it says so instead of failing writes with a 500.
+        readonly = [m for m in server["volumeMounts"] if index_path.startswith(m["mountPath"])]
+        assert all(m.get("readOnly") for m in readonly) and "--read-only" in server["args"]
 
 
 def test_index_build_is_an_indexed_job_then_a_merge(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -487,6 +490,9 @@ def test_compose_builds_the_index_before_the_server() -> None:
             assert done.returncode == 0, f"{name}: {done.stderr}"
     assert server["command"][:2] == ["serve", "/var/lib/espn/index"]
     assert any(v.endswith(":/var/lib/espn:ro") for v in server["volumes"])
+    for name, service in services.items():  # a read-only mount is served read-only, and says so
+        if service.get("command", [None])[0] == "serve":
+            assert "--read-only" in service["command"] and any(v.endswith(":ro") for v in service["volumes"]), name
     assert any(v.endswith(":/var/lib/espn") for v in index["volumes"])
 
     router = services["router"]

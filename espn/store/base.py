@@ -484,6 +484,9 @@ class Reader(abc.ABC):
     #: True where a read waits on storage, so a prefetch wave has latency to hide behind the
     #: ANN scan; False where reading is CPU work (the memory reader): a wave would only add it.
     io_bound: ClassVar[bool] = True
+    #: True where reads go to the file itself, so bytes appended after open are readable
+    #: (`extend_records`); False for readers that hold a copy or a map of it (memory, mmap).
+    follows_appends: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -554,6 +557,17 @@ class Reader(abc.ABC):
     def close(self) -> None:
         """Release files, threads and buffers; idempotent."""
         self.closed = True
+
+    def extend_records(self, records: np.ndarray) -> bool:
+        """Serve a longer records table over the same file: a live index's newer generation,
+        whose rows for the doc numbers already served are unchanged (so reads in flight, and
+        searches of older generations, are unaffected). False when this reader cannot (it
+        does not follow appends, or `records` is shorter): the caller opens another."""
+        if not self.follows_appends or len(records) < len(self.records):
+            return False
+        self.file_size = self.path.stat().st_size
+        self.records = records
+        return True
 
     # -- the shared loop ------------------------------------------------------------------
 

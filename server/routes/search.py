@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from espn import Searcher
     from espn.results import Document, QueryResult
 
+    from ..batching import MicroBatcher
+
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -69,7 +71,16 @@ async def _search(
     state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False
 ) -> list[SearchResponse]:
     batcher = state.require_batcher()
-    searcher = state.require_searcher()
+    # The request holds the generation it started on (refreshed first: a write answered before
+    # this request began is visible); a newer one swapped in meanwhile leaves it open until then.
+    with state.lease() as searcher:
+        return await _search_with(state, request, searcher, batcher, queries, options, explain)
+
+
+async def _search_with(
+    state: AppState, request: Request, searcher: "Searcher", batcher: "MicroBatcher[QueryResult]",
+    queries: Sequence[str], options: SearchOptions, explain: bool,
+) -> list[SearchResponse]:
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
     kwargs = options.search_kwargs()
@@ -93,7 +104,7 @@ async def _search(
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
         wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
-        documents = await asyncio.to_thread(_documents, searcher, wanted)
+        documents = await asyncio.to_thread(_documents, state, wanted)
     responses = []
     for query, item in zip(queries, batched):
         stats = item.result.stats
@@ -107,8 +118,19 @@ async def _search(
     return responses
 
 
-def _documents(searcher: "Searcher", doc_ids: Sequence[str]) -> dict[str, "Document"]:
-    return {doc_id: searcher.document(doc_id) for doc_id in doc_ids}
+def _documents(state: AppState, doc_ids: Sequence[str]) -> dict[str, "Document"]:
+    """The hits' passages from the newest generation (the batch may have run on a newer one
+    than the request started on); a hit deleted since is left without text."""
+    from espn.errors import DocumentNotFoundError
+
+    out = {}
+    with state.require_live().lease() as searcher:
+        for doc_id in doc_ids:
+            try:
+                out[doc_id] = searcher.document(doc_id)
+            except DocumentNotFoundError:
+                continue
+    return out
 
 
 def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]],
@@ -116,8 +138,8 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     stats = item.result.stats
     hits = []
     for hit in item.result.hits:
-        if documents is not None:
-            document = documents[hit.doc_id]
+        document = documents.get(hit.doc_id) if documents is not None else None
+        if document is not None:
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score,
                                   title=document.title, text=document.text))
         else:
