@@ -101,7 +101,7 @@ class ServerSettings(BaseSettings):
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
-        None, description="refuse writes (409); None: read-only when the index directory is not writable")
+        None, description="refuse writes (409); unset: read-only only when the index directory is not writable")
     write_wait_s: float = Field(10.0, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
     write_nice: int = Field(10, ge=0, le=19, description="CPU priority (nice) of write encoding and compaction threads")
     write_queue: int = Field(10_000, ge=1, le=1_000_000,
