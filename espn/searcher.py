@@ -38,9 +38,12 @@ from .errors import InvalidParameterError
 from .explain import can_explain, explain_results
 from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
+from .hybrid import HybridParams
+from .lexical import open_text_index
 from .index import DocStore, IdMap, IndexDirectory
 from .maxsim import cls_pairs, maxsim_pairs
 from .metadata import MetadataColumns
+from .modes import search_modes
 from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
@@ -130,6 +133,9 @@ class Searcher:
         # Compiled filters (mask + the matches' own IVF), least recently used out first.
         self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
+        #: The generation's full-text index (None: the index has none) and the hybrid defaults.
+        self.text = open_text_index(index.path, self.manifest, view)
+        self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
 
@@ -203,6 +209,8 @@ class Searcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.text is not None:
+            self.text.close()
         self.reader.close()
         if self.view is not None:
             self.view.close()
@@ -218,18 +226,32 @@ class Searcher:
         """The defaults with per-call overrides, validated against this index."""
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
+    def hybrid_params(self, mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+                      rrf_k: int | None = None, mix_weight: float | None = None,
+                      union: bool | None = None) -> HybridParams:
+        """The index's mode and fusion defaults with per-call overrides, validated."""
+        return self.hybrid_defaults.replace(mode=mode, fusion=fusion, lexical_k=lexical_k, rrf_k=rrf_k,
+                                            mix_weight=mix_weight, union=union)
+
     def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
+               mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+               rrf_k: int | None = None, mix_weight: float | None = None, union: bool | None = None,
                **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
         filter: a filter (JSON object or its text; see `espn.filters`) every hit must satisfy.
         explain: give every re-ranked hit an Explanation (per query token: its MaxSim
-        contribution and the passage span it matched); computed after the search, for the
-        returned hits only, and timed as stage "explain". False costs nothing.
+        contribution and the passage span it matched) and, in lexical and hybrid modes, its
+        lexical matches; computed after the search, for the returned hits only, and timed as
+        stage "explain". False costs nothing.
+        mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
+        union tune hybrid search (`espn.hybrid.HybridParams`). Lexical and hybrid queries
+        use the syntax of `espn.text.query` (phrases, +required, -excluded).
         """
         if not isinstance(explain, bool):
             raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
-        if explain:
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
+        if explain and hybrid.mode != "lexical":
             can_explain(self.encoder)
         if isinstance(queries, str) or not isinstance(queries, Sequence):
             raise InvalidParameterError("queries must be a list of strings")
@@ -244,15 +266,23 @@ class Searcher:
         filtered = self.filtered_docs(filter)
         if not queries:
             return []
+        if hybrid.mode == "lexical":
+            return search_modes(self, queries, params, hybrid, filtered, explain, _Timer())
         if self.encoder is None:
             raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
+        if hybrid.mode == "hybrid":
+            return search_modes(self, queries, params, hybrid, filtered, explain, _Timer())
         timer = _Timer()
-        with self._tokenizer_lock:
-            tokens = self.encoder.tokenize(list(queries), is_query=True)
-        embeddings = self.encoder.embed_queries(tokens)
+        embeddings = self._encode(queries)
         timer.lap("encode")
         results = self._search(embeddings, params, timer, filtered=filtered)
         return self._explain(queries, embeddings, results) if explain else results
+
+    def _encode(self, queries: Sequence[str]) -> QueryEmbeddings:
+        assert self.encoder is not None, "checked by the caller"
+        with self._tokenizer_lock:
+            tokens = self.encoder.tokenize(list(queries), is_query=True)
+        return self.encoder.embed_queries(tokens)
 
     def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
         started = time.perf_counter()
@@ -265,14 +295,24 @@ class Searcher:
         return results
 
     def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, filter: Any = None,
-                          **overrides: Any) -> list[QueryResult]:
-        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L]."""
+                          mode: str | None = None, texts: Sequence[str] | None = None, fusion: str | None = None,
+                          lexical_k: int | None = None, rrf_k: int | None = None, mix_weight: float | None = None,
+                          union: bool | None = None, **overrides: Any) -> list[QueryResult]:
+        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L].
+
+        mode hybrid also needs `texts`, the B query strings for the lexical side.
+        """
         params = self.params(k, **overrides)
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
         filtered = self.filtered_docs(filter)
         if queries.cls.ndim != 2 or queries.cls.shape[1] != self.layout.d_cls or queries.bow.shape[-1] != self.layout.d_bow:
             raise InvalidParameterError(
                 f"query embeddings must have d_cls={self.layout.d_cls}, d_bow={self.layout.d_bow}; "
                 f"got cls {queries.cls.shape}, bow {queries.bow.shape}")
+        if hybrid.mode != "dense":
+            if texts is None or len(texts) != len(queries):
+                raise InvalidParameterError(f"mode {hybrid.mode!r} needs texts: one query string per embedding")
+            return search_modes(self, texts, params, hybrid, filtered, False, _Timer(), embeddings=queries)
         return self._search(queries, params, _Timer(), filtered=filtered)
 
     def filtered_docs(self, filter: Any) -> FilteredDocs | None:
@@ -324,12 +364,17 @@ class Searcher:
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
-                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None) -> list[QueryResult]:
+                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None,
+                extra: Sequence[np.ndarray] | None = None, pools: list[Scored] | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
         FAISS, so excluded documents are never read, re-ranked or counted against k.
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
-        unfiltered search scans codes (`espn.filtered`)."""
+        unfiltered search scans codes (`espn.filtered`).
+        extra: per query, doc numbers to score besides the re-ranked head (hybrid search: what
+        only the lexical side found); their reads start with the scan and share its MaxSim call.
+        pools: filled with one Scored per query: the head and the extra documents, exact CLS
+        and MaxSim (`espn.modes` fuses them)."""
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
         restricted = filtered if filtered is not None and filtered.matches < self._live_count else None
@@ -378,7 +423,12 @@ class Searcher:
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         scan_started = time.perf_counter()
+        extra_keys = _extra_keys(extra, n_docs)
+        extra_docs = np.unique(extra_keys % n_docs)
+        extra_scores = np.zeros((2, 0), dtype=np.float32)
         try:
+            if len(extra_docs):  # read while the scan runs, like a prefetch wave
+                group.submit(extra_docs, executor=self._pool)
             for a, b in segments:
                 part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
@@ -420,15 +470,19 @@ class Searcher:
             timer.lap("prefetch_wait")
 
             in_waves = np.isin(final, submitted)
-            group.submit(np.unique(final[~in_waves] % n_docs))
+            extra_keys = extra_keys[~np.isin(extra_keys, final)]
+            group.submit(np.setdiff1d(np.unique(final[~in_waves] % n_docs), extra_docs))
             group.wait()
             timer.lap("miss_read")
             todo = np.flatnonzero(~scored)
-            need = np.unique(final[todo] % n_docs)
+            pairs = np.concatenate([final[todo], extra_keys])
+            need = np.unique(pairs % n_docs)
             data = group.result(select=need)  # one gather, of the final candidates only
             bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
             timer.lap("gather")
-            scores[:, todo] = self._score_pairs(queries, data, final[todo], n_docs)
+            pair_scores = self._score_pairs(queries, data, pairs, n_docs)
+            scores[:, todo] = pair_scores[:, : len(todo)]
+            extra_scores = pair_scores[:, len(todo):]
             timer.lap("maxsim")
         finally:  # a failure part-way: no read may outlive the search, nor hide its error
             try:
@@ -447,6 +501,13 @@ class Searcher:
         cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
         out = [self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
                                bow_grid[i][valid[i]], params.k) for i in range(batch)]
+        if pools is not None:
+            extra_query = extra_keys // n_docs
+            for i in range(batch):
+                mine = extra_query == i
+                pools.append((np.concatenate([rerank[i][valid[i]], extra_keys[mine] % n_docs]),
+                              np.concatenate([cls_grid[i][valid[i]], extra_scores[0][mine]]),
+                              np.concatenate([bow_grid[i][valid[i]], extra_scores[1][mine]])))
         timer.lap("aggregate")
         stage_ms = timer.total()
         engine = self.reader.engine
@@ -598,6 +659,14 @@ class _Wave:
         if not self.future.cancel() and self.future.exception() is not None:
             log.warning("a prefetch wave failed while its search was being abandoned",
                         exc_info=self.future.exception())
+
+
+def _extra_keys(extra: Sequence[np.ndarray] | None, n_docs: int) -> np.ndarray:
+    """Sorted unique (query · N + doc) keys of the extra documents per query."""
+    if not extra:
+        return np.zeros(0, dtype=np.int64)
+    keys = [i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(extra)]
+    return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
 
 
 def _share(total: int, i: int, n: int) -> int:
