@@ -48,7 +48,7 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
         timer.lap("lexical")
         results = [_lexical_result(searcher, hits, filtered) for hits in lexical]
     else:
-        future = searcher._pool.submit(search_batch, text, parsed, max(hybrid.lexical_k, params.k), allowed)
+        future = searcher._pool.submit(search_batch, text, parsed, hybrid.lexical_k, allowed)
         dense_texts = [query.dense_text() or query.source for query in parsed]
         if embeddings is None:
             embeddings = searcher._encode(dense_texts)
