@@ -67,9 +67,10 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
         results = [_with_lexical_matches(searcher, text, query, result) for query, result in zip(parsed, results)]
         timer.lap("explain")
     stage_ms = timer.total()
+    used = {**hybrid.to_json(), "rerank_count": params.rerank_count} if hybrid.mode == "hybrid" else None
     for result in results:
         result.stats.stage_ms = stage_ms
-        result.stats.mode = hybrid.mode
+        result.stats.mode, result.stats.hybrid = hybrid.mode, used
     return results
 
 

@@ -114,6 +114,8 @@ class SearchStats:
                 in coarse order) or "all" (every document matches: searched unfiltered); None
                 without a filter
     mode:       dense, lexical or hybrid (see espn.hybrid)
+    hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
+                (the router re-fuses partitions' pools with them)
     """
 
     stage_ms: dict[str, float]
@@ -129,6 +131,7 @@ class SearchStats:
     matched: Optional[int] = None
     filter_path: Optional[str] = None
     mode: str = "dense"
+    hybrid: Optional[dict] = None
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from ..schemas import (
     BatchSearchResponse,
     ErrorResponse,
     ExplanationModel,
+    LexicalMatchModel,
     SearchHit,
     SearchOptions,
     SearchRequest,
@@ -37,7 +38,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "request body too large"},
-    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds"},
+    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds; a lexical or hybrid "
+                                                "query whose syntax is wrong (the message names the position); "
+                                                "mode lexical or hybrid on an index without a full-text index"},
     503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full"},
 }
 
@@ -70,8 +73,12 @@ async def _search(
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
     kwargs = options.search_kwargs()
-    params = searcher.params(**kwargs)
-    if explain:
+    modes = options.mode_kwargs()
+    params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
+    hybrid = searcher.hybrid_params(**modes)
+    if hybrid.mode != "dense":
+        _check_lexical(searcher, hybrid.mode, queries)
+    if explain and hybrid.mode != "lexical":
         from espn.explain import can_explain  # the searcher has loaded torch already
 
         can_explain(searcher.encoder)
@@ -104,6 +111,21 @@ async def _search(
     return responses
 
 
+def _check_lexical(searcher: "Searcher", mode: str, queries: Sequence[str]) -> None:
+    """A lexical or hybrid request needs a full-text index and queries in its syntax: both are
+    checked before the request queues (a 422 naming the query and the position)."""
+    from espn.lexical import require_text
+    from espn.text import QuerySyntaxError, parse_query
+
+    require_text(searcher.text, mode)
+    for i, query in enumerate(queries):
+        try:
+            parse_query(query)
+        except QuerySyntaxError as exc:
+            where = "" if len(queries) == 1 else f"queries[{i}]: "
+            raise ApiError(422, f"{where}{exc}", code="invalid_query") from None
+
+
 def _documents(searcher: "Searcher", doc_ids: Sequence[str]) -> dict[str, "Document"]:
     return {doc_id: searcher.document(doc_id) for doc_id in doc_ids}
 
@@ -121,6 +143,11 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
         if hit.explanation is not None:  # set only when asked: exclude_unset keeps other answers as they were
             hits[-1].explanation = ExplanationModel.model_validate(dataclasses.asdict(hit.explanation))
+        if stats.mode != "dense":  # both sides' scores, for a client (or the router) that fuses itself
+            hits[-1].dense_score, hits[-1].lexical_score = hit.dense_score, hit.lexical_score
+        if hit.lexical_matches is not None:
+            hits[-1].lexical_matches = [LexicalMatchModel.model_validate(dataclasses.asdict(m))
+                                        for m in hit.lexical_matches]
     model = SearchStatsModel(
         stage_ms=stats.stage_ms,
         queue_ms=round(item.queue_ms, 3),
@@ -135,4 +162,6 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     )
     if stats.matched is not None:  # set only when filtered: exclude_unset keeps other answers as they were
         model.matched, model.filter_path = stats.matched, stats.filter_path
+    if stats.mode != "dense":
+        model.mode, model.hybrid = stats.mode, stats.hybrid
     return SearchResponse(query=query, results=hits, stats=model)
