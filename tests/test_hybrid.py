@@ -17,6 +17,7 @@ from espn import Searcher
 from espn.errors import InvalidParameterError
 from espn.hybrid import fuse
 from espn.lexical import TextIndexMissingError
+from espn.segments import open_view
 from espn.text import QuerySyntaxError, parse_query
 
 QUERY = "why does the moon turn red during a lunar eclipse"
@@ -142,7 +143,7 @@ def test_index_without_text_index_stays_dense_then_gets_one(sample_index: Path, 
                       check=False)
     assert failed.returncode == 1 and "needs a full-text index" in failed.stderr.strip().splitlines()[-1]
     run_espn("text-index", old, "--text-no-stemmer")
-    run_espn("verify", old)
+    open_view(old, verify="full").close()  # every file, the new text/ ones too, against the manifest
     with Searcher.open(old) as s:
         assert s.manifest["text"]["analyzer"]["stemmer"] is False
         assert s.search(["eclipse"], k=3, mode="lexical")[0].hits
@@ -157,13 +158,15 @@ def _queries(tmp_path: Path) -> Path:
 
 def test_cli_search_modes_write_trec_runs(sample_index: Path, tmp_path: Path) -> None:
     queries = _queries(tmp_path)
-    for mode in ("lexical", "hybrid"):
-        run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / f"{mode}.trec", "--k", "10",
-                 "--mode", mode, "--fusion", "rrf", "--explain")
-        lines = (tmp_path / f"{mode}.trec").read_text().splitlines()
-        assert {line.split()[0] for line in lines} == {"q0", "q1", "q2"}
-        explained = [json.loads(line) for line in (tmp_path / f"{mode}.trec.explain.jsonl").read_text().splitlines()]
-        assert explained and all("lexical_matches" in line for line in explained)
+    run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "hybrid.trec", "--k", "10",
+             "--mode", "hybrid", "--fusion", "rrf", "--explain")
+    lines = (tmp_path / "hybrid.trec").read_text().splitlines()
+    assert {line.split()[0] for line in lines} == {"q0", "q1", "q2"}
+    with Searcher.open(sample_index, verify="none") as s:  # the run is the library's ranking
+        expected = s.search([QUERY], k=10, mode="hybrid", fusion="rrf")[0]
+    assert [line.split()[2] for line in lines if line.startswith("q0 ")] == _ids(expected)
+    explained = [json.loads(line) for line in (tmp_path / "hybrid.trec.explain.jsonl").read_text().splitlines()]
+    assert explained and all("lexical_matches" in line and "dense_score" in line for line in explained)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"_id": "b", "text": 'a "b'}) + "\n")
     bad = run_espn("search", sample_index, "--queries", tmp_path / "bad.jsonl", "--out", tmp_path / "x", "--mode",
                    "hybrid", check=False)
