@@ -186,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=100, help="latency: queries")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="40 queries per split; latency 10 queries x 1")
+    p.add_argument("--quick", action="store_true", help="40 queries per split; latency 5 queries x 1")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.limit, args.n, args.repeats, args.warmup = args.limit or 40, min(args.n, 10), 1, 1
+        args.limit, args.n, args.repeats, args.warmup = args.limit or 40, min(args.n, 5), 1, 1
     args.query_texts = args.query_texts or args.data / "queries.jsonl"
     if not (args.index / "manifest.json").is_file():
         print(f"no index at {args.index}", file=sys.stderr)
