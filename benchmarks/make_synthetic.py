@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -58,8 +59,10 @@ def _normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
 
 
-def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
-    """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index."""
+def load_centres(source: Path, d_cls: int, d_bow: int, project: bool = True) -> dict[str, np.ndarray]:
+    """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index.
+
+    project=False keeps the source encoder's own space (d_cls, d_bow: the source's)."""
     from espn.index import IndexDirectory
     from espn.store import open_reader
     from espn.store.format import StoreLayout
@@ -84,10 +87,13 @@ def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
     bow = np.concatenate(bow_parts)
     counts = np.concatenate(count_parts).astype(np.int64)
     keep = counts > 0
-    mean_c, comp_c = _pca(cls, min(d_cls, cls.shape[1]))
-    mean_b, comp_b = _pca(bow, min(d_bow, bow.shape[1]))
-    cls_p = _normalize((cls - mean_c) @ comp_c)
-    bow_p = _normalize((bow - mean_b) @ comp_b)
+    if project:
+        mean_c, comp_c = _pca(cls, min(d_cls, cls.shape[1]))
+        mean_b, comp_b = _pca(bow, min(d_bow, bow.shape[1]))
+        cls_p = _normalize((cls - mean_c) @ comp_c)
+        bow_p = _normalize((bow - mean_b) @ comp_b)
+    else:
+        cls_p, bow_p = _normalize(cls), _normalize(bow)
     if cls_p.shape[1] < d_cls or bow_p.shape[1] < d_bow:
         raise SystemExit(f"--source has d_cls={cls.shape[1]}, d_bow={bow.shape[1]}: too small for the request")
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -162,9 +168,13 @@ def draw(rng: np.random.Generator, centres: dict[str, np.ndarray], counts: np.nd
 def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 32, mean_bow: float = 30.0,
              min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
              nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
-             cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False) -> dict:
+             cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False,
+             source_encoder: bool = False) -> dict:
     """text: also write passages (`TextMixer`) and build the full-text index, and write the
-    title of each query's centre document as its text (`OUT.query_texts.jsonl`)."""
+    title of each query's centre document as its text (`OUT.query_texts.jsonl`).
+    source_encoder: the vectors stay in the source index's space and the index takes its
+    encoder (int8 records, as `espn index` writes them), so queries are encoded from text at
+    search time, as in a real deployment; d_cls and d_bow are then the source's."""
     from espn.encoders.precomputed import PrecomputedEncoder
     from espn.index import write_json_atomic
     from espn.text.config import TextConfig
@@ -177,21 +187,28 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         raise SystemExit(f"{out} exists; pass --force to replace it")
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
-    centres = load_centres(source, d_cls, d_bow)
+    source_manifest = json.loads((Path(source) / "manifest.json").read_text())
+    if source_encoder:
+        d_cls, d_bow = source_manifest["encoder"]["d_cls"], source_manifest["encoder"]["d_bow"]
+    centres = load_centres(source, d_cls, d_bow, project=not source_encoder)
     log.info("%d real centres, %d real BOW vectors from %s", len(centres["cls"]), len(centres["bow"]), source)
 
     mixer = TextMixer(source, centres["doc"]) if text else None
     work = WorkDir(out)
     work.remove()
     with work.locked():
-        encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
-                                     source="synthetic")
-        encoder.save(work.encoder_dir)
-        encoder_config = {**encoder.config(), "learned_weight": encoder.learned_weight,
-                          "bow_reduction": encoder.bow_reduction}
-        write_json_atomic(work.job_file, {"corpus": f"synthetic:{docs}:{seed}", "block_size": 4096, "nlist": nlist,
-                                          "ann": ann, "pq_m": pq_m, "encoder_config": encoder_config,
-                                          "text_index": TextConfig().to_json() if text else None})
+        job: dict = {"corpus": f"synthetic:{docs}:{seed}", "block_size": 4096, "nlist": nlist, "ann": ann,
+                     "pq_m": pq_m, "text_index": TextConfig().to_json() if text else None}
+        if source_encoder:
+            shutil.copytree(Path(source) / "encoder", work.encoder_dir, dirs_exist_ok=True)
+            job.update(encoder_config=source_manifest["encoder"], bow_dtype="int8")
+        else:
+            encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
+                                         source="synthetic")
+            encoder.save(work.encoder_dir)
+            job["encoder_config"] = {**encoder.config(), "learned_weight": encoder.learned_weight,
+                                     "bow_reduction": encoder.bow_reduction}
+        write_json_atomic(work.job_file, job)
         n_chunks = -(-docs // chunk_size)
         total_bow = 0
         gen_started = time.perf_counter()
@@ -291,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", action="store_true", help="also passages recombined from --source's and a full-text "
                    "index (for bench_hybrid and bench_text_engines)")
+    p.add_argument("--source-encoder", action="store_true", help="keep the source's vector space and encoder: "
+                   "queries are then searched as text (with --text: bench_hybrid latency with query texts)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -303,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=args.d_bow, mean_bow=args.mean_bow,
                     queries=args.queries, chunk_size=args.chunk_size, nlist=args.nlist, ann=args.ann,
                     seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix,
-                    text=args.text)
+                    text=args.text, source_encoder=args.source_encoder)
     print(json.dumps(info))
     return 0
 

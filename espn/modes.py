@@ -27,6 +27,7 @@ from .text.query import LexicalQuery, parse_query
 
 if TYPE_CHECKING:
     from .searcher import Searcher, _Timer
+    from .store import ReadBatch
     from .text.engine import LexicalHits, TextIndex
 
 __all__ = ["search_modes"]
@@ -48,16 +49,26 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
         timer.lap("lexical")
         results = [_lexical_result(searcher, hits, filtered) for hits in lexical]
     else:
-        future = searcher._pool.submit(search_batch, text, parsed, hybrid.lexical_k, allowed)
+        found: list[LexicalHits] = []
+
+        def lexical_side() -> tuple[Sequence[np.ndarray], ReadBatch | None]:
+            # On a worker while the queries are encoded and the ANN scans: BM25, then (union)
+            # the reads of its documents, so the dense pipeline finds them read and only scores them.
+            found.extend(search_batch(text, parsed, hybrid.lexical_k, allowed))
+            if not hybrid.union:
+                return [], None
+            docs = np.unique(np.concatenate([hits.doc_numbers for hits in found]))
+            return [hits.doc_numbers for hits in found], searcher.reader.read(docs) if len(docs) else None
+
+        future = searcher._pool.submit(lexical_side)
         dense_texts = [query.dense_text() or query.source for query in parsed]
         if embeddings is None:
             embeddings = searcher._encode(dense_texts)
             timer.lap("encode")
-        lexical = future.result()
-        timer.lap("lexical_wait")
         pools: list = []
-        extra = [hits.doc_numbers for hits in lexical] if hybrid.union else None
-        dense = searcher._search(embeddings, params, timer, filtered=filtered, extra=extra, pools=pools)
+        dense = searcher._search(embeddings, params, timer, filtered=filtered, extra=future, pools=pools)
+        future.result()  # done: _search waited for it
+        lexical = found
         results = [_fuse_one(searcher, text, query, pool, hits, result, params.k, hybrid)
                    for query, pool, hits, result in zip(parsed, pools, lexical, dense)]
         timer.lap("fusion")

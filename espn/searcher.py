@@ -365,14 +365,18 @@ class Searcher:
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
                 allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None,
-                extra: Sequence[np.ndarray] | None = None, pools: list[Scored] | None = None) -> list[QueryResult]:
+                extra: "Future[tuple[Sequence[np.ndarray], ReadBatch | None]] | None" = None,
+                pools: list[Scored] | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
         FAISS, so excluded documents are never read, re-ranked or counted against k.
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
         unfiltered search scans codes (`espn.filtered`).
-        extra: per query, doc numbers to score besides the re-ranked head (hybrid search: what
-        only the lexical side found); their reads start with the scan and share its MaxSim call.
+        extra: a future of (per query, doc numbers to score besides the re-ranked head; those
+        documents read already, or None to read them): hybrid search's lexical side, still
+        running when the scan starts. As soon as it is done a worker scores them while the
+        scan goes on (the scan takes one core, so this is work the other core hides); those
+        that make the head are not read or scored again.
         pools: filled with one Scored per query: the head and the extra documents, exact CLS
         and MaxSim (`espn.modes` fuses them)."""
         batch, n_docs = len(q), self.num_documents
@@ -423,13 +427,22 @@ class Searcher:
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         scan_started = time.perf_counter()
-        extra_keys = _extra_keys(extra, n_docs)
-        extra_docs = np.unique(extra_keys % n_docs)
+        extra_keys = np.zeros(0, dtype=np.int64)
         extra_scores = np.zeros((2, 0), dtype=np.float32)
+        extra_wave: _Wave | None = None
+
+        def start_extra() -> None:  # score the extra documents on a worker, once they are known
+            nonlocal extra, extra_keys, extra_wave
+            assert extra is not None
+            docs, data = extra.result()
+            extra, extra_keys = None, _extra_keys(docs, n_docs)
+            if len(extra_keys):
+                extra_wave = self._start_early_wave(extra_keys, n_docs, queries, data)
+
         try:
-            if len(extra_docs):  # read while the scan runs, like a prefetch wave
-                group.submit(extra_docs, executor=self._pool)
             for a, b in segments:
+                if extra is not None and extra.done():
+                    start_extra()
                 part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
                 if not use_prefetch or b >= n_probe or n_waves >= max_waves:
@@ -467,22 +480,29 @@ class Searcher:
                 scores[:, where] = wave_scores[:, wanted]
                 scored[where] = True
             early = []
+            if extra is not None:
+                start_extra()
+            if extra_wave is not None:
+                data, extra_scores = extra_wave.finish()
+                extra_wave = None
+                bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
+                in_head = np.isin(extra_keys, final)  # scored already: take them, read them no more
+                where = np.flatnonzero(np.isin(final, extra_keys))
+                scores[:, where] = extra_scores[:, in_head][:, np.argsort(np.argsort(final[where]))]
+                scored[where] = True
+                extra_keys, extra_scores = extra_keys[~in_head], extra_scores[:, ~in_head]
             timer.lap("prefetch_wait")
 
             in_waves = np.isin(final, submitted)
-            extra_keys = extra_keys[~np.isin(extra_keys, final)]
-            group.submit(np.setdiff1d(np.unique(final[~in_waves] % n_docs), extra_docs))
+            group.submit(np.unique(final[~in_waves & ~scored] % n_docs))
             group.wait()
             timer.lap("miss_read")
             todo = np.flatnonzero(~scored)
-            pairs = np.concatenate([final[todo], extra_keys])
-            need = np.unique(pairs % n_docs)
+            need = np.unique(final[todo] % n_docs)
             data = group.result(select=need)  # one gather, of the final candidates only
             bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
             timer.lap("gather")
-            pair_scores = self._score_pairs(queries, data, pairs, n_docs)
-            scores[:, todo] = pair_scores[:, : len(todo)]
-            extra_scores = pair_scores[:, len(todo):]
+            scores[:, todo] = self._score_pairs(queries, data, final[todo], n_docs)
             timer.lap("maxsim")
         finally:  # a failure part-way: no read may outlive the search, nor hide its error
             try:
@@ -491,6 +511,10 @@ class Searcher:
                 log.warning("a read failed while its search was being abandoned", exc_info=True)
             for wave in early:
                 wave.discard()
+            if extra_wave is not None:
+                extra_wave.discard()
+            if extra is not None and not extra.cancel():
+                extra.exception()  # wait for it: its reads must not outlive the search
 
         n_final = valid.sum(axis=1)
         prefetched = np.bincount(submitted // n_docs, minlength=batch)
@@ -541,14 +565,16 @@ class Searcher:
         left = int(sizes[remaining[remaining >= 0]].sum())
         return done > 0 and elapsed_ms * left / done >= self.min_hidden_ms
 
-    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
+    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors",
+                          data: ReadBatch | None = None) -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
-        both submits and waits, as ring-based engines require."""
+        both submits and waits, as ring-based engines require. data: the wave's documents,
+        read already (only scored here)."""
         docs = np.unique(keys % n_docs)
 
         def read_and_score() -> tuple[ReadBatch, np.ndarray]:
-            data = self.reader.read(docs)
-            return data, self._score_pairs(queries, data, keys, n_docs)
+            read = self.reader.read(docs) if data is None else data
+            return read, self._score_pairs(queries, read, keys, n_docs)
 
         return _Wave(keys, self._pool.submit(read_and_score))
 

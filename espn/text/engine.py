@@ -413,8 +413,10 @@ class TextWriter:
         for name in names:
             size = (staging / name).stat().st_size
             known = (previous or {}).get(name)
-            same = known is not None and known["bytes"] == size and name != "meta.json"
-            entries[name] = {"bytes": size, "sha256": known["sha256"] if same else sha256_file(staging / name)}
+            if known is not None and known["bytes"] == size and name != "meta.json":
+                entries[name] = {"bytes": size, "sha256": known["sha256"]}
+            else:
+                entries[name] = {"bytes": size, "sha256": sha256_file(staging / name)}
         fsync_path(staging)
         os.replace(staging, dest)
         fsync_path(dest.parent)
