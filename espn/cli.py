@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
     p.add_argument("--hybrid", action="store_true", help="fit the hybrid mix weight (the dense side's share in "
-                   "fusion 'mix') instead of w; needs a full-text index")
+                   "fusion 'mix') instead of w, and make the better of mix and rrf the default fusion; needs a "
+                   "full-text index")
     p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
     add_reader_options(p)
     p.set_defaults(handler=cmd_calibrate)
@@ -334,7 +335,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any, args: argparse.Namespace) -> int:
     """Fit the mix weight: one hybrid search per query returns its whole fusion pool with both
     sides' scores, then every weight on a 0.05 grid is fused from those (`espn.hybrid.fuse`)."""
-    from espn.evaluation import evaluate
+    from espn.evaluation import evaluate, strictly_decreasing
     from espn.hybrid import fuse
     from espn.index import update_manifest
     from espn.params import MAX_K
@@ -349,23 +350,26 @@ def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any,
             pools[qid] = ([h.doc_id for h in result.hits],
                           np.array([nan if h.dense_score is None else h.dense_score for h in result.hits], np.float32),
                           np.array([nan if h.lexical_score is None else h.lexical_score for h in result.hits], np.float32))
-    best_weight, best = hybrid.mix_weight, -1.0
-    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
-        params = hybrid.replace(mix_weight=float(weight))
+    def measure(params: Any) -> float:
         run = {}
         for qid, (docs, dense, lexical) in pools.items():
             fused = fuse(np.array(docs, dtype=object), dense, lexical, params)
-            run[qid] = {str(d): float(v) for d, v in zip(fused.doc, fused.score)}
-        value = evaluate(run, qrels)[args.measure]
+            run[qid] = dict(strictly_decreasing([(str(d), float(v)) for d, v in zip(fused.doc, fused.score)]))
+        return evaluate(run, qrels)[args.measure]
+
+    best_weight, best = hybrid.mix_weight, -1.0
+    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
+        value = measure(hybrid.replace(mix_weight=float(weight)))
         log.debug("mix_weight=%.2f %s=%.4f", weight, args.measure, value)
         if value > best + 1e-9:
             best_weight, best = float(weight), value
-    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; "
-          f"was {hybrid.mix_weight:.2f})")
+    rrf = measure(hybrid.replace(fusion="rrf"))
+    fusion = "mix" if best >= rrf else "rrf"
+    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; was "
+          f"{hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
     if not args.dry_run:
-        update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": searcher.hybrid_defaults.fusion,
-                                                     "mix_weight": best_weight, "calibrated_on":
-                                                     str(Path(args.qrels).absolute())})
+        update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": fusion, "mix_weight": best_weight,
+                                                     "calibrated_on": str(Path(args.qrels).absolute())})
     return 0
 
 

@@ -14,6 +14,7 @@ import pytest
 from helpers import run_espn
 
 from espn import Searcher
+from espn.cli import main as cli_main
 from espn.errors import InvalidParameterError
 from espn.hybrid import fuse
 from espn.lexical import TextIndexMissingError
@@ -126,7 +127,7 @@ def test_explain_shows_lexical_matches_beside_maxsim(searcher: Searcher) -> None
     assert "explain" in result.stats.stage_ms
 
 
-def test_index_without_text_index_stays_dense_then_gets_one(sample_index: Path, tmp_path: Path) -> None:
+def test_index_without_text_index_stays_dense_then_gets_one(sample_index: Path, tmp_path: Path, capsys) -> None:
     old = tmp_path / "old"
     shutil.copytree(sample_index, old)
     manifest = json.loads((old / "manifest.json").read_text())
@@ -139,9 +140,9 @@ def test_index_without_text_index_stays_dense_then_gets_one(sample_index: Path, 
         assert s.text is None and s.search([QUERY], k=3)[0].hits
         with pytest.raises(TextIndexMissingError, match="espn text-index"):
             s.search([QUERY], mode="hybrid")
-    failed = run_espn("search", old, "--queries", _queries(tmp_path), "--out", tmp_path / "run", "--mode", "lexical",
-                      check=False)
-    assert failed.returncode == 1 and "needs a full-text index" in failed.stderr.strip().splitlines()[-1]
+    assert cli_main(["search", str(old), "--queries", str(_queries(tmp_path)), "--out", str(tmp_path / "run"),
+                     "--mode", "lexical"]) == 1
+    assert "needs a full-text index" in capsys.readouterr().err.strip().splitlines()[-1]
     run_espn("text-index", old, "--text-no-stemmer")
     open_view(old, verify="full").close()  # every file, the new text/ ones too, against the manifest
     with Searcher.open(old) as s:
@@ -156,10 +157,11 @@ def _queries(tmp_path: Path) -> Path:
     return path
 
 
-def test_cli_search_modes_write_trec_runs(sample_index: Path, tmp_path: Path) -> None:
+def test_cli_search_modes_write_trec_runs(sample_index: Path, tmp_path: Path, capsys) -> None:
+    """`espn search --mode` (in this process: the command's main, argv to exit status)."""
     queries = _queries(tmp_path)
-    run_espn("search", sample_index, "--queries", queries, "--out", tmp_path / "hybrid.trec", "--k", "10",
-             "--mode", "hybrid", "--fusion", "rrf", "--explain")
+    assert cli_main(["search", str(sample_index), "--queries", str(queries), "--out", str(tmp_path / "hybrid.trec"),
+                     "--k", "10", "--mode", "hybrid", "--fusion", "rrf", "--explain"]) == 0
     lines = (tmp_path / "hybrid.trec").read_text().splitlines()
     assert {line.split()[0] for line in lines} == {"q0", "q1", "q2"}
     with Searcher.open(sample_index, verify="none") as s:  # the run is the library's ranking
@@ -168,9 +170,22 @@ def test_cli_search_modes_write_trec_runs(sample_index: Path, tmp_path: Path) ->
     explained = [json.loads(line) for line in (tmp_path / "hybrid.trec.explain.jsonl").read_text().splitlines()]
     assert explained and all("lexical_matches" in line and "dense_score" in line for line in explained)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"_id": "b", "text": 'a "b'}) + "\n")
-    bad = run_espn("search", sample_index, "--queries", tmp_path / "bad.jsonl", "--out", tmp_path / "x", "--mode",
-                   "hybrid", check=False)
-    assert bad.returncode == 1 and "unclosed quote at position 2" in bad.stderr.strip().splitlines()[-1]
+    capsys.readouterr()
+    assert cli_main(["search", str(sample_index), "--queries", str(tmp_path / "bad.jsonl"), "--out",
+                     str(tmp_path / "x"), "--mode", "hybrid"]) == 1
+    assert "unclosed quote at position 2" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_calibrate_fits_the_mix_weight_into_the_manifest(sample_index: Path, tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(sample_index, index)
+    data = Path(__file__).resolve().parents[1] / "espn" / "data"
+    assert cli_main(["calibrate", str(index), "--queries", str(data / "sample_queries.jsonl"), "--qrels",
+                     str(data / "sample_qrels.tsv"), "--hybrid"]) == 0
+    hybrid = json.loads((index / "manifest.json").read_text())["hybrid"]
+    assert 0.0 <= hybrid["mix_weight"] <= 1.0 and hybrid["calibrated_on"].endswith("sample_qrels.tsv")
+    with Searcher.open(index) as s:
+        assert s.hybrid_defaults.mix_weight == hybrid["mix_weight"]
 
 
 def test_deleted_documents_never_leak_through_the_text_side(sample_index: Path, tmp_path: Path) -> None:
