@@ -41,6 +41,13 @@ def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: "LiveVie
         return None
     from .text.engine import TextIndex
 
+    if "text/meta.json" not in manifest.get("files", {}):
+        # A base compacted by a live writer that does not build text indexes yet carries the
+        # section but not the files: dense only until `espn text-index` adds one again.
+        log.warning("%s: the manifest describes a full-text index but lists none of its files; lexical and "
+                    "hybrid search are off (`espn text-index` rebuilds it)", base_path)
+        return None
+
     directory = Path(base_path) / section.get("directory", "text")
     generation_text = getattr(view.generation, "text", None) if view is not None else None
     if generation_text:

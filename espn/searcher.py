@@ -39,8 +39,8 @@ from .explain import can_explain, explain_results
 from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
 from .hybrid import HybridParams
-from .lexical import open_text_index
 from .index import DocStore, IdMap, IndexDirectory
+from .lexical import open_text_index
 from .maxsim import cls_pairs, maxsim_pairs
 from .metadata import MetadataColumns
 from .modes import search_modes

@@ -65,7 +65,7 @@ def add_text_index(root: Path, config: TextConfig, force: bool = False) -> dict[
                                     "segment(s); run `espn compact` first, then add the text index")
     base = root / generation.base
     manifest = read_manifest(base)
-    if manifest.get("text") is not None and not force:
+    if manifest.get("text") is not None and "text/meta.json" in manifest["files"] and not force:
         raise InvalidParameterError(f"{base}: already has a full-text index (pass --force to rebuild it)")
     if not (base / "docs.jsonl").is_file():
         raise IndexCorruptError(f"{base}: no docs.jsonl to index")

@@ -200,3 +200,14 @@ def test_deleted_documents_never_leak_through_the_text_side(sample_index: Path, 
             assert top[0] not in got and top[1] in got, mode
             filtered = s.search(["lunar eclipse"], k=10, mode=mode, filter={"topic": "astronomy"})[0]
             assert top[0] not in [h.doc_id for h in filtered.hits]
+    # Compaction writes a new base without a text index (the live writer does not keep one
+    # yet): dense search goes on, lexical is refused clearly, and `espn text-index` restores it.
+    assert cli_main(["compact", str(live)]) == 0
+    with Searcher.open(live) as s:
+        assert s.search(["lunar eclipse"], k=3)[0].hits
+        with pytest.raises(TextIndexMissingError):
+            s.search(["lunar eclipse"], mode="lexical")
+    assert cli_main(["text-index", str(live)]) == 0
+    with Searcher.open(live) as s:
+        got = [h.doc_id for h in s.search(["lunar eclipse"], k=10, mode="hybrid")[0].hits]
+        assert top[0] not in got and top[1] in got
