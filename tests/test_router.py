@@ -433,7 +433,7 @@ def test_router_fuses_hybrid_like_one_whole_index(indexes: tuple[Path, list[Path
     settings = RouterSettings(shards=[s.url for s in servers["parts"]], timeout_ms=60_000)
     overlaps = []
     with TestClient(build_router_app(settings)) as router:
-        for query in _queries(12):
+        for query in _queries(8):
             want = httpx.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60).json()
             got = router.post("/v1/search", json={"query": query, **params})
             assert got.status_code == 200, got.text
