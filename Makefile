@@ -56,11 +56,13 @@ check-wheel: install
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
 	python3 -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_PIP)
-	$(WHEEL_VENV)/bin/python -m pip install -q $(WHEEL_CHECK)/dist/espn-*.whl
+	$(WHEEL_VENV)/bin/python -m pip install -q --only-binary tantivy $(WHEEL_CHECK)/dist/espn-*.whl
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/espn --help > /dev/null
 	$(WHEEL_VENV)/bin/espn index espn/data/sample_corpus.jsonl --out $(WHEEL_CHECK)/index --no-progress
 	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
 		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/run.trec --k 10
+	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
+		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/hybrid.trec --k 10 --mode hybrid
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
 
 # The README's settings tables, from the settings models (server/settings.py): run after adding a setting.

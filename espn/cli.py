@@ -122,6 +122,25 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
     add_reader_options(p)
 
 
+def _add_mode_params(p: argparse.ArgumentParser) -> None:
+    from espn.hybrid import FUSIONS, MODES
+
+    g = p.add_argument_group("search mode (lexical and hybrid need the index's full-text index)")
+    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused); lexical "
+                   'and hybrid queries read "phrases", +required and -excluded words')
+    g.add_argument("--fusion", choices=FUSIONS, help="hybrid: rrf or mix (default: the index's)")
+    g.add_argument("--lexical-k", type=int, help="hybrid: candidates from the lexical side (default 100)")
+    g.add_argument("--rrf-k", type=int, help="hybrid: the RRF constant (default 60)")
+    g.add_argument("--mix-weight", type=float, help="hybrid: the dense side's weight in the mix (default: calibrated)")
+    g.add_argument("--no-union", action="store_true",
+                   help="hybrid: do not MaxSim-score what only the lexical side found")
+
+
+def _mode_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"mode": args.mode, "fusion": args.fusion, "lexical_k": args.lexical_k, "rrf_k": args.rrf_k,
+            "mix_weight": args.mix_weight, "union": False if args.no_union else None}
+
+
 def _search_overrides(args: argparse.Namespace) -> dict:
     return {
         "nprobe": args.nprobe, "prefetch_step": args.prefetch_step, "prefetch_k": args.prefetch_k,
@@ -188,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
                    '\'{"topic": "oceans", "year": {"gte": 2000}}\' (see espn.filters)')
     _add_search_params(p, sorted(READERS))
+    _add_mode_params(p)
     p.set_defaults(handler=cmd_search)
 
     p = sub.add_parser("calibrate", help="fit the score weight w on training queries; stored in the manifest")
@@ -196,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qrels", type=Path, required=True)
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
+    p.add_argument("--hybrid", action="store_true", help="fit the hybrid mix weight (the dense side's share in "
+                   "fusion 'mix') instead of w, and make the better of mix and rrf the default fusion; needs a "
+                   "full-text index")
     p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
     add_reader_options(p)
     p.set_defaults(handler=cmd_calibrate)
@@ -230,8 +253,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Everything that can be checked without the index is checked before it loads.
     from espn.filters import canonical_filter
 
+    from espn.hybrid import HybridParams
+
     overrides = _search_overrides(args)
     SearchParams().replace(k=args.k, **overrides).validate(nlist=1 << 30, num_documents=0)  # nlist: below
+    modes = _mode_overrides(args)
+    HybridParams().replace(**modes)
+    if modes["mode"] in ("lexical", "hybrid") and (args.exhaustive or args.query_embeddings is not None):
+        raise InvalidParameterError(f"--mode {modes['mode']} needs --queries (text) and the pipeline: not with "
+                                    "--exhaustive or --query-embeddings")
     if args.filter is not None:
         canonical_filter(args.filter)  # malformed JSON: one line before the index loads
     if args.batch_size < 1:
@@ -256,6 +286,7 @@ def cmd_search(args: argparse.Namespace) -> int:
             embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
+    searcher.hybrid_params(**modes)
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
     if filtered is not None:
         print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
@@ -279,13 +310,15 @@ def cmd_search(args: argparse.Namespace) -> int:
                 results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k,
                                                      filter=args.filter, **overrides)
             else:
-                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain, **overrides)
+                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain,
+                                          **modes, **overrides)
             hit_lists = [r.hits for r in results]
             latencies.append(results[0].stats.stage_ms["total"])
             hit_rates += [r.stats.hit_rate for r in results]
         for qid, hits in zip(ids, hit_lists):
             ranked[qid] = [(h.doc_id, h.score) for h in hits]
-            explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1) if h.explanation is not None]
+            explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1)
+                          if h.explanation is not None or h.lexical_matches is not None]
     elapsed = time.perf_counter() - started
     write_run(args.out, ranked, tag=args.tag)
     if explain_out is not None:
@@ -312,10 +345,13 @@ def _write_explanations(path: Path, explained: list[tuple[str, int, "Hit"]]) -> 
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w", encoding="utf-8") as f:
         for qid, rank, hit in explained:
-            assert hit.explanation is not None
-            f.write(json.dumps({"query_id": qid, "doc_id": hit.doc_id, "rank": rank, "score": hit.score,
-                                "cls_score": hit.cls_score, "bow_score": hit.bow_score,
-                                "explanation": dataclasses.asdict(hit.explanation)}) + "\n")
+            line = {"query_id": qid, "doc_id": hit.doc_id, "rank": rank, "score": hit.score,
+                    "cls_score": hit.cls_score, "bow_score": hit.bow_score,
+                    "explanation": None if hit.explanation is None else dataclasses.asdict(hit.explanation)}
+            if hit.lexical_matches is not None:
+                line.update(dense_score=hit.dense_score, lexical_score=hit.lexical_score,
+                            lexical_matches=[dataclasses.asdict(m) for m in hit.lexical_matches])
+            f.write(json.dumps(line) + "\n")
     os.replace(partial, path)
 
 
@@ -331,6 +367,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     queries = [(qid, text) for qid, text in queries if qid in qrels]
     if not queries:
         raise InvalidParameterError(f"--qrels {args.qrels}: no query of --queries has judgements in it")
+    if args.hybrid:
+        return _calibrate_hybrid(searcher, queries, qrels, args)
     params = searcher.defaults
     heads: dict[str, list] = {}
     for start in range(0, len(queries), 32):
@@ -351,6 +389,47 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         # live/base-N, whose manifest the next compaction carries forward.
         update_manifest(searcher.index.path, score={**searcher.manifest["score"], "w": best_w, "calibrated": True,
                                            "calibrated_on": str(Path(args.qrels).absolute())})
+    return 0
+
+
+def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any, args: argparse.Namespace) -> int:
+    """Fit the mix weight: one hybrid search per query returns its whole fusion pool with both
+    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.hybrid.fuse`)."""
+    from espn.evaluation import evaluate, strictly_decreasing
+    from espn.hybrid import fuse
+    from espn.index import update_manifest
+    from espn.params import MAX_K
+
+    hybrid = searcher.hybrid_params(mode="hybrid", fusion="mix")
+    depth = min(MAX_K, searcher.defaults.rerank_count + hybrid.lexical_k)
+    pools: dict[str, tuple[list[str], np.ndarray, np.ndarray]] = {}
+    for start in range(0, len(queries), 32):
+        batch = queries[start : start + 32]
+        for (qid, _), result in zip(batch, searcher.search([t for _, t in batch], k=depth, mode="hybrid", fusion="mix")):
+            nan = float("nan")
+            pools[qid] = ([h.doc_id for h in result.hits],
+                          np.array([nan if h.dense_score is None else h.dense_score for h in result.hits], np.float32),
+                          np.array([nan if h.lexical_score is None else h.lexical_score for h in result.hits], np.float32))
+    def measure(params: Any) -> float:
+        run = {}
+        for qid, (docs, dense, lexical) in pools.items():
+            fused = fuse(np.array(docs, dtype=object), dense, lexical, params)
+            run[qid] = dict(strictly_decreasing([(str(d), float(v)) for d, v in zip(fused.doc, fused.score)]))
+        return evaluate(run, qrels)[args.measure]
+
+    best_weight, best = hybrid.mix_weight, -1.0
+    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
+        value = measure(hybrid.replace(mix_weight=float(weight)))
+        log.debug("mix_weight=%.2f %s=%.4f", weight, args.measure, value)
+        if value > best + 1e-9:
+            best_weight, best = float(weight), value
+    rrf = measure(hybrid.replace(fusion="rrf"))
+    fusion = "mix" if best >= rrf else "rrf"
+    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; was "
+          f"{hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
+    if not args.dry_run:
+        update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": fusion, "mix_weight": best_weight,
+                                                     "calibrated_on": str(Path(args.qrels).absolute())})
     return 0
 
 

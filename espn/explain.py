@@ -176,6 +176,7 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
             for q_span, similarity, vector in zip(q_spans, similarities, vector_ids)
         )
         bow = float(hit.bow_score)  # type: ignore[arg-type]  # targets have one
+        cls = float(hit.cls_score)  # type: ignore[arg-type]  # a re-ranked hit has both
         explained[i][j] = dataclasses.replace(hit, explanation=Explanation(
-            weight=weight, cls_part=weight * hit.cls_score, bow_part=(1 - weight) * bow, matches=matches))
+            weight=weight, cls_part=weight * cls, bow_part=(1 - weight) * bow, matches=matches))
     return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]

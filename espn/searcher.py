@@ -39,15 +39,19 @@ from .errors import InvalidParameterError
 from .explain import can_explain, explain_results
 from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
+from .hybrid import HybridParams
 from .index import DocStore, IdMap, IndexDirectory
+from .lexical import open_text_index
 from .maxsim import QueryScoring, score_records
 from .metadata import MetadataColumns
+from .modes import search_modes
 from .params import SearchParams
 from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
 from .store import PendingRead, RecordBatch, Reader, open_reader
 from .store.format import StoreLayout
+from .text.query import parse_query
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
 
@@ -135,6 +139,11 @@ class Searcher:
         self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
         self._pool = self._shared("prefetch-pool", lambda: ThreadPoolExecutor(
             max_workers=prefetch_threads, thread_name_prefix="espn-prefetch"), lambda pool: pool.shutdown(wait=True))
+        #: The generation's full-text index (None: the index has none) and the hybrid defaults.
+        self.text = open_text_index(index.path, self.manifest, view)
+        if self.text is not None:
+            self._owned.append(self.text.close)
+        self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
 
@@ -254,34 +263,62 @@ class Searcher:
         """The defaults with per-call overrides, validated against this index."""
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
+    def hybrid_params(self, mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+                      rrf_k: int | None = None, mix_weight: float | None = None,
+                      union: bool | None = None) -> HybridParams:
+        """The index's mode and fusion defaults with per-call overrides, validated."""
+        return self.hybrid_defaults.replace(mode=mode, fusion=fusion, lexical_k=lexical_k, rrf_k=rrf_k,
+                                            mix_weight=mix_weight, union=union)
+
     def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
+               mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+               rrf_k: int | None = None, mix_weight: float | None = None, union: bool | None = None,
                embeddings: QueryEmbeddings | None = None, **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
         filter: a filter (JSON object or its text; see `espn.filters`) every hit must satisfy.
         explain: give every re-ranked hit an Explanation (per query token: its MaxSim
-        contribution and the passage span it matched); computed after the search, for the
-        returned hits only, and timed as stage "explain". False costs nothing.
+        contribution and the passage span it matched) and, in lexical and hybrid modes, its
+        lexical matches; computed after the search, for the returned hits only, and timed as
+        stage "explain". False costs nothing.
+        mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
+        union tune hybrid search (`espn.hybrid.HybridParams`). Lexical and hybrid queries
+        use the syntax of `espn.text.query` (phrases, +required, -excluded).
         embeddings: these queries already encoded by `encode` (the server encodes concurrent
-        requests of different parameters in one call); stage "encode" is then 0 here.
+        requests of different parameters in one call); stage "encode" is then 0 here. In
+        hybrid mode they must be the encodings of the queries' dense text (`dense_queries`).
         """
         if not isinstance(explain, bool):
             raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
-        if explain:
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
+        if explain and hybrid.mode != "lexical":
             can_explain(self.encoder)
         self._check_texts(queries)
         params = self.params(k, **overrides)
         filtered = self.filtered_docs(filter)
         if not queries:
             return []
+        if embeddings is not None and len(embeddings) != len(queries):
+            raise InvalidParameterError(f"embeddings hold {len(embeddings)} queries for {len(queries)} texts")
+        if hybrid.mode != "dense":
+            return search_modes(self, queries, params, hybrid, filtered, explain, _Timer(), embeddings)
         timer = _Timer()
         if embeddings is None:
             embeddings = self.encode(queries)
-        elif len(embeddings) != len(queries):
-            raise InvalidParameterError(f"embeddings hold {len(embeddings)} queries for {len(queries)} texts")
         timer.lap("encode")
         results = self._search(embeddings, params, timer, filtered=filtered)
         return self._explain(queries, embeddings, results) if explain else results
+
+    def dense_queries(self, queries: Sequence[str], mode: str | None = None) -> list[str] | None:
+        """What `encode` takes for these queries in `mode` (None: the index's default): the
+        queries themselves (dense), their words without the lexical syntax's quotes and
+        operators (hybrid), or None (lexical: nothing is encoded)."""
+        mode = self.hybrid_params(mode).mode
+        if mode == "lexical":
+            return None
+        if mode == "hybrid":
+            return [query.dense_text() or query.source for query in map(parse_query, queries)]
+        return list(queries)
 
     def encode(self, queries: Sequence[str]) -> QueryEmbeddings:
         """Encode query texts with the index's encoder (tokenised and run as one batch)."""
@@ -315,14 +352,24 @@ class Searcher:
         return results
 
     def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, filter: Any = None,
-                          **overrides: Any) -> list[QueryResult]:
-        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L]."""
+                          mode: str | None = None, texts: Sequence[str] | None = None, fusion: str | None = None,
+                          lexical_k: int | None = None, rrf_k: int | None = None, mix_weight: float | None = None,
+                          union: bool | None = None, **overrides: Any) -> list[QueryResult]:
+        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L].
+
+        mode hybrid also needs `texts`, the B query strings for the lexical side.
+        """
         params = self.params(k, **overrides)
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
         filtered = self.filtered_docs(filter)
         if queries.cls.ndim != 2 or queries.cls.shape[1] != self.layout.d_cls or queries.bow.shape[-1] != self.layout.d_bow:
             raise InvalidParameterError(
                 f"query embeddings must have d_cls={self.layout.d_cls}, d_bow={self.layout.d_bow}; "
                 f"got cls {queries.cls.shape}, bow {queries.bow.shape}")
+        if hybrid.mode != "dense":
+            if texts is None or len(texts) != len(queries):
+                raise InvalidParameterError(f"mode {hybrid.mode!r} needs texts: one query string per embedding")
+            return search_modes(self, texts, params, hybrid, filtered, False, _Timer(), embeddings=queries)
         return self._search(queries, params, _Timer(), filtered=filtered)
 
     def filtered_docs(self, filter: Any) -> FilteredDocs | None:
@@ -374,12 +421,21 @@ class Searcher:
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
-                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None) -> list[QueryResult]:
+                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None,
+                extra: "Future[tuple[Sequence[np.ndarray], RecordBatch | None]] | None" = None,
+                pools: list[Scored] | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
         FAISS, so excluded documents are never read, re-ranked or counted against k.
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
-        unfiltered search scans codes (`espn.filtered`)."""
+        unfiltered search scans codes (`espn.filtered`).
+        extra: a future of (per query, doc numbers to score besides the re-ranked head; those
+        documents read already, or None to read them): hybrid search's lexical side, still
+        running when the scan starts. As soon as it is done a worker scores them while the
+        scan goes on (the scan takes one core, so this is work the other core hides); those
+        that make the head are not read or scored again.
+        pools: filled with one Scored per query: the head and the extra documents, exact CLS
+        and MaxSim (`espn.modes` fuses them)."""
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
         restricted = filtered if filtered is not None and filtered.matches < self._live_count else None
@@ -428,8 +484,24 @@ class Searcher:
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         use_prefetch = use_prefetch and not self._prefetch.explore()  # now and then a plain read, to measure
         progress = ScanProgress(segment_codes(lists, sizes, segments))
+        extra_keys = np.zeros(0, dtype=np.int64)
+        extra_scores = np.zeros((2, 0), dtype=np.float32)
+        extra_wave: _Wave | None = None
+
+        def start_extra() -> None:  # score the extra documents on a worker, once they are known
+            nonlocal extra, extra_keys, extra_wave
+            assert extra is not None
+            docs, records = extra.result()
+            extra, extra_keys = None, _extra_keys(docs, n_docs)
+            if len(extra_keys):
+                extra_wave = self._start_early_wave(extra_keys, n_docs, queries, records)
+            elif records is not None:
+                records.release()
+
         try:
             for segment, (a, b) in enumerate(segments):
+                if extra is not None and extra.done():
+                    start_extra()
                 part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
                 if not use_prefetch or b >= n_probe or n_waves >= max_waves:
@@ -471,7 +543,10 @@ class Searcher:
             scored = np.zeros(len(final), dtype=bool)
             bytes_read = ios = 0
             in_waves = np.isin(final, submitted)
-            misses = np.unique(final[~in_waves] % n_docs)
+            if extra is not None:
+                start_extra()  # the lexical side's documents: known by now (BM25 ran beside the scan)
+            in_extra = np.isin(final, extra_keys)  # read and scored by the extra wave
+            misses = np.unique(final[~in_waves & ~in_extra] % n_docs)
             started = time.perf_counter()
             group.submit(misses)  # in flight beside the waves' tails while early waves are collected
             in_flight = time.perf_counter()
@@ -486,6 +561,15 @@ class Searcher:
                 scores[:, where] = wave_scores[:, wanted]
                 scored[where] = True
             early = []
+            if extra_wave is not None:
+                (extra_bytes, extra_ios), extra_scores = extra_wave.finish()
+                extra_wave = None
+                bytes_read, ios = bytes_read + extra_bytes, ios + extra_ios
+                in_head = np.isin(extra_keys, final)  # scored already: take them, read them no more
+                where = np.flatnonzero(in_extra)
+                scores[:, where] = extra_scores[:, in_head][:, np.argsort(np.argsort(final[where]))]
+                scored[where] = True
+                extra_keys, extra_scores = extra_keys[~in_head], extra_scores[:, ~in_head]
             timer.lap("prefetch_wait")
 
             group.wait()
@@ -508,6 +592,12 @@ class Searcher:
                 log.warning("a read failed while its search was being abandoned", exc_info=True)
             for wave in early:
                 wave.discard()
+            if extra_wave is not None:
+                extra_wave.discard()
+            if extra is not None and not extra.cancel() and extra.exception() is None:
+                _, unused = extra.result()  # waited for: its reads must not outlive the search
+                if unused is not None:
+                    unused.release()
 
         n_final = valid.sum(axis=1)
         prefetched = np.bincount(submitted // n_docs, minlength=batch)
@@ -520,6 +610,13 @@ class Searcher:
         cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
         out = [self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
                                bow_grid[i][valid[i]], params.k) for i in range(batch)]
+        if pools is not None:
+            extra_query = extra_keys // n_docs
+            for i in range(batch):
+                mine = extra_query == i
+                pools.append((np.concatenate([rerank[i][valid[i]], extra_keys[mine] % n_docs]),
+                              np.concatenate([cls_grid[i][valid[i]], extra_scores[0][mine]]),
+                              np.concatenate([bow_grid[i][valid[i]], extra_scores[1][mine]])))
         timer.lap("aggregate")
         stage_ms = timer.total()
         engine = self.reader.engine
@@ -537,16 +634,19 @@ class Searcher:
             for i, hits in enumerate(out)
         ]
 
-    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring) -> "_Wave":
+    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring,
+                          records: RecordBatch | None = None) -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
-        both submits and waits, as ring-based engines require."""
+        both submits and waits, as ring-based engines require. records: the wave's documents,
+        read already (only scored here; the wave releases them, also when it is cancelled)."""
         docs = np.unique(keys % n_docs)
 
         def read_and_score() -> tuple[tuple[int, int], np.ndarray]:
-            with self.reader.submit(docs).records() as records:
-                return (records.bytes_read, records.ios), self._score_pairs(queries, records, keys, n_docs)
+            batch = self.reader.submit(docs).records() if records is None else records
+            with batch:
+                return (batch.bytes_read, batch.ios), self._score_pairs(queries, batch, keys, n_docs)
 
-        return _Wave(keys, self._pool.submit(read_and_score))
+        return _Wave(keys, self._pool.submit(read_and_score), records)
 
     def _score_pairs(self, queries: QueryScoring, records: RecordBatch, keys: np.ndarray, n_docs: int) -> np.ndarray:
         """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`, whose records `records` holds."""
@@ -621,6 +721,7 @@ class _Wave:
 
     keys: np.ndarray
     future: Future
+    owned: RecordBatch | None = None  # read before the wave: released by the worker, or here if it never ran
 
     def finish(self) -> tuple[tuple[int, int], np.ndarray]:
         """(bytes read, ios) and the wave's pair scores [2, len(keys)]; re-raises a worker failure."""
@@ -629,9 +730,20 @@ class _Wave:
 
     def discard(self) -> None:
         """Wait for the wave without using it (its search failed), logging its own error."""
-        if not self.future.cancel() and self.future.exception() is not None:
+        if self.future.cancel():
+            if self.owned is not None:
+                self.owned.release()
+        elif self.future.exception() is not None:
             log.warning("a prefetch wave failed while its search was being abandoned",
                         exc_info=self.future.exception())
+
+
+def _extra_keys(extra: Sequence[np.ndarray] | None, n_docs: int) -> np.ndarray:
+    """Sorted unique (query · N + doc) keys of the extra documents per query."""
+    if not extra:
+        return np.zeros(0, dtype=np.int64)
+    keys = [i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(extra)]
+    return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
 
 
 def _share(total: int, i: int, n: int) -> int:

@@ -49,7 +49,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-text-index", action="store_true",
+                   help="no full-text index (lexical and hybrid search need one; `espn text-index` adds it later)")
+    _text_options(p)
     p.set_defaults(handler=cmd_index)
+
+    p = sub.add_parser("text-index", help="add a full-text index (for lexical and hybrid search) to an existing index")
+    p.add_argument("index", type=Path)
+    p.add_argument("--force", action="store_true", help="rebuild it when the index has one")
+    _text_options(p)
+    p.set_defaults(handler=cmd_text_index)
 
     p = sub.add_parser("add", help="add or replace documents of a live index (upsert by id) from a corpus file")
     p.add_argument("index", type=Path)
@@ -87,6 +96,31 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.set_defaults(handler=cmd_index_merge)
 
 
+def _text_options(p: argparse.ArgumentParser) -> None:
+    from espn.text.config import STEMMER_LANGUAGES
+
+    p.add_argument("--text-language", default="english", choices=STEMMER_LANGUAGES,
+                   help="the full-text index's stemmer and stop-word language (default english)")
+    p.add_argument("--text-no-stemmer", action="store_true", help="index words unstemmed")
+    p.add_argument("--text-no-stop-words", action="store_true", help="keep stop words")
+    p.add_argument("--text-ascii-fold", action="store_true", help="fold accented letters to ASCII")
+
+
+def _text_config(args: argparse.Namespace) -> Any:
+    from espn.text.config import TextConfig
+
+    return TextConfig(language=args.text_language, stemmer=not args.text_no_stemmer,
+                      stop_words=not args.text_no_stop_words, ascii_fold=args.text_ascii_fold).validate()
+
+
+def cmd_text_index(args: argparse.Namespace) -> int:
+    from .text_index import add_text_index
+
+    section = add_text_index(args.index, _text_config(args), force=args.force)
+    print(f"{args.index}: full-text index of {section['documents']} passages added ({section['build_s']:.1f}s)")
+    return 0
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from .build import DEFAULT_BOW_DTYPE, BuildConfig, build_from_embeddings, build_index, keeping_partial
 
@@ -97,7 +131,8 @@ def cmd_index(args: argparse.Namespace) -> int:
                                          ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
                                          corpus=args.corpus, force=args.force, score_weight=args.score_weight,
                                          pool_factor=1 if args.pool_factor is None else args.pool_factor,
-                                         bow_dtype=args.bow_dtype or "float16")
+                                         bow_dtype=args.bow_dtype or "float16",
+                                         text_index=None if args.no_text_index else _text_config(args))
     else:
         if args.corpus is None:
             from espn.cli import UsageError
@@ -110,6 +145,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
+            text_index=None if args.no_text_index else _text_config(args),
         )
         with keeping_partial(args.out):
             manifest = build_index(config)

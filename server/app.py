@@ -78,25 +78,31 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
             return _search_groups(searcher, groups)
 
     def _search_groups(searcher: "Searcher", groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
-        texts = [query for queries, _ in groups for query in queries]
         started = time.perf_counter()
-        try:
-            embeddings = searcher.encode(texts) if len(groups) > 1 else None
-        except Exception:  # noqa: BLE001 - a bad group fails below, on its own
-            embeddings = None
+        texts: list[list[str] | None] = [None] * len(groups)  # what each group encodes (None: nothing)
+        embeddings = None
+        if len(groups) > 1:
+            try:
+                texts = [searcher.dense_queries(queries, params.get("mode")) for queries, params in groups]
+                flat = [text for group in texts if group is not None for text in group]
+                embeddings = searcher.encode(flat) if flat else None
+            except Exception:  # noqa: BLE001 - a bad group fails below, on its own
+                texts, embeddings = [None] * len(groups), None
         encode_ms = (time.perf_counter() - started) * 1000
         outcomes: list[Any] = []
         start = 0
-        for queries, params in groups:
-            rows = slice(start, start + len(queries))
-            start += len(queries)
+        for (queries, params), group_texts in zip(groups, texts):
+            rows = None
+            if embeddings is not None and group_texts is not None:
+                rows = slice(start, start + len(group_texts))
+                start += len(group_texts)
             try:
-                results = searcher.search(queries, embeddings=None if embeddings is None else embeddings[rows],
-                                          **params)
+                results = searcher.search(queries, embeddings=None if rows is None or embeddings is None else
+                                          embeddings[rows], **params)
             except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
                 outcomes.append(exc)
                 continue
-            if results and embeddings is not None:  # the shared encode, in this call's stage times
+            if results and rows is not None:  # the shared encode, in this call's stage times
                 stage_ms = results[0].stats.stage_ms
                 stage_ms["encode"] = round(encode_ms, 3)
                 stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)

@@ -15,6 +15,18 @@ rerank_count >= its documents) that is exactly the ranking of one index over the
 corpus. With smaller pools each partition re-ranks its own top `rerank_count`, so the
 union re-ranks S x rerank_count candidates, a superset of one index's pool.
 
+Lexical and hybrid modes. A lexical search merges by BM25 score like a dense one. A hybrid
+search cannot merge fused scores (RRF ranks and min-max normalisations are per list), so
+the router asks every partition for its whole fusion pool (`k` = 1000; a partition returns
+at most rerank_count + lexical_k hits) with both sides' scores, rebuilds the pool one index
+would form (the top rerank_count by dense score, the top lexical_k by BM25) and fuses it
+with `espn.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
+report. What remains different from one index is BM25's corpus statistics (document
+frequencies, average length), which each partition computes over its own documents: with
+documents spread i mod S they differ by sampling noise only. Measured on 2 partitions of
+300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
+every routed hybrid ranking within the tolerance stated there.
+
 Nothing here is a cluster manager: the shard list is static configuration, and
 scheduling, discovery, restarts and load balancing over replicas belong to the platform.
 """
@@ -39,10 +51,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from .schemas import (
+    MAX_EXPLAIN_K,
+    MAX_K,
     BatchSearchRequest,
     ErrorResponse,
     HealthResponse,
     SearchHit,
+    SearchOptions,
     SearchRequest,
     SearchResponse,
 )
@@ -54,6 +69,7 @@ __all__ = [
     "RoutedSearchResponse",
     "RoutedBatchResponse",
     "merge_hits",
+    "fuse_hits",
     "build_router_app",
     "run_route",
 ]
@@ -135,6 +151,51 @@ def merge_hits(per_shard: Sequence[Sequence[SearchHit]], k: int) -> list[SearchH
     return merged
 
 
+def fuse_hits(per_shard: Sequence[Sequence[SearchHit]], k: int, hybrid: dict[str, Any]) -> list[SearchHit]:
+    """The partitions' hybrid pools fused as one index fuses its own (see the module doc).
+
+    per_shard: each partition's pool with `dense_score` and `lexical_score`; hybrid: the
+    parameters the partitions report (`stats.hybrid`).
+    """
+    import numpy as np
+
+    from espn.hybrid import HybridParams, fuse
+
+    seen: dict[str, SearchHit] = {}
+    for hits in per_shard:
+        for hit in hits:
+            seen.setdefault(hit.id, hit)
+    hits = list(seen.values())
+    nan = float("nan")
+    dense = np.array([nan if h.dense_score is None else h.dense_score for h in hits], dtype=np.float32)
+    lexical = np.array([nan if h.lexical_score is None else h.lexical_score for h in hits], dtype=np.float32)
+    params = HybridParams.from_manifest(hybrid)
+    rerank_count = int(hybrid.get("rerank_count", 100))
+
+    def top(scores: np.ndarray, n: int) -> np.ndarray:
+        present = np.flatnonzero(~np.isnan(scores))
+        return present[np.argsort(-scores[present], kind="stable")[:n]]
+
+    in_lexical = top(lexical, params.lexical_k)
+    pool = np.union1d(top(dense, rerank_count), in_lexical)
+    lexical_pool = np.full(len(hits), np.nan, dtype=np.float32)
+    lexical_pool[in_lexical] = lexical[in_lexical]  # below the global lexical top: not on that list
+    fused = fuse(pool, dense[pool], lexical_pool[pool], params)
+    out = []
+    for row, score, lexical_score in zip(fused.doc[:k].tolist(), fused.score[:k].tolist(), fused.lexical[:k].tolist()):
+        out.append(hits[row].model_copy(update={
+            "score": score, "lexical_score": None if lexical_score != lexical_score else lexical_score}))
+    return out
+
+
+def _fan_out_body(body: SearchOptions) -> dict[str, Any]:
+    """What the partitions are asked: a hybrid search asks each for its whole pool."""
+    out = body.model_dump(exclude_none=True)
+    if body.mode == "hybrid":
+        out["k"] = MAX_EXPLAIN_K if out.get("explain") else MAX_K
+    return out
+
+
 def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: float) -> RoutedStats:
     stats = [response.stats for response in answered]
     stage_ms: dict[str, float] = {}
@@ -158,9 +219,11 @@ def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: flo
 
 def _merge_responses(query: str, answered: Sequence[SearchResponse], k: int, total: int,
                      failures: list[ShardFailure], route_ms: float) -> RoutedSearchResponse:
+    pools = [response.results for response in answered]
+    hybrid = next((r.stats.hybrid for r in answered if r.stats.mode == "hybrid" and r.stats.hybrid), None)
     return RoutedSearchResponse(
         query=query,
-        results=merge_hits([response.results for response in answered], k),
+        results=merge_hits(pools, k) if hybrid is None else fuse_hits(pools, k, hybrid),
         stats=_combine_stats(answered, total, route_ms),
         partial=bool(failures),
         failed_shards=failures,
@@ -335,7 +398,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     async def search(body: SearchRequest, request: Request) -> Any:
         started = time.perf_counter()
         answers, failures = await get_fanout().search(
-            "/v1/search", body.model_dump(exclude_none=True), _headers(request), SearchResponse)
+            "/v1/search", _fan_out_body(body), _headers(request), SearchResponse)
         if not answers:
             return _unavailable("search", failures)
         merged = _merge_responses(body.query, answers, body.k, len(settings.shards), failures,
@@ -349,7 +412,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     async def search_batch(body: BatchSearchRequest, request: Request) -> Any:
         started = time.perf_counter()
         answers, failures = await get_fanout().search(
-            "/v1/search/batch", body.model_dump(exclude_none=True), _headers(request), ShardsBatch)
+            "/v1/search/batch", _fan_out_body(body), _headers(request), ShardsBatch)
         if not answers:
             return _unavailable("batch", failures)
         if any(len(answer.responses) != len(body.queries) for answer in answers):

@@ -15,7 +15,7 @@ twice in one write) are 409s, documented as such.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -30,6 +30,7 @@ __all__ = [
     "PassageSpanModel",
     "TokenMatchModel",
     "ExplanationModel",
+    "LexicalMatchModel",
     "SearchStatsModel",
     "SearchResponse",
     "BatchSearchResponse",
@@ -48,6 +49,8 @@ MAX_DOC_ID_CHARS = 512
 MAX_WRITE_ID_CHARS = 128
 # An explanation holds one entry per query token per hit: explained responses stay small.
 MAX_EXPLAIN_K = 100
+# Lexical candidates of a hybrid search are read and MaxSim-scored: bounded like rerank_count's work.
+MAX_LEXICAL_K = 1000
 
 # Python's str.isspace() characters, spelled out: a JSON Schema pattern is an ECMA regex,
 # whose \s is another set, and the library tests blankness with str.strip().
@@ -112,6 +115,18 @@ class SearchOptions(BaseModel):
     filter: Optional[dict[str, Any]] = Field(
         None, description='metadata filter every hit satisfies, e.g. {"topic": "oceans", "year": {"gte": 2000}}; '
                           'operators in, not_in, gt, gte, lt, lte, exists; and, or, not (see espn.filters)')
+    mode: Optional[Literal["dense", "lexical", "hybrid"]] = Field(
+        None, description='dense (vectors; the default), lexical (BM25 over the full-text index) or hybrid (both, '
+                          'fused). Lexical and hybrid queries read "phrases", +required and -excluded words; an index '
+                          'built without a full-text index answers them with 422')
+    fusion: Optional[Literal["rrf", "mix"]] = Field(
+        None, description="hybrid: reciprocal rank fusion, or the normalised mix of the two scores (default: the "
+                          "index's)")
+    lexical_k: Optional[int] = Field(None, ge=1, le=MAX_LEXICAL_K, description="hybrid: candidates from the lexical side")
+    rrf_k: Optional[int] = Field(None, ge=1, le=100_000, description="hybrid: the RRF constant")
+    mix_weight: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
+                                        description="hybrid: the dense side's weight in the mix (default: calibrated)")
+    union: Optional[bool] = Field(None, description="hybrid: MaxSim-score what only the lexical side found")
 
     def search_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for Searcher.search (None = index default)."""
@@ -123,7 +138,13 @@ class SearchOptions(BaseModel):
             "rerank_count": self.rerank_count,
             "prefetch_waves": self.prefetch_waves,
             "prefetch": self.prefetch,
+            **self.mode_kwargs(),
         }
+
+    def mode_kwargs(self) -> dict[str, Any]:
+        """The mode and fusion keyword arguments (None = index default)."""
+        return {"mode": self.mode, "fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
+                "mix_weight": self.mix_weight, "union": self.union}
 
 
 class SearchRequest(SearchOptions):
@@ -171,14 +192,27 @@ class ExplanationModel(BaseModel):
     matches: list[TokenMatchModel] = Field(description="one per query vector")
 
 
+class LexicalMatchModel(BaseModel):
+    terms: str = Field(description="the analysed terms of a query clause that matched (space-joined for a phrase)")
+    query_start: int
+    query_end: int
+    score: float = Field(description="its BM25 contribution; the matches sum to lexical_score")
+    spans: list[PassageSpanModel] = Field(description="where its words occur in the passage")
+
+
 class SearchHit(BaseModel):
     id: str
-    score: float
-    cls_score: float
+    score: float = Field(description="dense: w · cls + (1 − w) · bow; lexical: BM25; hybrid: the fused score")
+    cls_score: Optional[float] = Field(description="None in lexical mode, and in hybrid for what the dense side did "
+                                                   "not score")
     bow_score: Optional[float] = Field(description="None below rerank_count (not re-ranked)")
+    dense_score: Optional[float] = Field(default=None, description="hybrid: the dense side's score")
+    lexical_score: Optional[float] = Field(default=None, description="lexical and hybrid: BM25 (None: not found by it)")
     title: Optional[str] = None
     text: Optional[str] = None
     explanation: Optional[ExplanationModel] = Field(default=None, description="with explain: true, on re-ranked hits")
+    lexical_matches: Optional[list[LexicalMatchModel]] = Field(
+        default=None, description="with explain: true in lexical and hybrid modes: what the lexical side matched")
 
 
 class SearchStatsModel(BaseModel):
@@ -197,6 +231,10 @@ class SearchStatsModel(BaseModel):
     filter_path: Optional[str] = Field(
         default=None, description="exact: every matching document scored; ivf: the matches' lists probed; "
                                   "all: every document matches")
+    mode: Optional[str] = Field(default=None, description="lexical or hybrid (absent: dense)")
+    hybrid: Optional[dict[str, Any]] = Field(
+        default=None, description="hybrid: the fusion parameters used (fusion, rrf_k, mix_weight, lexical_k, union) "
+                                  "and rerank_count, with which a router re-fuses the pools of several partitions")
 
 
 class SearchResponse(BaseModel):

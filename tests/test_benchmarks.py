@@ -271,3 +271,48 @@ def test_bench_writes(tiny_index: Path, results: Path, capsys, sample_index: Pat
     assert payload["deletes"]["deletes"] == 5 and payload["deletes"]["max_write_bytes"] < 65536
     assert payload["deletes"]["documents"] == 2000
     assert not (sample_index / "live").exists() and not (tiny_index / "live").exists()  # copies took the writes
+def _sample_beir(tmp_path: Path) -> Path:
+    """The bundled sample corpus's queries and qrels, laid out as a BEIR directory (test split)."""
+    data = common.ROOT / "espn" / "data"
+    (tmp_path / "qrels").mkdir()
+    shutil.copy(data / "sample_queries.jsonl", tmp_path / "queries.jsonl")
+    shutil.copy(data / "sample_qrels.tsv", tmp_path / "qrels" / "test.tsv")
+    return tmp_path
+
+
+def test_bench_hybrid(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    from benchmarks import bench_hybrid
+
+    beir = _sample_beir(tmp_path)
+    assert bench_hybrid.main(["effectiveness", "--index", str(sample_index), "--data", str(beir), "--splits", "test",
+                              "--quick", "--limit", "12"]) == 0
+    payload = _check(results, "hybrid_effectiveness", capsys, png=False)
+    rows = payload["splits"]["test"]["nDCG@10"]
+    assert {"dense", "lexical", "rrf/union", "rrf/lists", "mix 0.65/union"} <= set(rows)
+    assert all(0.0 <= value <= 1.0 for value in rows.values())
+
+
+def test_bench_hybrid_on_a_synthetic_index_with_text(results: Path, capsys, sample_index: Path,
+                                                     tmp_path: Path) -> None:
+    """make_synthetic --text: recombined passages and a full-text index; the latency bench then
+    searches it with precomputed query embeddings and the query texts it wrote."""
+    from benchmarks import bench_hybrid, bench_text_engines
+    from benchmarks.make_synthetic import generate
+
+    out = tmp_path / "synth"
+    generate(out, 600, sample_index, queries=12, chunk_size=256, nlist=8, ann="flat", text=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["text"]["documents"] == 600
+    texts = out.with_name("synth.query_texts.jsonl").read_text().splitlines()
+    assert len(texts) == 12 and all(json.loads(line)["text"] for line in texts)
+    assert bench_hybrid.main(["latency", "--index", str(out), "--quick", "--query-embeddings",
+                              str(out.with_name("synth.queries.npz")),
+                              "--query-texts", str(out.with_name("synth.query_texts.jsonl"))]) == 0
+    payload = _check(results, "hybrid_latency", capsys, png=False)
+    assert payload["queries"] == 5 and payload["ratio_p50"] > 0
+    pytest.importorskip("bm25s")
+    assert bench_text_engines.main(["--index", str(out), "--queries", str(out.with_name("synth.query_texts.jsonl")),
+                                    "--no-qrels", "--quick"]) == 0
+    payload = _check(results, "text_engines", capsys, png=False)
+    assert [row["engine"] for row in payload["rows"]] == ["tantivy", "bm25s"]
+    assert all(row["documents"] == 600 and row["bytes"] > 0 for row in payload["rows"])

@@ -25,11 +25,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from espn_server.router import RouterSettings, build_router_app, merge_hits, run_route
+from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits, run_route
 from espn_server.schemas import SearchHit
 
 ROOT = Path(__file__).resolve().parents[1]
-SCIFACT = ROOT.parent / "shared" / "data" / "scifact"
+SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
 
 A, B = "http://shard-a:8000", "http://shard-b:8000"
 
@@ -229,6 +229,33 @@ def test_merge_hits_ties_duplicates_and_short_lists() -> None:
     assert merge_hits([hits(), hits()], k=3) == []
 
 
+def test_fuse_hits_equals_fusing_the_whole_pool() -> None:
+    """Two partitions' hybrid pools, fused by the router, rank exactly as `fuse` over the pool one
+    index would hold (same scores on both sides), for both fusions."""
+    import numpy as np
+
+    from espn.hybrid import HybridParams, fuse
+
+    rng = np.random.default_rng(5)
+    n = 60
+    dense = rng.normal(size=n)
+    lexical = np.where(rng.random(n) < 0.6, rng.gamma(2.0, size=n), np.nan)
+    hits = [SearchHit(id=f"d{i}", score=0.0, cls_score=0.0, bow_score=0.0, dense_score=float(dense[i]),
+                      lexical_score=None if np.isnan(lexical[i]) else float(lexical[i])) for i in range(n)]
+    for params in (HybridParams(fusion="rrf", lexical_k=20), HybridParams(fusion="mix", mix_weight=0.3, lexical_k=20)):
+        report = {**params.to_json(), "rerank_count": 30}
+        routed = fuse_hits([hits[0::2], hits[1::2]], 10, report)
+        # One index: the top 30 by dense and the top 20 by BM25, then fused.
+        top_dense = set(np.argsort(-dense, kind="stable")[:30].tolist())
+        present = np.flatnonzero(~np.isnan(lexical))
+        top_lexical = set(present[np.argsort(-lexical[present], kind="stable")[:20]].tolist())
+        pool = np.array(sorted(top_dense | top_lexical))
+        lexical_pool = np.array([lexical[i] if i in top_lexical else np.nan for i in pool])
+        whole = fuse(pool, dense[pool], lexical_pool, params)
+        assert [hit.id for hit in routed] == [f"d{i}" for i in whole.doc[:10].tolist()]
+        assert [hit.score for hit in routed] == pytest.approx(whole.score[:10].tolist())
+
+
 def test_settings_validate_shard_urls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ESPN_ROUTER_SHARDS", " http://a:1/ ,http://b:2")
     assert RouterSettings().shards == ["http://a:1", "http://b:2"]
@@ -397,6 +424,32 @@ def test_router_over_two_partitions_ranks_like_one_whole_index(
                            timeout=60).json()
         for got_one, want_one in zip(batch.json()["responses"], whole["responses"]):
             _assert_same_ranking(_ranking(got_one), _ranking(want_one), got_one["query"])
+
+
+@pytest.mark.slow
+def test_router_fuses_hybrid_like_one_whole_index(indexes: tuple[Path, list[Path]], servers: dict[str, Any]) -> None:
+    """Hybrid over two partitions against one index of the same slice, every document in both
+    sides' pools: what differs is only BM25's corpus statistics, computed per partition.
+    Tolerance: 9 of the top 10 in common on average and 7 on every query; the dense scores of
+    the documents in common equal (same encoder, exhaustive search)."""
+    params = {**_exhaustive(indexes, k=10), "mode": "hybrid"}
+    settings = RouterSettings(shards=[s.url for s in servers["parts"]], timeout_ms=60_000)
+    overlaps = []
+    with TestClient(build_router_app(settings)) as router:
+        for query in _queries(8):
+            want = httpx.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60).json()
+            got = router.post("/v1/search", json={"query": query, **params})
+            assert got.status_code == 200, got.text
+            routed = {hit["id"]: hit for hit in got.json()["results"]}
+            whole = {hit["id"]: hit for hit in want["results"]}
+            assert len(routed) == 10
+            overlaps.append(len(routed.keys() & whole.keys()))
+            for doc_id in routed.keys() & whole.keys():
+                assert routed[doc_id]["dense_score"] == pytest.approx(whole[doc_id]["dense_score"], abs=1e-4)
+        lexical = router.post("/v1/search", json={"query": _queries(1)[0], "k": 5, "mode": "lexical"}).json()
+        assert [hit["score"] for hit in lexical["results"]] == sorted((h["score"] for h in lexical["results"]),
+                                                                      reverse=True)
+    assert sum(overlaps) / len(overlaps) >= 9 and min(overlaps) >= 7, overlaps
 
 
 @pytest.mark.slow
