@@ -516,7 +516,7 @@ class Searcher:
                 if len(new) == 0:
                     continue
                 docs = np.unique(new % n_docs)
-                if not self._prefetch.wave_pays(scan_left, len(docs), int(self.records["length"][docs].sum())):
+                if not self._prefetch.wave_pays(scan_left, len(docs), int(self.records[docs]["length"].sum())):
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
@@ -573,7 +573,7 @@ class Searcher:
             timer.lap("prefetch_wait")
 
             group.wait()
-            missed_bytes = int(self.records["length"][misses].sum())
+            missed_bytes = int(self.records[misses]["length"].sum())
             if len(misses) and self.reader.io_bound:  # what the device took (after waves: or their tail, if later)
                 self._prefetch.observe_read(missed_bytes, (time.perf_counter() - in_flight) * 1000)
             timer.lap("miss_read")
