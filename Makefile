@@ -3,14 +3,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ESPN := $(VENV)/bin/espn
 SAMPLE_INDEX ?= .espn/sample-index
+# torch's CPU build. From PyPI alone, `pip install torch` on Linux x86-64 gets the CUDA build
+# (several GB of NVIDIA libraries). PyTorch's CPU index has 2.13.0+cpu, which pip prefers to
+# PyPI's 2.13.0 when it is asked with both. If that index cannot be reached, pip says so and
+# takes what it finds elsewhere (a local CPU wheel, or PyPI's CUDA build): the line printed
+# after the install names the build you got. GPU machines: TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# --retries 1: an unreachable index costs one retry per package, not five.
+TORCH_PIP = --retries 1 torch==$(TORCH_VERSION) --extra-index-url $(TORCH_INDEX)
+TORCH_BUILD = import torch; print(f"torch {torch.__version__}:", f"the CUDA {torch.version.cuda} build" if torch.version.cuda else "the CPU build")
 
-.PHONY: install serve-sample test check-wheel browser bench clean
+.PHONY: install serve-sample test check-wheel browser bench clean settings-table
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch first, pinned: an unpinned torch pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# The CPU build of torch first, pinned (see TORCH_INDEX above).
+	$(PY) -m pip install -q $(TORCH_PIP)
+	@$(PY) -c '$(TORCH_BUILD)'
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
@@ -44,13 +55,19 @@ check-wheel: install
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) build && mkdir -p $(WHEEL_CHECK)/dist
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
 	python3 -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(WHEEL_VENV)/bin/python -m pip install -q $(WHEEL_CHECK)/dist/espn-*.whl
+	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_PIP)
+	$(WHEEL_VENV)/bin/python -m pip install -q --only-binary tantivy $(WHEEL_CHECK)/dist/espn-*.whl
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/espn --help > /dev/null
 	$(WHEEL_VENV)/bin/espn index espn/data/sample_corpus.jsonl --out $(WHEEL_CHECK)/index --no-progress
 	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
 		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/run.trec --k 10
+	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
+		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/hybrid.trec --k 10 --mode hybrid
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
+
+# The README's settings tables, from the settings models (server/settings.py): run after adding a setting.
+settings-table: install
+	$(PY) -m espn_server.settings_doc --write README.md
 
 clean:
 	rm -rf $(VENV) .espn

@@ -25,8 +25,8 @@ from benchmarks.common import set_omp_env
 
 set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_ENV
 
-from benchmarks.common import (SCIFACT, SCIFACT_INDEX, load_queries, machine, machine_line, markdown_table, median,
-                               percentiles, take_queries, write_results)
+from benchmarks.common import (SCIFACT, SCIFACT_INDEX, cpu_load, load_queries, machine, machine_line, markdown_table,
+                               median, percentiles, take_queries, write_results)
 
 READERS = ("memory", "posix")
 
@@ -51,6 +51,34 @@ def run_config(searcher, queries, batch: int, prefetch: bool, k: int) -> tuple[l
     return latencies, results, [r.stats for r in results]
 
 
+def measure_rounds(searchers, queries, qids, qrels, configs, repeats: int, k: int) -> dict[tuple, dict]:
+    """Every configuration once per round over all queries, in a shuffled order."""
+    from espn.evaluation import evaluate
+
+    raw: dict[tuple, dict] = {c: {"latencies": [], "round_p50": [], "round_p99": [], "round_qps": []} for c in configs}
+    rng = random.Random(0)
+    for _ in range(repeats):
+        order = configs[:]
+        rng.shuffle(order)
+        for reader, prefetch, batch in order:
+            lat, results, stats = run_config(searchers[reader], queries, batch, prefetch, k)
+            cell = raw[(reader, prefetch, batch)]
+            cell["latencies"] += lat
+            cell["round_p50"].append(float(np.percentile(lat, 50)))
+            cell["round_p99"].append(float(np.percentile(lat, 99)))
+            cell["round_qps"].append(len(results) / (sum(lat) / 1000))
+            cell["hit_rate"] = float(np.mean([s.hit_rate for s in stats]))
+            cell["amplification"] = float(np.mean([s.read_amplification for s in stats]))
+            cell["engine"] = stats[0].engine
+            cell["waves"] = float(np.mean([s.waves for s in stats]))
+            for stage in ("ann", "prefetch_wait", "miss_read", "maxsim"):
+                cell.setdefault(f"{stage}_ms", []).append(float(np.median([s.stage_ms.get(stage, 0.0) for s in stats])))
+            if qrels is not None:
+                run = {qid: {h.doc_id: h.score for h in r.hits} for qid, r in zip(qids, results)}
+                cell["ndcg10"] = evaluate(run, qrels)["nDCG@10"]
+    return raw
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", type=Path, default=SCIFACT_INDEX)
@@ -62,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--io-engine", default=None, help="posix read engine (default: best available)")
+    p.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes running beside the benchmark")
     p.add_argument("--quick", action="store_true", help="20 queries, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.repeats = 20, 2
+        args.n, args.repeats = min(args.n, 20), 2
 
     from espn import Searcher
     from espn.corpus import read_qrels
-    from espn.evaluation import evaluate
 
     options = {"io_engine": args.io_engine} if args.io_engine else {}
     searchers = {name: Searcher.open(args.index, reader=name, verify="none", with_encoder=name == "posix"
@@ -89,36 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     for searcher in searchers.values():  # warm up: first calls pay allocation and page-in
         run_config(searcher, take_queries(queries, np.arange(min(16, n))), 1, True, args.k)
 
-    raw: dict[tuple, dict] = {c: {"latencies": [], "round_p50": [], "round_p99": []} for c in configs}
-    rng = random.Random(0)
-    for _ in range(args.repeats):
-        order = configs[:]
-        rng.shuffle(order)
-        for reader, prefetch, batch in order:
-            lat, results, stats = run_config(searchers[reader], queries, batch, prefetch, args.k)
-            cell = raw[(reader, prefetch, batch)]
-            cell["latencies"] += lat
-            cell["round_p50"].append(float(np.percentile(lat, 50)))
-            cell["round_p99"].append(float(np.percentile(lat, 99)))
-            cell["hit_rate"] = float(np.mean([s.hit_rate for s in stats]))
-            cell["amplification"] = float(np.mean([s.read_amplification for s in stats]))
-            cell["engine"] = stats[0].engine
-            cell["waves"] = float(np.mean([s.waves for s in stats]))
-            if qrels is not None:
-                run = {qid: {h.doc_id: h.score for h in r.hits} for qid, r in zip(qids, results)}
-                cell["ndcg10"] = evaluate(run, qrels)["nDCG@10"]
+    info = machine()
+    with cpu_load(args.cpu_load) as load:
+        raw = measure_rounds(searchers, queries, qids, qrels, configs, args.repeats, args.k)
 
     rows = []
     for reader, prefetch, batch in configs:
         cell = raw[(reader, prefetch, batch)]
         pooled = percentiles(cell["latencies"])
         rows.append([batch, reader, "on" if prefetch else "off", cell["engine"], median(cell["round_p50"]),
-                     median(cell["round_p99"]), pooled["mean"], cell["hit_rate"] if prefetch else "n/a",
-                     cell["amplification"] if prefetch else "n/a", cell.get("ndcg10", "n/a")])
-    print(f"# Readers, prefetch on/off: {args.index} ({n} queries, k={args.k}, {args.repeats} rounds)")
-    print(machine_line(machine()))
+                     median(cell["round_p99"]), pooled["mean"], median(cell["round_qps"]),
+                     cell["hit_rate"] if prefetch else "n/a",
+                     cell["amplification"] if prefetch else "n/a", cell["waves"] if prefetch else "n/a",
+                     median(cell["ann_ms"]), median(cell["prefetch_wait_ms"]) + median(cell["miss_read_ms"]),
+                     median(cell["maxsim_ms"]),
+                     f"{cell['ndcg10']:.4f}" if "ndcg10" in cell else "n/a"])
+    print(f"# Readers, prefetch on/off: {args.index} ({n} queries, k={args.k}, {args.repeats} rounds; load: {load})")
+    print(machine_line(info))
     print(markdown_table(["batch", "reader", "prefetch", "engine", "p50 ms/call", "p99 ms/call", "mean ms/call",
-                          "hit rate", "read amplification", "nDCG@10"], rows))
+                          "QPS", "hit rate", "read amplification", "waves", "ANN ms", "read wait ms", "MaxSim ms",
+                          "nDCG@10"], rows))
     ratio_rows = []
     for batch in batches:
         def p50(reader: str, prefetch: bool) -> float:
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(["batch", "posix on ÷ off (p50; target <= 1)", "posix on ÷ off (p99; target <= 1)",
                           "posix+prefetch ÷ memory (p50)", "posix no prefetch ÷ memory (p50)"], ratio_rows))
-    write_results("readers", {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+    write_results("readers", {"machine": info, "load": load, "args": {k: str(v) for k, v in vars(args).items()},
                               "configs": {f"{r}/{'on' if pf else 'off'}/B{b}": raw[(r, pf, b)]
                                           for r, pf, b in configs}})
     for searcher in searchers.values():

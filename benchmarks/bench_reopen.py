@@ -1,6 +1,7 @@
 """How fast a serving worker picks up a new generation of a live index.
 
     python -m benchmarks.bench_reopen --index INDEX [--writes 10]
+    python -m benchmarks.bench_reopen --index INDEX --quick       (3 writes: the CI smoke test)
 
 On a copy of INDEX (never modified): a Searcher is open; each of `--writes` rounds upserts
 one document (one generation) and times `Searcher.refresh()`, what a server worker runs at
@@ -25,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", type=Path, required=True)
     p.add_argument("--writes", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="3 writes (for the CI smoke test)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.writes = 3
     with tempfile.TemporaryDirectory(prefix="bench-reopen-") as tmp:
         work = Path(tmp) / "index"
         shutil.copytree(args.index, work)

@@ -10,6 +10,7 @@ what they really cost together; the script breaks it down by what the pages hold
 
     .venv/bin/python benchmarks/bench_server.py                     # builds the SciFact index if absent
     .venv/bin/python benchmarks/bench_server.py --index PATH --workers 1 4 --concurrency 1 8 32
+    .venv/bin/python benchmarks/bench_server.py --index PATH --quick    # 1 worker, 20 requests per level
 
 Not a test: it prints tables for the README. The load generator runs on the same
 machine, so on a small box it competes with the server for CPU; the numbers say so.
@@ -183,7 +184,7 @@ def mib(value: float) -> str:
     return f"{value / 2**20:,.0f}"
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--index", type=Path, default=ROOT / ".espn" / "scifact-index")
     parser.add_argument("--corpus", type=Path, default=SCIFACT / "corpus.jsonl.gz", help="to build --index if absent")
@@ -195,7 +196,11 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra flag for espn serve (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="1 worker, 1 and 4 clients, 20 requests each "
+                                                             "(the CI smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.workers, args.concurrency, args.requests = [1], [1, 4], 20
 
     index = ensure_index(args.index.resolve(), args.corpus)
     queries = load_queries(args.queries, args.qrels)

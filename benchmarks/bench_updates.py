@@ -11,7 +11,8 @@ directory). On that copy, in order:
    documents, same process, same loader settings): docs/s of each and their ratio.
 2. delete: `--deletes` single-id deletes, one generation each: median and p99 ms.
 3. search latency (single queries, k = 10, the index's default parameters) in the states
-   0 deltas -> 10 deltas -> 50 deltas -> 50 deltas + 10% of the base deleted -> compacted;
+   0 deltas -> 10 deltas -> 50 deltas -> 50 deltas + 10% of the base deleted -> compacted
+   (the delta counts are `--deltas`; --quick uses 1 and 2);
    deltas are small upserts (`--delta-docs` each). Median and p99 ms per query over
    `--queries-n` queries x `--repeats` passes, all states measured in this one run.
 """
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     index = work / "index"
     shutil.rmtree(index, ignore_errors=True)
     shutil.copytree(args.index, index)
-    corpus = _read_jsonl(args.corpus, args.add_docs + args.delta_docs * 50)
+    few, many = args.deltas
+    corpus = _read_jsonl(args.corpus, args.add_docs + args.delta_docs * many)
     queries = [q["text"] for q in _read_jsonl(args.queries, args.queries_n)]
     out: dict[str, Any] = {"machine": machine(), "index": str(args.index), "add_docs": args.add_docs}
 
@@ -117,14 +119,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             writer.upsert(docs)
             upsert_ms.append((time.perf_counter() - started) * 1000)
 
-    add_deltas(10)
-    states.append(("10 deltas", _search_latency(index, queries, args.repeats)))
-    add_deltas(50)
-    states.append(("50 deltas", _search_latency(index, queries, args.repeats)))
+    add_deltas(few)
+    states.append((f"{few} deltas", _search_latency(index, queries, args.repeats)))
+    add_deltas(many)
+    states.append((f"{many} deltas", _search_latency(index, queries, args.repeats)))
     view_base = writer.current().base_documents
     doomed = [str(i) for i in ids[args.deletes : args.deletes + int(0.1 * view_base)]]
     writer.delete(doomed)
-    states.append(("50 deltas + 10% deleted", _search_latency(index, queries, args.repeats)))
+    states.append((f"{many} deltas + 10% deleted", _search_latency(index, queries, args.repeats)))
     started = time.perf_counter()
     writer.compact()
     out["compact_s"] = time.perf_counter() - started
@@ -149,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries-n", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loader-workers", type=int, default=1)
+    p.add_argument("--deltas", default="10,50", help="the two delta counts whose search latency is measured")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one pass (for the CI smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.add_docs, args.deletes, args.delta_docs, args.queries_n, args.repeats = 16, 3, 1, 5, 1
-        args.loader_workers = 0
+        args.add_docs, args.deletes, args.delta_docs, args.queries_n, args.repeats = 8, 2, 1, 3, 1
+        args.loader_workers, args.deltas = 0, "1,2"
+    args.deltas = tuple(int(n) for n in args.deltas.split(","))
     out = run(args)
     base = out["search"]["0 deltas"]["ms"]["p50"]
     print(machine_line(out["machine"]))

@@ -279,3 +279,23 @@ def run_json_child(argv: list[str], preexec=None, timeout: float | None = None) 
     if proc.returncode != 0 or not last:
         return None, f"exit {proc.returncode}: {proc.stderr[-800:]}"
     return json.loads(last[-1]), proc.stderr[-300:]
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int) -> Iterator[str]:
+    """`processes` CPU-bound children (a pure-Python busy loop each) for the duration of the block.
+
+    Yields a one-line description for the tables. The children are ended by their own pids.
+    """
+    if processes <= 0:
+        yield "none"
+        return
+    children = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.5)  # let them reach the scheduler's steady state
+        yield f"{processes} CPU-bound process(es) (`python -c 'while True: pass'`) beside it"
+    finally:
+        for child in children:
+            child.kill()
+        for child in children:
+            child.wait()

@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -57,8 +59,10 @@ def _normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
 
 
-def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
-    """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index."""
+def load_centres(source: Path, d_cls: int, d_bow: int, project: bool = True) -> dict[str, np.ndarray]:
+    """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index.
+
+    project=False keeps the source encoder's own space (d_cls, d_bow: the source's)."""
     from espn.index import IndexDirectory
     from espn.store import open_reader
     from espn.store.format import StoreLayout
@@ -83,15 +87,53 @@ def load_centres(source: Path, d_cls: int, d_bow: int) -> dict[str, np.ndarray]:
     bow = np.concatenate(bow_parts)
     counts = np.concatenate(count_parts).astype(np.int64)
     keep = counts > 0
-    mean_c, comp_c = _pca(cls, min(d_cls, cls.shape[1]))
-    mean_b, comp_b = _pca(bow, min(d_bow, bow.shape[1]))
-    cls_p = _normalize((cls - mean_c) @ comp_c)
-    bow_p = _normalize((bow - mean_b) @ comp_b)
+    if project:
+        mean_c, comp_c = _pca(cls, min(d_cls, cls.shape[1]))
+        mean_b, comp_b = _pca(bow, min(d_bow, bow.shape[1]))
+        cls_p = _normalize((cls - mean_c) @ comp_c)
+        bow_p = _normalize((bow - mean_b) @ comp_b)
+    else:
+        cls_p, bow_p = _normalize(cls), _normalize(bow)
     if cls_p.shape[1] < d_cls or bow_p.shape[1] < d_bow:
         raise SystemExit(f"--source has d_cls={cls.shape[1]}, d_bow={bow.shape[1]}: too small for the request")
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
-    return {"cls": cls_p[keep], "bow": bow_p, "start": offsets[:-1][keep], "count": counts[keep]}
+    return {"cls": cls_p[keep], "bow": bow_p, "start": offsets[:-1][keep], "count": counts[keep],
+            "doc": np.flatnonzero(keep)}
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+class TextMixer:
+    """Passages for synthetic documents, recombined from the source index's passages: the title
+    of the first source document, a run of its sentences, then a run of the second's (the
+    two documents its CLS vector mixes), so the text and the vectors tell the same story."""
+
+    def __init__(self, source: Path, docs: np.ndarray) -> None:
+        from espn_indexing.text_index import passages
+
+        wanted = set(docs.tolist())
+        self.titles: list[str] = []
+        self.sentences: list[list[str]] = []
+        for passage in passages(source):
+            if passage.doc_number in wanted:
+                self.titles.append(passage.title)
+                self.sentences.append(_SENTENCE_END.split(passage.text.strip()) or [""])
+
+    def passages(self, rng: np.random.Generator, first: np.ndarray, second: np.ndarray) -> tuple[list[str], list[str]]:
+        titles, texts = [], []
+        for a, b in zip(first.tolist(), second.tolist()):
+            run_a, run_b = self._run(rng, self.sentences[a], 0.6), self._run(rng, self.sentences[b], 0.4)
+            titles.append(self.titles[a])
+            texts.append(" ".join(run_a + run_b))
+        return titles, texts
+
+    @staticmethod
+    def _run(rng: np.random.Generator, sentences: list[str], share: float) -> list[str]:
+        n = max(1, int(round(len(sentences) * share)))
+        start = int(rng.integers(0, max(1, len(sentences) - n + 1)))
+        return sentences[start : start + n]
 
 
 def draw_counts(rng: np.random.Generator, n: int, mean: float, low: int, high: int) -> np.ndarray:
@@ -102,12 +144,16 @@ def draw_counts(rng: np.random.Generator, n: int, mean: float, low: int, high: i
 
 
 def draw(rng: np.random.Generator, centres: dict[str, np.ndarray], counts: np.ndarray, cls_noise: float,
-         bow_noise: float, mix: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """CLS [n, d_cls] and flattened BOW [sum(counts), d_bow] (fp16) around random real centres; also the centres."""
+         bow_noise: float, mix: float, sources: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CLS [n, d_cls] and flattened BOW [sum(counts), d_bow] (fp16) around random real centres; also the centres.
+
+    sources: given a list, the two centres each document mixes are appended to it."""
     n = len(counts)
     c_cls, c_bow = centres["cls"], centres["bow"]
     first = rng.integers(0, len(c_cls), n)
     second = rng.integers(0, len(c_cls), n)
+    if sources is not None:
+        sources += [first, second]
     cls = c_cls[first] + mix * c_cls[second]
     cls += rng.standard_normal(cls.shape, dtype=np.float32) * (cls_noise / np.sqrt(cls.shape[1]))
     cls = _normalize(cls)
@@ -122,9 +168,16 @@ def draw(rng: np.random.Generator, centres: dict[str, np.ndarray], counts: np.nd
 def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 32, mean_bow: float = 30.0,
              min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
              nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
-             cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5) -> dict:
+             cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False,
+             source_encoder: bool = False) -> dict:
+    """text: also write passages (`TextMixer`) and build the full-text index, and write the
+    title of each query's centre document as its text (`OUT.query_texts.jsonl`).
+    source_encoder: the vectors stay in the source index's space and the index takes its
+    encoder (int8 records, as `espn index` writes them), so queries are encoded from text at
+    search time, as in a real deployment; d_cls and d_bow are then the source's."""
     from espn.encoders.precomputed import PrecomputedEncoder
     from espn.index import write_json_atomic
+    from espn.text.config import TextConfig
     from espn_indexing.build import merge_index
     from espn_indexing.chunks import write_chunk
     from espn_indexing.workdir import WorkDir
@@ -134,28 +187,39 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         raise SystemExit(f"{out} exists; pass --force to replace it")
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
-    centres = load_centres(source, d_cls, d_bow)
+    source_manifest = json.loads((Path(source) / "manifest.json").read_text())
+    if source_encoder:
+        d_cls, d_bow = source_manifest["encoder"]["d_cls"], source_manifest["encoder"]["d_bow"]
+    centres = load_centres(source, d_cls, d_bow, project=not source_encoder)
     log.info("%d real centres, %d real BOW vectors from %s", len(centres["cls"]), len(centres["bow"]), source)
 
+    mixer = TextMixer(source, centres["doc"]) if text else None
     work = WorkDir(out)
     work.remove()
     with work.locked():
-        encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
-                                     source="synthetic")
-        encoder.save(work.encoder_dir)
-        encoder_config = {**encoder.config(), "learned_weight": encoder.learned_weight,
-                          "bow_reduction": encoder.bow_reduction}
-        write_json_atomic(work.job_file, {"corpus": f"synthetic:{docs}:{seed}", "block_size": 4096, "nlist": nlist,
-                                          "ann": ann, "pq_m": pq_m, "encoder_config": encoder_config})
+        job: dict = {"corpus": f"synthetic:{docs}:{seed}", "block_size": 4096, "nlist": nlist, "ann": ann,
+                     "pq_m": pq_m, "text_index": TextConfig().to_json() if text else None}
+        if source_encoder:
+            shutil.copytree(Path(source) / "encoder", work.encoder_dir, dirs_exist_ok=True)
+            job.update(encoder_config=source_manifest["encoder"], bow_dtype="int8")
+        else:
+            encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
+                                         source="synthetic")
+            encoder.save(work.encoder_dir)
+            job["encoder_config"] = {**encoder.config(), "learned_weight": encoder.learned_weight,
+                                     "bow_reduction": encoder.bow_reduction}
+        write_json_atomic(work.job_file, job)
         n_chunks = -(-docs // chunk_size)
         total_bow = 0
         gen_started = time.perf_counter()
         for c in range(n_chunks):
             n = min(chunk_size, docs - c * chunk_size)
             counts = draw_counts(rng, n, mean_bow, min_bow, max_bow)
-            cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix)
+            sources: list[np.ndarray] = []
+            cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix, sources)
             ids = [f"d{i}" for i in range(c * chunk_size, c * chunk_size + n)]
-            write_chunk(work.path, c, cls, bow, counts, ids)
+            titles, texts = mixer.passages(rng, *sources) if mixer is not None else (None, None)
+            write_chunk(work.path, c, cls, bow, counts, ids, titles, texts)
             total_bow += int(counts.sum())
             if c % 16 == 0 or c == n_chunks - 1:
                 done = c * chunk_size + n
@@ -169,6 +233,10 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     queries_path = out.with_name(out.name + ".queries.npz")
     np.savez(queries_path, cls=q_cls.astype(np.float32), bow=q_bow.astype(np.float32), counts=q_counts,
              ids=np.array([f"q{i}" for i in range(queries)]), centre=q_centre)
+    if mixer is not None:
+        with open(out.with_name(out.name + ".query_texts.jsonl"), "w", encoding="utf-8") as f:
+            for i, centre in enumerate(q_centre.tolist()):
+                f.write(json.dumps({"_id": f"q{i}", "text": mixer.titles[centre]}) + "\n")
 
     asm_started = time.perf_counter()
     manifest = merge_index(out, force=force)
@@ -238,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bow-noise", type=float, default=0.5, help="BOW jitter (norm of the noise vector)")
     p.add_argument("--mix", type=float, default=0.5, help="weight of the second real centre in a CLS vector")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", action="store_true", help="also passages recombined from --source's and a full-text "
+                   "index (for bench_hybrid and bench_text_engines)")
+    p.add_argument("--source-encoder", action="store_true", help="keep the source's vector space and encoder: "
+                   "queries are then searched as text (with --text: bench_hybrid latency with query texts)")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -249,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     docs = 20_000 if args.quick else args.docs
     info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=args.d_bow, mean_bow=args.mean_bow,
                     queries=args.queries, chunk_size=args.chunk_size, nlist=args.nlist, ann=args.ann,
-                    seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix)
+                    seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix,
+                    text=args.text, source_encoder=args.source_encoder)
     print(json.dumps(info))
     return 0
 

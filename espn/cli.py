@@ -1,7 +1,9 @@
 """`espn` command line: search, calibrate, verify here; index, index-merge, serve, route plug in.
 
-The only place that reads argv; every command calls the library. Errors end as one
-line on stderr and a non-zero exit, never a traceback (set ESPN_DEBUG=1 for one).
+The only place that reads argv; every command calls the library. Every error ends as one
+line on stderr, `espn CMD: error: ...`, with exit status 1, or 2 when the command line
+itself is wrong (as argparse does); never a traceback (`-v` adds one). Third-party
+libraries' log lines (FAISS's loader, transformers, ...) are shown only with `-v`.
 
 The library must not import the build job or the server (they import it), so their
 subcommands register themselves through the `espn.commands` entry-point group: each
@@ -18,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence, cast
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from .errors import EspnError, InvalidParameterError
 from .params import SearchParams
 from .results import Hit
 
-__all__ = ["main", "add_reader_options", "reader_options", "COMMANDS_GROUP"]
+__all__ = ["main", "add_reader_options", "reader_options", "configure_logging", "CliParser", "UsageError",
+           "COMMANDS_GROUP"]
 
 COMMANDS_GROUP = "espn.commands"
 # Entry points register in this order, so `espn --help` lists the build before the server.
@@ -34,6 +37,51 @@ _PLUGIN_ORDER = ("indexing", "server")
 IO_ENGINES = ("auto", "io_uring", "aio", "threads")
 
 log = logging.getLogger("espn")
+#: Loggers of this project (the library, the build job, the server): INFO by default.
+OWN_LOGGERS = ("espn", "espn_indexing", "espn_server")
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (a missing or conflicting flag): exit status 2, as argparse gives."""
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `espn search: error: ... (see `espn search --help`)`, exit 2.
+
+    argparse prints the whole usage block before its error; the help is one flag away.
+    Subparsers inherit the class (`add_subparsers` uses the parent's type).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def configure_logging(verbosity: int) -> None:
+    """This project's INFO lines on stderr; third-party loggers and Python warnings only with -v.
+
+    verbosity 0: ours at INFO, everyone else's at ERROR (FAISS's loader announces its
+    fallbacks at INFO, with a ModuleNotFoundError in the text: noise to a user).
+    1 (-v): ours at DEBUG, theirs at INFO; 2 (-vv): everything at DEBUG.
+    Calling it again replaces the handler it installed (tests call `main` more than once).
+    """
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "espn_cli", False)]:
+        root.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.espn_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel((logging.ERROR, logging.INFO, logging.DEBUG)[min(verbosity, 2)])
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbosity else logging.INFO)
+    logging.captureWarnings(True)  # warnings.warn from libraries: through the "py.warnings" logger, as above
+    # transformers logs through its own handler, not the root's: its own switch (a user's setting wins).
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", ("error", "info", "debug")[min(verbosity, 2)])
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (some libraries' messages span several)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
 
 
 def add_reader_options(p: argparse.ArgumentParser) -> None:
@@ -74,6 +122,25 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
     add_reader_options(p)
 
 
+def _add_mode_params(p: argparse.ArgumentParser) -> None:
+    from espn.hybrid import FUSIONS, MODES
+
+    g = p.add_argument_group("search mode (lexical and hybrid need the index's full-text index)")
+    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused); lexical "
+                   'and hybrid queries read "phrases", +required and -excluded words')
+    g.add_argument("--fusion", choices=FUSIONS, help="hybrid: rrf or mix (default: the index's)")
+    g.add_argument("--lexical-k", type=int, help="hybrid: candidates from the lexical side (default 100)")
+    g.add_argument("--rrf-k", type=int, help="hybrid: the RRF constant (default 60)")
+    g.add_argument("--mix-weight", type=float, help="hybrid: the dense side's weight in the mix (default: calibrated)")
+    g.add_argument("--no-union", action="store_true",
+                   help="hybrid: do not MaxSim-score what only the lexical side found")
+
+
+def _mode_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"mode": args.mode, "fusion": args.fusion, "lexical_k": args.lexical_k, "rrf_k": args.rrf_k,
+            "mix_weight": args.mix_weight, "union": False if args.no_union else None}
+
+
 def _search_overrides(args: argparse.Namespace) -> dict:
     return {
         "nprobe": args.nprobe, "prefetch_step": args.prefetch_step, "prefetch_k": args.prefetch_k,
@@ -108,7 +175,7 @@ def _register_plugins(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
-        raise SystemExit(f"espn {args.command}: error: the {name} commands cannot load: {exc}")
+        raise EspnError(f"the {name} commands cannot load: {exc}")
 
     return handler
 
@@ -117,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     from espn.evaluation import DEFAULT_MEASURES
     from espn.store import READERS
 
-    parser = argparse.ArgumentParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser = CliParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more output: -v adds debug lines, other libraries' log lines and a traceback with an "
+                             "error; -vv debug lines of every library")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("search", help="batch queries to a TREC run file; with --qrels, print effectiveness")
@@ -127,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-embeddings", type=Path, help="queries encoded elsewhere (see espn.encoders.precomputed)")
     p.add_argument("--out", type=Path, required=True, help="TREC run file to write")
     p.add_argument("--k", type=int, default=1000)
-    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against")
+    p.add_argument("--qrels", type=Path, help="qrels (BEIR TSV or TREC) to evaluate against; only the queries it "
+                   "judges are searched (BEIR's queries.jsonl holds those of every split)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
@@ -137,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
                    '\'{"topic": "oceans", "year": {"gte": 2000}}\' (see espn.filters)')
     _add_search_params(p, sorted(READERS))
+    _add_mode_params(p)
     p.set_defaults(handler=cmd_search)
 
     p = sub.add_parser("calibrate", help="fit the score weight w on training queries; stored in the manifest")
@@ -145,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qrels", type=Path, required=True)
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
+    p.add_argument("--hybrid", action="store_true", help="fit the hybrid mix weight (the dense side's share in "
+                   "fusion 'mix') instead of w, and make the better of mix and rrf the default fusion; needs a "
+                   "full-text index")
     p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
     add_reader_options(p)
     p.set_defaults(handler=cmd_calibrate)
@@ -153,13 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("index", type=Path)
     p.set_defaults(handler=cmd_verify)
 
-    _register_plugins(sub)
+    # The plugins' register(sub) take the plain argparse type; the parsers they add are CliParsers.
+    _register_plugins(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
     return parser
 
 
 def _load_queries(args: argparse.Namespace):
     if (args.queries is None) == (args.query_embeddings is None):
-        raise SystemExit(f"espn {args.command}: error: give exactly one of --queries and --query-embeddings")
+        raise UsageError("give exactly one of --queries and --query-embeddings")
     if args.queries is not None:
         from espn.corpus import read_queries
 
@@ -178,8 +253,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Everything that can be checked without the index is checked before it loads.
     from espn.filters import canonical_filter
 
+    from espn.hybrid import HybridParams
+
     overrides = _search_overrides(args)
     SearchParams().replace(k=args.k, **overrides).validate(nlist=1 << 30, num_documents=0)  # nlist: below
+    modes = _mode_overrides(args)
+    HybridParams().replace(**modes)
+    if modes["mode"] in ("lexical", "hybrid") and (args.exhaustive or args.query_embeddings is not None):
+        raise InvalidParameterError(f"--mode {modes['mode']} needs --queries (text) and the pipeline: not with "
+                                    "--exhaustive or --query-embeddings")
     if args.filter is not None:
         canonical_filter(args.filter)  # malformed JSON: one line before the index loads
     if args.batch_size < 1:
@@ -194,8 +276,17 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.index} is not an ESPN index directory (no manifest.json)")
     queries, embeddings = _load_queries(args)
     qrels = read_qrels(args.qrels) if args.qrels else None
+    if qrels is not None:  # evaluate what was judged: BEIR's queries.jsonl holds every split's queries
+        judged = [i for i, (qid, _) in enumerate(queries) if qid in qrels]
+        if not judged:
+            raise InvalidParameterError(f"--qrels {args.qrels}: none of the {len(queries)} queries has judgements in it")
+        if len(judged) < len(queries):
+            print(f"searching the {len(judged)} of {len(queries)} queries that {args.qrels} judges")
+            queries = [queries[i] for i in judged]
+            embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
+    searcher.hybrid_params(**modes)
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
     if filtered is not None:
         print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
@@ -219,13 +310,15 @@ def cmd_search(args: argparse.Namespace) -> int:
                 results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k,
                                                      filter=args.filter, **overrides)
             else:
-                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain, **overrides)
+                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain,
+                                          **modes, **overrides)
             hit_lists = [r.hits for r in results]
             latencies.append(results[0].stats.stage_ms["total"])
             hit_rates += [r.stats.hit_rate for r in results]
         for qid, hits in zip(ids, hit_lists):
             ranked[qid] = [(h.doc_id, h.score) for h in hits]
-            explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1) if h.explanation is not None]
+            explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1)
+                          if h.explanation is not None or h.lexical_matches is not None]
     elapsed = time.perf_counter() - started
     write_run(args.out, ranked, tag=args.tag)
     if explain_out is not None:
@@ -252,10 +345,13 @@ def _write_explanations(path: Path, explained: list[tuple[str, int, "Hit"]]) -> 
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w", encoding="utf-8") as f:
         for qid, rank, hit in explained:
-            assert hit.explanation is not None
-            f.write(json.dumps({"query_id": qid, "doc_id": hit.doc_id, "rank": rank, "score": hit.score,
-                                "cls_score": hit.cls_score, "bow_score": hit.bow_score,
-                                "explanation": dataclasses.asdict(hit.explanation)}) + "\n")
+            line = {"query_id": qid, "doc_id": hit.doc_id, "rank": rank, "score": hit.score,
+                    "cls_score": hit.cls_score, "bow_score": hit.bow_score,
+                    "explanation": None if hit.explanation is None else dataclasses.asdict(hit.explanation)}
+            if hit.lexical_matches is not None:
+                line.update(dense_score=hit.dense_score, lexical_score=hit.lexical_score,
+                            lexical_matches=[dataclasses.asdict(m) for m in hit.lexical_matches])
+            f.write(json.dumps(line) + "\n")
     os.replace(partial, path)
 
 
@@ -270,7 +366,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     searcher = Searcher.open(args.index, reader=args.reader, reader_options=options)
     queries = [(qid, text) for qid, text in queries if qid in qrels]
     if not queries:
-        raise SystemExit("espn calibrate: error: no query has judgements in --qrels")
+        raise InvalidParameterError(f"--qrels {args.qrels}: no query of --queries has judgements in it")
+    if args.hybrid:
+        return _calibrate_hybrid(searcher, queries, qrels, args)
     params = searcher.defaults
     heads: dict[str, list] = {}
     for start in range(0, len(queries), 32):
@@ -294,13 +392,54 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any, args: argparse.Namespace) -> int:
+    """Fit the mix weight: one hybrid search per query returns its whole fusion pool with both
+    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.hybrid.fuse`)."""
+    from espn.evaluation import evaluate, strictly_decreasing
+    from espn.hybrid import fuse
+    from espn.index import update_manifest
+    from espn.params import MAX_K
+
+    hybrid = searcher.hybrid_params(mode="hybrid", fusion="mix")
+    depth = min(MAX_K, searcher.defaults.rerank_count + hybrid.lexical_k)
+    pools: dict[str, tuple[list[str], np.ndarray, np.ndarray]] = {}
+    for start in range(0, len(queries), 32):
+        batch = queries[start : start + 32]
+        for (qid, _), result in zip(batch, searcher.search([t for _, t in batch], k=depth, mode="hybrid", fusion="mix")):
+            nan = float("nan")
+            pools[qid] = ([h.doc_id for h in result.hits],
+                          np.array([nan if h.dense_score is None else h.dense_score for h in result.hits], np.float32),
+                          np.array([nan if h.lexical_score is None else h.lexical_score for h in result.hits], np.float32))
+    def measure(params: Any) -> float:
+        run = {}
+        for qid, (docs, dense, lexical) in pools.items():
+            fused = fuse(np.array(docs, dtype=object), dense, lexical, params)
+            run[qid] = dict(strictly_decreasing([(str(d), float(v)) for d, v in zip(fused.doc, fused.score)]))
+        return evaluate(run, qrels)[args.measure]
+
+    best_weight, best = hybrid.mix_weight, -1.0
+    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
+        value = measure(hybrid.replace(mix_weight=float(weight)))
+        log.debug("mix_weight=%.2f %s=%.4f", weight, args.measure, value)
+        if value > best + 1e-9:
+            best_weight, best = float(weight), value
+    rrf = measure(hybrid.replace(fusion="rrf"))
+    fusion = "mix" if best >= rrf else "rrf"
+    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; was "
+          f"{hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
+    if not args.dry_run:
+        update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": fusion, "mix_weight": best_weight,
+                                                     "calibrated_on": str(Path(args.qrels).absolute())})
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from espn.segments import open_view
 
     view = open_view(args.index, verify="full")  # the base and every delta segment of the current generation
     view.close()
     generation = view.generation
-    files = len(view.base.manifest["files"]) + sum(len(s.files) for s in generation.segments)
+    files = len(view.base.manifest["files"]) + sum(len(s.files) for s in generation.segments) + len(generation.tombstones)
     print(f"{args.index}: {files} files verified, {generation.live_documents} documents"
           + (f" (generation {generation.number})" if generation.number else ""))
     return 0
@@ -312,30 +451,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    prefix = f"espn {args.command}: error:"
     try:
         return handler(args)
     except KeyboardInterrupt:
         print(f"espn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except UsageError as exc:
+        print(f"{prefix} {_one_line(exc)} (see `espn {args.command} --help`)", file=sys.stderr)
+        return 2
     except (EspnError, ValueError, FileNotFoundError) as exc:
-        if os.environ.get("ESPN_DEBUG"):
-            raise
-        print(f"espn {args.command}: error: {exc}", file=sys.stderr)
+        log.debug("traceback", exc_info=True)
+        print(f"{prefix} {_one_line(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:
-        if os.environ.get("ESPN_DEBUG"):
-            raise
+        log.debug("traceback", exc_info=True)
         if exc.errno == errno.ENOSPC:
-            print(f"espn {args.command}: error: no space left on device"
+            print(f"{prefix} no space left on device"
                   f"{' writing ' + str(exc.filename) if exc.filename else ''}; the partial build is kept, "
                   "free space and re-run the same command to resume", file=sys.stderr)
         else:
-            print(f"espn {args.command}: error: {exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}",
+            print(f"{prefix} {exc.strerror or _one_line(exc)}{': ' + str(exc.filename) if exc.filename else ''}",
                   file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug: still one line, the traceback one -v away
+        log.debug("traceback", exc_info=True)
+        print(f"{prefix} internal error, {type(exc).__name__}: {_one_line(exc)} (run with -v for the traceback; "
+              "please report it)", file=sys.stderr)
         return 1
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from .errors import CorpusError
+from .ids import id_problem, quote_id
 from .metadata import check_metadata
 
 __all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
@@ -121,6 +122,10 @@ def _parse_with_metadata(path: Path, number: int, line: str, fmt: str,
             title = parts[2]
         if not doc_id.strip():
             raise CorpusError(f"{where}: empty id")
+    if kind == "corpus":
+        problem = id_problem(doc_id)  # the rule every write applies: ids are exact UTF-8 bytes
+        if problem is not None:
+            raise CorpusError(f"{where}: document id {quote_id(doc_id)} {problem}")
     if kind == "query" and not (title.strip() or text.strip()):
         raise CorpusError(f"{where}: {kind} {doc_id!r} has no text")
     # A document without text is kept (real corpora have them): it is indexed with no

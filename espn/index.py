@@ -1,7 +1,8 @@
 """The index directory: manifest, file names, checksums, and the numpy-backed id map and text store.
 
 Everything opened here is memory-mapped (records, ids, text offsets), so worker
-processes that open one index share one copy of it in the page cache.
+processes that open one index share one copy of it in the page cache; the maps hold no
+file descriptor (`espn.mapped`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .errors import DocumentNotFoundError, IndexCorruptError
+from .mapped import map_npy
 from .results import Document
 
 __all__ = [
@@ -68,9 +70,12 @@ def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
 
 def _index_files(directory: Path) -> list[str]:
     names = [name for name in FILES if (directory / name).exists()]
-    for folder in ("encoder", "metadata"):  # metadata/: per-field columns (espn.metadata)
+    # metadata/: per-field columns (espn.metadata); text/: the full-text index (espn.text), whose
+    # engine lock files (dot files) are not part of the index
+    for folder in ("encoder", "metadata", "text"):
         if (directory / folder).is_dir():
-            names += sorted(str(p.relative_to(directory)) for p in (directory / folder).rglob("*") if p.is_file())
+            names += sorted(str(p.relative_to(directory)) for p in (directory / folder).rglob("*")
+                            if p.is_file() and not p.name.startswith("."))
     return names
 
 
@@ -165,8 +170,9 @@ class IndexDirectory:
         return self.path / name
 
     def load_array(self, name: str) -> np.ndarray:
+        """A read-only memory map of `name` that holds no file descriptor (espn.mapped)."""
         try:
-            return np.load(self.path / name, mmap_mode="r", allow_pickle=False)
+            return map_npy(self.path / name)
         except (ValueError, OSError) as exc:
             raise IndexCorruptError(f"{self.path / name}: unreadable ({exc})") from None
 

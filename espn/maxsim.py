@@ -12,10 +12,16 @@ caller's one `.cpu()` per wave is the only synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-__all__ = ["maxsim", "maxsim_pairs", "cls_pairs"]
+if TYPE_CHECKING:
+    from .store import RecordBatch, StoreLayout
+
+__all__ = ["maxsim", "maxsim_pairs", "cls_pairs", "score_records", "record_vectors", "QueryScoring"]
 
 #: Most fp32 elements of gathered document vectors per chunk (32 MiB): bounds the memory a
 #: batch of 256 queries × 1000 re-ranked documents needs.
@@ -31,14 +37,17 @@ def maxsim_pairs(
     pair_doc: np.ndarray,
     reduction: str = "sum",
     max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MaxSim of each pair (query `pair_query[p]`, document `pair_doc[p]`) -> [P] float32.
 
-    q_bow [B, Lq, D], q_mask [B, Lq] bool; vectors [T, D] (any float dtype, on the scoring
-    device); offsets [n + 1] int64: document j owns vectors[offsets[j]:offsets[j + 1]];
-    pair_query, pair_doc [P] int64. Masked query vectors are not summed; a document with
-    no vectors scores 0. reduction "mean" divides by the query's vector count (a cosine,
-    on the scale of the CLS score); "sum" is ColBERT's raw sum.
+    q_bow [B, Lq, D], q_mask [B, Lq] bool; vectors [T, D] (any float dtype, or int8 codes
+    with `scales` [T], on the scoring device); offsets [n + 1] int64: document j owns
+    vectors[offsets[j]:offsets[j + 1]]; pair_query, pair_doc [P] int64. Masked query
+    vectors are not summed; a document with no vectors scores 0. reduction "mean" divides
+    by the query's vector count (a cosine, on the scale of the CLS score); "sum" is
+    ColBERT's raw sum. With `scales` each similarity is multiplied by its document
+    vector's scale (codes times query, then the scale: not a decode of every element).
 
     >>> q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]); qm = torch.tensor([[True, True]])
     >>> v = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]])
@@ -68,6 +77,7 @@ def maxsim_pairs(
         out[torch.from_numpy(chunk).to(device)] = _chunk_maxsim(
             q_bow[torch.from_numpy(queries[a:b])], q_mask[torch.from_numpy(queries[a:b])], vectors, offsets,
             pair_doc[chunk], lengths[chunk], np.repeat(np.arange(b - a), bounds[a + 1: b + 1] - bounds[a:b]),
+            scales,
         )
         a = b
     if reduction == "mean":
@@ -77,7 +87,8 @@ def maxsim_pairs(
 
 
 def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tensor, offsets: np.ndarray,
-                  docs: np.ndarray, lengths: np.ndarray, group: np.ndarray) -> torch.Tensor:
+                  docs: np.ndarray, lengths: np.ndarray, group: np.ndarray,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """Raw MaxSim sums of pairs grouped by query: group [P] in 0..G-1, non-decreasing."""
     device = vectors.device
     n_groups = int(group[-1]) + 1
@@ -94,17 +105,23 @@ def _chunk_maxsim(q_bow: torch.Tensor, q_mask: torch.Tensor, vectors: torch.Tens
     pair_slot = group * width + starts_in_group
     dst = np.repeat(pair_slot, lengths) + within
     src = np.repeat(offsets[docs], lengths) + within
+    row_scales = scales
     if total == slots and np.array_equal(dst, np.arange(slots)) and len(vectors) == total \
             and np.array_equal(src, np.arange(total)):
         x = vectors.float()  # the pairs are exactly the read batch, in order: no gather
     else:
         index = np.zeros(slots, dtype=np.int64)
         index[dst] = src
-        x = vectors.index_select(0, torch.from_numpy(index).to(device)).float() if len(vectors) else \
+        picked = torch.from_numpy(index).to(device)
+        x = vectors.index_select(0, picked).float() if len(vectors) else \
             torch.zeros((slots, vectors.shape[1]), dtype=torch.float32, device=device)
+        if scales is not None:
+            row_scales = scales.index_select(0, picked) if len(vectors) else None
     q = q_bow.to(device=device, dtype=torch.float32)
     # [G, width, Lq]: documents' vectors as rows (this orientation runs ~2x faster on CPU).
     sim = torch.bmm(x.view(n_groups, width, -1), q.transpose(1, 2)).reshape(slots, -1)
+    if row_scales is not None:
+        sim *= row_scales.to(torch.float32)[:, None]
     lq = sim.shape[1]
     nonempty = lengths > 0
     seg_starts = pair_slot[nonempty]
@@ -142,6 +159,132 @@ def _undo(order: np.ndarray, keep: np.ndarray) -> np.ndarray:
     position = np.empty(len(order), dtype=np.int64)
     position[order] = np.arange(len(order))
     return position[np.flatnonzero(keep)]
+
+
+@dataclasses.dataclass
+class QueryScoring:
+    """One batch's query embeddings, prepared once for every scoring call of a search.
+
+    cls [B, d_cls], bow [B, Lq, d_bow] float32 and mask [B, Lq] bool on the host; the layout
+    the native kernel takes (transposed, padded to whole columns) and device copies are
+    made on first use.
+    """
+
+    cls: torch.Tensor
+    bow: torch.Tensor
+    mask: torch.Tensor
+    _device_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _columns: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def from_arrays(cls, q_cls: np.ndarray, q_bow: np.ndarray, q_mask: np.ndarray) -> "QueryScoring":
+        return cls(torch.from_numpy(np.ascontiguousarray(q_cls, dtype=np.float32)),
+                   torch.from_numpy(np.ascontiguousarray(q_bow, dtype=np.float32)),
+                   torch.from_numpy(np.asarray(q_mask, dtype=bool)))
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cls, bow, mask) on `device`, copied there once."""
+        if device.type == "cpu":
+            return self.cls, self.bow, self.mask
+        if self._device_copy is None or self._device_copy[0].device != device:
+            self._device_copy = (self.cls.to(device), self.bow.to(device), self.mask.to(device))
+        return self._device_copy
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bow_t [B, d_bow, S] float32, valid [B, S] uint8): each query's unmasked vectors as
+        columns, S = Lq rounded up to the kernel's lanes, masked and padding columns zero."""
+        if self._columns is None:
+            from .maxsim_native import LANES
+
+            batch, length, dim = self.bow.shape
+            stride = max(LANES, -(-length // LANES) * LANES)
+            bow_t = np.zeros((batch, dim, stride), dtype=np.float32)
+            valid = np.zeros((batch, stride), dtype=np.uint8)
+            mask = self.mask.numpy()
+            bow_t[:, :, :length] = (self.bow.numpy() * mask[:, :, None]).transpose(0, 2, 1)
+            valid[:, :length] = mask
+            self._columns = (bow_t, valid)
+        return self._columns
+
+
+def score_records(queries: QueryScoring, records: "RecordBatch", layout: "StoreLayout", pair_query: np.ndarray,
+                  pair_row: np.ndarray, reduction: str = "sum", native: bool | None = None) -> np.ndarray:
+    """[2, P] float32: exact CLS and MaxSim of each pair (query `pair_query[p]`, row `pair_row[p]`
+    of `records`), scored from the stored records without decoding them.
+
+    int8 records: codes times the query, then the vector's scale (the scale multiplies each
+    similarity, not each element). native: use the compiled kernel (None: where it is built
+    and the records are on the host); False scores with torch, on the records' device (the
+    GPU path, and the reference: same results up to fp32 summation order).
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    pair_query = np.asarray(pair_query, dtype=np.int64)
+    pair_row = np.asarray(pair_row, dtype=np.int64)
+    if len(pair_query) == 0:
+        return np.zeros((2, 0), dtype=np.float32)
+    on_host = all(not isinstance(b, torch.Tensor) or b.device.type == "cpu" for b in records.buffers)
+    kernel = None
+    if native is not False and on_host:
+        from .maxsim_native import load_kernel
+
+        kernel = load_kernel()
+        if kernel is None and native:
+            raise ValueError("the native MaxSim kernel is not built here")
+    if kernel is not None:
+        from .maxsim_native import score_pairs_native
+
+        bow_t, valid = queries.columns()
+        cls, bow = score_pairs_native(kernel, records.addresses(), records.n_bow, layout.d_cls, layout.d_bow,
+                                      layout.dtype, queries.cls.numpy(), bow_t, valid, pair_query, pair_row)
+        if reduction == "mean":
+            bow /= np.maximum(valid.sum(axis=1), 1).astype(np.float32)[pair_query]
+        return np.stack([cls, bow])
+    cls_t, bow_t_ = _score_records_torch(queries, records, layout, pair_query, pair_row, reduction)
+    return torch.stack([cls_t, bow_t_]).cpu().numpy()
+
+
+def _split_batch(records: "RecordBatch", layout: "StoreLayout") -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """Every row's stored values as they are stored (`split_records`), across the batch's
+    buffers: cls, cls_scales, bow, bow_scales (None for float16 records), offsets [n + 1]."""
+    from .store import split_records
+
+    pieces = []
+    for b, buffer in enumerate(records.buffers):  # a buffer's rows are contiguous, buffers in row order
+        rows = np.flatnonzero(records.buffer_of == b)
+        flat = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
+        pieces.append(split_records(flat, records.starts[rows], records.n_bow[rows], layout))
+    cls_values, cls_scales, bow_values, bow_scales = (
+        None if piece[0] is None else torch.cat(list(piece)) if len(piece) > 1 else piece[0]
+        for piece in zip(*pieces))
+    assert cls_values is not None and bow_values is not None
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum(records.n_bow, out=offsets[1:])
+    return cls_values, cls_scales, bow_values, bow_scales, offsets
+
+
+def record_vectors(records: "RecordBatch", layout: "StoreLayout") -> tuple[torch.Tensor, np.ndarray]:
+    """The rows' BOW vectors decoded in fp32 (int8: code x scale, exact), [T, D], with offsets
+    [n + 1]: the values `score_records` scores, for callers that need each similarity (explain)."""
+    if not len(records):
+        return torch.zeros((0, layout.d_bow), dtype=torch.float32), np.zeros(1, dtype=np.int64)
+    _, _, bow, scales, offsets = _split_batch(records, layout)
+    vectors = bow.float() if scales is None else bow.float() * scales.float()[:, None]
+    return vectors, offsets
+
+
+def _score_records_torch(queries: QueryScoring, records: "RecordBatch", layout: "StoreLayout", pair_query: np.ndarray,
+                         pair_row: np.ndarray, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    device = records.buffers[0].device if isinstance(records.buffers[0], torch.Tensor) else torch.device("cpu")
+    cls_values, cls_scales, bow_values, bow_scales, offsets = _split_batch(records, layout)
+    q_cls, q_bow, q_mask = queries.on(device)
+    rows_t = torch.from_numpy(pair_row).to(device)
+    cls = (cls_values.index_select(0, rows_t).float() * q_cls[torch.from_numpy(pair_query).to(device)]).sum(dim=1)
+    if cls_scales is not None:
+        cls = cls * cls_scales.index_select(0, rows_t).float()
+    bow = maxsim_pairs(q_bow, q_mask, bow_values, offsets, pair_query, pair_row, reduction, scales=bow_scales)
+    return cls, bow
 
 
 def cls_pairs(q_cls: torch.Tensor, cls: torch.Tensor, pair_query: np.ndarray, pair_doc: np.ndarray) -> torch.Tensor:

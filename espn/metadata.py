@@ -21,6 +21,7 @@ axis. A missing value and JSON `null` are the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -31,8 +32,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .errors import CorpusError, IndexCorruptError
+from .mapped import map_npy
 
 __all__ = [
+    "MetadataLimits",
+    "DEFAULT_LIMITS",
+    "check_field_count",
     "FIELD_TYPES",
     "value_type",
     "check_metadata",
@@ -50,10 +55,23 @@ __all__ = [
 ]
 
 FIELD_TYPES = ("keyword", "keywords", "integer", "float", "boolean")
-FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$")
+FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a trailing newline
 #: Filter operators: a field of this name could not be told apart from them.
 RESERVED_NAMES = frozenset({"and", "or", "not"})
 DIRECTORY = "metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataLimits:
+    """Bounds on metadata: every field is a column (a file per part, a filter's unit of work),
+    so their number per document and per index is bounded, as is a document's JSON size."""
+
+    fields_per_document: int = 64
+    bytes_per_document: int = 16 << 10  # the metadata object as compact JSON, UTF-8
+    fields_per_index: int = 256
+
+
+DEFAULT_LIMITS = MetadataLimits()
 
 
 def value_type(value: Any) -> str | None:
@@ -75,26 +93,42 @@ def value_type(value: Any) -> str | None:
     if isinstance(value, list):
         if all(isinstance(item, str) for item in value):
             return "keywords"
-        raise ValueError("a list must hold strings only (a list of keywords)")
+        raise ValueError("a list must hold strings only (a list of keywords; nested lists and objects are not "
+                         "allowed)")
+    if isinstance(value, dict):
+        raise ValueError("nested objects are not allowed (a value is a keyword, a list of keywords, an integer, "
+                         "a float, a boolean or null)")
     raise ValueError(f"unsupported value type {type(value).__name__} (keyword, list of keywords, integer, "
                      f"float, boolean or null)")
 
 
-def check_metadata(metadata: Any) -> dict[str, Any]:
-    """Validate one document's `metadata` object; ValueError naming the field."""
+def check_metadata(metadata: Any, limits: MetadataLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Validate one document's `metadata` object; ValueError naming the field or the limit."""
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be a JSON object, got {type(metadata).__name__}")
+    if len(metadata) > limits.fields_per_document:
+        raise ValueError(f"'metadata' has {len(metadata)} fields; at most {limits.fields_per_document} per document")
     for name, value in metadata.items():
-        if not FIELD_NAME.match(name) or name in RESERVED_NAMES:
+        if not isinstance(name, str) or not FIELD_NAME.fullmatch(name) or name in RESERVED_NAMES:
             raise ValueError(f"metadata field name {name!r} is not allowed (letters, digits, _ . -; at most 64; "
                              f"not and/or/not)")
         try:
             value_type(value)
         except ValueError as exc:
             raise ValueError(f"metadata field {name!r}: {exc}") from None
+    size = len(json.dumps(metadata, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+    if size > limits.bytes_per_document:
+        raise ValueError(f"'metadata' is {size} bytes as JSON; at most {limits.bytes_per_document} per document")
     return metadata
+
+
+def check_field_count(schema: Mapping[str, str], limits: MetadataLimits = DEFAULT_LIMITS) -> None:
+    """ValueError when an index would hold more metadata fields than `limits` allow."""
+    if len(schema) > limits.fields_per_index:
+        raise ValueError(f"the index would hold {len(schema)} metadata fields; at most {limits.fields_per_index} "
+                         f"per index")
 
 
 def merge_types(old: str | None, new: str | None) -> str | None:
@@ -271,7 +305,7 @@ def write_columns(directory: Path, fields: list[tuple[str, str, dict[str, np.nda
     folder.mkdir(parents=True, exist_ok=True)
     section = []
     for i, (name, kind, parts) in enumerate(fields):
-        if kind not in FIELD_TYPES or not FIELD_NAME.match(name) or name in RESERVED_NAMES:
+        if kind not in FIELD_TYPES or not FIELD_NAME.fullmatch(name) or name in RESERVED_NAMES:
             raise ValueError(f"metadata field {name!r} of type {kind!r} is not allowed")
         for part, values in parts.items():
             np.save(folder / f"f{i}.{part}.npy", values)
@@ -379,7 +413,7 @@ class MetadataColumns:
             def load(part: str) -> np.ndarray:
                 file = Path(path) / f"{spec['file']}.{part}.npy"
                 try:
-                    return np.load(file, mmap_mode="r", allow_pickle=False)
+                    return map_npy(file)
                 except (ValueError, OSError) as exc:
                     raise IndexCorruptError(f"{file}: unreadable ({exc})") from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["Hit", "SearchStats", "QueryResult", "Document", "PassageSpan", "TokenMatch", "Explanation"]
+__all__ = ["Hit", "SearchStats", "QueryResult", "Document", "PassageSpan", "TokenMatch", "Explanation", "LexicalMatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +56,43 @@ class Explanation:
 
 
 @dataclasses.dataclass(frozen=True)
+class LexicalMatch:
+    """A clause of the query that matched a document on the lexical side.
+
+    terms:        its analysed terms (space-joined for a phrase)
+    query_start, query_end: where it was written in the query
+    score:        its BM25 contribution; the matches' scores sum to the hit's lexical_score
+    spans:        where its words occur in the passage
+    """
+
+    terms: str
+    query_start: int
+    query_end: int
+    score: float
+    spans: tuple[PassageSpan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Hit:
     """One ranked document. `bow_score` is None below `rerank_count` (not re-ranked).
 
-    `explanation` is filled only by `Searcher.search(..., explain=True)`, for re-ranked hits.
+    In dense mode `score` is `w·cls + (1−w)·bow`. In lexical mode it is the BM25 score
+    (`cls_score` and `bow_score` None). In hybrid mode it is the fused score, with
+    `dense_score` (`w·cls + (1−w)·bow`, None when the dense side did not score it) and
+    `lexical_score` (BM25, None when the lexical side did not find it) beside it.
+
+    `explanation` (MaxSim, re-ranked hits) and `lexical_matches` (the lexical side) are
+    filled only by `Searcher.search(..., explain=True)`.
     """
 
     doc_id: str
     score: float
-    cls_score: float
+    cls_score: Optional[float]
     bow_score: Optional[float]
     explanation: Optional[Explanation] = None
+    dense_score: Optional[float] = None
+    lexical_score: Optional[float] = None
+    lexical_matches: Optional[tuple[LexicalMatch, ...]] = None
 
 
 @dataclasses.dataclass
@@ -87,6 +113,9 @@ class SearchStats:
     filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
                 in coarse order) or "all" (every document matches: searched unfiltered); None
                 without a filter
+    mode:       dense, lexical or hybrid (see espn.hybrid)
+    hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
+                (the router re-fuses partitions' pools with them)
     """
 
     stage_ms: dict[str, float]
@@ -101,6 +130,8 @@ class SearchStats:
     waves_skipped: int = 0
     matched: Optional[int] = None
     filter_path: Optional[str] = None
+    mode: str = "dense"
+    hybrid: Optional[dict] = None
 
 
 @dataclasses.dataclass

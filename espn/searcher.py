@@ -3,15 +3,16 @@ waves submitting reads of the current top candidates while the ANN goes on -> re
 misses -> aggregate `w · cls + (1 − w) · bow` over the re-ranked top.
 
 After every segment of δ clusters but the last, a wave takes the (query, document) pairs
-that entered the current top `prefetch_k` since the last wave and submits their reads to
-the reader (`Reader.submit`): with the posix reader the read engine (io_uring) has them in
-flight when the call returns, so the main thread goes straight on scanning and no thread
-competes with FAISS for a core. Once the ANN is done each wave is scored, in one batched
-MaxSim call (`maxsim_pairs`), for the pairs that made the final list only; their scores
-land in one preallocated array per batch, so nothing is concatenated or padded. The
-pairs the waves missed are read and scored on the critical path. A cost model skips waves
-that the remaining scan cannot hide (`_wave_pays`), and readers whose reads are CPU work
-(memory, mmap) take no waves at all: there is nothing to overlap.
+that entered the current top `prefetch_k` since the last wave and submits their reads from
+the scanning thread itself (`PendingRead.submit`): with the posix reader the read engine
+(io_uring) has them in flight when the call returns, so the scan goes straight on, no
+second thread competes with FAISS for a core or the GIL, and the completions are reaped
+after the scan on the same thread. A cost model measured online (`espn.prefetch`) takes a
+wave only when the reads the scan still to come can hide outweigh the wave's submission
+and wasted reads; readers whose reads are CPU work (memory, mmap) take no waves at all.
+Once the ANN is done the misses are submitted, every read is reaped, and the final
+candidates are scored in one call straight from the records where the reads left them
+(`espn.maxsim.score_records`: no gather, no decode).
 
 On a GPU (`early_rerank`) a worker thread reads and re-ranks each wave while the ANN goes
 on, as in the paper. `prefetch=False` is the sequential reference path; all paths give
@@ -26,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import faiss
 import numpy as np
@@ -38,14 +39,19 @@ from .errors import InvalidParameterError
 from .explain import can_explain, explain_results
 from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
+from .hybrid import HybridParams
 from .index import DocStore, IdMap, IndexDirectory
-from .maxsim import cls_pairs, maxsim_pairs
+from .lexical import open_text_index
+from .maxsim import QueryScoring, score_records
 from .metadata import MetadataColumns
+from .modes import search_modes
 from .params import SearchParams
+from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
-from .store import PendingRead, ReadBatch, open_reader
+from .store import PendingRead, RecordBatch, Reader, open_reader
 from .store.format import StoreLayout
+from .text.query import parse_query
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
 
@@ -107,8 +113,9 @@ class Searcher:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._reopen: dict[str, Any] = {}
         self._token = (0, 0)
-        self.reader = open_reader(reader_name, index.file("embeddings.bin"), self.records, self.layout,
-                                  device=self.device, **dict(reader_options or {}))
+        #: What this Searcher closes itself; what it shares with other generations closes with their base.
+        self._owned: list[Callable[[], None]] = []
+        self.reader = self._open_reader(reader_name, dict(reader_options or {}))
         score = self.manifest["score"]
         self.weight = float(score["w"])
         self.bow_reduction = score.get("bow_reduction", "mean")
@@ -123,15 +130,47 @@ class Searcher:
         if not (isinstance(min_hidden_ms, (int, float)) and min_hidden_ms >= 0):
             raise InvalidParameterError(f"min_hidden_ms must be a number >= 0, got {min_hidden_ms!r}")
         self.min_hidden_ms = float(min_hidden_ms)
+        self._prefetch = PrefetchModel(self.min_hidden_ms)  # what waves cost and win, measured as we go
         self._list_sizes = list_sizes(self.ann)
         self.metadata = view.metadata if view is not None else MetadataColumns.open(index.path, self.manifest)
         if isinstance(filter_cache_bytes, bool) or not isinstance(filter_cache_bytes, int) or filter_cache_bytes < 0:
             raise InvalidParameterError(f"filter_cache_bytes must be an integer >= 0, got {filter_cache_bytes!r}")
         # Compiled filters (mask + the matches' own IVF), least recently used out first.
         self._filters: FilterCache[str, FilteredDocs] = FilterCache(filter_cache_bytes, lambda f: f.nbytes)
-        self._pool = ThreadPoolExecutor(max_workers=prefetch_threads, thread_name_prefix="espn-prefetch")
+        self._pool = self._shared("prefetch-pool", lambda: ThreadPoolExecutor(
+            max_workers=prefetch_threads, thread_name_prefix="espn-prefetch"), lambda pool: pool.shutdown(wait=True))
+        #: The generation's full-text index (None: the index has none) and the hybrid defaults.
+        self.text = open_text_index(index.path, self.manifest, view)
+        if self.text is not None:
+            self._owned.append(self.text.close)
+        self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
+
+    def _shared(self, key: str, make: Callable[[], Any], close: Callable[[Any], None]) -> Any:
+        """One object for every generation over this live-index base (closed with the base),
+        or this Searcher's own without a view."""
+        if self.view is not None:
+            return self.view.shared.attached(key, make, close)
+        value = make()
+        self._owned.append(lambda: close(value))
+        return value
+
+    def _open_reader(self, name: str | None, options: dict[str, Any]) -> Reader:
+        """The reader of embeddings.bin. The Searchers of one live-index base share one: a newer
+        generation only extends its records table (the rows of older doc numbers never change),
+        so a write costs no new descriptors, rings or threads. Readers that hold a copy or a
+        map of the file (memory, mmap) cannot follow appends: there each generation has its own."""
+        def make() -> Reader:
+            return open_reader(name, self.index.file("embeddings.bin"), self.records, self.layout,  # type: ignore[arg-type]
+                               device=self.device, **options)
+
+        reader: Reader = self._shared("reader", make, lambda r: r.close())
+        if reader.extend_records(self.records):  # type: ignore[arg-type]  # a RecordTable reads like one
+            return reader
+        reader = make()
+        self._owned.append(reader.close)
+        return reader
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
@@ -143,8 +182,9 @@ class Searcher:
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
         None = best available), `io_depth`, `max_extent_bytes`, `direct`; for kvikio `nthreads`,
         `gds_threshold`, `task_size`, `bounce_buffer_size`, `compat_mode`, `max_extent_bytes`.
-        min_hidden_ms: a prefetch wave starts only while the scan still to come is expected to
-        take at least this long (0: always; the cost model of `_wave_pays`).
+        min_hidden_ms: a prefetch wave is taken only when the time it is expected to save
+        (`espn.prefetch.PrefetchModel`: reads the scan still to come hides, less the wave's
+        own costs) is at least this (0: always).
         filter_cache_bytes: budget of the compiled-filter cache (masks and sub-indexes).
         """
         view = open_view(path, verify=verify)
@@ -173,7 +213,9 @@ class Searcher:
         token = current_token(root)
         if token == self._token:
             return None
-        view = open_view(root, verify="none")  # the files were verified at start or fsynced by the writer
+        # The files were verified at start or fsynced by the writer; what the generations share
+        # (the base, its reader, the segments) is taken over from this one.
+        view = open_view(root, verify="none", previous=self.view)
         try:
             searcher = type(self)(view.base, self.encoder, view=view, **self._reopen)
         except BaseException:
@@ -202,8 +244,11 @@ class Searcher:
         return self.reader.name
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.reader.close()
+        """Release what this Searcher holds; what it shares with other generations closes with
+        the last of them. Call it once no search runs on it (espn.lease.LiveSearcher does)."""
+        owned, self._owned = self._owned, []
+        for close in reversed(owned):
+            close()
         if self.view is not None:
             self.view.close()
 
@@ -218,19 +263,74 @@ class Searcher:
         """The defaults with per-call overrides, validated against this index."""
         return self.defaults.replace(k=k, **overrides).validate(self.nlist, self.num_documents)
 
+    def hybrid_params(self, mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+                      rrf_k: int | None = None, mix_weight: float | None = None,
+                      union: bool | None = None) -> HybridParams:
+        """The index's mode and fusion defaults with per-call overrides, validated."""
+        return self.hybrid_defaults.replace(mode=mode, fusion=fusion, lexical_k=lexical_k, rrf_k=rrf_k,
+                                            mix_weight=mix_weight, union=union)
+
     def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
-               **overrides: Any) -> list[QueryResult]:
+               mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
+               rrf_k: int | None = None, mix_weight: float | None = None, union: bool | None = None,
+               embeddings: QueryEmbeddings | None = None, **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
         filter: a filter (JSON object or its text; see `espn.filters`) every hit must satisfy.
         explain: give every re-ranked hit an Explanation (per query token: its MaxSim
-        contribution and the passage span it matched); computed after the search, for the
-        returned hits only, and timed as stage "explain". False costs nothing.
+        contribution and the passage span it matched) and, in lexical and hybrid modes, its
+        lexical matches; computed after the search, for the returned hits only, and timed as
+        stage "explain". False costs nothing.
+        mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
+        union tune hybrid search (`espn.hybrid.HybridParams`). Lexical and hybrid queries
+        use the syntax of `espn.text.query` (phrases, +required, -excluded).
+        embeddings: these queries already encoded by `encode` (the server encodes concurrent
+        requests of different parameters in one call); stage "encode" is then 0 here. In
+        hybrid mode they must be the encodings of the queries' dense text (`dense_queries`).
         """
         if not isinstance(explain, bool):
             raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
-        if explain:
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
+        if explain and hybrid.mode != "lexical":
             can_explain(self.encoder)
+        self._check_texts(queries)
+        params = self.params(k, **overrides)
+        filtered = self.filtered_docs(filter)
+        if not queries:
+            return []
+        if embeddings is not None and len(embeddings) != len(queries):
+            raise InvalidParameterError(f"embeddings hold {len(embeddings)} queries for {len(queries)} texts")
+        if hybrid.mode != "dense":
+            return search_modes(self, queries, params, hybrid, filtered, explain, _Timer(), embeddings)
+        timer = _Timer()
+        if embeddings is None:
+            embeddings = self.encode(queries)
+        timer.lap("encode")
+        results = self._search(embeddings, params, timer, filtered=filtered)
+        return self._explain(queries, embeddings, results) if explain else results
+
+    def dense_queries(self, queries: Sequence[str], mode: str | None = None) -> list[str] | None:
+        """What `encode` takes for these queries in `mode` (None: the index's default): the
+        queries themselves (dense), their words without the lexical syntax's quotes and
+        operators (hybrid), or None (lexical: nothing is encoded)."""
+        mode = self.hybrid_params(mode).mode
+        if mode == "lexical":
+            return None
+        if mode == "hybrid":
+            return [query.dense_text() or query.source for query in map(parse_query, queries)]
+        return list(queries)
+
+    def encode(self, queries: Sequence[str]) -> QueryEmbeddings:
+        """Encode query texts with the index's encoder (tokenised and run as one batch)."""
+        self._check_texts(queries)
+        if self.encoder is None:
+            raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
+        with self._tokenizer_lock:
+            tokens = self.encoder.tokenize(list(queries), is_query=True)
+        return self.encoder.embed_queries(tokens)
+
+    @staticmethod
+    def _check_texts(queries: Sequence[str]) -> None:
         if isinstance(queries, str) or not isinstance(queries, Sequence):
             raise InvalidParameterError("queries must be a list of strings")
         if len(queries) > MAX_BATCH:
@@ -240,19 +340,6 @@ class Searcher:
                 raise InvalidParameterError(f"query {i} must be a non-empty string")
             if len(query) > MAX_QUERY_CHARS:
                 raise InvalidParameterError(f"query {i} has {len(query)} characters; at most {MAX_QUERY_CHARS}")
-        params = self.params(k, **overrides)
-        filtered = self.filtered_docs(filter)
-        if not queries:
-            return []
-        if self.encoder is None:
-            raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
-        timer = _Timer()
-        with self._tokenizer_lock:
-            tokens = self.encoder.tokenize(list(queries), is_query=True)
-        embeddings = self.encoder.embed_queries(tokens)
-        timer.lap("encode")
-        results = self._search(embeddings, params, timer, filtered=filtered)
-        return self._explain(queries, embeddings, results) if explain else results
 
     def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
         started = time.perf_counter()
@@ -265,14 +352,24 @@ class Searcher:
         return results
 
     def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, filter: Any = None,
-                          **overrides: Any) -> list[QueryResult]:
-        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L]."""
+                          mode: str | None = None, texts: Sequence[str] | None = None, fusion: str | None = None,
+                          lexical_k: int | None = None, rrf_k: int | None = None, mix_weight: float | None = None,
+                          union: bool | None = None, **overrides: Any) -> list[QueryResult]:
+        """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L].
+
+        mode hybrid also needs `texts`, the B query strings for the lexical side.
+        """
         params = self.params(k, **overrides)
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
         filtered = self.filtered_docs(filter)
         if queries.cls.ndim != 2 or queries.cls.shape[1] != self.layout.d_cls or queries.bow.shape[-1] != self.layout.d_bow:
             raise InvalidParameterError(
                 f"query embeddings must have d_cls={self.layout.d_cls}, d_bow={self.layout.d_bow}; "
                 f"got cls {queries.cls.shape}, bow {queries.bow.shape}")
+        if hybrid.mode != "dense":
+            if texts is None or len(texts) != len(queries):
+                raise InvalidParameterError(f"mode {hybrid.mode!r} needs texts: one query string per embedding")
+            return search_modes(self, texts, params, hybrid, filtered, False, _Timer(), embeddings=queries)
         return self._search(queries, params, _Timer(), filtered=filtered)
 
     def filtered_docs(self, filter: Any) -> FilteredDocs | None:
@@ -324,12 +421,21 @@ class Searcher:
 
     # -- the pipeline ----------------------------------------------------------------
     def _search(self, q: QueryEmbeddings, params: SearchParams, timer: _Timer,
-                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None) -> list[QueryResult]:
+                allowed: np.ndarray | None = None, filtered: FilteredDocs | None = None,
+                extra: "Future[tuple[Sequence[np.ndarray], RecordBatch | None]] | None" = None,
+                pools: list[Scored] | None = None) -> list[QueryResult]:
         """allowed: [N] bool, the documents a search may return (None: all); applied inside
         FAISS, so excluded documents are never read, re-ranked or counted against k.
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
-        unfiltered search scans codes (`espn.filtered`)."""
+        unfiltered search scans codes (`espn.filtered`).
+        extra: a future of (per query, doc numbers to score besides the re-ranked head; those
+        documents read already, or None to read them): hybrid search's lexical side, still
+        running when the scan starts. As soon as it is done a worker scores them while the
+        scan goes on (the scan takes one core, so this is work the other core hides); those
+        that make the head are not read or scored again.
+        pools: filled with one Scored per query: the head and the extra documents, exact CLS
+        and MaxSim (`espn.modes` fuses them)."""
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
         restricted = filtered if filtered is not None and filtered.matches < self._live_count else None
@@ -349,8 +455,7 @@ class Searcher:
         else:
             selector = None  # the sub-index holds the filter's live matches only
         xq = np.ascontiguousarray(q.cls, dtype=np.float32)
-        queries = _QueryTensors(torch.from_numpy(xq), torch.from_numpy(np.ascontiguousarray(q.bow, dtype=np.float32)),
-                                torch.from_numpy(np.asarray(q.mask, dtype=bool)))
+        queries = QueryScoring.from_arrays(xq, q.bow, q.mask)
         candidates = params.candidates
         sizes = self._list_sizes
         exact = np.zeros(batch, dtype=bool)
@@ -377,19 +482,41 @@ class Searcher:
         submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
         rows = np.arange(batch, dtype=np.int64)[:, None] * n_docs
         top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
-        scan_started = time.perf_counter()
+        use_prefetch = use_prefetch and not self._prefetch.explore()  # now and then a plain read, to measure
+        progress = ScanProgress(segment_codes(lists, sizes, segments))
+        extra_keys = np.zeros(0, dtype=np.int64)
+        extra_scores = np.zeros((2, 0), dtype=np.float32)
+        extra_wave: _Wave | None = None
+
+        def start_extra() -> None:  # score the extra documents on a worker, once they are known
+            nonlocal extra, extra_keys, extra_wave
+            assert extra is not None
+            docs, records = extra.result()
+            extra, extra_keys = None, _extra_keys(docs, n_docs)
+            if len(extra_keys):
+                extra_wave = self._start_early_wave(extra_keys, n_docs, queries, records)
+            elif records is not None:
+                records.release()
+
         try:
-            for a, b in segments:
+            for segment, (a, b) in enumerate(segments):
+                if extra is not None and extra.done():
+                    start_extra()
                 part = search_preassigned(ann, xq, candidates, lists[:, a:b], coarse_scores[:, a:b], selector)
                 top = merge_topk(top, part, candidates)
                 if not use_prefetch or b >= n_probe or n_waves >= max_waves:
+                    continue
+                scan_left = progress.left_ms(segment)
+                if not self._prefetch.may_pay(scan_left):  # too little scan left to hide anything
+                    skipped += 1
                     continue
                 head = top[1][:, : params.wave_size]
                 keys = (rows + head)[head >= 0]
                 new = keys[~np.isin(keys, submitted)]
                 if len(new) == 0:
                     continue
-                if not self._wave_pays(lists[:, :b], lists[:, b:], (time.perf_counter() - scan_started) * 1000, sizes):
+                docs = np.unique(new % n_docs)
+                if not self._prefetch.wave_pays(scan_left, len(docs), int(self.records[docs]["length"].sum())):
                     skipped += 1
                     continue
                 submitted = np.union1d(submitted, new)
@@ -397,8 +524,16 @@ class Searcher:
                 if self.early_rerank:
                     early.append(self._start_early_wave(new, n_docs, queries))
                 else:
-                    # Planning, submission and completion on a prefetch thread: the scan goes on.
-                    group.submit(np.unique(new % n_docs), executor=self._pool)
+                    # Submitted from this thread: the engine has the reads in flight when submit
+                    # returns, the scan goes on, and they are reaped after it, here.
+                    started = time.perf_counter()
+                    group.submit(docs)
+                    ended = time.perf_counter()
+                    self._prefetch.observe_submit(len(docs), (ended - started) * 1000)
+                    progress.waved(segment, len(docs), started, ended)
+            slowdown = progress.slowdown()
+            if slowdown is not None and not self.early_rerank:
+                self._prefetch.observe_slowdown(*slowdown)
             timer.lap("ann")
 
             rerank = top[1][:, : params.rerank_count]
@@ -407,28 +542,48 @@ class Searcher:
             scores = np.zeros((2, len(final)), dtype=np.float32)  # exact CLS, MaxSim per final key
             scored = np.zeros(len(final), dtype=bool)
             bytes_read = ios = 0
-            group.wait()
+            in_waves = np.isin(final, submitted)
+            if extra is not None:
+                start_extra()  # the lexical side's documents: known by now (BM25 ran beside the scan)
+            in_extra = np.isin(final, extra_keys)  # read and scored by the extra wave
+            misses = np.unique(final[~in_waves & ~in_extra] % n_docs)
+            started = time.perf_counter()
+            group.submit(misses)  # in flight beside the waves' tails while early waves are collected
+            in_flight = time.perf_counter()
+            if self.reader.io_bound:
+                self._prefetch.observe_submit(len(misses), (in_flight - started) * 1000)
             final_sorted = np.argsort(final, kind="stable") if early else final
             for wave in early:
-                data, wave_scores = wave.finish()
-                bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
+                (wave_bytes, wave_ios), wave_scores = wave.finish()
+                bytes_read, ios = bytes_read + wave_bytes, ios + wave_ios
                 wanted = np.isin(wave.keys, final)
                 where = final_sorted[np.searchsorted(final, wave.keys[wanted], sorter=final_sorted)]
                 scores[:, where] = wave_scores[:, wanted]
                 scored[where] = True
             early = []
+            if extra_wave is not None:
+                (extra_bytes, extra_ios), extra_scores = extra_wave.finish()
+                extra_wave = None
+                bytes_read, ios = bytes_read + extra_bytes, ios + extra_ios
+                in_head = np.isin(extra_keys, final)  # scored already: take them, read them no more
+                where = np.flatnonzero(in_extra)
+                scores[:, where] = extra_scores[:, in_head][:, np.argsort(np.argsort(final[where]))]
+                scored[where] = True
+                extra_keys, extra_scores = extra_keys[~in_head], extra_scores[:, ~in_head]
             timer.lap("prefetch_wait")
 
-            in_waves = np.isin(final, submitted)
-            group.submit(np.unique(final[~in_waves] % n_docs))
             group.wait()
+            missed_bytes = int(self.records[misses]["length"].sum())
+            if len(misses) and self.reader.io_bound:  # what the device took (after waves: or their tail, if later)
+                self._prefetch.observe_read(missed_bytes, (time.perf_counter() - in_flight) * 1000)
             timer.lap("miss_read")
             todo = np.flatnonzero(~scored)
             need = np.unique(final[todo] % n_docs)
-            data = group.result(select=need)  # one gather, of the final candidates only
-            bytes_read, ios = bytes_read + data.bytes_read, ios + data.ios
-            timer.lap("gather")
-            scores[:, todo] = self._score_pairs(queries, data, final[todo], n_docs)
+            # The final candidates' records where the reads left them: scored in place, not gathered.
+            with group.records(select=need) as records:
+                bytes_read, ios = bytes_read + records.bytes_read, ios + records.ios
+                timer.lap("gather")
+                scores[:, todo] = self._score_pairs(queries, records, final[todo], n_docs)
             timer.lap("maxsim")
         finally:  # a failure part-way: no read may outlive the search, nor hide its error
             try:
@@ -437,16 +592,31 @@ class Searcher:
                 log.warning("a read failed while its search was being abandoned", exc_info=True)
             for wave in early:
                 wave.discard()
+            if extra_wave is not None:
+                extra_wave.discard()
+            if extra is not None and not extra.cancel() and extra.exception() is None:
+                _, unused = extra.result()  # waited for: its reads must not outlive the search
+                if unused is not None:
+                    unused.release()
 
         n_final = valid.sum(axis=1)
         prefetched = np.bincount(submitted // n_docs, minlength=batch)
         hits_in_final = np.bincount(final[in_waves] // n_docs, minlength=batch)
+        if n_waves:
+            self._prefetch.observe_waves(len(submitted), int(in_waves.sum()), missed_bytes)
         missed = n_final - hits_in_final
         cls_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         bow_grid = np.full(rerank.shape, np.nan, dtype=np.float32)
         cls_grid[valid], bow_grid[valid] = scores[0], scores[1]
         out = [self._aggregate(top[0][i], top[1][i], rerank[i][valid[i]], cls_grid[i][valid[i]],
                                bow_grid[i][valid[i]], params.k) for i in range(batch)]
+        if pools is not None:
+            extra_query = extra_keys // n_docs
+            for i in range(batch):
+                mine = extra_query == i
+                pools.append((np.concatenate([rerank[i][valid[i]], extra_keys[mine] % n_docs]),
+                              np.concatenate([cls_grid[i][valid[i]], extra_scores[0][mine]]),
+                              np.concatenate([bow_grid[i][valid[i]], extra_scores[1][mine]])))
         timer.lap("aggregate")
         stage_ms = timer.total()
         engine = self.reader.engine
@@ -464,43 +634,24 @@ class Searcher:
             for i, hits in enumerate(out)
         ]
 
-    def _wave_pays(self, scanned: np.ndarray, remaining: np.ndarray, elapsed_ms: float,
-                   sizes: np.ndarray | None = None) -> bool:
-        """The cost model: a wave pays when the scan still to come can hide its reads.
-
-        The scan time left is estimated from this very search: the rate measured over the
-        clusters scanned so far (its index type, dimension, batch size and machine load)
-        times the codes in the clusters left. Below `min_hidden_ms` the wave's candidates go
-        to the critical-path read with the misses instead.
-        """
-        if self.min_hidden_ms == 0:
-            return True
-        sizes = self._list_sizes if sizes is None else sizes  # codes per list of the index searched
-        done = int(sizes[scanned[scanned >= 0]].sum())
-        left = int(sizes[remaining[remaining >= 0]].sum())
-        return done > 0 and elapsed_ms * left / done >= self.min_hidden_ms
-
-    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: "_QueryTensors") -> "_Wave":
+    def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring,
+                          records: RecordBatch | None = None) -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
-        both submits and waits, as ring-based engines require."""
+        both submits and waits, as ring-based engines require. records: the wave's documents,
+        read already (only scored here; the wave releases them, also when it is cancelled)."""
         docs = np.unique(keys % n_docs)
 
-        def read_and_score() -> tuple[ReadBatch, np.ndarray]:
-            data = self.reader.read(docs)
-            return data, self._score_pairs(queries, data, keys, n_docs)
+        def read_and_score() -> tuple[tuple[int, int], np.ndarray]:
+            batch = self.reader.submit(docs).records() if records is None else records
+            with batch:
+                return (batch.bytes_read, batch.ios), self._score_pairs(queries, batch, keys, n_docs)
 
-        return _Wave(keys, self._pool.submit(read_and_score))
+        return _Wave(keys, self._pool.submit(read_and_score), records)
 
-    def _score_pairs(self, queries: "_QueryTensors", data: ReadBatch, keys: np.ndarray, n_docs: int) -> np.ndarray:
-        """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`, whose documents `data` holds."""
-        if len(keys) == 0:
-            return np.zeros((2, 0), dtype=np.float32)
-        pair_query = keys // n_docs
-        pair_row = data.rows_of(keys % n_docs)
-        q_bow, q_mask = queries.on(data.vectors.device)
-        bow = maxsim_pairs(q_bow, q_mask, data.vectors, data.offsets, pair_query, pair_row, self.bow_reduction)
-        cls = cls_pairs(queries.cls, data.cls, pair_query, pair_row)
-        return torch.stack([cls, bow]).cpu().numpy()
+    def _score_pairs(self, queries: QueryScoring, records: RecordBatch, keys: np.ndarray, n_docs: int) -> np.ndarray:
+        """[2, P] float32: exact CLS and MaxSim of the (query, doc) `keys`, whose records `records` holds."""
+        return score_records(queries, records, self.layout, keys // n_docs, records.rows_of(keys % n_docs),
+                             self.bow_reduction)
 
     def _aggregate(self, ann_scores: np.ndarray, ann_docs: np.ndarray, rerank: np.ndarray, head_cls: np.ndarray,
                    head_bow: np.ndarray, k: int) -> list[Hit]:
@@ -551,34 +702,17 @@ class Searcher:
             merged = torch.cat([best_docs, torch.from_numpy(numbers).expand(len(queries), -1)], dim=1)
             best_scores, idx = scores.topk(min(keep, scores.shape[1]), dim=1)
             best_docs = merged.gather(1, idx)
-        tensors = _QueryTensors(xq, torch.from_numpy(np.ascontiguousarray(queries.bow, dtype=np.float32)),
-                                torch.from_numpy(np.asarray(queries.mask, dtype=bool)))
+        tensors = QueryScoring.from_arrays(queries.cls, queries.bow, queries.mask)
         n_docs = self.num_documents
         head = best_docs[:, : min(rerank_count, best_docs.shape[1])].numpy()
         if head.shape[1] == 0:
             return [[] for _ in range(len(queries))]
         keys = (np.arange(len(queries))[:, None] * n_docs + head).ravel()
         docs = np.unique(head)
-        scored = self._score_pairs(tensors, self.reader.read(docs), keys, n_docs).reshape(2, *head.shape)
+        with self.reader.submit(docs).records() as records:
+            scored = self._score_pairs(tensors, records, keys, n_docs).reshape(2, *head.shape)
         return [self._aggregate(best_scores[i].numpy(), best_docs[i].numpy(), head[i], scored[0, i], scored[1, i], k)
                 for i in range(len(queries))]
-
-
-@dataclasses.dataclass
-class _QueryTensors:
-    """One batch's query embeddings on the host, with a copy on the scoring device made once."""
-
-    cls: torch.Tensor   # [B, d_cls] float32
-    bow: torch.Tensor   # [B, Lq, d_bow] float32
-    mask: torch.Tensor  # [B, Lq] bool
-    _device_copy: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device.type == "cpu":
-            return self.bow, self.mask
-        if self._device_copy is None or self._device_copy[0].device != device:
-            self._device_copy = (self.bow.to(device), self.mask.to(device))
-        return self._device_copy
 
 
 @dataclasses.dataclass
@@ -587,17 +721,29 @@ class _Wave:
 
     keys: np.ndarray
     future: Future
+    owned: RecordBatch | None = None  # read before the wave: released by the worker, or here if it never ran
 
-    def finish(self) -> tuple[ReadBatch, np.ndarray]:
-        """The wave's embeddings and its pair scores [2, len(keys)]; re-raises a worker failure."""
-        data, scores = self.future.result()
-        return data, scores
+    def finish(self) -> tuple[tuple[int, int], np.ndarray]:
+        """(bytes read, ios) and the wave's pair scores [2, len(keys)]; re-raises a worker failure."""
+        cost, scores = self.future.result()
+        return cost, scores
 
     def discard(self) -> None:
         """Wait for the wave without using it (its search failed), logging its own error."""
-        if not self.future.cancel() and self.future.exception() is not None:
+        if self.future.cancel():
+            if self.owned is not None:
+                self.owned.release()
+        elif self.future.exception() is not None:
             log.warning("a prefetch wave failed while its search was being abandoned",
                         exc_info=self.future.exception())
+
+
+def _extra_keys(extra: Sequence[np.ndarray] | None, n_docs: int) -> np.ndarray:
+    """Sorted unique (query · N + doc) keys of the extra documents per query."""
+    if not extra:
+        return np.zeros(0, dtype=np.int64)
+    keys = [i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(extra)]
+    return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
 
 
 def _share(total: int, i: int, n: int) -> int:

@@ -24,7 +24,10 @@ from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
+from espn.text.config import TextConfig
+
 from .chunks import Chunk, chunk_path, read_chunk
+from .text_index import DEFAULT_HYBRID, build_for_directory
 from .workdir import WorkDir
 
 __all__ = ["assemble", "publish", "default_search_params"]
@@ -176,6 +179,9 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     }
     if metadata_section is not None:
         manifest["metadata"] = metadata_section
+    if job.get("text_index") is not None:
+        manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
+        manifest["hybrid"] = DEFAULT_HYBRID.to_json()
     manifest = write_manifest(staging, manifest)
     log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, n_bow, file_bytes / 1e6,
              time.perf_counter() - started)

@@ -21,6 +21,7 @@ from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.index import read_manifest, write_json_atomic
 from espn.store.format import STORAGE_TYPES
+from espn.text.config import TextConfig
 
 from .assemble import assemble, publish
 from .encode import encode_corpus, read_sample
@@ -93,6 +94,7 @@ class BuildConfig:
     loader_workers: int = 1
     device: str | None = None
     progress: bool = True
+    text_index: TextConfig | None = dataclasses.field(default_factory=TextConfig)  # None: no full-text index
 
     def validate(self) -> "BuildConfig":
         if not Path(self.corpus).is_file():
@@ -137,6 +139,7 @@ class BuildConfig:
             "bow_dtype": self.bow_dtype,
             "bow_pooling": self.bow_pooling,
             "w": self.score_weight,
+            "text_index": None if self.text_index is None else self.text_index.validate().to_json(),
         }
 
 
@@ -223,7 +226,8 @@ def merge_index(out: Path, partitions: int = 1, force: bool = False) -> dict[str
 def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nlist: int | None = None,
                           ann: str = "flat", pq_m: int = 32, chunk_size: int = 1024, corpus: Path | None = None,
                           force: bool = False, score_weight: float | None = None,
-                          pool_factor: int = 1, bow_dtype: str = "float16") -> dict[str, Any]:
+                          pool_factor: int = 1, bow_dtype: str = "float16",
+                          text_index: TextConfig | None = TextConfig()) -> dict[str, Any]:
     """An index from precomputed embedding shards (any multi-vector model), no encoder run."""
     from espn.encoders.precomputed import PrecomputedEncoder
 
@@ -244,6 +248,8 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
         write_json_atomic(work.job_file, {
             "corpus": str(Path(source).absolute()), "block_size": block_size, "nlist": nlist, "ann": ann,
             "pq_m": pq_m, "encoder_config": encoder_config, "pool_factor": pool_factor, "bow_dtype": bow_dtype,
+            # passages come only with a corpus: without one there is no text to index
+            "text_index": None if corpus is None or text_index is None else text_index.validate().to_json(),
         })
         chunks = -(-totals["documents"] // chunk_size)
         write_json_atomic(work.marker(0, 1), {"shard": 0, "num_shards": 1, "documents": totals["documents"],

@@ -16,7 +16,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "unpack_strings"]
+__all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "unpack_strings",
+           "passage_line"]
 
 
 class Chunk:
@@ -40,6 +41,12 @@ class Chunk:
         texts = unpack_strings(self.docs_blob, self.docs_offsets)
         blob, offsets = pack_strings([t for t, k in zip(texts, keep) if k])
         return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets)
+
+
+def passage_line(title: str, text: str, metadata: dict | None) -> str:
+    """A document's line of docs.jsonl: title, text and (when it has any) metadata, as JSON."""
+    return json.dumps({"title": title, "text": text, **({"metadata": metadata} if metadata else {})},
+                      ensure_ascii=False)
 
 
 def chunk_path(work_dir: Path, index: int) -> Path:
@@ -74,8 +81,7 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
     titles = titles if titles is not None else [""] * n
     texts = texts if texts is not None else [""] * n
     metas = metadata if metadata is not None else [None] * n
-    lines = [json.dumps({"title": t, "text": x, **({"metadata": m} if m else {})}, ensure_ascii=False)
-             for t, x, m in zip(titles, texts, metas)]
+    lines = [passage_line(t, x, m) for t, x, m in zip(titles, texts, metas)]
     docs_blob, docs_offsets = pack_strings(lines)
     path = chunk_path(work_dir, index)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-text-index", action="store_true",
+                   help="no full-text index (lexical and hybrid search need one; `espn text-index` adds it later)")
+    _text_options(p)
     p.set_defaults(handler=cmd_index)
+
+    p = sub.add_parser("text-index", help="add a full-text index (for lexical and hybrid search) to an existing index")
+    p.add_argument("index", type=Path)
+    p.add_argument("--force", action="store_true", help="rebuild it when the index has one")
+    _text_options(p)
+    p.set_defaults(handler=cmd_text_index)
 
     p = sub.add_parser("add", help="add or replace documents of a live index (upsert by id) from a corpus file")
     p.add_argument("index", type=Path)
@@ -57,7 +66,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_add)
 
@@ -65,12 +75,14 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("index", type=Path)
     p.add_argument("ids", nargs="*", help="external document ids")
     p.add_argument("--ids-file", type=Path, help="a file of ids, one per line")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.set_defaults(handler=cmd_delete)
 
     p = sub.add_parser("compact", help="merge a live index's segments into one, dropping deleted documents")
     p.add_argument("index", type=Path)
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for another writer (default: refuse)")
+    p.add_argument("--wait", type=float, default=60.0,
+                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
     p.set_defaults(handler=cmd_compact)
 
     p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
@@ -84,6 +96,31 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.set_defaults(handler=cmd_index_merge)
 
 
+def _text_options(p: argparse.ArgumentParser) -> None:
+    from espn.text.config import STEMMER_LANGUAGES
+
+    p.add_argument("--text-language", default="english", choices=STEMMER_LANGUAGES,
+                   help="the full-text index's stemmer and stop-word language (default english)")
+    p.add_argument("--text-no-stemmer", action="store_true", help="index words unstemmed")
+    p.add_argument("--text-no-stop-words", action="store_true", help="keep stop words")
+    p.add_argument("--text-ascii-fold", action="store_true", help="fold accented letters to ASCII")
+
+
+def _text_config(args: argparse.Namespace) -> Any:
+    from espn.text.config import TextConfig
+
+    return TextConfig(language=args.text_language, stemmer=not args.text_no_stemmer,
+                      stop_words=not args.text_no_stop_words, ascii_fold=args.text_ascii_fold).validate()
+
+
+def cmd_text_index(args: argparse.Namespace) -> int:
+    from .text_index import add_text_index
+
+    section = add_text_index(args.index, _text_config(args), force=args.force)
+    print(f"{args.index}: full-text index of {section['documents']} passages added ({section['build_s']:.1f}s)")
+    return 0
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from .build import DEFAULT_BOW_DTYPE, BuildConfig, build_from_embeddings, build_index, keeping_partial
 
@@ -94,10 +131,13 @@ def cmd_index(args: argparse.Namespace) -> int:
                                          ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
                                          corpus=args.corpus, force=args.force, score_weight=args.score_weight,
                                          pool_factor=1 if args.pool_factor is None else args.pool_factor,
-                                         bow_dtype=args.bow_dtype or "float16")
+                                         bow_dtype=args.bow_dtype or "float16",
+                                         text_index=None if args.no_text_index else _text_config(args))
     else:
         if args.corpus is None:
-            raise SystemExit("espn index: error: give a CORPUS file or --embeddings DIR")
+            from espn.cli import UsageError
+
+            raise UsageError("give a CORPUS file or --embeddings DIR")
         config = BuildConfig(
             corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
             ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
@@ -105,6 +145,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
+            text_index=None if args.no_text_index else _text_config(args),
         )
         with keeping_partial(args.out):
             manifest = build_index(config)
@@ -132,25 +173,28 @@ def _print_write(index: Path, what: str, result: Any) -> None:
 def cmd_add(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.add_corpus(args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
-                                   progress=not args.no_progress, skip_bad=args.skip_bad)
+    # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
+    result = LiveIndex(args.index).add_corpus(args.corpus, batch_size=args.batch_size,
+                                              loader_workers=args.loader_workers, progress=not args.no_progress,
+                                              skip_bad=args.skip_bad, wait_s=args.wait)
     _print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
     from espn.errors import InvalidParameterError
+    from espn.cli import UsageError
 
     from .live import LiveIndex, iter_ids_file
 
+    if not args.ids and args.ids_file is None:
+        raise UsageError("give ids to delete, or --ids-file FILE")
     ids = list(args.ids)
     if args.ids_file is not None:
         ids += list(iter_ids_file(args.ids_file))
     if not ids:
-        raise InvalidParameterError("give ids to delete, or --ids-file FILE")
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.delete(ids)
+        raise InvalidParameterError(f"--ids-file {args.ids_file}: no ids in it")
+    result = LiveIndex(args.index).apply(deletes=ids, wait_s=args.wait)
     _print_write(args.index, f"{len(result.deleted)} deleted", result)
     return 0
 
@@ -158,10 +202,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
-    with LiveIndex.open(args.index, wait_s=args.wait) as writer:
-        result = writer.compact()
-        documents = writer.current().live_documents
-    _print_write(args.index, f"compacted to one segment of {documents} documents", result)
+    # From a snapshot: writes go on meanwhile and wait only for the swap.
+    writer = LiveIndex(args.index)
+    result = writer.compact(wait_s=args.wait)
+    _print_write(args.index, f"compacted ({writer.current().live_documents} live documents)", result)
     return 0
 
 

@@ -1,64 +1,88 @@
-"""Writes to a live index: upsert, delete, compact; each publishes one generation.
+"""Writes to a live index: upserts and deletes, each group of them published as one generation.
 
-`LiveIndex.open(INDEX)` takes the index's writer lock (`live/LOCK`, an exclusive
-`flock`: a second writer is refused, or waits up to `wait_s`). New documents go through
-the build's own encode stage (`encode_corpus` into chunk files) and the store's
-`RecordWriter`, so a delta holds exactly what `espn index` would have written. Order of a
-publish: records appended to the base's embeddings.bin past the published end and
-fsynced, the segment directory written and renamed into place, the deletion bitmap,
-the generation file, then `live/CURRENT` replaced by rename and the directory fsynced.
+`LiveIndex(INDEX)` is the writer; it holds the index's writer lock (`live/LOCK`, an
+exclusive `flock`: one writer at a time, in any process) only while it publishes, so
+the writers of several server workers and an `espn add` take turns, and the expensive
+part of a write (encoding, in memory) runs outside the lock. `LiveIndex.open(INDEX)`
+instead holds the lock until `close()` (the command line's one-shot writes).
+
+A publish (`publish`): the writes of a group are resolved in order against the current
+generation (each caller's write whole or not at all: an unknown id to delete fails that
+write only), then
+1. the new documents' records are appended to the base's embeddings.bin past the
+   published end and fsynced (`_checkpoint("appended")`);
+2. their delta segment is written and renamed into place as live/seg-N ("segment");
+3. the doc numbers they delete or replace go to one tombstone file, live/tomb-N.npy,
+   merged with the small tombstone files before it ("tombstones");
+4. each side index (`SideIndex`: the full-text index of a later issue) writes its own
+   files for this generation: the one place such an index plugs in;
+5. the generation record live/gen-N.json ("generation"), then `live/CURRENT` replaced by
+   rename and the directory fsynced ("published").
 A `kill -9` anywhere before that rename leaves the previous generation current; the next
-writer truncates the unpublished tail and removes the unpublished files (`_recover`).
-See espn/segments.py for the layout and the reading side.
+writer truncates the unpublished tail of embeddings.bin and removes unpublished files
+(`_recover`). Per-write work is proportional to the write: a delete writes a tombstone
+file of a few bytes and the generation record, never a bitmap over every document.
+Compaction (indexing/compaction.py) works from a snapshot without this lock and takes
+it only to swap its result in. See espn/segments.py for the layout and the reading side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import fcntl
-import json
 import logging
 import os
+import re
 import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import faiss
 import numpy as np
 
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
-from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
-from espn.index import FILES, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic, write_manifest
+from espn.errors import ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError, \
+    ReadOnlyIndexError
+from espn.ids import MAX_ID_BYTES, check_doc_id
+from espn.index import FILES, IdMap, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic
+from espn.metadata import DEFAULT_LIMITS, MetadataLimits, MetadataWriter, add_from_passages, check_field_count, \
+    check_metadata, merge_types, value_type
+from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.segments import (
     LIVE_DIR,
     SEGMENT_FILES,
+    ByteRange,
     Generation,
-    LiveView,
     SegmentInfo,
+    TombstoneFile,
     empty_ivf,
-    open_view,
+    generation_schema,
     read_current,
+    read_generation,
+    read_tombstones,
 )
-from espn.metadata import DIRECTORY as METADATA_DIR
-from espn.metadata import MetadataWriter, add_from_passages, check_metadata, schema_of
-from espn.store import open_reader
-from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.store.format import RecordWriter, StoreLayout
 
-from .assemble import default_search_params
 from .chunks import finished_chunks, read_chunk
-from .encode import encode_corpus
+from .encode import EncodedDocuments, encode_corpus, encode_documents
 from .scan import scan_corpus
 
-__all__ = ["LiveIndex", "NewDocument", "WriteResult", "IndexLockedError", "CompactionPolicy", "live_stats",
-           "MAX_ID_BYTES", "MAX_TEXT_CHARS"]
+__all__ = ["LiveIndex", "NewDocument", "WriteRequest", "WriteResult", "WriteLimits", "SideIndex", "IndexLockedError",
+           "check_write", "live_stats", "iter_ids_file", "read_only_reason", "MAX_ID_BYTES", "MAX_TEXT_CHARS", "Staging"]
 
 log = logging.getLogger(__name__)
 
-#: Longest external id (utf-8 bytes) and passage (characters) a write accepts.
-MAX_ID_BYTES = 512
+#: Longest passage (title and text, characters) a write accepts.
 MAX_TEXT_CHARS = 100_000
+#: A tombstone file is merged into the next one while the result stays this small (entries),
+#: so a chain of single deletes costs a few small files, not one file per delete.
+TOMBSTONE_MERGE_MAX = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,50 +106,311 @@ class WriteResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompactionPolicy:
-    """Compact once a generation has more than `max_segments` deltas or this deleted fraction."""
+class WriteLimits:
+    """What one write may hold (checked before anything is encoded or written)."""
 
-    max_segments: int = 8
-    max_deleted_fraction: float = 0.2
+    metadata: MetadataLimits = DEFAULT_LIMITS
+    max_text_chars: int = MAX_TEXT_CHARS
 
-    def due(self, generation: Generation) -> bool:
-        if not generation.segments and not generation.deleted:
-            return False
-        return (len(generation.segments) > self.max_segments
-                or generation.deleted_count > self.max_deleted_fraction * max(1, generation.total))
+
+@dataclasses.dataclass(frozen=True)
+class WriteRequest:
+    """One caller's write, checked: the ids it upserts (in order) and deletes, and the metadata
+    fields its documents carry (name -> type). Published whole or not at all."""
+
+    upserts: tuple[str, ...]
+    deletes: tuple[str, ...]
+    fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def check_write(upserts: Sequence[NewDocument], deletes: Sequence[str], limits: WriteLimits = WriteLimits()) -> WriteRequest:
+    """Validate a write before anything is encoded or written; InvalidParameterError naming
+    the document and the problem (ids: espn.ids; text length; metadata and its limits)."""
+    if not upserts and not deletes:
+        raise InvalidParameterError("nothing to write: give documents to upsert or ids to delete")
+    seen: set[str] = set()
+    fields: dict[str, str] = {}
+    for i, d in enumerate(upserts):
+        check_doc_id(d.doc_id, f"document {i}: id")
+        if d.doc_id in seen:
+            raise ConflictError(f"document id {d.doc_id!r} appears twice in one write")
+        seen.add(d.doc_id)
+        if not isinstance(d.text, str) or not isinstance(d.title, str):
+            raise InvalidParameterError(f"document {d.doc_id!r}: title and text must be strings")
+        if not (d.text.strip() or d.title.strip()):
+            raise InvalidParameterError(f"document {d.doc_id!r}: text is empty")
+        if len(d.text) + len(d.title) > limits.max_text_chars:
+            raise InvalidParameterError(f"document {d.doc_id!r}: title and text hold {len(d.text) + len(d.title)} "
+                                        f"characters; at most {limits.max_text_chars}")
+        try:
+            metadata = check_metadata(d.metadata if d.metadata is None else dict(d.metadata), limits.metadata)
+            for name, value in metadata.items():
+                kind = merge_types(fields.get(name), value_type(value))
+                if kind is not None:
+                    fields[name] = kind
+            check_field_count(fields, limits.metadata)
+        except ValueError as exc:
+            raise InvalidParameterError(f"document {d.doc_id!r}: {exc}") from None
+    for doc_id in deletes:
+        check_doc_id(doc_id, "id to delete")
+    if len(set(deletes)) != len(deletes):
+        raise ConflictError("delete lists an id twice")
+    both = seen.intersection(deletes)
+    if both:
+        raise ConflictError(f"id {sorted(both)[0]!r} is both upserted and deleted in one write")
+    return WriteRequest(tuple(d.doc_id for d in upserts), tuple(deletes), fields)
+
+
+class SideIndex(Protocol):
+    """An index kept beside the vectors that moves with every generation (a full-text index).
+
+    The writer calls it at fixed points, under the writer lock, before the generation
+    record is written; whatever it returns is that generation's `side[name]` entry, whose
+    `files` ({path under live/: {"bytes", "sha256"}}) the generation then names (kept by the
+    garbage collector while a held generation names them; numbered names like
+    `text-000012/` are removed when unpublished after a crash). Deleted or replaced doc
+    numbers must never match again; doc numbers are those of espn.segments.
+    """
+
+    name: str
+
+    def on_write(self, live_dir: Path, number: int, previous: Mapping[str, Any] | None, first: int,
+                 documents: EncodedDocuments | None, tombstones: np.ndarray) -> Mapping[str, Any]:
+        """Generation `number` adds `documents` at doc numbers first.. and deletes `tombstones`."""
+
+    def on_swap(self, live_dir: Path, number: int, previous: Mapping[str, Any] | None,
+                renumber: Callable[[np.ndarray], np.ndarray]) -> Mapping[str, Any]:
+        """A compaction swaps in generation `number`: doc numbers of the generation before map
+        through `renumber` (-1: dropped); the identity for a merge of deltas."""
 
 
 #: Test hook: called with a step name at each point a crash test kills the writer.
 _checkpoint: Callable[[str], None] = lambda step: None
 
-
-def _file_entries(directory: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
-            for name in names}
+_NUMBERED = re.compile(r"^([a-z]+)-(\d{6})(?:\.[a-z]+)?$")
 
 
-def _pack_ids(ids: Sequence[str] | np.ndarray) -> np.ndarray:
-    return np.asarray(ids, dtype=bytes) if len(ids) else np.zeros(0, dtype="S1")
+def file_entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file under `directory`, then the directories themselves (bottom up)."""
+    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):
+        fsync_path(path)
+    fsync_path(directory)
+
+
+class Staging:
+    """A work directory under live/ that survives the writers' crash recovery while its owner
+    lives: the owner holds an `flock` on it, and `_recover` removes a staging directory only
+    when it can take that lock (its owner died). For `espn add`'s encoding and compaction,
+    which run without the writer lock; it is made under that lock (briefly), so that no
+    recovery sees it before it is locked."""
+
+    PREFIXES = ("stage-",)
+
+    def __init__(self, writer: "LiveIndex", kind: str, wait_s: float) -> None:
+        with writer.locked(wait_s):
+            self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=writer.live_dir))
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _IndexState:
+    """What a writer needs of the current generation to resolve ids: every segment's id map
+    (memory-mapped, holding no descriptor) and the tombstones; rebuilt per generation,
+    sharing the unchanged maps with the one before."""
+
+    def __init__(self, root: Path, generation: Generation, previous: "_IndexState | None") -> None:
+        self.generation = generation
+        reuse = previous if previous is not None and previous.generation.base == generation.base else None
+        self.base: IndexDirectory = reuse.base if reuse is not None else \
+            IndexDirectory(root / generation.base, read_manifest(root / generation.base))
+        maps = {} if reuse is None else reuse.maps
+        self.maps: dict[str, IdMap] = {".": maps.get(".") or IdMap(self.base.load_array("ids.npy"),
+                                                                   self.base.load_array("ids_sorted.npy"))}
+        for info in generation.segments:
+            seg = IndexDirectory(root / LIVE_DIR / info.name, {})
+            self.maps[info.name] = maps.get(info.name) or IdMap(seg.load_array("ids.npy"),
+                                                                seg.load_array("ids_sorted.npy"))
+        self.firsts = [(0, ".")] + [(info.first, info.name) for info in generation.segments]
+        self.tombstones = read_tombstones(root, generation)
+        self.schema = generation_schema(self.base, generation)
+
+    def live_number(self, doc_id: str) -> int | None:
+        """The doc number of the live version of `doc_id`, None when it is absent or deleted."""
+        for first, name in reversed(self.firsts):  # the newest version is the only one that can be live
+            try:
+                number = first + self.maps[name].internal(doc_id)
+            except DocumentNotFoundError:
+                continue
+            at = int(np.searchsorted(self.tombstones, number))
+            return None if at < len(self.tombstones) and self.tombstones[at] == number else number
+        return None
+
+
+@dataclasses.dataclass
+class _Resolved:
+    """A group resolved in order: per write its outcome, the documents to store, the doc numbers to tombstone."""
+
+    outcomes: list[tuple[list[str], list[str], list[str]] | Exception]
+    keep: list[tuple[int, int]]  # (write, document) of the documents stored, in order
+    tombstones: np.ndarray
+
+
+def _resolve(state: _IndexState, requests: Sequence[WriteRequest], limits: WriteLimits) -> _Resolved:
+    """Apply the writes in order, as if one after the other: each sees the ones before it.
+    A write that deletes an id that is not there, or gives a metadata field a type the index
+    holds another type for, fails alone; a document upserted twice in the group is stored once."""
+    pending: dict[str, tuple[str, int] | None] = {}  # id -> ("old", doc number) | ("new", slot) | None
+    slots: list[tuple[int, int]] = []
+    alive: set[int] = set()
+    dead: list[int] = []
+    schema = dict(state.schema)
+    outcomes: list[tuple[list[str], list[str], list[str]] | Exception] = []
+
+    def where(doc_id: str) -> tuple[str, int] | None:
+        if doc_id in pending:
+            return pending[doc_id]
+        number = state.live_number(doc_id)
+        return None if number is None else ("old", number)
+
+    def drop(location: tuple[str, int] | None) -> None:
+        if location is None:
+            return
+        kind, value = location
+        if kind == "old":
+            dead.append(value)
+        else:
+            alive.discard(value)
+
+    for r, request in enumerate(requests):
+        missing = [doc_id for doc_id in request.deletes if where(doc_id) is None]
+        if missing:
+            outcomes.append(DocumentNotFoundError(f"no document with id {missing[0]!r}"))
+            continue
+        try:
+            merged = dict(schema)
+            for name, kind in request.fields.items():
+                try:
+                    merged[name] = merge_types(merged.get(name), kind) or kind
+                except ValueError as exc:  # the index holds this field with another type
+                    raise ConflictError(f"metadata field {name!r} {exc}") from None
+            check_field_count(merged, limits.metadata)
+        except ConflictError as exc:
+            outcomes.append(exc)
+            continue
+        except ValueError as exc:
+            outcomes.append(InvalidParameterError(str(exc)))
+            continue
+        schema = merged
+        created: list[str] = []
+        replaced: list[str] = []
+        for doc_id in request.deletes:
+            drop(where(doc_id))
+            pending[doc_id] = None
+        for i, doc_id in enumerate(request.upserts):
+            location = where(doc_id)
+            (replaced if location is not None else created).append(doc_id)
+            drop(location)
+            alive.add(len(slots))
+            pending[doc_id] = ("new", len(slots))
+            slots.append((r, i))
+        outcomes.append((created, replaced, list(request.deletes)))
+    keep = [slots[s] for s in sorted(alive)]
+    return _Resolved(outcomes, keep, np.unique(np.asarray(dead, dtype=np.int64)))
+
+
+def _gather(encoded: Sequence[EncodedDocuments | None], keep: Sequence[tuple[int, int]]) -> EncodedDocuments:
+    """The kept (write, document) pairs of a group, in order, as one EncodedDocuments."""
+    parts = []
+    for r in sorted({r for r, _ in keep}):
+        part = encoded[r]
+        assert part is not None, "a write with upserts was encoded"
+        parts.append(part.take([i for w, i in keep if w == r]))
+    return parts[0] if len(parts) == 1 else EncodedDocuments.concat(parts)
 
 
 class LiveIndex:
-    """The one writer of an index. Use as a context manager; every method publishes a generation."""
+    """The writer of a live index. Every publish makes one generation.
 
-    def __init__(self, root: Path, lock_fd: int, encoder: Encoder | None = None) -> None:
-        self.root = root
-        self._lock_fd = lock_fd
+    `LiveIndex(root)` takes the writer lock for each publish and releases it after;
+    `LiveIndex.open(root)` holds it until `close()` (use as a context manager). A second
+    writer anywhere gets IndexLockedError (or waits up to `wait_s`).
+    """
+
+    def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
+                 side_indexes: Sequence[SideIndex] = ()) -> None:
+        self.root = Path(root).absolute()
+        read_manifest(self.root)  # a clear error for a path that is no index
         self._encoder = encoder
-        self._recover()
+        self.limits = limits
+        self.side_indexes = list(side_indexes)
+        self._lock_fd = -1
+        self._held = False  # by open(): kept across publishes
+        self._mutex = threading.RLock()  # one publish at a time through this object
+        self._state: _IndexState | None = None
+        self._template: tuple[str, np.ndarray] | None = None  # (base, its IVF with empty lists, serialized)
 
     @classmethod
-    def open(cls, root: Path | str, wait_s: float = 0.0, encoder: Encoder | None = None) -> "LiveIndex":
-        """Take the writer lock (waiting up to `wait_s`); raises IndexLockedError when another holds it."""
-        root = Path(root).absolute()
-        read_manifest(root)  # a clear error for a path that is no index
-        live = root / LIVE_DIR
-        live.mkdir(exist_ok=True)
-        fd = os.open(live / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def open(cls, root: Path | str, wait_s: float = 0.0, encoder: Encoder | None = None,
+             limits: WriteLimits = WriteLimits()) -> "LiveIndex":
+        """Take the writer lock (waiting up to `wait_s`) and hold it until `close()`."""
+        writer = cls(root, encoder, limits)
+        writer._acquire(wait_s)
+        writer._held = True
+        return writer
+
+    def close(self) -> None:
+        if self._held:
+            self._held = False
+            self._release()
+
+    def __enter__(self) -> "LiveIndex":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the writer lock -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self, wait_s: float = 0.0) -> Iterator[Generation]:
+        """Hold the writer lock for the block (unless this writer holds it already), crash
+        leftovers recovered; yields the current generation."""
+        with self._mutex:
+            if self._lock_fd >= 0:
+                yield self.current()
+                return
+            self._acquire(wait_s)
+            try:
+                yield self.current()
+            finally:
+                self._release()
+
+    def _acquire(self, wait_s: float) -> None:
+        live = self.live_dir
+        try:
+            live.mkdir(exist_ok=True)
+            fd = os.open(live / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise ReadOnlyIndexError(f"{self.root} is read-only ({exc.strerror}); writes are refused") from None
+            raise
         deadline = time.monotonic() + wait_s
+        pause = 0.001
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,25 +418,21 @@ class LiveIndex:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
-                    raise IndexLockedError(f"{root}: another writer holds {live / 'LOCK'}; one writer at a time") \
+                    raise IndexLockedError(f"{self.root}: another writer holds {live / 'LOCK'}; one writer at a time") \
                         from None
-                time.sleep(0.02)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+        self._lock_fd = fd
         try:
-            return cls(root, fd, encoder)
+            self._recover()
         except BaseException:
-            os.close(fd)
+            self._release()
             raise
 
-    def close(self) -> None:
+    def _release(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-    def __enter__(self) -> "LiveIndex":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -161,8 +442,10 @@ class LiveIndex:
     def current(self) -> Generation:
         return read_current(self.root)
 
-    def _view(self) -> LiveView:
-        return open_view(self.root, verify="none")
+    def _state_of(self, generation: Generation) -> _IndexState:
+        if self._state is None or self._state.generation != generation:
+            self._state = _IndexState(self.root, generation, self._state)
+        return self._state
 
     def encoder(self) -> Encoder:
         if self._encoder is None:
@@ -173,7 +456,6 @@ class LiveIndex:
     def stats(self) -> dict[str, Any]:
         return live_stats(self.root)
 
-
     # -- writes ----------------------------------------------------------------------
     def upsert(self, documents: Sequence[NewDocument]) -> WriteResult:
         return self.apply(upserts=documents)
@@ -182,184 +464,171 @@ class LiveIndex:
         """Delete by external id; every id must be live (else DocumentNotFoundError, nothing written)."""
         return self.apply(deletes=doc_ids)
 
-    def apply(self, upserts: Sequence[NewDocument] = (), deletes: Sequence[str] = ()) -> WriteResult:
+    def apply(self, upserts: Sequence[NewDocument] = (), deletes: Sequence[str] = (), wait_s: float = 0.0) -> WriteResult:
         """Upserts and deletes as one generation: all visible at once, or (on any error) none."""
-        _validate_documents(upserts)
-        doc_ids = [d.doc_id for d in upserts]
-        both = set(doc_ids) & set(deletes)
-        if both:
-            raise InvalidParameterError(f"id {sorted(both)[0]!r} is both upserted and deleted in one batch")
-        if len(set(deletes)) != len(deletes):
-            raise InvalidParameterError("delete lists an id twice")
-        if not upserts and not deletes:
-            raise InvalidParameterError("nothing to write: give documents to upsert or ids to delete")
-        if deletes:  # unknown ids fail before anything is encoded or written
-            view = self._view()
-            try:
-                for doc_id in deletes:
-                    view.ids.internal(doc_id)
-            finally:
-                view.close()
-        if not upserts:
-            return self._publish(work=None, deletes=deletes)
-        work = self.live_dir / "incoming"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        try:
-            corpus = work / "corpus.jsonl"
-            with open(corpus, "w", encoding="utf-8") as f:
-                for d in upserts:
-                    f.write(json.dumps({"_id": d.doc_id, "title": d.title, "text": d.text}, ensure_ascii=False) + "\n")
-            metadata = [dict(d.metadata or {}) for d in upserts]
-            return self._publish_corpus(corpus, work, deletes=deletes, metadata=metadata, loader_workers=0)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        request = check_write(upserts, deletes, self.limits)
+        outcome = self.publish([request], [self.encode(upserts)], wait_s)[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def encode(self, documents: Sequence[NewDocument], batch_size: int = 32) -> EncodedDocuments | None:
+        """Encode documents in memory (no lock needed): what `publish` stores. None for none."""
+        if not documents:
+            return None
+        return encode_documents(self.encoder(), [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
+                                batch_size)
+
+    def publish(self, requests: Sequence[WriteRequest], encoded: Sequence[EncodedDocuments | None],
+                wait_s: float = 0.0) -> list[WriteResult | Exception]:
+        """Publish checked writes (`check_write`) and their encoded documents as one generation.
+
+        The writes apply in order; each one's outcome is a WriteResult, or the error that
+        made it fail alone (DocumentNotFoundError, InvalidParameterError) while the others
+        publish. Takes the writer lock for the publish only (waiting up to `wait_s`).
+        """
+        if len(requests) != len(encoded):
+            raise InvalidParameterError("publish: one encoding (or None) per write")
+        with self.locked(wait_s) as current:
+            state = self._state_of(current)
+            resolved = _resolve(state, requests, self.limits)
+            number = current.number
+            if resolved.keep or len(resolved.tombstones):
+                number = self._publish(current, state, _gather(encoded, resolved.keep) if resolved.keep else None,
+                                       resolved.tombstones)
+        return [o if isinstance(o, Exception) else WriteResult(number, *o) for o in resolved.outcomes]
+
+    def _publish(self, current: Generation, state: _IndexState, documents: EncodedDocuments | None,
+                 tombstones: np.ndarray) -> int:
+        number = current.number + 1
+        segments, embeddings_bytes = list(current.segments), current.embeddings_bytes
+        if documents is not None:
+            info = self._write_delta(number, current, state, documents)
+            segments.append(info)
+            embeddings_bytes = info.records[-1].stop
+        chain = self._add_tombstones(current.tombstones, tombstones, number)
+        side = self._side_on_write(current, number, current.total, documents, tombstones)
+        self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes, tuple(segments),
+                               chain, _now(), current.base_files, side))
+        return number
 
     def add_corpus(self, corpus: Path, *, batch_size: int = 32, loader_workers: int = 1, progress: bool = False,
-                   skip_bad: bool = False) -> WriteResult:
-        """Upsert every document of a corpus file (BEIR jsonl or TSV) as one generation."""
+                   skip_bad: bool = False, wait_s: float = 0.0) -> WriteResult:
+        """Upsert every document of a corpus file (BEIR jsonl or TSV) as one generation.
+
+        Encoding runs without the writer lock (into chunk files of a staging directory, as
+        the build does), so writers of a running server are not held up; the lock is taken
+        (waiting up to `wait_s`) only to publish.
+        """
         corpus = Path(corpus)
         if not corpus.is_file():
             raise CorpusError(f"{corpus}: no such file")
-        if scan_corpus(corpus, skip_bad).documents == 0:  # ids unique, lines valid, before any encoding
+        scan = scan_corpus(corpus, skip_bad)  # ids valid and unique, lines valid, before any encoding
+        if scan.documents == 0:
             raise CorpusError(f"{corpus}: the corpus has no documents")
-        work = self.live_dir / "incoming"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        try:
-            return self._publish_corpus(corpus, work, deletes=(), batch_size=batch_size,
-                                        loader_workers=loader_workers, progress=progress, skip_bad=skip_bad)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with Staging(self, "add", wait_s) as work:
+            encode_corpus(corpus, work.path, self.encoder(), batch_size=batch_size, loader_workers=loader_workers,
+                          progress=progress, skip_bad=skip_bad, total_documents=scan.documents)
+            _checkpoint("encoded")
+            parts = [EncodedDocuments.from_chunk(read_chunk(work.path, c)) for c in finished_chunks(work.path)]
+            documents = EncodedDocuments.concat(parts)
+            try:
+                check_field_count(scan.metadata_fields, self.limits.metadata)
+            except ValueError as exc:
+                raise CorpusError(f"{corpus}: {exc}") from None
+            outcome = self.publish([WriteRequest(tuple(documents.ids), (), scan.metadata_fields)], [documents],
+                                   wait_s)[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-    def _publish_corpus(self, corpus: Path, work: Path, *, deletes: Sequence[str],
-                        metadata: list[dict[str, Any]] | None = None, batch_size: int = 32, loader_workers: int = 1,
-                        progress: bool = False, skip_bad: bool = False) -> WriteResult:
-        encode_corpus(corpus, work, self.encoder(), batch_size=batch_size, loader_workers=loader_workers,
-                      progress=progress, skip_bad=skip_bad)
-        _checkpoint("encoded")
-        return self._publish(work=work, deletes=deletes, metadata=metadata)
-
-    def _publish(self, work: Path | None, deletes: Sequence[str],
-                 metadata: list[dict[str, Any]] | None = None) -> WriteResult:
-        current = self.current()
-        view = self._view()
-        try:
-            deleted = np.zeros(current.total, dtype=bool) if view.live is None else ~view.live
-            doomed = []
-            for doc_id in deletes:
-                doomed.append(view.ids.internal(doc_id))  # DocumentNotFoundError: nothing written yet
-            number = current.number + 1
-            segments = list(current.segments)
-            created: list[str] = []
-            replaced: list[str] = []
-            if work is not None:
-                info, new_ids = self._write_segment(work, current, number, metadata)
-                segments.append(info)
-                for doc_id in new_ids:
-                    old = view.ids.lookup(doc_id)
-                    if old is not None and not deleted[old]:
-                        doomed.append(old)
-                        replaced.append(doc_id)
-                    else:
-                        created.append(doc_id)
-                deleted = np.concatenate([deleted, np.zeros(info.documents, dtype=bool)])
-        finally:
-            view.close()
-        deleted[np.asarray(doomed, dtype=np.int64)] = True
-        embeddings_bytes = segments[-1].embeddings[1] if len(segments) > len(current.segments) else \
-            current.embeddings_bytes
-        generation = Generation(number, current.base, current.base_documents, embeddings_bytes, tuple(segments),
-                                self._write_deleted(deleted, number), _now())
-        self._commit(generation)
-        return WriteResult(number, created, replaced, list(deletes))
-
-    def _write_segment(self, work: Path, current: Generation, number: int,
-                       metadata: list[dict[str, Any]] | None) -> tuple[SegmentInfo, list[str]]:
+    def _write_delta(self, number: int, current: Generation, state: _IndexState,
+                     documents: EncodedDocuments) -> SegmentInfo:
         """Records appended to the base's embeddings.bin; the rest in live/seg-NNNNNN."""
-        base = IndexDirectory(self.root / current.base, read_manifest(self.root / current.base))
+        base = state.base
         layout = StoreLayout.from_manifest(base.manifest["store"])  # pooling and storage type as the build's
-        chunks = [read_chunk(work, c) for c in finished_chunks(work)]
-        n = sum(len(c) for c in chunks)
-        if n == 0:
-            raise CorpusError("the documents to add are empty")
+        n = len(documents)
         name = f"seg-{number:06d}"
         staging = self.live_dir / f"{name}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         first = current.total
-        records = np.empty(n, dtype=RECORD_DTYPE)
-        ids = np.concatenate([c.ids for c in chunks]) if chunks else np.zeros(0, "S1")
-        cls = np.concatenate([c.cls for c in chunks]).astype(np.float32)
-        lines = []
-        for c in chunks:
-            blob = c.docs_blob.tobytes()
-            lines += [blob[c.docs_offsets[i] : c.docs_offsets[i + 1]] for i in range(len(c))]
-        if metadata is not None:
-            lines = [_with_metadata(line, meta) for line, meta in zip(lines, metadata)]
-        columns = self._write_columns(staging, lines, base, current)
+        writer = MetadataWriter(staging, n)
+        add_from_passages(writer, documents.lines)
+        columns = writer.finish()
         start = current.embeddings_bytes
         # Truncates any unpublished tail first (a crashed writer's), then appends block-aligned.
-        with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start) as writer:
-            at = 0
-            for chunk in chunks:
-                records[at : at + len(chunk)] = writer.append(chunk.cls, chunk.bow, chunk.counts)
-                at += len(chunk)
-            stop = writer.close()
+        with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start) as records_out:
+            records = records_out.append(documents.cls, documents.bow, documents.counts)
+            stop = records_out.close()
         _checkpoint("appended")
+        ids = np.array([i.encode("utf-8") for i in documents.ids], dtype=bytes)
         np.save(staging / "records.npy", records)
         np.save(staging / "ids.npy", ids)
         np.save(staging / "ids_sorted.npy", np.argsort(ids, kind="stable"))
         offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(line) for line in lines], out=offsets[1:])
-        (staging / "docs.jsonl").write_bytes(b"".join(lines))
+        np.cumsum([len(line) for line in documents.lines], out=offsets[1:])
+        (staging / "docs.jsonl").write_bytes(b"".join(documents.lines))
         np.save(staging / "docs_offsets.npy", offsets)
-        ann = empty_ivf(load_ivf(base.file("ann.faiss")))
-        ann.add_with_ids(cls, np.arange(first, first + n, dtype=np.int64))
+        ann = self.empty_ivf(current.base)
+        ann.add_with_ids(np.ascontiguousarray(documents.cls, dtype=np.float32), np.arange(first, first + n, dtype=np.int64))
         faiss.write_index(ann, str(staging / "ann.faiss"))
-        for path in [*(staging / f for f in SEGMENT_FILES), *(staging / "metadata").glob("*.npy")]:
-            fsync_path(path)
-        if (staging / "metadata").is_dir():
-            fsync_path(staging / "metadata")
-        fsync_path(staging)
+        fsync_tree(staging)
         final = self.live_dir / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         fsync_path(self.live_dir)
         _checkpoint("segment")
-        column_files = sorted(str(p.relative_to(final)) for p in (final / "metadata").glob("*.npy"))
-        info = SegmentInfo(name, first, n, (start, stop), sha256_file(base.file("embeddings.bin"), start, stop),
-                           _file_entries(final, [*SEGMENT_FILES, *column_files]), columns)
-        return info, [bytes(i).decode("utf-8") for i in ids]
+        column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
+        files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files]}
+        return SegmentInfo(name, first, n, files, (ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop)),),
+                           columns)
 
-    def _write_columns(self, staging: Path, lines: list[bytes], base: IndexDirectory,
-                       current: Generation) -> dict[str, Any] | None:
-        """The segment's metadata columns, from its passages; refused (before anything is
-        appended) when a field's type conflicts with the one the index already holds."""
-        writer = MetadataWriter(staging, len(lines))
-        add_from_passages(writer, lines)
-        section = writer.finish()
-        try:
-            schema_of([base.manifest.get("metadata"), *(info.metadata for info in current.segments), section])
-        except ValueError as exc:
-            raise InvalidParameterError(str(exc)) from None
-        return section
+    def empty_ivf(self, base: str) -> faiss.IndexIVF:
+        """A new IVF with the base's trained quantizer and empty lists (the base's lists are never copied)."""
+        if self._template is None or self._template[0] != base:
+            self._template = (base, faiss.serialize_index(empty_ivf(load_ivf(self.root / base / "ann.faiss"))))
+        index = faiss.deserialize_index(self._template[1])
+        ivf = faiss.extract_index_ivf(index)
+        ivf.referenced_objects = [index]  # type: ignore[attr-defined]
+        return ivf
 
-    def _write_deleted(self, deleted: np.ndarray, number: int) -> dict[str, Any] | None:
-        count = int(deleted.sum())
-        if count == 0:
-            return None
-        name = f"deleted-{number:06d}.npy"
+    def _add_tombstones(self, chain: Sequence[TombstoneFile], numbers: np.ndarray, number: int) -> tuple[TombstoneFile, ...]:
+        """A tombstone file for `numbers` (deleted or replaced doc numbers), merged with the
+        newest files while they are no larger than it and the result stays small: a chain of
+        single deletes leaves O(log n) files, and each delete writes a few bytes."""
+        if len(numbers) == 0:
+            return tuple(chain)
+        chain = list(chain)
+        merged = np.asarray(numbers, dtype=np.int64)
+        while chain and chain[-1].count <= len(merged) and chain[-1].count + len(merged) <= TOMBSTONE_MERGE_MAX:
+            older = np.load(self.live_dir / chain.pop().file, allow_pickle=False)
+            merged = np.union1d(older, merged)
+        return (*chain, self.write_tombstones(merged, number))
+
+    def write_tombstones(self, numbers: np.ndarray, number: int) -> TombstoneFile:
+        """live/tomb-NNNNNN.npy holding `numbers` (sorted int64), fsynced."""
+        name = f"tomb-{number:06d}.npy"
         path = self.live_dir / name
         with open(path, "wb") as f:
-            np.save(f, np.packbits(deleted, bitorder="little"))
+            np.save(f, np.sort(np.asarray(numbers, dtype=np.int64)))
             f.flush()
             os.fsync(f.fileno())
-        _checkpoint("deleted")
-        return {"file": name, "count": count, "sha256": sha256_file(path)}
+        _checkpoint("tombstones")
+        entry = file_entry(path)
+        return TombstoneFile(name, len(numbers), entry["bytes"], entry["sha256"])
 
-    def _commit(self, generation: Generation) -> None:
-        """Publish: the generation file, then CURRENT by rename; both fsynced, then the directory."""
+    def _side_on_write(self, current: Generation, number: int, first: int, documents: EncodedDocuments | None,
+                       tombstones: np.ndarray) -> dict[str, Any]:
+        side = dict(current.side)
+        for index in self.side_indexes:
+            side[index.name] = dict(index.on_write(self.live_dir, number, current.side.get(index.name), first,
+                                                   documents, tombstones))
+        return side
+
+    def commit(self, generation: Generation) -> None:
+        """Publish (under the writer lock): the generation file, then CURRENT by rename; both
+        fsynced, then the directory. Then files no held generation needs are removed."""
         write_json_atomic(self.live_dir / generation.file_name, generation.to_json())
         _checkpoint("generation")
         tmp = self.live_dir / "CURRENT.tmp"
@@ -374,125 +643,37 @@ class LiveIndex:
                  len(generation.segments), generation.live_documents)
         self.collect_garbage()
 
-    # -- compaction ------------------------------------------------------------------
-    def compact(self) -> WriteResult:
-        """Merge every segment into a new base without the deleted and replaced documents.
+    # -- compaction (indexing/compaction.py) ------------------------------------------------
+    def compact(self, wait_s: float = 0.0) -> WriteResult:
+        """Rewrite the base from every segment's live documents (deleted ones dropped), from a
+        snapshot: writes go on meanwhile and are carried over at the swap, which waits up to
+        `wait_s` for the writer lock (as does the wait for another compaction)."""
+        from .compaction import Plan, run_compaction
 
-        The new base is a complete index directory (live/base-NNNNNN) written the way the build
-        writes one: live documents in doc-number order, records through `RecordWriter`, the
-        IVF of the frozen quantizer with the vectors added in order, search defaults for the
-        new count. It ranks exactly as a fresh build of those documents with this encoder state.
-        """
-        current = self.current()
-        number = current.number + 1
-        name = f"base-{number:06d}"
-        staging = self.live_dir / f"{name}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        view = self._view()
-        try:
-            base = view.base
-            store = base.manifest["store"]
-            # The stored vectors are pooled already: rewrite them as they are (same storage type).
-            layout = dataclasses.replace(StoreLayout.from_manifest(store), pool_factor=1)
-            keep = np.flatnonzero(view.live) if view.live is not None else np.arange(current.total)
-            if len(keep) == 0:
-                raise InvalidParameterError("compact: every document is deleted; an index needs at least one")
-            n = len(keep)
-            id_width = max(m.ids.dtype.itemsize for m in view.ids.maps)
-            records = np.lib.format.open_memmap(staging / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n,))
-            ids = np.lib.format.open_memmap(staging / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n,))
-            ann = empty_ivf(view.ann)
-            reader = open_reader("mmap", view.embeddings, view.records, layout)
-            n_bow = 0
-            try:
-                with RecordWriter(staging / "embeddings.bin", layout) as writer:
-                    for at in range(0, n, 4096):
-                        numbers = keep[at : at + 4096]
-                        data = reader.read(numbers)
-                        counts = np.diff(data.offsets)
-                        records[at : at + len(numbers)] = writer.append(data.cls.numpy(), data.vectors.numpy(), counts)
-                        ann.add(data.cls.float().numpy())
-                        n_bow += int(counts.sum())
-                    file_bytes = writer.close()
-            finally:
-                reader.close()
-            _checkpoint("compact-records")
-            self._copy_ids_and_docs(view, keep, ids, staging)
-            columns = _columns_from_docs(staging, n)
-            records.flush()
-            ids.flush()
-            del records
-            np.save(staging / "ids_sorted.npy", np.argsort(ids, kind="stable"))
-            del ids
-            faiss.write_index(ann, str(staging / "ann.faiss"))
-            shutil.copytree(base.file("encoder"), staging / "encoder")
-            manifest = {key: value for key, value in base.manifest.items() if key != "files"}
-            manifest["created"] = _now()
-            manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
-            manifest["store"] = {**store, "file_bytes": file_bytes}
-            manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
-            manifest.pop("metadata", None)
-            if columns is not None:
-                manifest["metadata"] = columns
-            carried = int(base.manifest.get("compacted", {}).get("added_since_fit", 0))
-            from_deltas = int((keep >= current.base_documents).sum())
-            manifest["compacted"] = {"from_generation": current.number, "added_since_fit": carried + from_deltas}
-        finally:
-            view.close()
-        write_manifest(staging, manifest)
-        compacted_files = ("records.npy", "ids.npy", "ids_sorted.npy", "ann.faiss", "docs_offsets.npy")
-        for path in [*(staging / f for f in compacted_files), *(staging / "metadata").glob("*.npy")]:
-            fsync_path(path)
-        if (staging / "metadata").is_dir():
-            fsync_path(staging / "metadata")
-        fsync_path(staging)
-        _checkpoint("compact-staged")
-        final = self.live_dir / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        fsync_path(self.live_dir)
-        _checkpoint("compact-renamed")
-        self._commit(Generation(number, f"{LIVE_DIR}/{name}", n, file_bytes, (), None, _now()))
-        return WriteResult(number)
+        number = run_compaction(self, Plan("rewrite"), wait_s=wait_s, compaction_wait_s=wait_s)
+        return WriteResult(self.current().number if number is None else number)
 
-    def _copy_ids_and_docs(self, view: LiveView, keep: np.ndarray, ids: np.ndarray, staging: Path) -> None:
-        """Ids and passages of the kept doc numbers, segment by segment, as byte ranges (no per-doc JSON)."""
-        firsts = view.ids.firsts
-        seg = np.searchsorted(firsts, keep, side="right") - 1
-        offsets = np.zeros(len(keep) + 1, dtype=np.int64)
-        at = 0
-        with open(staging / "docs.jsonl", "wb") as out:
-            for s in range(len(firsts)):
-                local = keep[seg == s] - firsts[s]
-                if len(local) == 0:
-                    continue
-                ids[at : at + len(local)] = view.ids.maps[s].ids[local]
-                store = view.docs.stores[s]
-                blob = np.memmap(store.path, dtype=np.uint8, mode="r")
-                for block in range(0, len(local), 65536):  # bounded index arrays, whatever the corpus
-                    part = local[block : block + 65536]
-                    starts = np.asarray(store.offsets[part], dtype=np.int64)
-                    lengths = np.asarray(store.offsets[part + 1], dtype=np.int64) - starts
-                    gather = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
-                    out.write(blob[gather].tobytes())
-                    offsets[at + 1 : at + len(part) + 1] = offsets[at] + np.cumsum(lengths)
-                    at += len(part)
-                del blob
-            out.flush()
-            os.fsync(out.fileno())
-        np.save(staging / "docs_offsets.npy", offsets)
+    def maintain(self, policy: Any, wait_s: float = 10.0, swap: Callable[[Callable[[], int]], int] | None = None) -> int | None:
+        """Run the compaction `policy` (a compaction.CompactionPolicy) asks for now, if any; the
+        generation it published, or None. CompactionRunningError when another one runs.
+        swap: what runs its swap (compaction.run_compaction)."""
+        from .compaction import run_compaction
+
+        return run_compaction(self, None, policy, wait_s=wait_s, swap=swap)
 
     # -- recovery and garbage ------------------------------------------------------------
     def _recover(self) -> None:
-        """Undo what a crashed writer left unpublished: staging dirs, files of unpublished
-        generations, and records appended past the published end of embeddings.bin."""
+        """Undo what a crashed writer left unpublished (under the writer lock): staging
+        directories, files of unpublished generations, and records appended past the
+        published end of embeddings.bin. Staging of a live compaction or `espn add` is kept."""
         current = self.current()
         for path in self.live_dir.iterdir():
             name = path.name
-            stale = name.endswith(".tmp") or name == "incoming" or (_number(name) or 0) > current.number
-            if stale:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            match = _NUMBERED.match(name)
+            if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number):
+                _remove(path)
+            elif name.startswith(Staging.PREFIXES) and _unused(path):
+                _remove(path)
         embeddings = self.root / current.base / "embeddings.bin"
         if embeddings.stat().st_size > current.embeddings_bytes:
             with open(embeddings, "r+b") as f:
@@ -505,20 +686,25 @@ class LiveIndex:
         current = self.current()
         kept: list[Generation] = [current]
         for path in sorted(self.live_dir.glob("gen-*.json")):
-            number = _number(path.name)
-            if number is None or number >= current.number:
+            match = _NUMBERED.match(path.name)
+            if match is None or int(match[2]) >= current.number:
                 continue
             if not _remove_if_unused(path):
-                kept.append(Generation.from_json(json.loads(path.read_text())))
+                try:
+                    kept.append(read_generation(path))
+                except Exception:  # noqa: BLE001 - unreadable: keep what it may need, collect it later
+                    log.warning("cannot read %s; keeping every file until it goes", path)
+                    return []
         referenced = set().union(*(g.referenced() for g in kept))
         root_in_use = "." in referenced or not _unused(self.root / "manifest.json")
         removed = []
         for path in self.live_dir.iterdir():
-            name = f"{LIVE_DIR}/{path.name}"
-            if path.name.startswith(("seg-", "deleted-", "base-")) and name not in referenced \
-                    and (_number(path.name) or 0) <= current.number:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-                removed.append(name)
+            match = _NUMBERED.match(path.name)
+            if match is None or match[1] == "gen" or int(match[2]) > current.number:
+                continue
+            if f"{LIVE_DIR}/{path.name}" not in referenced:
+                _remove(path)
+                removed.append(f"{LIVE_DIR}/{path.name}")
         if not root_in_use:
             for file in FILES:
                 if (self.root / file).exists():
@@ -533,6 +719,10 @@ class LiveIndex:
         return removed
 
 
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _remove_if_unused(path: Path) -> bool:
     """Unlink a generation file unless a reader holds it; under the exclusive lock, so a reader
     locking it afterwards finds it gone and opens the current one instead."""
@@ -540,8 +730,8 @@ def _remove_if_unused(path: Path) -> bool:
 
 
 def _unused(path: Path, unlink: bool = False) -> bool:
-    """True when no reader holds a shared lock on `path` (taken and dropped at once; with
-    `unlink`, the file is removed while the lock is held)."""
+    """True when no one holds a lock on `path` (a file or a directory; the lock is taken and
+    dropped at once; with `unlink`, the file is removed while the lock is held)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -557,67 +747,31 @@ def _unused(path: Path, unlink: bool = False) -> bool:
         os.close(fd)
 
 
-def _number(name: str) -> int | None:
-    stem = name.split(".")[0]
-    head, _, digits = stem.rpartition("-")
-    return int(digits) if head in ("gen", "seg", "deleted", "base") and digits.isdigit() else None
+def read_only_reason(root: Path | str) -> str | None:
+    """Why a writer could not write the index at `root` from this process (a read-only mount,
+    no permission), or None when it can."""
+    root = Path(root)
+    current = read_current(root)
+    live_dir = root / LIVE_DIR
+    for target in (live_dir if live_dir.is_dir() else root, root / current.base / "embeddings.bin"):
+        if os.statvfs(target).f_flag & os.ST_RDONLY:
+            return f"{target} is on a read-only filesystem"
+        if not os.access(target, os.W_OK):
+            return f"{target} is not writable by this user"
+    return None
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _columns_from_docs(directory: Path, n_docs: int, block: int = 65536) -> dict[str, Any] | None:
-    """Metadata columns of a compacted base from its docs.jsonl (which carries every document's
-    metadata), read in bounded blocks of lines; returns the manifest's `metadata` section."""
-    writer = MetadataWriter(directory, n_docs)
-    offsets = np.load(directory / "docs_offsets.npy")
-    blob = np.memmap(directory / "docs.jsonl", dtype=np.uint8, mode="r") if offsets[-1] else np.zeros(0, np.uint8)
-    for first in range(0, n_docs, block):
-        bounds = offsets[first : min(first + block, n_docs) + 1].tolist()
-        data = blob[bounds[0] : bounds[-1]].tobytes()
-        add_from_passages(writer, (data[a - bounds[0] : b - bounds[0]] for a, b in zip(bounds[:-1], bounds[1:])), first)
-    del blob
-    return writer.finish()
-
-
-def _with_metadata(line: bytes, metadata: dict[str, Any]) -> bytes:
-    if not metadata:
-        return line
-    obj = json.loads(line)
-    obj["metadata"] = metadata
-    return json.dumps(obj, ensure_ascii=False).encode("utf-8")
-
-
-def _validate_documents(documents: Sequence[NewDocument]) -> None:
-    seen: set[str] = set()
-    for i, d in enumerate(documents):
-        if not isinstance(d.doc_id, str) or not d.doc_id.strip() or d.doc_id != d.doc_id.strip():
-            raise InvalidParameterError(f"document {i}: id must be a non-empty string without surrounding spaces")
-        if len(d.doc_id.encode("utf-8")) > MAX_ID_BYTES or any(c in d.doc_id for c in "\t\n\r"):
-            raise InvalidParameterError(f"document {i}: id must be at most {MAX_ID_BYTES} bytes, no tabs or newlines")
-        if d.doc_id in seen:
-            raise InvalidParameterError(f"document id {d.doc_id!r} appears twice in one write")
-        seen.add(d.doc_id)
-        if not isinstance(d.text, str) or not isinstance(d.title, str):
-            raise InvalidParameterError(f"document {d.doc_id!r}: title and text must be strings")
-        if not (d.text.strip() or d.title.strip()):
-            raise InvalidParameterError(f"document {d.doc_id!r}: text is empty")
-        if len(d.text) + len(d.title) > MAX_TEXT_CHARS:
-            raise InvalidParameterError(f"document {d.doc_id!r}: title and text hold {len(d.text) + len(d.title)} "
-                                        f"characters; at most {MAX_TEXT_CHARS}")
-        try:
-            check_metadata(d.metadata)
-        except ValueError as exc:
-            raise InvalidParameterError(f"document {d.doc_id!r}: {exc}") from None
-
-
 def iter_ids_file(path: Path) -> Iterator[str]:
-    """Ids one per line (blank lines skipped), for `espn delete --ids-file`."""
-    with open(path, encoding="utf-8") as f:
+    """Ids one per line (blank lines skipped; nothing else is stripped), for `espn delete --ids-file`."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # invalid UTF-8 is refused by name later
         for line in f:
-            if line.strip():
-                yield line.strip()
+            doc_id = line.rstrip("\r\n")
+            if doc_id.strip():
+                yield doc_id
 
 
 #: Above this many documents added since the encoder state was fitted (a fraction of the
@@ -636,5 +790,6 @@ def live_stats(root: Path | str) -> dict[str, Any]:
     drift = added / max(1, fitted_on)
     return {"generation": g.number, "base_documents": g.base_documents, "delta_segments": len(g.segments),
             "delta_documents": g.total - g.base_documents, "deleted_or_replaced": g.deleted_count,
-            "live_documents": g.live_documents, "fitted_on_documents": fitted_on,
-            "added_since_fit": added, "drift": round(drift, 4), "rebuild_recommended": drift > DRIFT_REBUILD}
+            "tombstone_files": len(g.tombstones), "live_documents": g.live_documents,
+            "fitted_on_documents": fitted_on, "added_since_fit": added, "drift": round(drift, 4),
+            "rebuild_recommended": drift > DRIFT_REBUILD}

@@ -18,7 +18,7 @@ import numpy as np
 
 from espn.corpus import iter_corpus
 from espn.errors import CorpusError
-from espn.metadata import merge_types, value_type
+from espn.metadata import check_field_count, merge_types, value_type
 
 __all__ = ["CorpusScan", "scan_corpus"]
 
@@ -49,7 +49,13 @@ def scan_corpus(corpus: Path, skip_bad: bool = False) -> CorpusScan:
                     kind = merge_types(fields.get(name), value_type(value))
                 except ValueError as exc:
                     raise CorpusError(f"{corpus}:{doc.line}: metadata field {name!r} {exc}") from None
-                if kind is not None:
+                if kind is not None and name not in fields:
+                    fields[name] = kind
+                    try:
+                        check_field_count(fields)
+                    except ValueError as exc:
+                        raise CorpusError(f"{corpus}:{doc.line}: {exc}") from None
+                elif kind is not None:
                     fields[name] = kind
         if not (doc.title.strip() or doc.text.strip()):
             empty += 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -10,9 +9,11 @@ import sys
 def main() -> int:
     # As in `espn`: before torch or FAISS load OpenMP, idle threads must not spin.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from espn.cli import CliParser
+
     from .cli import add_serve_arguments, run_serve
 
-    parser = argparse.ArgumentParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
+    parser = CliParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
     add_serve_arguments(parser)
     return run_serve(parser.parse_args())
 

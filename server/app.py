@@ -12,19 +12,22 @@ import concurrent.futures
 import contextlib
 import importlib.metadata
 import logging
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from .batching import MicroBatcher
-from .deps import AppState, require_api_key
+from .deps import AppState, declare_api_key
 from .docs import add_offline_docs
 from .errors import register_exception_handlers
 from .metrics import ServerMetrics
-from .middleware import AccessMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .openapi import add_contract
 from .page import add_search_page
 from .routes import documents, health, search
+from .schemas import ErrorResponse
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -54,15 +57,61 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
                          reader_options=settings.reader_options())
 
 
-def _batch_search(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
-    def search(queries: list[str], params: Mapping[str, Any]) -> Sequence["QueryResult"]:
-        # The current generation's Searcher (swapped by require_searcher after a write).
-        results = state.require_searcher_unrefreshed().search(queries, **params)
-        if results:  # stage times belong to the call, not to each query
-            metrics.observe_batch(len(queries), results[0].stats.stage_ms)
-        return results
+def _read_only(settings: ServerSettings) -> bool:
+    """Without `espn serve` (which decides it once): read-only when the index cannot be written."""
+    from espn_indexing.live import read_only_reason
 
-    return search
+    reason = read_only_reason(settings.index)
+    if reason is not None:
+        logger.warning("serving read-only: %s; writes get 409", reason)
+    return reason is not None
+
+
+def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202 (closure)
+    """Concurrent requests of several parameter sets: every query tokenised and encoded in one
+    batch, then each group searched with its own parameters (a failure stays in its group).
+    The newest generation's Searcher is leased for the call: a write that swaps in a newer
+    one meanwhile closes this one only when the call is done."""
+
+    def search_many(groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        with state.require_live().lease() as searcher:
+            return _search_groups(searcher, groups)
+
+    def _search_groups(searcher: "Searcher", groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        started = time.perf_counter()
+        texts: list[list[str] | None] = [None] * len(groups)  # what each group encodes (None: nothing)
+        embeddings = None
+        if len(groups) > 1:
+            try:
+                texts = [searcher.dense_queries(queries, params.get("mode")) for queries, params in groups]
+                flat = [text for group in texts if group is not None for text in group]
+                embeddings = searcher.encode(flat) if flat else None
+            except Exception:  # noqa: BLE001 - a bad group fails below, on its own
+                texts, embeddings = [None] * len(groups), None
+        encode_ms = (time.perf_counter() - started) * 1000
+        outcomes: list[Any] = []
+        start = 0
+        for (queries, params), group_texts in zip(groups, texts):
+            rows = None
+            if embeddings is not None and group_texts is not None:
+                rows = slice(start, start + len(group_texts))
+                start += len(group_texts)
+            try:
+                results = searcher.search(queries, embeddings=None if rows is None or embeddings is None else
+                                          embeddings[rows], **params)
+            except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
+                outcomes.append(exc)
+                continue
+            if results and rows is not None:  # the shared encode, in this call's stage times
+                stage_ms = results[0].stats.stage_ms
+                stage_ms["encode"] = round(encode_ms, 3)
+                stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
+            if results:
+                metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+            outcomes.append(results)
+        return outcomes
+
+    return search_many
 
 
 def _mean_text_bytes(searcher: "Searcher") -> float:
@@ -71,14 +120,20 @@ def _mean_text_bytes(searcher: "Searcher") -> float:
     return size / max(1, searcher.num_documents)
 
 
+def _warmup(state: AppState) -> None:
+    with state.require_live().lease() as searcher:
+        searcher.warmup()
+
+
 async def _warm(state: AppState) -> None:
-    searcher = state.require_searcher()
     if state.settings.warmup:
         state.status = "warming"
-        await asyncio.to_thread(searcher.warmup)
+        await asyncio.to_thread(_warmup, state)
     state.status, state.ready = "ready", True
     state.metrics.ready.set(1)
-    logger.info("ready", extra={"index": str(state.settings.index), "documents": searcher.num_documents})
+    searcher = state.require_live().current
+    logger.info("ready", extra={"index": str(state.settings.index), "documents": searcher.num_documents,
+                                "generation": searcher.generation, "read_only": state.read_only})
 
 
 def _log_warm_failure(task: "asyncio.Task[None]") -> None:
@@ -93,9 +148,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings = state.settings
     state.metrics.ready.set(0)
     searcher = await asyncio.to_thread(_open_searcher, settings)
+    from espn.lease import LiveSearcher
+
+    state.read_only = settings.read_only if settings.read_only is not None else _read_only(settings)
     executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
     batcher: MicroBatcher[QueryResult] = MicroBatcher(
-        _batch_search(state, state.metrics),
+        None,
         executor,
         max_batch_size=settings.max_batch_size,
         max_wait_s=settings.batch_wait_ms / 1000.0,
@@ -103,9 +161,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         max_pending=settings.max_pending,
         fair_chunk=settings.fair_chunk_queries,
         on_batch=lambda size, seconds: state.metrics.queued.set(batcher.pending),
+        search_many=_batch_search_many(state, state.metrics),
     )
     batcher.start()
-    state.searcher, state.batcher = searcher, batcher
+    state.live, state.batcher = LiveSearcher(searcher), batcher
     state.text_bytes = _mean_text_bytes(searcher)
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
@@ -120,9 +179,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.wait([warm])
         await batcher.close()
         executor.shutdown(wait=True)
-        state.require_searcher_unrefreshed().close()
-        for _, retired in state.retired:
-            retired.close()
+        if state.writer is not None:  # what was accepted is published before the index closes
+            await asyncio.to_thread(state.writer.close)
+        state.require_live().close()
         state.metrics.close()
         logger.info("index closed")
 
@@ -143,16 +202,26 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.state.espn = AppState(settings=settings, metrics=metrics)
 
     register_exception_handlers(app)
-    protected = [Depends(require_api_key)]
-    app.include_router(search.router, dependencies=protected)
-    app.include_router(documents.router, dependencies=protected)
+    # With a key, the bearer scheme and its 401 are part of every /v1 operation's contract;
+    # without one they are not (ApiKeyMiddleware does the checking).
+    keyed = settings.api_key is not None
+    protected = [Depends(declare_api_key)] if keyed else []
+    unauthorized: dict[int | str, dict[str, Any]] = {
+        401: {"model": ErrorResponse, "description": "missing or wrong API key"}} if keyed else {}
+    app.include_router(search.router, dependencies=protected, responses=unauthorized)
+    app.include_router(documents.router, dependencies=protected, responses=unauthorized)
     app.include_router(health.router)
     if settings.metrics_port is None:  # else the parent process serves it on its own port
         app.include_router(health.metrics_router)
 
-    # Added innermost first: the access log sees every response, 413s and CORS included.
+    add_contract(app)
+
+    # Added innermost first: the access log sees every response, 413s and CORS included; the
+    # key is checked before the body is read; a CORS preflight is answered without the key.
     app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -6,6 +6,11 @@ batches: a queue is flushed when it holds `max_batch_size` queries or when its o
 query has waited `max_wait_s`, and only when one of `max_concurrent` search slots is
 free, so under load the batches grow by themselves while the slots are busy. The
 search runs in a thread pool: the event loop never blocks on it.
+
+With `search_many`, a flush also takes what the other parameter sets have queued (up to
+`max_batch_size` queries in all) into the same call, as separate groups: the server
+tokenises and encodes every query of the call in one batch (the query encoder is the
+largest cost of a search) and then searches each group with its own parameters.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Generic, Hashable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Hashable, Mapping, Optional, Sequence, TypeVar, Union
 
 __all__ = ["MicroBatcher", "BatchedResult", "QueueFullError", "BatcherClosedError"]
 
@@ -24,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 SearchFn = Callable[[list[str], Mapping[str, Any]], Sequence[R]]
+#: Several groups of queries, each with its parameters -> per group its results, or the
+#: exception that group raised (a failure reaches only its own group).
+SearchManyFn = Callable[[list[tuple[list[str], Mapping[str, Any]]]], list[Union[Sequence[R], BaseException]]]
 
 
 class QueueFullError(RuntimeError):
@@ -58,7 +66,7 @@ class MicroBatcher(Generic[R]):
     """Queue single queries, run them in batches of identical parameters.
 
     search:          `search(queries, params) -> results`, one result per query in order;
-                     called in `executor`, so it may block
+                     called in `executor`, so it may block (None when `search_many` is given)
     max_batch_size:  most queries in one call
     max_wait_s:      how long the oldest queued query may wait for company
     max_concurrent:  search calls in flight at once (size `executor` to match)
@@ -68,11 +76,13 @@ class MicroBatcher(Generic[R]):
                      meanwhile is older than the next chunk, so it runs first (one 256-query
                      batch cannot hold a single query behind all of its work)
     on_batch:        called with (batch size, seconds the call took) after each call
+    search_many:     `search_many([(queries, params), ...])`: when given, a flush takes the
+                     other parameter sets' queued queries into the same call as more groups
     """
 
     def __init__(
         self,
-        search: SearchFn[R],
+        search: Optional[SearchFn[R]],
         executor: concurrent.futures.Executor,
         *,
         max_batch_size: int = 32,
@@ -81,13 +91,17 @@ class MicroBatcher(Generic[R]):
         max_pending: int = 4096,
         fair_chunk: Optional[int] = None,
         on_batch: Optional[Callable[[int, float], None]] = None,
+        search_many: Optional[SearchManyFn[R]] = None,
     ) -> None:
         if max_batch_size < 1 or max_concurrent < 1 or max_pending < 1 or max_wait_s < 0:
             raise ValueError("max_batch_size, max_concurrent, max_pending must be >= 1 and max_wait_s >= 0")
+        if search is None and search_many is None:
+            raise ValueError("give search or search_many")
         if fair_chunk is not None and fair_chunk < 1:
             raise ValueError(f"fair_chunk must be >= 1, got {fair_chunk}")
         self._fair_chunk = fair_chunk
         self._search = search
+        self._search_many = search_many
         self._executor = executor
         self._max_batch_size = max_batch_size
         self._max_wait_s = max_wait_s
@@ -205,40 +219,63 @@ class MicroBatcher(Generic[R]):
                 continue
             await self._slots.acquire()
             # Queries that arrived while we waited for a slot join this batch.
-            params = self._params[key]
-            items: list[_Item] = []
-            while queue and len(items) < self._max_batch_size:
-                item = queue.popleft()
-                self._pending -= 1
-                if not item.future.done():
-                    items.append(item)
-            if not queue:
-                del self._queues[key], self._params[key]
-            if not items:
+            groups = [self._take(key, self._max_batch_size)]
+            room = self._max_batch_size - len(groups[0][1])
+            if self._search_many is not None:  # the other parameter sets join the call, oldest first
+                for other in sorted(self._queues, key=lambda k: self._queues[k][0].enqueued if self._queues[k] else 0.0):
+                    if room <= 0:
+                        break
+                    taken = self._take(other, room)
+                    if taken[1]:
+                        groups.append(taken)
+                        room -= len(taken[1])
+            groups = [(params, items) for params, items in groups if items]
+            if not groups:
                 self._slots.release()
                 continue
-            task = asyncio.get_running_loop().create_task(self._run(items, params))
+            task = asyncio.get_running_loop().create_task(self._run(groups))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _run(self, items: list[_Item], params: Mapping[str, Any]) -> None:
+    def _take(self, key: Hashable, limit: int) -> tuple[Mapping[str, Any], list[_Item]]:
+        """Up to `limit` live queries from the queue of `key` (removed from it)."""
+        queue, params = self._queues[key], self._params[key]
+        items: list[_Item] = []
+        while queue and len(items) < limit:
+            item = queue.popleft()
+            self._pending -= 1
+            if not item.future.done():
+                items.append(item)
+        if not queue:
+            del self._queues[key], self._params[key]
+        return params, items
+
+    async def _run(self, groups: list[tuple[Mapping[str, Any], list[_Item]]]) -> None:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
+        calls = [([i.query for i in items], params) for params, items in groups]
         try:
-            results = await loop.run_in_executor(self._executor, self._search, [i.query for i in items], params)
-            if len(results) != len(items):
-                raise RuntimeError(f"search returned {len(results)} results for {len(items)} queries")
-        except Exception as exc:  # delivered to every waiter of this batch, not swallowed
-            for item in items:
-                if not item.future.done():
-                    item.future.set_exception(exc)
-            return
+            if self._search_many is not None:
+                outcomes = await loop.run_in_executor(self._executor, self._search_many, calls)
+            else:
+                assert self._search is not None
+                (queries, params), = calls
+                outcomes = [await loop.run_in_executor(self._executor, self._search, queries, params)]
+        except Exception as exc:  # delivered to every waiter of this call, not swallowed
+            outcomes = [exc] * len(groups)
         finally:
             self._slots.release()
         elapsed = time.monotonic() - started
-        for item, result in zip(items, results):
-            if not item.future.done():
-                queue_ms = (started - item.enqueued) * 1000.0
-                item.future.set_result(BatchedResult(result, queue_ms, len(items)))
+        size = sum(len(items) for _, items in groups)
+        for (_, items), outcome in zip(groups, outcomes):
+            if not isinstance(outcome, BaseException) and len(outcome) != len(items):
+                outcome = RuntimeError(f"search returned {len(outcome)} results for {len(items)} queries")
+            for i, item in enumerate(items):
+                if item.future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    item.future.set_exception(outcome)
+                else:
+                    item.future.set_result(BatchedResult(outcome[i], (started - item.enqueued) * 1000.0, size))
         if self._on_batch is not None:
-            self._on_batch(len(items), elapsed)
+            self._on_batch(size, elapsed)

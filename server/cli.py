@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from .settings import ENV_PREFIX, READER_NAMES, ServerSettings
+from .settings import ENV_PREFIX, ServerSettings
 
 __all__ = ["add_serve_arguments", "run_serve", "register"]
 
@@ -39,29 +39,20 @@ logger = logging.getLogger(__name__)
 # set before anything imports it (server.metrics names the same variable).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-# Flag destination -> ServerSettings field, for the flags that map one to one.
-_FLAG_FIELDS = {
-    "index": "index",
-    "host": "host",
-    "port": "port",
-    "workers": "workers",
-    "reader": "reader",
-    "device": "device",
-    "batch_wait_ms": "batch_wait_ms",
-    "max_batch_size": "max_batch_size",
-    "search_threads": "search_threads",
-    "torch_threads": "torch_threads",
-    "max_body_bytes": "max_body_bytes",
-    "max_batch_queries": "max_batch_queries",
-    "graceful_timeout": "graceful_timeout_s",
-    "log_level": "log_level",
-    "io_engine": "io_engine",
-    "io_depth": "io_depth",
-    "max_extent_bytes": "max_extent_bytes",
-    "max_request_work": "max_request_work",
-    "max_response_bytes": "max_response_bytes",
-    "metrics_port": "metrics_port",
-}
+# `espn serve --help` groups its flags thus; a field named in no group is listed under
+# "other settings" (server/settings_doc.py makes one flag per ServerSettings field).
+SERVE_GROUPS = (
+    ("listening", ("host", "port", "workers", "preload", "graceful_timeout_s")),
+    ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "torch_threads",
+                "max_pending", "fair_chunk_queries")),
+    ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct")),
+    ("requests", ("max_body_bytes", "max_batch_queries", "max_batch_writes", "max_request_work", "max_response_bytes",
+                  "cors_origins")),
+    ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
+                                "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
+                                "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
+    ("operations", ("log_level", "warmup", "metrics_port")),
+)
 
 # The app factory, named by whatever name this package is installed under (espn_server).
 APP_FACTORY = f"{__package__}.app:create_app"
@@ -86,96 +77,33 @@ def _run_route(args: argparse.Namespace) -> int:
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `espn route`; each defaults to its ESPN_ROUTER_* variable."""
-    parser.add_argument("--shards", metavar="URL,URL",
-                        help="base URL of each partition's server, comma-separated (ESPN_ROUTER_SHARDS)")
-    parser.add_argument("--timeout-ms", type=float, metavar="MS",
-                        help="per-shard time limit; a shard slower than this is left out and the answer "
-                             "marked partial (ESPN_ROUTER_TIMEOUT_MS, default 2000)")
-    parser.add_argument("--host", help="interface to bind (ESPN_ROUTER_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port (ESPN_ROUTER_PORT, default 8080)")
-    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
-                        help="(ESPN_ROUTER_LOG_LEVEL, default info)")
+    """Flags of `espn route`: one per RouterSettings field, each defaulting to its ESPN_ROUTER_* variable."""
+    from .settings import RouterSettings
+    from .settings_doc import add_flags, environment_help
 
-
-def _reader_choices() -> list[str]:
-    try:  # the library's registry names the readers; fall back if it cannot be imported
-        from espn.store import READERS
-
-        return ["auto", *READERS]
-    except ImportError:
-        return ["auto", *READER_NAMES]
+    add_flags(parser, RouterSettings, [("routing", ("shards", "timeout_ms", "max_connections")),
+                                       ("listening", ("host", "port", "log_level"))])
+    parser.epilog = environment_help(RouterSettings)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `espn serve`; every one but INDEX defaults to its ESPN_* variable."""
-    parser.add_argument("index", type=Path, metavar="INDEX", help="index directory built by `espn index`")
-    net = parser.add_argument_group("listening")
-    net.add_argument("--host", help="interface to bind (ESPN_HOST, default 127.0.0.1)")
-    net.add_argument("--port", type=int, help="TCP port, 0 for any free one (ESPN_PORT, default 8000)")
-    net.add_argument("--workers", type=int, help="worker processes sharing the mmapped index (ESPN_WORKERS, default 1)")
-    net.add_argument("--no-preload", action="store_true",
-                     help="start workers as fresh interpreters (spawn) instead of forking a preloaded parent")
-    net.add_argument("--graceful-timeout", type=int, metavar="S",
-                     help="seconds in-flight requests get after SIGTERM (ESPN_GRACEFUL_TIMEOUT_S, default 30)")
-    search = parser.add_argument_group("search")
-    search.add_argument("--reader", choices=_reader_choices(),
-                        help="embedding reader (ESPN_READER, default: the library's choice for this machine)")
-    search.add_argument("--device", help="torch device for re-ranking (ESPN_DEVICE)")
-    search.add_argument("--batch-wait-ms", type=float, metavar="MS",
-                        help="how long a query waits for others to batch with (ESPN_BATCH_WAIT_MS, default 2)")
-    search.add_argument("--max-batch-size", type=int, metavar="N",
-                        help="most queries per search call (ESPN_MAX_BATCH_SIZE, default 32)")
-    search.add_argument("--search-threads", type=int, metavar="N",
-                        help="search calls in flight per worker (ESPN_SEARCH_THREADS, default 1)")
-    search.add_argument("--torch-threads", type=int, metavar="N",
-                        help="torch threads per worker (ESPN_TORCH_THREADS, default cores / workers)")
-    io = parser.add_argument_group("reader I/O (posix reader only)")
-    io.add_argument("--io-engine", choices=["auto", "io_uring", "aio", "threads"],
-                    help="read engine (ESPN_IO_ENGINE, default auto: io_uring, then aio, then threads)")
-    io.add_argument("--io-depth", type=int, metavar="N", help="extents in flight at once (ESPN_IO_DEPTH, default 64)")
-    io.add_argument("--max-extent-bytes", type=int, metavar="N",
-                    help="cap on one coalesced read (ESPN_MAX_EXTENT_BYTES, default 1 MiB)")
-    io.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT (ESPN_DIRECT=false)")
-    limits = parser.add_argument_group("requests")
-    limits.add_argument("--max-body-bytes", type=int, metavar="B",
-                        help="largest request body (ESPN_MAX_BODY_BYTES, default 1 MiB)")
-    limits.add_argument("--max-batch-queries", type=int, metavar="N",
-                        help="most queries in one /v1/search/batch (ESPN_MAX_BATCH_QUERIES, default 256)")
-    limits.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN",
-                        help="allow this browser origin; repeatable (ESPN_CORS_ORIGINS, default: CORS off)")
-    limits.add_argument("--max-request-work", type=int, metavar="N",
-                        help="most queries x max(k, rerank_count, prefetch_k) per request (ESPN_MAX_REQUEST_WORK, "
-                        "default 262144)")
-    limits.add_argument("--max-response-bytes", type=int, metavar="B",
-                        help="largest estimated response (ESPN_MAX_RESPONSE_BYTES, default 16 MiB)")
-    ops = parser.add_argument_group("operations")
-    ops.add_argument("--metrics-port", type=int, metavar="PORT",
-                     help="serve /metrics on this port instead of the API port (ESPN_METRICS_PORT)")
-    ops.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
-                     help="(ESPN_LOG_LEVEL, default info)")
-    ops.add_argument("--no-warmup", action="store_true", help="report ready without warming the index (ESPN_WARMUP)")
-    parser.epilog = (
-        "Set ESPN_API_KEY to require `Authorization: Bearer <key>` on /v1/*. "
-        "Every flag can also be given as an ESPN_* environment variable."
-    )
+    """Flags of `espn serve`: INDEX, then one flag per ServerSettings field (its ESPN_* variable)."""
+    from .settings_doc import add_flags, environment_help, settings_of
+
+    (index,) = [s for s in settings_of(ServerSettings) if s.name == "index"]
+    parser.add_argument("index", type=Path, metavar="INDEX", help=index.help)
+    add_flags(parser, ServerSettings, SERVE_GROUPS)
+    parser.epilog = environment_help(ServerSettings)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
-    """ESPN_* variables for the flags given on the command line."""
+    """ESPN_* variables for the flags given on the command line (each flag's dest is its field)."""
     env: dict[str, str] = {}
-    for dest, field in _FLAG_FIELDS.items():
-        value: Any = getattr(args, dest, None)
-        if value is not None:
-            env[ENV_PREFIX + field.upper()] = str(value)
-    if getattr(args, "cors_origins", None):
-        env[ENV_PREFIX + "CORS_ORIGINS"] = json.dumps(args.cors_origins)
-    if getattr(args, "no_warmup", False):
-        env[ENV_PREFIX + "WARMUP"] = "false"
-    if getattr(args, "no_preload", False):
-        env[ENV_PREFIX + "PRELOAD"] = "false"
-    if getattr(args, "no_direct", False):
-        env[ENV_PREFIX + "DIRECT"] = "false"
+    for name in ServerSettings.model_fields:
+        value: Any = getattr(args, name, None)
+        if value is None:
+            continue
+        env[ENV_PREFIX + name.upper()] = json.dumps(value) if isinstance(value, list) else str(value)
     return env
 
 
@@ -207,10 +135,14 @@ def _fork_workers() -> bool:
     return True
 
 
-def _print_errors(error: ValidationError) -> None:
+def settings_error_line(command: str, prefix: str, error: ValidationError) -> str:
+    """Every problem of a settings model in one line, each naming its variable."""
+    problems = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "settings"
-        print(f"espn serve: {field} ({ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
+        field = ".".join(str(part) for part in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        problems.append(f"{field} ({prefix}{field.upper()}) {message}" if field else message)
+    return f"espn {command}: error: " + "; ".join(problems)
 
 
 def _return_freed_memory() -> None:
@@ -237,17 +169,27 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
     except ValidationError as error:
-        _print_errors(error)
+        print(settings_error_line("serve", ENV_PREFIX, error), file=sys.stderr)
         return 2
     # A damaged index is one line and exit 1 here, not a traceback from every worker's start-up.
+    # What is checked is what the workers will serve: the current generation of a live index.
     from espn.errors import EspnError
-    from espn.index import IndexDirectory
+    from espn.segments import open_view
 
     try:
-        IndexDirectory.open(settings.index, verify="fast")
+        open_view(settings.index, verify="fast").close()
     except (EspnError, ValueError, OSError) as error:
         print(f"espn serve: error: {error}", file=sys.stderr)
         return 1
+    if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
+        from espn_indexing.live import read_only_reason
+
+        reason = read_only_reason(settings.index)
+        settings = settings.model_copy(update={"read_only": reason is not None})
+        if reason is not None:
+            print(json.dumps({"level": "WARNING", "event": "read_only",
+                              "message": f"serving read-only: {reason}; writes get 409 (--read-only says so "
+                              "explicitly)"}), file=sys.stderr, flush=True)
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)

@@ -15,8 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from espn.errors import CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError
+from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError,
+                         ReadOnlyIndexError, WriteFailedError)
 
 from .batching import BatcherClosedError, QueueFullError
 
@@ -30,6 +32,7 @@ _CODES = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    409: "conflict",
     413: "body_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
@@ -108,7 +111,21 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     # name the usual cause (bytes that are not UTF-8) instead of "error parsing the body".
     if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
         code, message = "invalid_utf8", f"request body is not valid UTF-8: {exc.__cause__.reason}"
-    return error_response(exc.status_code, code, message, headers=getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+    return error_response(exc.status_code, code, message, headers=headers)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method of every route on this path: Starlette's 405 names only the first route's
+    (GET, PUT and DELETE of /v1/documents/{id} are three routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
 
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -129,6 +146,18 @@ async def _on_index_locked(request: Request, exc: Exception) -> JSONResponse:
                           headers={"Retry-After": "2"})
 
 
+async def _on_conflict(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(409, "conflict", str(exc))
+
+
+async def _on_read_only(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(409, "read_only", f"{exc} (this server serves the index read-only)")
+
+
+async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
+
+
 async def _on_corpus_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid_document", str(exc))
 
@@ -147,8 +176,11 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
+    app.add_exception_handler(ConflictError, _on_conflict)  # a subclass: Starlette picks the closest handler
     app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)
     app.add_exception_handler(QueueFullError, _on_queue_full)
     app.add_exception_handler(IndexLockedError, _on_index_locked)
     app.add_exception_handler(CorpusError, _on_corpus_error)
+    app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
+    app.add_exception_handler(WriteFailedError, _on_write_failed)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

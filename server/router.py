@@ -15,6 +15,18 @@ rerank_count >= its documents) that is exactly the ranking of one index over the
 corpus. With smaller pools each partition re-ranks its own top `rerank_count`, so the
 union re-ranks S x rerank_count candidates, a superset of one index's pool.
 
+Lexical and hybrid modes. A lexical search merges by BM25 score like a dense one. A hybrid
+search cannot merge fused scores (RRF ranks and min-max normalisations are per list), so
+the router asks every partition for its whole fusion pool (`k` = 1000; a partition returns
+at most rerank_count + lexical_k hits) with both sides' scores, rebuilds the pool one index
+would form (the top rerank_count by dense score, the top lexical_k by BM25) and fuses it
+with `espn.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
+report. What remains different from one index is BM25's corpus statistics (document
+frequencies, average length), which each partition computes over its own documents: with
+documents spread i mod S they differ by sampling noise only. Measured on 2 partitions of
+300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
+every routed hybrid ranking within the tolerance stated there.
+
 Nothing here is a cluster manager: the shard list is static configuration, and
 scheduling, discovery, restarts and load balancing over replicas belong to the platform.
 """
@@ -29,24 +41,27 @@ import heapq
 import logging
 import sys
 import time
-from typing import Annotated, Any, AsyncIterator, Optional, Sequence
-from urllib.parse import quote, urlsplit
+from typing import Any, AsyncIterator, Optional, Sequence
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, Field, ValidationError
 
 from .schemas import (
+    MAX_EXPLAIN_K,
+    MAX_K,
     BatchSearchRequest,
     ErrorResponse,
     HealthResponse,
     SearchHit,
+    SearchOptions,
     SearchRequest,
     SearchResponse,
 )
+from .settings import ROUTER_ENV_PREFIX, RouterSettings
 
 __all__ = [
     "RouterSettings",
@@ -54,55 +69,15 @@ __all__ = [
     "RoutedSearchResponse",
     "RoutedBatchResponse",
     "merge_hits",
+    "fuse_hits",
     "build_router_app",
     "run_route",
 ]
 
 logger = logging.getLogger(__name__)
 
-ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
 # Request headers passed on to the shards: the API key, and a request id for tracing.
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
-
-
-class RouterSettings(BaseSettings):
-    """Configuration of `espn route`; each field is `ESPN_ROUTER_<NAME>` in the environment."""
-
-    model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
-
-    shards: Annotated[list[str], NoDecode] = Field(
-        description="base URL of each partition's service, e.g. http://espn-part-0:8000 (comma-separated in env)"
-    )
-    timeout_ms: float = Field(2000.0, gt=0.0, le=600_000.0, description="per-shard time limit of one request")
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
-    max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
-
-    @field_validator("shards", mode="before")
-    @classmethod
-    def _split(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
-    @field_validator("shards")
-    @classmethod
-    def _check_shards(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one shard URL is needed")
-        urls = []
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"shard URL must be http(s)://host[:port][/prefix], got {url!r}")
-            if parts.query or parts.fragment:
-                raise ValueError(f"shard URL must not carry a query or fragment, got {url!r}")
-            urls.append(url.rstrip("/"))
-        duplicates = sorted({u for u in urls if urls.count(u) > 1})
-        if duplicates:
-            raise ValueError(f"shard URLs repeat: {', '.join(duplicates)}")
-        return urls
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,6 +151,51 @@ def merge_hits(per_shard: Sequence[Sequence[SearchHit]], k: int) -> list[SearchH
     return merged
 
 
+def fuse_hits(per_shard: Sequence[Sequence[SearchHit]], k: int, hybrid: dict[str, Any]) -> list[SearchHit]:
+    """The partitions' hybrid pools fused as one index fuses its own (see the module doc).
+
+    per_shard: each partition's pool with `dense_score` and `lexical_score`; hybrid: the
+    parameters the partitions report (`stats.hybrid`).
+    """
+    import numpy as np
+
+    from espn.hybrid import HybridParams, fuse
+
+    seen: dict[str, SearchHit] = {}
+    for hits in per_shard:
+        for hit in hits:
+            seen.setdefault(hit.id, hit)
+    hits = list(seen.values())
+    nan = float("nan")
+    dense = np.array([nan if h.dense_score is None else h.dense_score for h in hits], dtype=np.float32)
+    lexical = np.array([nan if h.lexical_score is None else h.lexical_score for h in hits], dtype=np.float32)
+    params = HybridParams.from_manifest(hybrid)
+    rerank_count = int(hybrid.get("rerank_count", 100))
+
+    def top(scores: np.ndarray, n: int) -> np.ndarray:
+        present = np.flatnonzero(~np.isnan(scores))
+        return present[np.argsort(-scores[present], kind="stable")[:n]]
+
+    in_lexical = top(lexical, params.lexical_k)
+    pool = np.union1d(top(dense, rerank_count), in_lexical)
+    lexical_pool = np.full(len(hits), np.nan, dtype=np.float32)
+    lexical_pool[in_lexical] = lexical[in_lexical]  # below the global lexical top: not on that list
+    fused = fuse(pool, dense[pool], lexical_pool[pool], params)
+    out = []
+    for row, score, lexical_score in zip(fused.doc[:k].tolist(), fused.score[:k].tolist(), fused.lexical[:k].tolist()):
+        out.append(hits[row].model_copy(update={
+            "score": score, "lexical_score": None if lexical_score != lexical_score else lexical_score}))
+    return out
+
+
+def _fan_out_body(body: SearchOptions) -> dict[str, Any]:
+    """What the partitions are asked: a hybrid search asks each for its whole pool."""
+    out = body.model_dump(exclude_none=True)
+    if body.mode == "hybrid":
+        out["k"] = MAX_EXPLAIN_K if out.get("explain") else MAX_K
+    return out
+
+
 def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: float) -> RoutedStats:
     stats = [response.stats for response in answered]
     stage_ms: dict[str, float] = {}
@@ -199,9 +219,11 @@ def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: flo
 
 def _merge_responses(query: str, answered: Sequence[SearchResponse], k: int, total: int,
                      failures: list[ShardFailure], route_ms: float) -> RoutedSearchResponse:
+    pools = [response.results for response in answered]
+    hybrid = next((r.stats.hybrid for r in answered if r.stats.mode == "hybrid" and r.stats.hybrid), None)
     return RoutedSearchResponse(
         query=query,
-        results=merge_hits([response.results for response in answered], k),
+        results=merge_hits(pools, k) if hybrid is None else fuse_hits(pools, k, hybrid),
         stats=_combine_stats(answered, total, route_ms),
         partial=bool(failures),
         failed_shards=failures,
@@ -376,7 +398,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     async def search(body: SearchRequest, request: Request) -> Any:
         started = time.perf_counter()
         answers, failures = await get_fanout().search(
-            "/v1/search", body.model_dump(exclude_none=True), _headers(request), SearchResponse)
+            "/v1/search", _fan_out_body(body), _headers(request), SearchResponse)
         if not answers:
             return _unavailable("search", failures)
         merged = _merge_responses(body.query, answers, body.k, len(settings.shards), failures,
@@ -390,7 +412,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     async def search_batch(body: BatchSearchRequest, request: Request) -> Any:
         started = time.perf_counter()
         answers, failures = await get_fanout().search(
-            "/v1/search/batch", body.model_dump(exclude_none=True), _headers(request), ShardsBatch)
+            "/v1/search/batch", _fan_out_body(body), _headers(request), ShardsBatch)
         if not answers:
             return _unavailable("batch", failures)
         if any(len(answer.responses) != len(body.queries) for answer in answers):
@@ -468,13 +490,13 @@ def run_route(args: argparse.Namespace) -> int:
     """Validate the settings and serve until SIGTERM/SIGINT. Returns an exit code."""
     import uvicorn
 
-    given = {name: getattr(args, name, None) for name in ("shards", "timeout_ms", "host", "port", "log_level")}
+    from .cli import settings_error_line
+
+    given = {name: getattr(args, name, None) for name in RouterSettings.model_fields}
     try:
         settings = RouterSettings(**{name: value for name, value in given.items() if value is not None})
     except ValidationError as error:
-        for item in error.errors():
-            field = ".".join(str(part) for part in item["loc"]) or "settings"
-            print(f"espn route: {field} ({ROUTER_ENV_PREFIX}{field.upper()}): {item['msg']}", file=sys.stderr)
+        print(settings_error_line("route", ROUTER_ENV_PREFIX, error), file=sys.stderr)
         return 2
     print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
           f"listening on {settings.host}:{settings.port}", file=sys.stderr)

@@ -2,15 +2,22 @@
 
 Requests are strict (`"k": "10"` is a type error, not 10) and closed (`extra="forbid"`:
 a misspelled parameter is an error, not silently ignored). The bounds here are the
-HTTP contract; the library checks its own (e.g. nprobe <= nlist) and its
-InvalidParameterError becomes a 422 as well.
+HTTP contract, published in the OpenAPI document: whatever its JSON Schema admits the
+server accepts, and what it refuses the server refuses (tests/test_openapi.py runs
+Schemathesis against a real server to hold both). So integers follow JSON Schema (1.0 is
+an integer), and rules that a pydantic `pattern` would check with a different regex
+engine are checked here in Python, with the same character classes the schema spells out.
+Rules that depend on the index (nprobe <= nlist, the filter's fields) are added to the
+document by server/openapi.py; rules between fields that JSON Schema cannot state (an id
+twice in one write) are 409s, documented as such.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+import re
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "MAX_QUERY_CHARS",
@@ -23,11 +30,13 @@ __all__ = [
     "PassageSpanModel",
     "TokenMatchModel",
     "ExplanationModel",
+    "LexicalMatchModel",
     "SearchStatsModel",
     "SearchResponse",
     "BatchSearchResponse",
     "DocumentResponse",
     "HealthResponse",
+    "ReadinessResponse",
     "ErrorResponse",
 ]
 
@@ -36,16 +45,51 @@ MAX_K = 1000
 # Hard ceiling of the schema; ServerSettings.max_batch_queries (<= this) is the live limit.
 MAX_BATCH_QUERIES = 10_000
 MAX_DOC_ID_CHARS = 512
+# Ids written over HTTP: 128 characters are at most 512 UTF-8 bytes, the index's limit.
+MAX_WRITE_ID_CHARS = 128
 # An explanation holds one entry per query token per hit: explained responses stay small.
 MAX_EXPLAIN_K = 100
+# Lexical candidates of a hybrid search are read and MaxSim-scored: bounded like rerank_count's work.
+MAX_LEXICAL_K = 1000
 
-QueryText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUERY_CHARS)]
+# Python's str.isspace() characters, spelled out: a JSON Schema pattern is an ECMA regex,
+# whose \s is another set, and the library tests blankness with str.strip().
+_SPACE = r"\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+BLANK_PATTERN = f"^[{_SPACE}]*$"
+# "Not blank" as JSON Schema: `not` a blank string (Schemathesis' coverage phase draws from it
+# reliably, which it does not from the equivalent negated character class).
+NOT_BLANK: dict[str, Any] = {"not": {"pattern": BLANK_PATTERN}}
+# An id: no surrounding whitespace (the library strips nothing, it refuses), no control characters.
+_ID_EDGE = r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+WRITE_ID_PATTERN = f"^[^{_ID_EDGE}](?:[^\\x00-\\x1f\\x7f-\\x9f]*[^{_ID_EDGE}])?$"
+_BLANK = re.compile(BLANK_PATTERN)
+_WRITE_ID = re.compile(WRITE_ID_PATTERN)
 
 
 def _non_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("query must contain a non-whitespace character")
+    if _BLANK.fullmatch(value):
+        raise ValueError("must contain a non-whitespace character")
     return value
+
+
+def check_write_id(value: str) -> str:
+    if not _WRITE_ID.fullmatch(value):
+        raise ValueError("an id has no leading or trailing whitespace and no control characters")
+    return value
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer includes 1.0: an integral float is an int; "1", true and 1.5 stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+_INTEGRAL = BeforeValidator(_integral)  # after the bounds in Annotated[...]: the schema keeps minimum/maximum
+Integer = Annotated[int, _INTEGRAL]
+QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS, json_schema_extra=NOT_BLANK),
+                      AfterValidator(_non_blank)]
+WriteId = Annotated[str, Field(min_length=1, max_length=MAX_WRITE_ID_CHARS,
+                               json_schema_extra={"pattern": WRITE_ID_PATTERN}), AfterValidator(check_write_id)]
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
 
 
 class SearchOptions(BaseModel):
@@ -53,19 +97,36 @@ class SearchOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    k: int = Field(10, ge=1, le=MAX_K, description="results per query")
-    nprobe: Optional[int] = Field(None, ge=1, le=1 << 20, description="IVF clusters visited (<= nlist)")
+    k: Integer = Field(10, ge=1, le=MAX_K, description="results per query")
+    # Bounds inside the Optional: on the outer Field they would not reach the integer branch of the schema.
+    nprobe: Optional[Annotated[int, Field(ge=1, le=1 << 20), _INTEGRAL]] = Field(
+        None, description="IVF clusters visited (<= nlist)")
     prefetch_step: Optional[float] = Field(
         None, gt=0.0, le=1.0, allow_inf_nan=False, description="fraction of nprobe after which prefetching starts"
     )
-    prefetch_k: Optional[int] = Field(None, ge=0, le=10_000, description="candidates each prefetch wave reads")
-    rerank_count: Optional[int] = Field(None, ge=0, le=10_000, description="candidates re-ranked with MaxSim")
-    prefetch_waves: Optional[int] = Field(None, ge=1, le=1000, description="most prefetch waves (1 = one prefetch)")
+    prefetch_k: Optional[Annotated[int, Field(ge=0, le=10_000), _INTEGRAL]] = Field(
+        None, description="candidates each prefetch wave reads")
+    rerank_count: Optional[Annotated[int, Field(ge=0, le=10_000), _INTEGRAL]] = Field(
+        None, description="candidates re-ranked with MaxSim")
+    prefetch_waves: Optional[Annotated[int, Field(ge=1, le=1000), _INTEGRAL]] = Field(
+        None, description="most prefetch waves (1 = one prefetch)")
     prefetch: Optional[bool] = Field(None, description="false: read candidates after the ANN (faster on small CPUs)")
     return_text: bool = Field(False, description="include each hit's title and text")
     filter: Optional[dict[str, Any]] = Field(
         None, description='metadata filter every hit satisfies, e.g. {"topic": "oceans", "year": {"gte": 2000}}; '
                           'operators in, not_in, gt, gte, lt, lte, exists; and, or, not (see espn.filters)')
+    mode: Optional[Literal["dense", "lexical", "hybrid"]] = Field(
+        None, description='dense (vectors; the default), lexical (BM25 over the full-text index) or hybrid (both, '
+                          'fused). Lexical and hybrid queries read "phrases", +required and -excluded words; an index '
+                          'built without a full-text index answers them with 422')
+    fusion: Optional[Literal["rrf", "mix"]] = Field(
+        None, description="hybrid: reciprocal rank fusion, or the normalised mix of the two scores (default: the "
+                          "index's)")
+    lexical_k: Optional[int] = Field(None, ge=1, le=MAX_LEXICAL_K, description="hybrid: candidates from the lexical side")
+    rrf_k: Optional[int] = Field(None, ge=1, le=100_000, description="hybrid: the RRF constant")
+    mix_weight: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
+                                        description="hybrid: the dense side's weight in the mix (default: calibrated)")
+    union: Optional[bool] = Field(None, description="hybrid: MaxSim-score what only the lexical side found")
 
     def search_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for Searcher.search (None = index default)."""
@@ -77,16 +138,25 @@ class SearchOptions(BaseModel):
             "rerank_count": self.rerank_count,
             "prefetch_waves": self.prefetch_waves,
             "prefetch": self.prefetch,
+            **self.mode_kwargs(),
         }
+
+    def mode_kwargs(self) -> dict[str, Any]:
+        """The mode and fusion keyword arguments (None = index default)."""
+        return {"mode": self.mode, "fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
+                "mix_weight": self.mix_weight, "union": self.union}
 
 
 class SearchRequest(SearchOptions):
+    # explain: true needs k <= MAX_EXPLAIN_K, which JSON Schema states with if/then.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"explain": {"const": True}}, "required": ["explain"]},
+        "then": {"properties": {"k": {"maximum": MAX_EXPLAIN_K}}}})
+
     query: QueryText = Field(description="query text")
     explain: Optional[bool] = Field(
         None, description=f"explain each re-ranked hit: per query token its MaxSim contribution and the passage "
                           f"span it matched (k <= {MAX_EXPLAIN_K})")
-
-    _check_query = field_validator("query")(_non_blank)
 
     @model_validator(mode="after")
     def _check_explain(self) -> "SearchRequest":
@@ -97,13 +167,6 @@ class SearchRequest(SearchOptions):
 
 class BatchSearchRequest(SearchOptions):
     queries: list[QueryText] = Field(min_length=1, max_length=MAX_BATCH_QUERIES, description="query texts")
-
-    @field_validator("queries")
-    @classmethod
-    def _check_queries(cls, values: list[str]) -> list[str]:
-        for value in values:
-            _non_blank(value)
-        return values
 
 
 class PassageSpanModel(BaseModel):
@@ -129,14 +192,27 @@ class ExplanationModel(BaseModel):
     matches: list[TokenMatchModel] = Field(description="one per query vector")
 
 
+class LexicalMatchModel(BaseModel):
+    terms: str = Field(description="the analysed terms of a query clause that matched (space-joined for a phrase)")
+    query_start: int
+    query_end: int
+    score: float = Field(description="its BM25 contribution; the matches sum to lexical_score")
+    spans: list[PassageSpanModel] = Field(description="where its words occur in the passage")
+
+
 class SearchHit(BaseModel):
     id: str
-    score: float
-    cls_score: float
+    score: float = Field(description="dense: w · cls + (1 − w) · bow; lexical: BM25; hybrid: the fused score")
+    cls_score: Optional[float] = Field(description="None in lexical mode, and in hybrid for what the dense side did "
+                                                   "not score")
     bow_score: Optional[float] = Field(description="None below rerank_count (not re-ranked)")
+    dense_score: Optional[float] = Field(default=None, description="hybrid: the dense side's score")
+    lexical_score: Optional[float] = Field(default=None, description="lexical and hybrid: BM25 (None: not found by it)")
     title: Optional[str] = None
     text: Optional[str] = None
     explanation: Optional[ExplanationModel] = Field(default=None, description="with explain: true, on re-ranked hits")
+    lexical_matches: Optional[list[LexicalMatchModel]] = Field(
+        default=None, description="with explain: true in lexical and hybrid modes: what the lexical side matched")
 
 
 class SearchStatsModel(BaseModel):
@@ -155,6 +231,10 @@ class SearchStatsModel(BaseModel):
     filter_path: Optional[str] = Field(
         default=None, description="exact: every matching document scored; ivf: the matches' lists probed; "
                                   "all: every document matches")
+    mode: Optional[str] = Field(default=None, description="lexical or hybrid (absent: dense)")
+    hybrid: Optional[dict[str, Any]] = Field(
+        default=None, description="hybrid: the fusion parameters used (fusion, rrf_k, mix_weight, lexical_k, union) "
+                                  "and rerank_count, with which a router re-fuses the pools of several partitions")
 
 
 class SearchResponse(BaseModel):
@@ -179,6 +259,13 @@ class HealthResponse(BaseModel):
     reader: Optional[dict[str, Any]] = Field(default=None, description="the embedding reader: name, I/O engine, device, ...")
 
 
+class ReadinessResponse(HealthResponse):
+    """GET /readyz of a server: its index's generation and whether it takes writes."""
+
+    generation: Optional[int] = Field(default=None, description="the live-index generation served (0: as built)")
+    mode: Optional[str] = Field(default=None, description='"read-write", or "read-only" (writes get 409)')
+
+
 class ErrorResponse(BaseModel):
     """Body of every 4xx/5xx the server sends on purpose."""
 
@@ -188,8 +275,27 @@ class ErrorResponse(BaseModel):
 
 
 # -- writes to a live index ---------------------------------------------------------------
-MAX_TEXT_CHARS = 100_000
+# The library takes at most 100,000 characters of title and text together; JSON Schema
+# cannot bound a sum, so the HTTP contract splits it.
+MAX_TITLE_CHARS = 10_000
+MAX_TEXT_CHARS = 90_000
 MAX_BATCH_WRITES = 1000
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+# Metadata as the library takes it (espn.metadata.FIELD_NAME and value_type), in JSON Schema.
+METADATA_SCHEMA: dict[str, Any] = {
+    "propertyNames": {"pattern": r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$", "not": {"enum": ["and", "or", "not"]}},
+    "additionalProperties": {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "number"},
+        {"type": "boolean"}, {"type": "null"}]},
+}
+
+
+def _metadata_numbers(value: Any) -> Any:
+    """An integer past 64 bits is kept as a float, as a JSON number written 1e20 is: one JSON Schema number."""
+    if isinstance(value, dict):
+        return {key: float(item) if isinstance(item, int) and not isinstance(item, bool)
+                and not _INT64[0] <= item <= _INT64[1] else item for key, item in value.items()}
+    return value
 
 
 class DocumentWrite(BaseModel):
@@ -197,23 +303,44 @@ class DocumentWrite(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    title: str = Field("", max_length=MAX_TEXT_CHARS)
-    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
-    metadata: Optional[dict[str, Any]] = Field(None, description="stored with the passage (JSON object)")
+    title: str = Field("", max_length=MAX_TITLE_CHARS)
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, json_schema_extra=NOT_BLANK,
+                      description="the passage; at least one non-whitespace character")
+    metadata: Annotated[Optional[dict[str, Any]], BeforeValidator(_metadata_numbers)] = Field(
+        None, json_schema_extra=METADATA_SCHEMA,
+        description="stored with the passage and filterable: field names of letters, digits, _ . - (at most 64, "
+                    "not and/or/not); values keyword, list of keywords, number, boolean or null. A field given "
+                    "another type than the index holds for it is a 409")
+
+    _check_text = field_validator("text")(_non_blank)
 
 
 class DocumentUpsert(DocumentWrite):
-    id: str = Field(min_length=1, max_length=MAX_DOC_ID_CHARS)
+    id: WriteId = Field(description=f"external id: at most {MAX_WRITE_ID_CHARS} characters, no surrounding "
+                                    "whitespace, no control characters")
 
 
 class BatchWriteRequest(BaseModel):
     """POST /v1/documents/batch: every upsert and delete published as one generation."""
 
-    model_config = ConfigDict(extra="forbid")
+    # At least one of the two lists is non-empty; JSON Schema says it with anyOf.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [
+        {"required": ["upsert"], "properties": {"upsert": {"minItems": 1}}},
+        {"required": ["delete"], "properties": {"delete": {"minItems": 1}}}]})
 
-    upsert: list[DocumentUpsert] = Field(default_factory=list, max_length=MAX_BATCH_WRITES)
-    delete: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_DOC_ID_CHARS)]] = Field(
-        default_factory=list, max_length=10 * MAX_BATCH_WRITES)
+    upsert: list[DocumentUpsert] = Field(default_factory=list, max_length=MAX_BATCH_WRITES,
+                                         description="documents to add or replace (an id twice is a 409)")
+    delete: list[DocId] = Field(default_factory=list, max_length=MAX_BATCH_WRITES,
+                                json_schema_extra={"uniqueItems": True},
+                                description="ids to delete (unknown: 404; also upserted here: 409)")
+
+    @model_validator(mode="after")
+    def _check_lists(self) -> "BatchWriteRequest":
+        if not self.upsert and not self.delete:
+            raise ValueError("nothing to write: give documents to upsert or ids to delete")
+        if len(set(self.delete)) != len(self.delete):
+            raise ValueError("delete: an id is listed twice")
+        return self
 
 
 class WriteResponse(BaseModel):

@@ -1,24 +1,38 @@
-"""Server configuration: one `ServerSettings`, read from `ESPN_*` environment variables.
+"""Server and router configuration: `ServerSettings` (`ESPN_*`) and `RouterSettings` (`ESPN_ROUTER_*`).
+
+The one source of truth for settings: every `ESPN_*` variable the code reads is a field of
+one of these models, and each field's description and default are what `espn serve --help`,
+`espn route --help` and the README's settings tables show (server/settings_doc.py renders
+them; a field with no description fails tests/test_settings_doc.py).
 
 `espn serve` turns its flags into these environment variables before it starts uvicorn,
 so every worker process builds the identical settings (and the identical app) from its
 environment: flag > environment variable > default. Construction fails fast: a missing
-index, an unknown reader or a bound out of range stops the server before it binds a port.
+index, an unknown reader, a bound out of range or an unusable API key stops the server
+before it binds a port.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["ServerSettings", "ENV_PREFIX", "READER_NAMES"]
+__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "READER_NAMES", "MIN_API_KEY_CHARS"]
 
 ENV_PREFIX = "ESPN_"
+ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
+#: A key this short can be guessed; `openssl rand -hex 32` gives 64 characters.
+MIN_API_KEY_CHARS = 16
+# Printable ASCII without spaces: the key travels in an HTTP header, where surrounding
+# whitespace is stripped and other bytes are not portable.
+_API_KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")
 
 # Mirrors espn.store.READERS; checked against the real registry in `_check_reader`
 # when the library can be imported, so the two cannot drift silently.
@@ -33,35 +47,40 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     # What to serve.
-    index: Path = Field(description="index directory (the one holding manifest.json)")
-    reader: Optional[str] = Field(None, description="embedding reader; None picks the library default")
-    device: Optional[str] = Field(None, description="torch device for MaxSim; None picks the library default")
+    index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json)")
+    reader: Optional[str] = Field(None, description="embedding reader (posix, kvikio, mmap, memory); unset: kvikio "
+                                                    "with CUDA, else posix")
+    device: Optional[str] = Field(None, description="torch device for MaxSim; unset: the library's choice")
 
     # Where and how many processes.
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    workers: int = Field(1, ge=1, le=64)
-    preload: bool = Field(True, description="with workers > 1: import torch & co once, fork the workers")
-    graceful_timeout_s: int = Field(30, ge=1, le=3600, description="in-flight requests get this long after SIGTERM")
+    host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 for every interface")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port, 0 for any free one")
+    workers: int = Field(1, ge=1, le=64, description="worker processes sharing the memory-mapped index")
+    preload: bool = Field(True, description="with workers > 1: import torch & co once and fork the workers "
+                                            "(false: each worker starts a fresh interpreter)")
+    graceful_timeout_s: int = Field(30, ge=1, le=3600,
+                                    description="seconds in-flight requests get after SIGTERM")
 
     # Micro-batching: requests with identical parameters arriving within `batch_wait_ms`
     # share one Searcher.search call of at most `max_batch_size` queries.
-    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0)
-    max_batch_size: int = Field(32, ge=1, le=1024)
+    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="how long a query waits for others to batch with")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="most queries per search call")
     search_threads: int = Field(1, ge=1, le=64, description="Searcher.search calls running at once per worker")
     max_pending: int = Field(4096, ge=1, le=1_000_000, description="queued queries per worker before 503")
-    torch_threads: Optional[int] = Field(None, ge=1, le=256, description="torch intra-op threads; None = cores / workers")
+    torch_threads: Optional[int] = Field(None, ge=1, le=256, description="torch threads per worker; unset: cores / workers")
 
     # Reader I/O (the posix reader only; None keeps the library default).
     io_engine: Optional[Literal["auto", "io_uring", "aio", "threads"]] = Field(
-        None, description="posix read engine; auto/None: io_uring, then aio, then threads")
-    io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once")
-    max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read")
-    direct: Optional[bool] = Field(None, description="False: buffered reads instead of O_DIRECT")
+        None, description="posix read engine; unset or auto: io_uring, then aio, then threads")
+    io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once; unset: 64")
+    max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read; unset: 1 MiB")
+    direct: Optional[bool] = Field(None, description="false: buffered reads instead of O_DIRECT; unset: O_DIRECT")
 
     # Request limits.
-    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
     max_batch_queries: int = Field(256, ge=1, le=10_000, description="queries accepted by /v1/search/batch")
+    max_batch_writes: int = Field(1000, ge=1, le=1000,
+                                  description="most upserts, and most deletes, in one /v1/documents/batch")
     # Work budget of one request: queries x max(k, rerank_count, prefetch_k) candidates.
     # The default admits 256 queries at k = 1000 but not a 256-query batch re-ranking 10,000 each.
     max_request_work: int = Field(262_144, ge=1, le=1 << 40,
@@ -72,20 +91,38 @@ class ServerSettings(BaseSettings):
     fair_chunk_queries: int = Field(8, ge=1, le=1024, description="queries a batch request searches per turn")
 
     # Security and cross-origin access.
-    api_key: Optional[SecretStr] = Field(None, description="if set, /v1/* needs `Authorization: Bearer <key>`")
-    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list, description="empty: CORS off")
+    api_key: Optional[SecretStr] = Field(
+        None, description=f"if set, /v1/* needs `Authorization: Bearer <key>`; at least {MIN_API_KEY_CHARS} printable "
+                          "characters, no spaces (an empty value is refused: unset the variable to serve without a "
+                          "key); environment only, never a flag")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="browser origins allowed to call the API (JSON list or comma-separated); "
+                                          "empty: CORS off")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
+    read_only: Optional[bool] = Field(
+        None, description="refuse writes (409); unset: read-only only when the index directory is not writable")
     write_wait_s: float = Field(10.0, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
-    compact_max_segments: int = Field(8, ge=1, le=10_000, description="compact in the background past this many deltas")
+    write_nice: int = Field(10, ge=0, le=19, description="CPU priority (nice) of write encoding and compaction threads")
+    write_queue: int = Field(10_000, ge=1, le=1_000_000,
+                             description="documents and deletes queued per worker before writes get 503")
+    compact_max_segments: int = Field(8, ge=1, le=10_000, description="merge deltas in the background past this many")
+    compact_merge_factor: int = Field(4, ge=2, le=1000, description="deltas merged into one at a time")
+    compact_base_ratio: float = Field(0.5, gt=0.0, le=100.0,
+                                      description="rewrite the base once deltas hold this fraction of its documents")
     compact_deleted_fraction: float = Field(0.2, gt=0.0, le=1.0,
                                             description="... or past this fraction of deleted/replaced documents")
+    max_metadata_fields: int = Field(64, ge=1, le=10_000, description="metadata fields per document")
+    max_metadata_bytes: int = Field(16 << 10, ge=64, le=16 << 20,
+                                    description="a document's metadata as JSON, in bytes")
+    max_index_fields: int = Field(256, ge=1, le=100_000, description="distinct metadata fields per index")
 
     # Operations.
-    log_level: LogLevel = "info"
-    warmup: bool = True
+    log_level: LogLevel = Field("info", description="server log level")
+    warmup: bool = Field(True, description="warm the index before /readyz reports ready")
     metrics_port: Optional[int] = Field(
-        None, ge=1, le=65535, description="serve /metrics on this port only (not on the API port)")
+        None, ge=1, le=65535, description="serve /metrics on this port only, not on the API port; unset: on the API "
+                                          "port")
 
     @field_validator("index")
     @classmethod
@@ -114,10 +151,19 @@ class ServerSettings(BaseSettings):
     @field_validator("api_key")
     @classmethod
     def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
-        if value is None or value.get_secret_value() == "":
+        # An empty ESPN_API_KEY (a secret that did not mount, `ESPN_API_KEY=$UNSET`) must not
+        # quietly turn authentication off: only an unset variable means "no key".
+        if value is None:
             return None
-        if len(value.get_secret_value()) < 16:
-            raise ValueError("api_key must be at least 16 characters")
+        key = value.get_secret_value()
+        if key == "":
+            raise ValueError("is empty; unset ESPN_API_KEY to serve without a key, or give one of at least "
+                             f"{MIN_API_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)")
+        if len(key) < MIN_API_KEY_CHARS:
+            raise ValueError(f"has {len(key)} characters; at least {MIN_API_KEY_CHARS} are needed "
+                             "(e.g. `openssl rand -hex 32`)")
+        if not _API_KEY_CHARS.match(key):
+            raise ValueError("must be printable ASCII without spaces (it is sent in an HTTP header)")
         return value
 
     @field_validator("cors_origins", mode="before")
@@ -188,3 +234,47 @@ class ServerSettings(BaseSettings):
         out = self.model_dump(mode="json")
         out["api_key"] = "***" if self.api_key is not None else None
         return out
+
+
+class RouterSettings(BaseSettings):
+    """Configuration of `espn route`; each field is `ESPN_ROUTER_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
+
+    shards: Annotated[list[str], NoDecode] = Field(
+        description="base URL of each partition's server, e.g. http://espn-part-0:8000 (comma-separated)")
+    timeout_ms: float = Field(2000.0, gt=0.0, le=600_000.0,
+                              description="per-shard time limit; a shard slower than this is left out and the "
+                                          "answer marked partial")
+    host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 for every interface")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port, 0 for any free one")
+    max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
+    log_level: LogLevel = Field("info", description="router log level")
+
+    @field_validator("shards", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        # "a,b" (the variable, or one --shards) and ["a,b", "c"] (--shards repeated) alike.
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [part.strip() for item in value for part in str(item).split(",") if part.strip()]
+        return value
+
+    @field_validator("shards")
+    @classmethod
+    def _check_shards(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one shard URL is needed")
+        urls = []
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"shard URL must be http(s)://host[:port][/prefix], got {url!r}")
+            if parts.query or parts.fragment:
+                raise ValueError(f"shard URL must not carry a query or fragment, got {url!r}")
+            urls.append(url.rstrip("/"))
+        duplicates = sorted({u for u in urls if urls.count(u) > 1})
+        if duplicates:
+            raise ValueError(f"shard URLs repeat: {', '.join(duplicates)}")
+        return urls

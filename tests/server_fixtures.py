@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import httpx
 
@@ -83,13 +83,21 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def running_server(index: Path, log_dir: Path, *flags: str, env: Optional[dict[str, str]] = None,
-                   name: str = "server") -> Iterator[ServerProcess]:
-    """Start `espn serve INDEX --port <free>` with `flags`, wait for /readyz, always stop it."""
+                   name: str = "server", fd_limit: Optional[int] = None,
+                   espn: Sequence[str] = ()) -> Iterator[ServerProcess]:
+    """Start `espn serve INDEX --port <free>` with `flags`, wait for /readyz, always stop it.
+
+    fd_limit: start it under `ulimit -n` of this; espn: the command that stands for `espn`
+    (default the installed one; a test may run a wrapper that behaves the same)."""
     port = free_port()
     full_env = {key: value for key, value in os.environ.items() if not key.startswith("ESPN_")}
     full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     full_env.update(env or {})
     command = serve_command(index, "--host", "127.0.0.1", "--port", str(port), *flags)
+    if espn:
+        command = [*espn, *command[1:]]
+    if fd_limit is not None:
+        command = ["sh", "-c", f'ulimit -n {int(fd_limit)} && exec "$@"', "sh", *command]
     server = ServerProcess(command, port, log_dir / f"{name}.log", full_env)
     try:
         server.wait_ready()

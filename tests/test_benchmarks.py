@@ -204,3 +204,125 @@ def test_bench_filter(tiny_index: Path, results: Path, capsys, tmp_path: Path) -
     assert len(rows) == 2 * (1 + 2 * 5)  # (unfiltered + 2 fields x 5 selectivities) x prefetch on/off
     # 2,000 documents: the default nprobe scans every list, so every filtered search is exact.
     assert all(r["recall"] >= 0.99 for r in rows), rows
+
+
+def test_bench_reopen(sample_index: Path, capsys) -> None:
+    from benchmarks import bench_reopen
+
+    assert bench_reopen.main(["--index", str(sample_index), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "over 3 generations" in out and "the per-request check" in out
+    assert not (sample_index / "live").exists()  # it works on a copy
+
+
+def test_bench_updates(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_updates
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_updates.main(["--index", str(sample_index), "--corpus", str(data / "sample_corpus.jsonl"),
+                               "--queries", str(data / "sample_queries.jsonl"), "--quick"]) == 0
+    payload = _check(results, "bench_updates_quick", capsys, png=False)
+    assert list(payload["search"]) == ["0 deltas", "1 deltas", "2 deltas", "2 deltas + 10% deleted", "compacted"]
+    assert payload["search"]["2 deltas"]["segments"] == 2 and payload["search"]["compacted"]["segments"] == 0
+    assert not (sample_index / "live").exists()
+
+
+def test_bench_server(sample_index: Path, tmp_path: Path, capsys) -> None:
+    from benchmarks import bench_server
+
+    data = common.ROOT / "espn" / "data"
+    out = tmp_path / "server.json"
+    assert bench_server.main(["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+                              "--qrels", str(data / "sample_qrels.tsv"), "--quick", "--json", str(out)]) == 0
+    assert "|---" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert set(payload["memory"]) == {"1"} and payload["memory"]["1"]["pss_total"] > 0
+    assert {key: (row["errors"], row["requests"]) for key, row in payload["load"].items()} == {"1x1": (0, 20),
+                                                                                           "1x4": (0, 20)}
+
+
+def test_bench_readers_under_cpu_load(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_readers
+
+    queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
+    assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches", "1,4",
+                               "--cpu-load", "1"]) == 0
+    payload = _check(results, "readers", capsys, png=False)
+    assert payload["load"].startswith("1 CPU-bound process")
+    assert {"memory/on/B1", "posix/off/B4"} <= set(payload["configs"])
+    assert all(cell["round_qps"][0] > 0 for cell in payload["configs"].values())
+
+
+def test_bench_query_text_to_hits(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_query
+
+    data = common.ROOT / "espn" / "data"
+    argv = ["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+            "--qrels", str(data / "sample_qrels.tsv"), "--quick", "--n", "8"]
+    assert bench_query.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| text/posix |" in out and "| encoder only |" in out and "onnxruntime" in out
+    payload = json.loads((results / "query.json").read_text())
+    assert 0 < payload["configs"]["text/memory"]["share"][0] < 1
+    assert 0 <= payload["configs"]["text/posix"]["ndcg10"] <= 1
+def test_bench_writes(tiny_index: Path, results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """A served copy of the sample index (it has a text encoder) takes sequential and concurrent
+    PUTs, searches and a compaction; deletes run on a live copy of the tiny index."""
+    from benchmarks import bench_writes
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_writes.main(["--index", str(sample_index), "--corpus", str(data / "sample_corpus.jsonl"),
+                              "--queries", str(data / "sample_queries.jsonl"), "--large", str(tiny_index),
+                              "--work", str(tmp_path / "work"), "--quick", "--writers", "4", "--searchers", "2"]) == 0
+    payload = _check(results, "bench_writes_quick", capsys, png=False)
+    assert payload["sequential_puts"]["statuses"] == {"201": 12}
+    assert payload["writes_alone"]["errors_5xx"] == 0 and payload["writes_alone"]["per_s"] > 0
+    assert payload["compaction"]["compactions"] >= 1 and payload["server_log_tracebacks"] == 0
+    assert payload["deletes"]["deletes"] == 5 and payload["deletes"]["max_write_bytes"] < 65536
+    assert payload["deletes"]["documents"] == 2000
+    assert not (sample_index / "live").exists() and not (tiny_index / "live").exists()  # copies took the writes
+def _sample_beir(tmp_path: Path) -> Path:
+    """The bundled sample corpus's queries and qrels, laid out as a BEIR directory (test split)."""
+    data = common.ROOT / "espn" / "data"
+    (tmp_path / "qrels").mkdir()
+    shutil.copy(data / "sample_queries.jsonl", tmp_path / "queries.jsonl")
+    shutil.copy(data / "sample_qrels.tsv", tmp_path / "qrels" / "test.tsv")
+    return tmp_path
+
+
+def test_bench_hybrid(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    from benchmarks import bench_hybrid
+
+    beir = _sample_beir(tmp_path)
+    assert bench_hybrid.main(["effectiveness", "--index", str(sample_index), "--data", str(beir), "--splits", "test",
+                              "--quick", "--limit", "12"]) == 0
+    payload = _check(results, "hybrid_effectiveness", capsys, png=False)
+    rows = payload["splits"]["test"]["nDCG@10"]
+    assert {"dense", "lexical", "rrf/union", "rrf/lists", "mix 0.65/union"} <= set(rows)
+    assert all(0.0 <= value <= 1.0 for value in rows.values())
+
+
+def test_bench_hybrid_on_a_synthetic_index_with_text(results: Path, capsys, sample_index: Path,
+                                                     tmp_path: Path) -> None:
+    """make_synthetic --text: recombined passages and a full-text index; the latency bench then
+    searches it with precomputed query embeddings and the query texts it wrote."""
+    from benchmarks import bench_hybrid, bench_text_engines
+    from benchmarks.make_synthetic import generate
+
+    out = tmp_path / "synth"
+    generate(out, 600, sample_index, queries=12, chunk_size=256, nlist=8, ann="flat", text=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["text"]["documents"] == 600
+    texts = out.with_name("synth.query_texts.jsonl").read_text().splitlines()
+    assert len(texts) == 12 and all(json.loads(line)["text"] for line in texts)
+    assert bench_hybrid.main(["latency", "--index", str(out), "--quick", "--query-embeddings",
+                              str(out.with_name("synth.queries.npz")),
+                              "--query-texts", str(out.with_name("synth.query_texts.jsonl"))]) == 0
+    payload = _check(results, "hybrid_latency", capsys, png=False)
+    assert payload["queries"] == 5 and payload["ratio_p50"] > 0
+    pytest.importorskip("bm25s")
+    assert bench_text_engines.main(["--index", str(out), "--queries", str(out.with_name("synth.query_texts.jsonl")),
+                                    "--no-qrels", "--quick"]) == 0
+    payload = _check(results, "text_engines", capsys, png=False)
+    assert [row["engine"] for row in payload["rows"]] == ["tantivy", "bm25s"]
+    assert all(row["documents"] == 600 and row["bytes"] > 0 for row in payload["rows"])

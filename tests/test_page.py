@@ -169,3 +169,74 @@ def test_search_page_in_a_real_browser(browser, server, client: httpx.Client, tm
     wait.until(lambda b: b.execute_script(first_id) not in (None, hit["id"]))
     assert not browser.find_element(By.ID, "key-form").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "li.result mark.hl")
+
+
+def test_modes_over_http(client: httpx.Client) -> None:
+    """mode, fusion and the lexical syntax on /v1/search and /v1/search/batch, with their 422s."""
+    dense = client.post("/v1/search", json={"query": QUERY, "k": 5}).json()
+    assert "mode" not in dense["stats"] and all("dense_score" not in hit for hit in dense["results"])
+    for mode in ("lexical", "hybrid"):
+        body = client.post("/v1/search", json={"query": QUERY, "k": 5, "mode": mode, "fusion": "rrf"}).json()
+        assert body["stats"]["mode"] == mode and len(body["results"]) == 5
+        assert all("lexical_score" in hit and "dense_score" in hit for hit in body["results"])
+        if mode == "lexical":
+            assert all(hit["cls_score"] is None and hit["score"] == hit["lexical_score"] for hit in body["results"])
+        else:
+            assert body["stats"]["hybrid"]["fusion"] == "rrf" and body["stats"]["hybrid"]["rerank_count"] >= 1
+    batch = client.post("/v1/search/batch", json={"queries": [QUERY, "ocean tides"], "k": 3, "mode": "hybrid"})
+    assert batch.status_code == 200 and [r["stats"]["mode"] for r in batch.json()["responses"]] == ["hybrid"] * 2
+    for body, status, message in [
+        ({"query": 'moon "red', "mode": "hybrid"}, 422, "unclosed quote at position 5"),
+        ({"query": "-moon -sun", "mode": "lexical"}, 422, "only excludes"),
+        ({"query": QUERY, "mode": "sparse"}, 422, "mode"),
+        ({"query": QUERY, "mode": "hybrid", "lexical_k": 0}, 422, "lexical_k"),
+        ({"query": QUERY, "mode": "hybrid", "mix_weight": 2}, 422, "mix_weight"),
+    ]:
+        response = client.post("/v1/search", json=body)
+        assert response.status_code == status and message in response.json()["message"], response.text
+    bad_batch = client.post("/v1/search/batch", json={"queries": ["fine", 'a "b'], "mode": "lexical"})
+    assert bad_batch.status_code == 422 and bad_batch.json()["message"].startswith("queries[1]: query: unclosed quote")
+    assert bad_batch.json()["error"] == "invalid_query"
+    explained = client.post("/v1/search", json={"query": QUERY, "k": 2, "mode": "lexical", "explain": True}).json()
+    for hit in explained["results"]:
+        assert sum(m["score"] for m in hit["lexical_matches"]) == pytest.approx(hit["lexical_score"], rel=1e-4)
+
+
+def test_mode_switch_in_a_real_browser(browser, server, client: httpx.Client) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    wait = WebDriverWait(browser, 60)
+    browser.get(f"{server.base_url}/")
+    first_id = "const r = document.querySelector('li.result'); return r ? r.dataset.id : null"
+    for mode in ("hybrid", "lexical"):
+        Select(browser.find_element(By.ID, "mode")).select_by_value(mode)
+        query = browser.find_element(By.ID, "query")
+        query.clear()
+        query.send_keys(QUERY)
+        k = browser.find_element(By.ID, "k")
+        k.clear()
+        k.send_keys("4")
+        browser.execute_script("document.getElementById('results').replaceChildren()")
+        browser.find_element(By.ID, "search-button").click()
+        if browser.find_element(By.ID, "key-form").is_displayed() or not browser.execute_script(
+                "return sessionStorage.getItem('espn-api-key')"):
+            wait.until(lambda b: b.find_element(By.ID, "key-form").is_displayed())
+            browser.find_element(By.ID, "api-key").send_keys(API_KEY)
+            browser.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait.until(lambda b: b.execute_script(first_id) is not None)
+        expected = client.post("/v1/search", json={"query": QUERY, "k": 4, "mode": mode, "explain": True,
+                                                   "return_text": True}).json()["results"]
+        items = browser.find_elements(By.CSS_SELECTOR, "li.result")
+        assert [item.get_attribute("data-id") for item in items] == [hit["id"] for hit in expected], mode
+        chips = [chip.find_element(By.CSS_SELECTOR, ".q").text
+                 for chip in items[0].find_elements(By.CSS_SELECTOR, ".matches.lexical .match")]
+        assert chips == [m["terms"] for m in expected[0]["lexical_matches"]] and chips, mode
+        if mode == "hybrid":
+            assert "fused from dense" in items[0].text
+            assert items[0].find_elements(By.CSS_SELECTOR, ".text mark.hl:not(.lx)")  # MaxSim highlights
+        else:
+            marked = {mark.text for mark in items[0].find_elements(By.CSS_SELECTOR, ".text mark.hl.lx")}
+            spans = {expected[0]["text"][s["start"]:s["end"]] for m in expected[0]["lexical_matches"]
+                     for s in m["spans"] if s["field"] == "text"}
+            assert marked and marked <= spans and "eclipse" in {word.lower() for word in marked}, (marked, spans)

@@ -51,13 +51,9 @@ def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sa
     assert ranking(skipped) == ranking(taken)
 
 
-def test_cost_model_estimates_the_scan_left_from_the_scan_so_far(sample_index: Path) -> None:
+def test_min_hidden_ms_is_checked(sample_index: Path) -> None:
     with Searcher.open(sample_index, min_hidden_ms=0.5) as s:
-        sizes = s._list_sizes
-        scanned, left = np.argsort(sizes)[-1:][None, :], np.argsort(sizes)[-2:-1][None, :]
-        rate = sizes[left].sum() / sizes[scanned].sum()  # ms of scan left per ms spent so far
-        assert s._wave_pays(scanned, left, elapsed_ms=0.6 / rate)
-        assert not s._wave_pays(scanned, left, elapsed_ms=0.4 / rate)
+        assert s._prefetch.may_pay(0.6) and not s._prefetch.may_pay(0.4)
     with pytest.raises(InvalidParameterError, match="min_hidden_ms"):
         Searcher.open(sample_index, min_hidden_ms=-1)
 

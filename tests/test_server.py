@@ -103,6 +103,40 @@ def test_batcher_never_mixes_parameters() -> None:
         assert {int(q[1:]) % 3 for q in queries} == {params["k"] - 5}
 
 
+def test_batcher_takes_other_parameter_sets_into_one_call_as_groups() -> None:
+    """With search_many a flush carries every queued parameter set (one encode on the server),
+    each group keeps its own parameters, and a failing group fails only its own queries."""
+    calls: list[list[tuple[list[str], dict[str, Any]]]] = []
+
+    def search_many(groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        calls.append([(list(q), dict(p)) for q, p in groups])
+        return [ValueError("bad group") if "bad" in queries else [(q, dict(params)) for q in queries]
+                for queries, params in groups]
+
+    async def go(batcher: MicroBatcher) -> list:
+        jobs = [batcher.submit(f"q{i}", {"k": 5 + i % 3}) for i in range(9)]
+        jobs.append(batcher.submit("bad", {"k": 99}))
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def main() -> list:
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            batcher: MicroBatcher = MicroBatcher(None, executor, max_batch_size=32, max_wait_s=0.05,
+                                                 search_many=search_many)
+            batcher.start()
+            try:
+                return await go(batcher)
+            finally:
+                await batcher.close()
+
+    results = asyncio.run(main())
+    for i, item in enumerate(results[:9]):
+        assert item.result == (f"q{i}", {"k": 5 + i % 3}) and item.batch_size == 10
+    assert isinstance(results[9], ValueError)
+    assert len(calls) == 1 and sorted(params["k"] for _, params in calls[0]) == [5, 6, 7, 99]
+    with pytest.raises(ValueError, match="search or search_many"):
+        MicroBatcher(None, concurrent.futures.ThreadPoolExecutor(1))
+
+
 def test_batcher_failure_reaches_only_its_batch() -> None:
     search = _RecordingSearch(fail_on="bad")
 
@@ -399,11 +433,15 @@ def test_concurrent_clients_match_serial(client: httpx.Client, server) -> None:
     batch_sizes: list[int] = []
     lock = threading.Lock()
 
+    serial_k7 = {query: client.post("/v1/search", json={"query": query, "k": 7}).json()["results"]
+                 for query in QUERIES}
+
     def worker(worker_id: int) -> None:
+        k = 7 if worker_id % 4 == 0 else 10  # two parameter sets: they share calls as groups
         with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60.0) as http:
             for i in range(50):
                 query = QUERIES[(worker_id + i) % len(QUERIES)]
-                response = http.post("/v1/search", json={"query": query, "k": 10})
+                response = http.post("/v1/search", json={"query": query, "k": k})
                 with lock:
                     if response.status_code != 200:
                         errors.append(f"{response.status_code}: {response.text[:200]}")
@@ -411,7 +449,7 @@ def test_concurrent_clients_match_serial(client: httpx.Client, server) -> None:
                     body = response.json()
                     batch_sizes.append(body["stats"]["batch_size"])
                     try:
-                        _assert_same_ranking(body["results"], serial[query])
+                        _assert_same_ranking(body["results"], (serial_k7 if k == 7 else serial)[query])
                     except AssertionError as mismatch:
                         errors.append(f"{query!r}: {mismatch}")
 

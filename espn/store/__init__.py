@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, plan_extents
+from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, RecordBatch, plan_extents
 from .engines import ENGINE_ORDER, ENGINES
 from .format import (RECORD_DTYPE, STORAGE_DTYPE, STORAGE_TYPES, RecordWriter, StoreLayout, dequantize_int8, place_records,
-                     quantize_int8, record_nbytes)
+                     quantize_int8, record_nbytes, split_records)
 from .kvikio import KvikioReader
 from .memory import MemoryReader
 from .mmap import MmapReader
@@ -34,7 +34,9 @@ __all__ = [
     "RecordWriter",
     "record_nbytes",
     "place_records",
+    "split_records",
     "ReadBatch",
+    "RecordBatch",
     "PendingRead",
     "ENGINES",
     "ENGINE_ORDER",

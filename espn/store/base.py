@@ -32,6 +32,7 @@ from .format import RECORD_DTYPE, StoreLayout, dequantize_int8, record_nbytes
 
 __all__ = [
     "ReadBatch",
+    "RecordBatch",
     "PendingRead",
     "Fetch",
     "BufferPool",
@@ -106,6 +107,67 @@ class ReadBatch:
     @property
     def mask(self) -> torch.Tensor:
         return self._padded[1]
+
+
+@dataclasses.dataclass
+class RecordBatch:
+    """Documents' records where the reads left them, not parsed: what `espn.maxsim.score_records`
+    scores without gathering or decoding them first (`PendingRead.records`).
+
+    docs:      [n] int64 document number of each row (rows in the order the reads completed)
+    n_bow:     [n] int64 its BOW vectors
+    buffers:   the buffers holding the records (1-D uint8: numpy on the host, or a torch tensor
+               on the reader's device), one per read
+    buffer_of: [n] int64 which buffer holds each row's record
+    starts:    [n] int64 byte position of each row's record in its buffer
+    bytes_read, ios: what the reads cost
+
+    The buffers belong to the reader's pool: call `release()` (or use it as a context
+    manager) once scored, and never use the batch after that.
+    """
+
+    docs: np.ndarray
+    n_bow: np.ndarray
+    buffers: list[Buffer]
+    buffer_of: np.ndarray
+    starts: np.ndarray
+    bytes_read: int
+    ios: int
+    _parts: list["_Part"] = dataclasses.field(default_factory=list, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def rows_of(self, doc_numbers: np.ndarray) -> np.ndarray:
+        """[m] int64 the row holding each of `doc_numbers` (each must be in the batch)."""
+        order = np.argsort(self.docs, kind="stable")
+        return order[np.searchsorted(self.docs[order], doc_numbers)]
+
+    def addresses(self) -> np.ndarray:
+        """[n] int64 host address of each row's record (host buffers only: the native scorer's input)."""
+        bases = np.array([_host_address(buffer) for buffer in self.buffers], dtype=np.int64)
+        return bases[self.buffer_of] + self.starts if len(self.buffers) else np.zeros(0, np.int64)
+
+    def release(self) -> None:
+        """Give the buffers back to the reader (idempotent)."""
+        parts, self._parts = self._parts, []
+        self.buffers = []
+        for part in parts:
+            part.release()
+
+    def __enter__(self) -> "RecordBatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _host_address(buffer: Buffer) -> int:
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise ValueError("records on a GPU have no host address; score them with torch")
+        return int(buffer.data_ptr())
+    return int(buffer.__array_interface__["data"][0])
 
 
 class Fetch(abc.ABC):
@@ -197,6 +259,16 @@ class PendingRead:
             parts, self._parts = self._parts, []
             self._result = self._reader._complete(parts, select)
         return self._result
+
+    def records(self, select: np.ndarray | None = None) -> RecordBatch:
+        """Wait for every read and hand over the records where they lie, unparsed, once.
+
+        select: as for `result`. The caller owns the buffers until `RecordBatch.release()`.
+        """
+        if self._result is not None:
+            raise ValueError("this read has already been parsed")
+        parts, self._parts = self._parts, []
+        return self._reader._records(parts, select)
 
     def discard(self) -> None:
         """Cancel what has not gone to the storage yet and wait for the rest without parsing
@@ -493,6 +565,9 @@ class Reader(abc.ABC):
     #: True where a read waits on storage, so a prefetch wave has latency to hide behind the
     #: ANN scan; False where reading is CPU work (the memory reader): a wave would only add it.
     io_bound: ClassVar[bool] = True
+    #: True where reads go to the file itself, so bytes appended after open are readable
+    #: (`extend_records`); False for readers that hold a copy or a map of it (memory, mmap).
+    follows_appends: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -563,6 +638,17 @@ class Reader(abc.ABC):
     def close(self) -> None:
         """Release files, threads and buffers; idempotent."""
         self.closed = True
+
+    def extend_records(self, records: np.ndarray) -> bool:
+        """Serve a longer records table over the same file: a live index's newer generation,
+        whose rows for the doc numbers already served are unchanged (so reads in flight, and
+        searches of older generations, are unaffected). False when this reader cannot (it
+        does not follow appends, or `records` is shorter): the caller opens another."""
+        if not self.follows_appends or len(records) < len(self.records):
+            return False
+        self.file_size = self.path.stat().st_size
+        self.records = records
+        return True
 
     # -- the shared loop ------------------------------------------------------------------
 
@@ -650,6 +736,32 @@ class Reader(abc.ABC):
             for part in parts:
                 part.release()
         return ReadBatch(cls=cls, vectors=vectors, offsets=offsets, bytes_read=bytes_read, ios=ios, docs=row_docs)
+
+    def _records(self, parts: list["_Part"], select: np.ndarray | None) -> RecordBatch:
+        """Wait for every part; the wanted rows' records in place (the parts are released by the batch)."""
+        try:
+            error = _wait_all(parts)
+            if error is not None:
+                raise error
+            picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
+            used = [i for i, (part, pick) in enumerate(zip(parts, picks)) if part.done is not None and len(pick)]
+            buffers = [parts[i].done[0] for i in used]  # type: ignore[index]
+            docs = [parts[i].docs[picks[i]] for i in used]
+            batch = RecordBatch(
+                docs=np.concatenate(docs) if docs else np.zeros(0, np.int64),
+                n_bow=np.concatenate([parts[i].n_bow[picks[i]] for i in used]) if used else np.zeros(0, np.int64),
+                buffers=buffers,
+                buffer_of=np.repeat(np.arange(len(used), dtype=np.int64), [len(d) for d in docs]),
+                starts=np.concatenate([np.asarray(parts[i].done[1], dtype=np.int64)[picks[i]] for i in used])  # type: ignore[index]
+                if used else np.zeros(0, np.int64),
+                bytes_read=sum(int(p.done[2]) for p in parts if p.done is not None),
+                ios=sum(int(p.done[3]) for p in parts if p.done is not None),
+                _parts=parts)
+        except BaseException:
+            for part in parts:
+                part.release()
+            raise
+        return batch
 
     def _validate(self, doc_numbers: Any) -> np.ndarray:
         docs = np.asarray(doc_numbers)

@@ -40,6 +40,7 @@ __all__ = [
     "StoreLayout",
     "quantize_int8",
     "dequantize_int8",
+    "split_records",
     "record_nbytes",
     "place_records",
     "RecordWriter",
@@ -155,6 +156,38 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     if out is None:
         return decoded.to(torch.float16)
     return out.copy_(decoded)
+
+
+def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, layout: StoreLayout
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The stored values of records in one byte buffer, as they are stored (not decoded).
+
+    buffer: 1-D uint8 tensor (any device); starts [n] even byte positions; n_bow [n].
+    Returns cls [n, d_cls] and bow [sum n_bow, d_bow] (each document's vectors in turn), int8
+    codes with their fp16 scales cls_scales [n] and bow_scales [sum n_bow] for int8 records,
+    fp16 values and None for float16 ones. One index_select per tensor, over strided views
+    of the buffer (one index per vector, not per element).
+    """
+    d_cls, d_bow = layout.d_cls, layout.d_bow
+    device = buffer.device
+    flat16 = buffer[: buffer.numel() - buffer.numel() % 2].view(torch.float16)
+    n_bow = np.asarray(n_bow, dtype=np.int64)
+    first = np.asarray(starts, dtype=np.int64) // 2  # the fp16 element where each record starts
+    offsets = np.zeros(len(n_bow) + 1, dtype=np.int64)
+    np.cumsum(n_bow, out=offsets[1:])
+    within = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
+
+    def rows(view: torch.Tensor, at: np.ndarray) -> torch.Tensor:
+        return view.index_select(0, torch.from_numpy(at).to(device))
+
+    if layout.dtype != "int8":
+        return (rows(flat16.unfold(0, d_cls, 1), first), None,
+                rows(flat16.unfold(0, d_bow, 1), np.repeat(first + d_cls, n_bow) + within * d_bow), None)
+    codes = buffer.view(torch.int8)
+    cls_byte = 2 * (first + 1 + n_bow)  # the CLS codes follow the record's 1 + n scales
+    return (rows(codes.unfold(0, d_cls, 1), cls_byte), rows(flat16, first),
+            rows(codes.unfold(0, d_bow, 1), np.repeat(cls_byte + d_cls, n_bow) + within * d_bow),
+            rows(flat16, np.repeat(first + 1, n_bow) + within))
 
 
 class RecordWriter:

@@ -27,6 +27,7 @@ class MemoryReader(Reader):
 
     name = "memory"
     io_bound = False
+    follows_appends = False  # a copy of the file as it was at open
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ class MmapReader(Reader):
     """
 
     name = "mmap"
+    follows_appends = False  # a map of the file as it was at open
 
     def __init__(
         self,

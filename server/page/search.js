@@ -26,6 +26,7 @@ function requestBody() {
     prefetch: $("prefetch").checked,
     return_text: true,
     explain: true,
+    mode: $("mode").value,
   };
   for (const name of ["nprobe", "rerank_count"]) {
     const value = optionalInt(name);
@@ -150,13 +151,40 @@ function rangesOf(explanation, field) {
   return kept;
 }
 
-function highlighted(text, ranges) {
+// The lexical side's matches of one field -> highlight ranges, strength by BM25 contribution.
+function lexicalRangesOf(matches, field) {
+  const top = Math.max(...matches.map((m) => m.score), 1e-9);
+  const ranges = [];
+  for (const match of matches) {
+    for (const span of match.spans) {
+      if (span.field !== field || span.end <= span.start) continue;
+      ranges.push({ start: span.start, end: span.end, strength: match.score / top,
+                    tokens: [`${match.terms} (BM25 ${match.score.toFixed(2)})`] });
+    }
+  }
+  ranges.sort((a, b) => a.start - b.start || b.end - a.end);
+  const kept = [];
+  for (const range of ranges) {
+    if (!kept.length || range.start >= kept[kept.length - 1].end) kept.push(range);
+  }
+  return kept;
+}
+
+// MaxSim highlights where the hit has them (dense, hybrid); BM25 ones in lexical mode.
+function rangesFor(hit, field) {
+  if (hit.explanation) return rangesOf(hit.explanation, field);
+  if (hit.lexical_matches) return lexicalRangesOf(hit.lexical_matches, field);
+  return [];
+}
+
+function highlighted(text, ranges, lexical) {
   const fragment = document.createDocumentFragment();
   let at = 0;
   for (const range of ranges) {
     fragment.append(text.slice(at, range.start));
-    const mark = el("mark", "hl", text.slice(range.start, range.end));
-    mark.style.backgroundColor = `rgba(255, 165, 0, ${(0.12 + 0.78 * range.strength).toFixed(2)})`;
+    const mark = el("mark", lexical ? "hl lx" : "hl", text.slice(range.start, range.end));
+    const colour = lexical ? "80, 150, 255" : "255, 165, 0";  // BM25 matches blue, MaxSim orange
+    mark.style.backgroundColor = `rgba(${colour}, ${(0.12 + 0.78 * range.strength).toFixed(2)})`;
     mark.dataset.strength = range.strength.toFixed(3);
     mark.title = `matched by: ${range.tokens.join(", ")}`;
     fragment.append(mark);
@@ -179,13 +207,20 @@ function renderHit(hit, rank) {
   const head = el("div", "head");
   head.append(el("span", "rank", `${rank}.`));
   const title = el("span", "title");
-  title.append(hit.explanation ? highlighted(hit.title || "", rangesOf(hit.explanation, "title")) : hit.title || "");
+  const lexical = !hit.explanation;
+  title.append(highlighted(hit.title || "", rangesFor(hit, "title"), lexical));
   head.append(title, el("span", "doc-id muted", hit.id));
   item.append(head);
 
   const scores = el("div", "scores muted");
   scores.append(el("span", "", `score ${hit.score.toFixed(4)}`));
-  if (hit.explanation) {
+  if ("dense_score" in hit) {  // hybrid: the fused score and both sides'
+    const side = (value, name) => (value === null ? `${name} —` : `${name} ${value.toFixed(4)}`);
+    scores.append(el("span", "fused", `fused from ${side(hit.dense_score, "dense")}, ${side(hit.lexical_score, "BM25")}`));
+  }
+  if (hit.cls_score === null) {
+    scores.append(el("span", "", hit.lexical_score === null ? "" : `BM25 ${hit.lexical_score.toFixed(4)}`));
+  } else if (hit.explanation) {
     const e = hit.explanation;
     scores.append(el("span", "", `= CLS ${e.cls_part.toFixed(4)} (w ${e.weight.toFixed(2)} × ${hit.cls_score.toFixed(4)})`),
       el("span", "", `+ BOW ${e.bow_part.toFixed(4)} ((1 − w) × ${hit.bow_score.toFixed(4)})`));
@@ -196,8 +231,22 @@ function renderHit(hit, rank) {
   item.append(scores);
 
   const text = el("p", "text");
-  text.append(hit.explanation ? highlighted(hit.text || "", rangesOf(hit.explanation, "text")) : hit.text || "");
+  text.append(highlighted(hit.text || "", rangesFor(hit, "text"), lexical));
   item.append(text);
+
+  if (hit.lexical_matches && hit.lexical_matches.length) {
+    const matches = el("div", "matches lexical");
+    const top = Math.max(...hit.lexical_matches.map((m) => m.score), 1e-9);
+    for (const match of hit.lexical_matches) {
+      const chip = el("span", "match lexical");
+      chip.title = `BM25 contribution ${match.score.toFixed(4)}`;
+      const bar = el("span", "strength");
+      bar.style.width = `${Math.max(0, (100 * match.score) / top)}%`;
+      chip.append(el("span", "q", match.terms), el("span", "arrow", "BM25"), el("span", "d", match.score.toFixed(2)), bar);
+      matches.append(chip);
+    }
+    item.append(matches);
+  }
 
   if (hit.explanation) {
     const matches = el("div", "matches");

@@ -1,10 +1,16 @@
 """/v1/documents: a passage by its external id; writes to a live index (PUT, DELETE, batch).
 
-A write runs the library's `LiveIndex` (the same code as `espn add/delete`) in a thread:
-it takes the index's writer lock (waiting up to `write_wait_s`), publishes one
-generation durably, and this worker swaps to it before answering. Other workers look
-at live/CURRENT (one stat) at the start of every request, so any search that starts
-after the response sees the write.
+A write is checked (ids, text, metadata limits: a 422 before anything is queued) and handed
+to this worker's group committer (`espn_indexing.commit.GroupCommit`): writes that arrive
+while a generation is being published are encoded together and published as the next
+generation, under the index's writer lock, which the workers take in turn. This worker
+swaps to the new generation before it answers; other workers look at live/CURRENT (one
+stat) at the start of every request, so any request that starts after the answer sees
+the write. On a read-only index every write is a 409 that says so.
+
+Ids in the URL path are taken from the raw path and decoded as strict UTF-8 (Starlette's
+decoding would turn invalid bytes into U+FFFD, so two different ids could collide): a
+NUL, a control character, invalid UTF-8 or a lone surrogate is a 422 naming it.
 """
 
 from __future__ import annotations
@@ -12,94 +18,149 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+import urllib.parse
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Sequence
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
+from pydantic import AfterValidator
+
+from espn.ids import decode_doc_id
 
 from ..deps import AppState, get_state
-from ..schemas import MAX_DOC_ID_CHARS, BatchWriteRequest, DocumentResponse, DocumentWrite, ErrorResponse, WriteResponse
+from ..errors import ApiError
+from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
+                       DocumentWrite, ErrorResponse, WriteResponse, check_write_id)
 
 if TYPE_CHECKING:
+    from espn_indexing.commit import GroupCommit
     from espn_indexing.live import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
 
+_ERROR = {"model": ErrorResponse}
+_READ_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {**_ERROR, "description": "no document with this id"},
+    422: {**_ERROR, "description": "an id out of bounds, with a control character or not UTF-8"},
+    503: {**_ERROR, "description": "the index is not open yet, or the server is shutting down"},
+}
+_WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "malformed JSON or invalid UTF-8"},
+    404: {**_ERROR, "description": "an id to delete is not in the index (nothing is written)"},
+    409: {**_ERROR, "description": "the write conflicts with itself (an id twice, an id both upserted and deleted) "
+                                   "or with the index (a metadata field of another type), or the server serves the "
+                                   "index read-only (code `read_only`); nothing is written"},
+    413: {**_ERROR, "description": "request body too large"},
+    415: {**_ERROR, "description": "the body is not application/json"},
+    422: {**_ERROR, "description": "a field out of bounds, or the schema not met (nothing is written)"},
+    503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S, the write "
+                                   "queue is full, or the index is not open (Retry-After)"},
+}
+_ID_DESCRIPTION = "external document id (UTF-8; no control characters)"
+
+
+# Before the {doc_id} routes: /v1/documents/batch is its own path, and by OpenAPI's rule a
+# concrete path wins over a templated one, so its other methods are 405 (not "the document
+# with id 'batch'"). The id `batch` therefore cannot be read or written over HTTP.
+@router.api_route("/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False)
+async def batch_other_methods() -> None:
+    raise ApiError(405, "method not allowed: /v1/documents/batch takes POST", headers={"Allow": "POST"})
+
+
+def _path_id(request: Request) -> str:
+    """The id in the URL exactly as sent: the raw path after /v1/documents/, percent-decoded to
+    bytes, then strict UTF-8 and the id rules (InvalidParameterError, a 422, naming the problem)."""
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
+    tail = raw.split(b"/v1/documents/", 1)[-1]
+    return decode_doc_id(urllib.parse.unquote_to_bytes(tail))
+
 
 @router.get(
     "/{doc_id:path}",
     response_model=DocumentResponse,
     summary="Fetch one document's title and text",
-    responses={404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+    responses=_READ_ERRORS,
 )
 async def get_document(
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    request: Request,
+    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
     state: AppState = Depends(get_state),
 ) -> DocumentResponse:
-    searcher = state.require_searcher()
-    # Reads passage text from disk: keep it off the event loop.
-    document = await asyncio.to_thread(searcher.document, doc_id)
+    exact = _path_id(request)
+    with state.lease() as searcher:
+        # Reads passage text from disk: keep it off the event loop.
+        document = await asyncio.to_thread(searcher.document, exact)
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text)
 
 
-_WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-    422: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
-}
-_encoder_lock = threading.Lock()
+_writer_lock = threading.Lock()
 
 
-def _write_encoder(state: AppState) -> Any:
-    """The encoder writes use: its own instance (a fast tokenizer refuses concurrent use), loaded once."""
-    with _encoder_lock:
-        encoder = state.write_encoder
-        if encoder is None:
-            from espn.encoders import load_encoder
+def _writer(state: AppState) -> "GroupCommit":
+    """This worker's group committer, made at the first write (its encoder loads in its thread)."""
+    if state.read_only:
+        raise ApiError(409, f"this server serves {state.settings.index} read-only (--read-only, or the index is "
+                       "on a read-only mount); writes are refused", code="read_only")
+    with _writer_lock:
+        if state.writer is None:
+            from espn.metadata import MetadataLimits
+            from espn_indexing.commit import GroupCommit
+            from espn_indexing.live import LiveIndex, WriteLimits
 
-            base = state.require_searcher_unrefreshed().index
-            encoder = load_encoder(base.file("encoder"), base.manifest["encoder"], device="cpu")
-            state.write_encoder = encoder
-        return encoder
-
-
-def _write(state: AppState, upserts: Sequence["NewDocument"], deletes: Sequence[str]) -> "WriteResult":
-    """One generation through the library's writer (in a worker thread)."""
-    from espn_indexing.live import LiveIndex
-
-    with LiveIndex.open(state.settings.index, wait_s=state.settings.write_wait_s,
-                        encoder=_write_encoder(state) if upserts else None) as writer:
-        return writer.apply(upserts, deletes)
+            settings = state.settings
+            limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
+                                                settings.max_index_fields))
+            live = state.require_live()
+            state.writer = GroupCommit(LiveIndex(settings.index, limits=limits), wait_s=settings.write_wait_s,
+                                       nice=settings.write_nice, max_queued=settings.write_queue,
+                                       on_publish=lambda generation: live.refresh())
+        return state.writer
 
 
 async def _apply(state: AppState, upserts: Sequence["NewDocument"], deletes: Sequence[str]) -> "WriteResult":
-    state.require_searcher()
-    result = await asyncio.to_thread(_write, state, upserts, deletes)
-    state.refresh()  # this worker serves the new generation before it answers
+    state.require_live()
+    future = _writer(state).submit(upserts, deletes)  # a bad write is refused here, before it is queued
+    result = await asyncio.wrap_future(future)
     _maybe_compact(state)
     return result
 
 
 def _maybe_compact(state: AppState) -> None:
-    """Past the policy's threshold, compact in a background thread of this worker. Searches go
-    on throughout (they swap to the compacted generation when it is published); writes wait
-    for the writer lock meanwhile (up to write_wait_s, then 503)."""
-    from espn_indexing.live import CompactionPolicy, LiveIndex
+    """Past the policy's thresholds, compact in a background thread of this worker: a merge of
+    small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
+    only for the swap. One compaction per index at a time: when another worker's is running,
+    this one is one log line."""
+    from espn.errors import EspnError
+    from espn.segments import read_current
+    from espn_indexing.commit import lower_priority
+    from espn_indexing.compaction import CompactionPolicy, CompactionRunningError
+    from espn_indexing.live import LiveIndex
 
     settings = state.settings
-    policy = CompactionPolicy(settings.compact_max_segments, settings.compact_deleted_fraction)
-    searcher = state.require_searcher_unrefreshed()
-    if state.compacting or searcher.view is None or not policy.due(searcher.view.generation):
+    policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
+                              settings.compact_base_ratio, settings.compact_deleted_fraction)
+    if state.compacting or not policy.due(read_current(settings.index)):
         return
     state.compacting = True
+    writer = state.writer
+    assert writer is not None
+
+    def swap(run: Callable[[], int]) -> int:
+        """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
+        return writer.run_exclusive(run).result()
 
     def run() -> None:
+        lower_priority(settings.write_nice)  # the work before the swap takes what searches leave
         try:
-            with LiveIndex.open(settings.index, wait_s=0.0) as writer:
-                if policy.due(writer.current()):
-                    writer.compact()
-        except Exception:  # another writer has the lock, or the disk is full: try after a later write
-            logger.warning("background compaction did not run", exc_info=True)
+            LiveIndex(settings.index, limits=writer.index.limits).maintain(policy, wait_s=settings.write_wait_s,
+                                                                           swap=swap)
+        except CompactionRunningError:
+            logger.info("compaction not started: another one is running on this index")
+        except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
+            logger.warning("compaction did not run: %s", exc)
+        except Exception:  # a bug: its traceback is worth having
+            logger.exception("compaction failed")
         finally:
             state.compacting = False
 
@@ -116,17 +177,22 @@ def _response(result: "WriteResult") -> WriteResponse:
     response_model=WriteResponse,
     status_code=201,
     summary="Add a document, or replace the one with this id (200)",
-    responses={200: {"model": WriteResponse}, **_WRITE_ERRORS},
+    responses={200: {"model": WriteResponse, "description": "replaced"},
+               **{status: error for status, error in _WRITE_ERRORS.items() if status != 404}},
 )
 async def put_document(
     body: DocumentWrite,
+    request: Request,
     response: Response,
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    doc_id: Annotated[str, Path(min_length=1, max_length=MAX_WRITE_ID_CHARS, json_schema_extra={"pattern": WRITE_ID_PATTERN},
+                                description=f"external document id: at most {MAX_WRITE_ID_CHARS} characters, no "
+                                            "surrounding whitespace, no control characters"),
+                      AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
     from espn_indexing.live import NewDocument
 
-    result = await _apply(state, [NewDocument(doc_id, body.text, body.title, body.metadata)], [])
+    result = await _apply(state, [NewDocument(_path_id(request), body.text, body.title, body.metadata)], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -136,13 +202,14 @@ async def put_document(
     "/{doc_id:path}",
     response_model=WriteResponse,
     summary="Delete a document by id (404 for an unknown id)",
-    responses=_WRITE_ERRORS,
+    responses={status: error for status, error in _WRITE_ERRORS.items() if status not in (400, 413, 415)},
 )
 async def delete_document(
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description="external document id"),
+    request: Request,
+    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    return _response(await _apply(state, [], [doc_id]))
+    return _response(await _apply(state, [], [_path_id(request)]))
 
 
 @router.post(
@@ -154,5 +221,9 @@ async def delete_document(
 async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_state)) -> WriteResponse:
     from espn_indexing.live import NewDocument
 
+    limit = state.settings.max_batch_writes
+    if max(len(body.upsert), len(body.delete)) > limit:
+        raise ApiError(422, f"at most {limit} upserts and {limit} deletes per batch (ESPN_MAX_BATCH_WRITES)",
+                       code="invalid_request")
     upserts = [NewDocument(d.id, d.text, d.title, d.metadata) for d in body.upsert]
     return _response(await _apply(state, upserts, body.delete))

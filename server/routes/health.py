@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 
 from ..deps import AppState, get_state
 from ..metrics import CONTENT_TYPE_LATEST
-from ..schemas import HealthResponse
+from ..schemas import HealthResponse, ReadinessResponse
 
 router = APIRouter(tags=["operations"])
 # Separate, so that `--metrics-port` can leave it off the API port.
@@ -22,20 +22,24 @@ async def healthz() -> HealthResponse:
 
 @router.get(
     "/readyz",
-    response_model=HealthResponse,
-    summary="Readiness: the index is open and warmed",
-    responses={503: {"model": HealthResponse, "description": "starting, warming or draining"}},
+    response_model=ReadinessResponse,
+    response_model_exclude_none=True,
+    summary="Readiness: the index is open and warmed; its generation and whether it takes writes",
+    responses={503: {"model": ReadinessResponse, "description": "starting, warming or draining"}},
 )
 async def readyz(state: AppState = Depends(get_state)) -> Response:
-    reader = state.searcher.reader.describe() if state.searcher is not None else None
+    if state.live is not None and state.ready:
+        state.live.refresh()  # one stat: report the generation a search would be served from now
+    searcher = state.live.current if state.live is not None else None
+    body = ReadinessResponse(
+        status="ready" if state.ready else state.status, detail=None if state.ready else "not ready",
+        reader=searcher.reader.describe() if searcher is not None else None,
+        generation=searcher.generation if searcher is not None else None,
+        mode=None if searcher is None else "read-only" if state.read_only else "read-write",
+    ).model_dump(mode="json", exclude_none=True)
     if state.ready:
-        return JSONResponse(HealthResponse(status="ready", reader=reader).model_dump(mode="json", exclude_none=True))
-    return JSONResponse(
-        HealthResponse(status=state.status, detail="not ready", reader=reader).model_dump(mode="json",
-                                                                                         exclude_none=True),
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
 @metrics_router.get(

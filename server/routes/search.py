@@ -20,6 +20,7 @@ from ..schemas import (
     BatchSearchResponse,
     ErrorResponse,
     ExplanationModel,
+    LexicalMatchModel,
     SearchHit,
     SearchOptions,
     SearchRequest,
@@ -31,14 +32,22 @@ if TYPE_CHECKING:
     from espn import Searcher
     from espn.results import Document, QueryResult
 
+    from ..batching import MicroBatcher
+
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
-    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "request body too large"},
-    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds"},
-    503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full"},
+    415: {"model": ErrorResponse, "description": "the body is not application/json"},
+    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds, an invalid filter, a "
+                                                 "lexical or hybrid query whose syntax is wrong (invalid_query: the "
+                                                 "message names the position), mode lexical or hybrid on an index "
+                                                 "without a full-text index, or a request over the work budget "
+                                                 "(over_budget: queries x max(k, rerank_count, prefetch_k) above "
+                                                 "ESPN_MAX_REQUEST_WORK, or an estimated response above "
+                                                 "ESPN_MAX_RESPONSE_BYTES)"},
+    503: {"model": ErrorResponse, "description": "not ready, shutting down, or queue full (Retry-After)"},
 }
 
 
@@ -66,12 +75,25 @@ async def _search(
     state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False
 ) -> list[SearchResponse]:
     batcher = state.require_batcher()
-    searcher = state.require_searcher()
+    # The request holds the generation it started on (refreshed first: a write answered before
+    # this request began is visible); a newer one swapped in meanwhile leaves it open until then.
+    with state.lease() as searcher:
+        return await _search_with(state, request, searcher, batcher, queries, options, explain)
+
+
+async def _search_with(
+    state: AppState, request: Request, searcher: "Searcher", batcher: "MicroBatcher[QueryResult]",
+    queries: Sequence[str], options: SearchOptions, explain: bool,
+) -> list[SearchResponse]:
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
     kwargs = options.search_kwargs()
-    params = searcher.params(**kwargs)
-    if explain:
+    modes = options.mode_kwargs()
+    params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
+    hybrid = searcher.hybrid_params(**modes)
+    if hybrid.mode != "dense":
+        _check_lexical(searcher, hybrid.mode, queries)
+    if explain and hybrid.mode != "lexical":
         from espn.explain import can_explain  # the searcher has loaded torch already
 
         can_explain(searcher.encoder)
@@ -90,7 +112,7 @@ async def _search(
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
         wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
-        documents = await asyncio.to_thread(_documents, searcher, wanted)
+        documents = await asyncio.to_thread(_documents, state, wanted)
     responses = []
     for query, item in zip(queries, batched):
         stats = item.result.stats
@@ -104,8 +126,36 @@ async def _search(
     return responses
 
 
-def _documents(searcher: "Searcher", doc_ids: Sequence[str]) -> dict[str, "Document"]:
-    return {doc_id: searcher.document(doc_id) for doc_id in doc_ids}
+def _check_lexical(searcher: "Searcher", mode: str, queries: Sequence[str]) -> None:
+    """A lexical or hybrid request needs a full-text index and queries in its syntax: both are
+    checked before the request queues (a 422 naming the query and the position)."""
+    from espn.lexical import require_text
+    from espn.text import QuerySyntaxError, parse_query
+
+    require_text(searcher.text, mode)
+    for i, query in enumerate(queries):
+        try:
+            parse_query(query)
+        except QuerySyntaxError as exc:
+            where = "" if len(queries) == 1 else f"queries[{i}]: "
+            raise ApiError(422, f"{where}{exc}", code="invalid_query") from None
+
+
+
+
+def _documents(state: AppState, doc_ids: Sequence[str]) -> dict[str, "Document"]:
+    """The hits' passages from the newest generation (the batch may have run on a newer one
+    than the request started on); a hit deleted since is left without text."""
+    from espn.errors import DocumentNotFoundError
+
+    out = {}
+    with state.require_live().lease() as searcher:
+        for doc_id in doc_ids:
+            try:
+                out[doc_id] = searcher.document(doc_id)
+            except DocumentNotFoundError:
+                continue
+    return out
 
 
 def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]],
@@ -113,14 +163,19 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     stats = item.result.stats
     hits = []
     for hit in item.result.hits:
-        if documents is not None:
-            document = documents[hit.doc_id]
+        document = documents.get(hit.doc_id) if documents is not None else None
+        if document is not None:
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score,
                                   title=document.title, text=document.text))
         else:
             hits.append(SearchHit(id=hit.doc_id, score=hit.score, cls_score=hit.cls_score, bow_score=hit.bow_score))
         if hit.explanation is not None:  # set only when asked: exclude_unset keeps other answers as they were
             hits[-1].explanation = ExplanationModel.model_validate(dataclasses.asdict(hit.explanation))
+        if stats.mode != "dense":  # both sides' scores, for a client (or the router) that fuses itself
+            hits[-1].dense_score, hits[-1].lexical_score = hit.dense_score, hit.lexical_score
+        if hit.lexical_matches is not None:
+            hits[-1].lexical_matches = [LexicalMatchModel.model_validate(dataclasses.asdict(m))
+                                        for m in hit.lexical_matches]
     model = SearchStatsModel(
         stage_ms=stats.stage_ms,
         queue_ms=round(item.queue_ms, 3),
@@ -135,4 +190,6 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     )
     if stats.matched is not None:  # set only when filtered: exclude_unset keeps other answers as they were
         model.matched, model.filter_path = stats.matched, stats.filter_path
+    if stats.mode != "dense":
+        model.mode, model.hybrid = stats.mode, stats.hybrid
     return SearchResponse(query=query, results=hits, stats=model)

@@ -1,0 +1,204 @@
+"""Hybrid retrieval on SciFact: effectiveness of every fusion, and hybrid against dense latency.
+
+    python -m benchmarks.bench_hybrid effectiveness          # train and test, index $ESPN_SCIFACT_INDEX
+    python -m benchmarks.bench_hybrid latency --n 100 --repeats 3
+    python -m benchmarks.bench_hybrid latency --index SYNTH --query-embeddings SYNTH.queries.npz \\
+        --query-texts queries.jsonl                          # a synthetic index with text (make_synthetic --text)
+    python -m benchmarks.bench_hybrid effectiveness --quick  # 40 queries per split
+
+Effectiveness: for each split the queries are searched once in dense mode (nDCG@10 as
+`espn search` gives it) and once in hybrid mode per candidate setting (with and without
+`union`), asking for the whole fusion pool with both sides' scores. Lexical-only, RRF
+and the mix at every weight on a 0.05 grid are then fused from those pools with
+`espn.hybrid.fuse`, the function the Searcher itself calls, so they equal what a search
+with those parameters returns. The default is chosen on train; test is reported with it.
+
+Latency: single queries (one per call), dense and hybrid interleaved query by query so
+both see the same machine load; p50 / p99 per mode over `--repeats` passes, and the
+ratio of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import set_omp_env
+
+set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_ENV
+
+from benchmarks.common import SCIFACT, SCIFACT_INDEX, machine, machine_line, markdown_table, percentiles, write_results
+
+WEIGHTS = np.round(np.arange(0.0, 1.0001, 0.05), 2)
+
+
+def _run(ranked: dict[str, list[tuple[str, float]]]) -> dict[str, dict[str, float]]:
+    from espn.evaluation import strictly_decreasing
+
+    return {qid: dict(strictly_decreasing(hits)) for qid, hits in ranked.items()}
+
+
+def _pools(searcher: Any, queries: list[tuple[str, str]], union: bool, batch: int) -> dict[str, tuple]:
+    """Per query the hybrid pool: (doc ids [m] object, dense [m], lexical [m]) float32, NaN where absent."""
+    hybrid = searcher.hybrid_params(mode="hybrid", union=union)
+    depth = searcher.defaults.rerank_count + hybrid.lexical_k
+    pools = {}
+    for start in range(0, len(queries), batch):
+        chunk = queries[start : start + batch]
+        results = searcher.search([t for _, t in chunk], k=depth, mode="hybrid", union=union)
+        for (qid, _), result in zip(chunk, results):
+            nan = float("nan")
+            pools[qid] = (np.array([h.doc_id for h in result.hits], dtype=object),
+                          np.array([nan if h.dense_score is None else h.dense_score for h in result.hits], np.float32),
+                          np.array([nan if h.lexical_score is None else h.lexical_score for h in result.hits],
+                                   np.float32))
+    return pools
+
+
+def _fused_run(pools: dict[str, tuple], params: Any, k: int = 10) -> dict[str, dict[str, float]]:
+    from espn.hybrid import fuse
+
+    ranked = {}
+    for qid, (docs, dense, lexical) in pools.items():
+        fused = fuse(docs, dense, lexical, params)
+        ranked[qid] = [(str(d), float(s)) for d, s in zip(fused.doc[:k], fused.score[:k])]
+    return _run(ranked)
+
+
+def _lexical_run(pools: dict[str, tuple], k: int = 10) -> dict[str, dict[str, float]]:
+    ranked = {}
+    for qid, (docs, _, lexical) in pools.items():
+        present = np.flatnonzero(~np.isnan(lexical))
+        order = present[np.argsort(-lexical[present], kind="stable")][:k]
+        ranked[qid] = [(str(docs[i]), float(lexical[i])) for i in order]
+    return _run(ranked)
+
+
+def effectiveness(args: argparse.Namespace) -> dict[str, Any]:
+    from espn import Searcher
+    from espn.corpus import read_qrels, read_queries
+    from espn.evaluation import evaluate
+
+    all_queries = read_queries(args.data / "queries.jsonl")
+    splits: dict[str, dict[str, Any]] = {}
+    with Searcher.open(args.index, reader="posix", verify="none") as searcher:
+        base = searcher.hybrid_params(mode="hybrid")
+        for split in args.splits.split(","):
+            qrels = read_qrels(args.data / "qrels" / f"{split}.tsv")
+            queries = [(qid, text) for qid, text in all_queries if qid in qrels][: args.limit]
+            started = time.perf_counter()
+            dense: dict[str, list[tuple[str, float]]] = {}
+            for start in range(0, len(queries), args.batch):
+                chunk = queries[start : start + args.batch]
+                for (qid, _), r in zip(chunk, searcher.search([t for _, t in chunk], k=10, mode="dense")):
+                    dense[qid] = [(h.doc_id, h.score) for h in r.hits]
+            rows = {"dense": evaluate(_run(dense), qrels)["nDCG@10"]}
+            for union in (True, False):
+                pools = _pools(searcher, queries, union, args.batch)
+                tag = "union" if union else "lists"
+                if union:
+                    rows["lexical"] = evaluate(_lexical_run(pools), qrels)["nDCG@10"]
+                rows[f"rrf/{tag}"] = evaluate(_fused_run(pools, base.replace(fusion="rrf")), qrels)["nDCG@10"]
+                for weight in WEIGHTS:
+                    params = base.replace(fusion="mix", mix_weight=float(weight))
+                    rows[f"mix {weight:.2f}/{tag}"] = evaluate(_fused_run(pools, params), qrels)["nDCG@10"]
+            splits[split] = {"queries": len(queries), "nDCG@10": rows, "seconds": time.perf_counter() - started}
+            print(f"{split}: {len(queries)} queries in {splits[split]['seconds']:.0f}s", file=sys.stderr)
+    first = args.splits.split(",")[0]
+    train_rows = splits[first]["nDCG@10"]
+    best = max((key for key in train_rows if key.startswith(("rrf", "mix"))), key=lambda key: train_rows[key])
+    table_rows = []
+    for tag in ("union", "lists"):
+        best_mix = max((key for key in train_rows if key.startswith("mix") and key.endswith(tag)),
+                       key=lambda key: train_rows[key])
+        for key in (f"rrf/{tag}", best_mix):
+            table_rows.append([key] + [splits[s]["nDCG@10"][key] for s in splits])
+    table = markdown_table(["run"] + [f"{s} nDCG@10 ({splits[s]['queries']} q)" for s in splits],
+                           [["dense"] + [splits[s]["nDCG@10"]["dense"] for s in splits],
+                            ["lexical (BM25)"] + [splits[s]["nDCG@10"]["lexical"] for s in splits]] + table_rows)
+    print(f"SciFact, index {args.index}; weights of the mix chosen on {first}; best on {first}: {best}. "
+          f"Machine: {machine_line(machine())}\n\n{table}")
+    return {"splits": splits, "best_on_first_split": best}
+
+
+def _texts(path: Path, n: int) -> list[str]:
+    from espn.corpus import read_queries
+
+    return [text for _, text in read_queries(path)][:n]
+
+
+def latency(args: argparse.Namespace) -> dict[str, Any]:
+    from espn import Searcher
+    from espn.encoders.precomputed import load_query_embeddings
+
+    with Searcher.open(args.index, reader="posix", verify="none",
+                       with_encoder=args.query_embeddings is None) as searcher:
+        texts = _texts(args.query_texts, args.n)
+        embeddings = None
+        if args.query_embeddings is not None:
+            _, embeddings = load_query_embeddings(args.query_embeddings)
+            if len(embeddings) < len(texts):
+                raise SystemExit(f"{args.query_embeddings}: {len(embeddings)} queries, fewer than --n {len(texts)}")
+
+        def one(i: int, mode: str) -> float:
+            if embeddings is None:
+                result = searcher.search([texts[i]], k=10, mode=mode)[0]
+            else:
+                result = searcher.search_embeddings(embeddings[i : i + 1], k=10, mode=mode, texts=[texts[i]])[0]
+            return result.stats.stage_ms["total"]
+
+        for i in range(min(args.warmup, len(texts))):
+            one(i, "dense"), one(i, "hybrid")
+        times: dict[str, list[float]] = {"dense": [], "hybrid": [], "lexical": []}
+        for _ in range(args.repeats):
+            for i in range(len(texts)):
+                order = ("dense", "hybrid", "lexical") if i % 2 == 0 else ("hybrid", "dense", "lexical")
+                for mode in order:
+                    times[mode].append(one(i, mode))
+        text_section = searcher.manifest.get("text") or {}
+    stats = {mode: percentiles(values) for mode, values in times.items()}
+    ratio = stats["hybrid"]["p50"] / stats["dense"]["p50"]
+    table = markdown_table(["mode", "p50 ms", "p99 ms", "p50 / dense p50"],
+                           [[mode, stats[mode]["p50"], stats[mode]["p99"], stats[mode]["p50"] / stats["dense"]["p50"]]
+                            for mode in ("dense", "hybrid", "lexical")])
+    print(f"{args.index}: {len(texts)} single queries x {args.repeats}, interleaved; hybrid p50 / dense p50 = "
+          f"{ratio:.3f} (target <= 1.15). Machine: {machine_line(machine())}\n\n{table}")
+    return {"stats": stats, "ratio_p50": ratio, "queries": len(texts), "repeats": args.repeats,
+            "text_index": text_section}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=("effectiveness", "latency"))
+    p.add_argument("--index", type=Path, default=SCIFACT_INDEX)
+    p.add_argument("--data", type=Path, default=SCIFACT, help="BEIR SciFact directory (queries, qrels)")
+    p.add_argument("--splits", default="train,test", help="the first one chooses the defaults")
+    p.add_argument("--limit", type=int, default=None, help="first N judged queries per split")
+    p.add_argument("--batch", type=int, default=16, help="queries per search call (effectiveness)")
+    p.add_argument("--query-texts", type=Path, default=None, help="query texts (default: SciFact queries.jsonl)")
+    p.add_argument("--query-embeddings", type=Path, help="latency: queries encoded elsewhere (.npz)")
+    p.add_argument("--n", type=int, default=100, help="latency: queries")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="40 queries per split; latency 5 queries x 1")
+    p.add_argument("--name", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.limit, args.n, args.repeats, args.warmup = args.limit or 40, min(args.n, 5), 1, 1
+    args.query_texts = args.query_texts or args.data / "queries.jsonl"
+    if not (args.index / "manifest.json").is_file():
+        print(f"no index at {args.index}", file=sys.stderr)
+        return 2
+    payload = effectiveness(args) if args.part == "effectiveness" else latency(args)
+    write_results(args.name or f"hybrid_{args.part}", {"machine": machine(), "index": str(args.index), **payload})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Hybrid retrieval: the search modes, their parameters, and score fusion.
+
+A hybrid search pools the dense side's re-ranked head and the lexical side's top
+`lexical_k`. With `union` (the default) the documents only BM25 found are read and
+MaxSim-scored too, in the same read and MaxSim call as the dense head, so every pooled
+document has a late-interaction score. The pool is then fused:
+
+- `rrf`: Σ 1 / (rrf_k + rank) over the two rankings (a side that lacks a document adds 0);
+- `mix`: α · dense' + (1 − α) · lexical', each side min-max normalised over its own list
+  (a document missing from the lexical list counts 0 there); α = `mix_weight`, fitted by
+  `espn calibrate` on training queries and stored in the manifest (`hybrid.mix_weight`).
+
+`fuse` is the one definition of the fused ranking: the Searcher calls it per query, and
+the router calls it on the pools of every partition so a partitioned index ranks as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import InvalidParameterError
+
+__all__ = ["MODES", "FUSIONS", "HybridParams", "Fused", "fuse"]
+
+MODES = ("dense", "lexical", "hybrid")
+FUSIONS = ("rrf", "mix")
+MAX_LEXICAL_K = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridParams:
+    """What a search may set about modes and fusion (defaults: the manifest's `hybrid` section).
+
+    mode:       dense (vectors only), lexical (BM25 only) or hybrid (both, fused)
+    fusion:     rrf or mix (see the module doc)
+    lexical_k:  candidates taken from the lexical side
+    rrf_k:      the constant of reciprocal rank fusion
+    mix_weight: α, the dense side's weight in the mix, in [0, 1]
+    union:      read and MaxSim-score the documents only the lexical side found
+    """
+
+    mode: str = "dense"
+    fusion: str = "mix"  # chosen on SciFact train (README, "Hybrid retrieval")
+    lexical_k: int = 100
+    rrf_k: int = 60
+    mix_weight: float = 0.65  # best on SciFact train; `espn calibrate --hybrid` refits it per index
+    union: bool = True
+
+    def replace(self, **overrides: Any) -> "HybridParams":
+        given = {key: value for key, value in overrides.items() if value is not None}
+        return dataclasses.replace(self, **given).validate()
+
+    def validate(self) -> "HybridParams":
+        if self.mode not in MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.fusion not in FUSIONS:
+            raise InvalidParameterError(f"fusion must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
+        for name, low, high in (("lexical_k", 1, MAX_LEXICAL_K), ("rrf_k", 1, 100_000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidParameterError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        weight = self.mix_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                math.isfinite(weight) and 0.0 <= weight <= 1.0):
+            raise InvalidParameterError(f"mix_weight must be a number in [0, 1], got {weight!r}")
+        if not isinstance(self.union, bool):
+            raise InvalidParameterError(f"union must be true or false, got {self.union!r}")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
+                "mix_weight": self.mix_weight, "union": self.union}
+
+    @classmethod
+    def from_manifest(cls, section: Mapping[str, Any] | None) -> "HybridParams":
+        known = {f.name for f in dataclasses.fields(cls)} - {"mode"}
+        return cls(**{key: value for key, value in (section or {}).items() if key in known}).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """One query's fused ranking, best first: doc [n] (any integer keys), score [n] float64,
+    dense [n] and lexical [n] float32 (NaN where that side has no score)."""
+
+    doc: np.ndarray
+    score: np.ndarray
+    dense: np.ndarray
+    lexical: np.ndarray
+
+
+def _ranks(scores: np.ndarray) -> np.ndarray:
+    """1-based rank by score, descending (NaN: unranked -> inf); ties keep input order."""
+    present = ~np.isnan(scores)
+    order = np.argsort(np.where(present, -scores, np.inf), kind="stable")
+    ranks = np.empty(len(scores), dtype=np.float64)
+    ranks[order] = np.arange(1, len(scores) + 1, dtype=np.float64)
+    ranks[~present] = np.inf
+    return ranks
+
+
+def _min_max(scores: np.ndarray) -> np.ndarray:
+    """Scaled to [0, 1] over the present scores (all equal: 1); missing: 0."""
+    present = ~np.isnan(scores)
+    out = np.zeros(len(scores), dtype=np.float64)
+    if present.any():
+        low, high = float(np.min(scores[present])), float(np.max(scores[present]))
+        out[present] = 1.0 if high <= low else (scores[present].astype(np.float64) - low) / (high - low)
+    return out
+
+
+def fuse(doc: np.ndarray, dense: np.ndarray, lexical: np.ndarray, params: HybridParams) -> Fused:
+    """Fuse one query's pool: doc [m] distinct keys, dense [m] and lexical [m] scores (NaN:
+    not on that side's list). Ties break on the dense score, then the lexical score, then
+    the input order."""
+    dense = np.asarray(dense, dtype=np.float32)
+    lexical = np.asarray(lexical, dtype=np.float32)
+    if params.fusion == "rrf":
+        score = 1.0 / (params.rrf_k + _ranks(dense)) + 1.0 / (params.rrf_k + _ranks(lexical))
+    else:
+        score = params.mix_weight * _min_max(dense) + (1.0 - params.mix_weight) * _min_max(lexical)
+    order = np.lexsort((np.arange(len(doc)), -np.nan_to_num(lexical, nan=-np.inf),
+                        -np.nan_to_num(dense, nan=-np.inf), -score))
+    return Fused(np.asarray(doc)[order], score[order], dense[order], lexical[order])

@@ -1,0 +1,145 @@
+"""Lifetimes by reference count, never by a timer.
+
+`Shared` is a resource with several holders that is closed by whichever holder releases it
+last (the opened base of a live index, shared by every generation over it). `LiveSearcher`
+lends out the Searcher of a live index's newest generation: a search holds a lease for
+as long as it runs; `refresh()` swaps in a newer generation, and the Searcher it
+replaces is closed when its last lease ends, at once if none is out. So a server that
+takes a write every second holds one or two generations, not one per write for a minute,
+and nothing a closed Searcher held (reader, maps, locks) is used after it closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    from .searcher import Searcher
+
+__all__ = ["Shared", "LiveSearcher"]
+
+log = logging.getLogger(__name__)
+
+
+class Shared:
+    """A reference count with a close action: `acquire()` for every holder, `release()` once
+    by each; the last release runs `on_close` (exactly once)."""
+
+    def __init__(self, on_close: Callable[[], None]) -> None:
+        self._on_close = on_close
+        self._holders = 1  # the creator holds it
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._holders == 0
+
+    def acquire(self) -> bool:
+        """Take one more hold; False when it is already closed (the caller opens its own)."""
+        with self._lock:
+            if self._holders == 0:
+                return False
+            self._holders += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                raise RuntimeError("released more often than acquired")
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._on_close()
+
+
+class _Entry:
+    """One Searcher and the leases out on it."""
+
+    __slots__ = ("searcher", "leases", "retired")
+
+    def __init__(self, searcher: "Searcher") -> None:
+        self.searcher, self.leases, self.retired = searcher, 0, False
+
+
+class LiveSearcher:
+    """The Searcher of the newest generation of an index, lent out one search at a time.
+
+    `with live.lease() as searcher:` holds the Searcher for the block; `refresh()` opens
+    the newest published generation (one `stat` when nothing changed) and retires the
+    previous Searcher, which closes when its last lease ends. Thread-safe.
+    """
+
+    def __init__(self, searcher: "Searcher") -> None:
+        self._entry = _Entry(searcher)
+        self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._closed = False
+
+    @property
+    def current(self) -> "Searcher":
+        """The newest Searcher, without a lease: for what outlives no search (its generation,
+        its manifest, a description of its reader)."""
+        return self._entry.searcher
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator["Searcher"]:
+        """The newest Searcher, kept open until the block ends."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the index is closed")
+            entry = self._entry
+            entry.leases += 1
+        try:
+            yield entry.searcher
+        finally:
+            self._return(entry)
+
+    def _return(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.leases -= 1
+            close = entry.retired and entry.leases == 0
+        if close:
+            entry.searcher.close()
+
+    def refresh(self) -> bool:
+        """Swap in the newest published generation, if there is a newer one; True when it did.
+
+        A generation that fails to open is logged and the current one kept. Concurrent
+        callers do not open the same generation twice: the later one waits for the first.
+        """
+        with self._refreshing:
+            current = self._entry
+            if self._closed:
+                return False
+            try:
+                newer = current.searcher.refresh()
+            except Exception:  # noqa: BLE001 - a generation that fails to open: keep serving this one
+                log.exception("could not open the newest generation; still serving generation %d",
+                              current.searcher.generation)
+                return False
+            if newer is None:
+                return False
+            self._retire(current, _Entry(newer))
+            log.info("serving generation %d", newer.generation)
+            return True
+
+    def _retire(self, old: _Entry, new: _Entry | None) -> None:
+        with self._lock:
+            if new is not None:
+                self._entry = new
+            old.retired = True
+            close = old.leases == 0
+        if close:
+            old.searcher.close()
+
+    def close(self) -> None:
+        """No new leases; the current Searcher closes now, or when its last lease ends."""
+        with self._refreshing:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._retire(self._entry, None)

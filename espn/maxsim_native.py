@@ -1,0 +1,89 @@
+"""The compiled MaxSim kernel (`espn/native/maxsim.c`), loaded with ctypes.
+
+`pip install` builds it with the system C compiler as the optional extension
+`espn._maxsim` (no Python headers: it is a plain shared library, and ctypes releases the
+GIL for the call). Where it was not built (no compiler) `load_kernel()` is None and
+`espn.maxsim.score_records` scores with torch, to the same results (fp32 summation order
+aside). One call scores every pair of a search from the records where the reads left
+them: no gather, no decode, no similarity matrix in memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["load_kernel", "kernel_path", "score_pairs_native", "DTYPE_CODES"]
+
+log = logging.getLogger(__name__)
+
+#: The kernel's code for each storage dtype.
+DTYPE_CODES = {"float16": 0, "int8": 1}
+#: Query vectors are laid out in columns of this many (one AVX-512 register of fp32).
+LANES = 16
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def kernel_path() -> Path | None:
+    """The built library beside this module, or None."""
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_maxsim{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel() -> ctypes.CDLL | None:
+    """The kernel, or None (logged once) where it was not built."""
+    path = kernel_path()
+    if path is None:
+        log.info("the native MaxSim kernel was not built (no C compiler at install?); scoring with torch")
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("cannot load the native MaxSim kernel %s (%s); scoring with torch", path, exc)
+        return None
+    fn = lib.espn_score_pairs
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P]
+    return lib
+
+
+def _ptr(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarray, d_cls: int, d_bow: int,
+                       dtype: str, q_cls: np.ndarray, q_bow_t: np.ndarray, q_valid: np.ndarray,
+                       pair_query: np.ndarray, pair_doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(exact CLS [P], raw MaxSim sum [P]) float32 of the pairs, read from the records at `addresses`.
+
+    addresses, n_bow [n] int64 (the records must stay alive during the call); q_cls [B, d_cls]
+    float32; q_bow_t [B, d_bow, S] float32 (S a multiple of LANES, zero past each query's
+    vectors); q_valid [B, S] uint8; pair_query, pair_doc [P] int64 (rows of `addresses`).
+    """
+    arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
+        (addresses, np.int64), (n_bow, np.int64), (q_cls, np.float32), (q_bow_t, np.float32),
+        (q_valid, np.uint8), (pair_query, np.int64), (pair_doc, np.int64))]
+    addresses, n_bow, q_cls, q_bow_t, q_valid, pair_query, pair_doc = arrays
+    stride = int(q_bow_t.shape[2])
+    n_pairs = len(pair_query)
+    out_cls = np.empty(n_pairs, dtype=np.float32)
+    out_bow = np.empty(n_pairs, dtype=np.float32)
+    scratch = np.empty(stride + 4 * d_bow, dtype=np.float32)
+    status = lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
+                                  _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query), _ptr(pair_doc), n_pairs,
+                                  _ptr(out_cls), _ptr(out_bow), _ptr(scratch))
+    if status != 0:
+        raise ValueError(f"the MaxSim kernel refused its input (dtype {dtype!r}, stride {stride})")
+    return out_cls, out_bow

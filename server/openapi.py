@@ -1,0 +1,98 @@
+"""The OpenAPI document as this server's contract: the routes' schema plus what only the running server knows.
+
+FastAPI builds the document from the routes and the request models (server/schemas.py).
+Some limits depend on the settings and on the index being served, and a document without
+them would admit requests the server refuses; this adds them:
+
+- `/v1/search/batch`: `queries` holds at most ESPN_MAX_BATCH_QUERIES;
+- `/v1/documents/batch`: `upsert` and `delete` hold at most ESPN_MAX_BATCH_WRITES each;
+- `nprobe` is at most the index's nlist;
+- `filter` names only the index's metadata fields, each with the operators and values its
+  type takes (espn.filters), so an unknown field or a wrong type is outside the schema.
+
+The bearer scheme and its 401 appear only when ESPN_API_KEY is set (build_app adds them to
+the /v1 routers). The document is rebuilt when the served generation changes, since a write
+may add metadata fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from espn.filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
+
+__all__ = ["add_contract", "filter_schema"]
+
+_FILTER_REF = {"$ref": "#/components/schemas/Filter"}
+_VALUE = {"keyword": {"type": "string"}, "keywords": {"type": "string"}, "boolean": {"type": "boolean"},
+          "integer": {"type": "number"}, "float": {"type": "number"}}
+
+
+def _condition(kind: str) -> dict[str, Any]:
+    """What one field of type `kind` takes: a value (equality), or an object of operators."""
+    value = _VALUE[kind]
+    values = {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_VALUES, "items": value}
+    operators: dict[str, Any] = {"eq": value, "in": values, "not_in": values, "exists": {"type": "boolean"}}
+    if kind in ("integer", "float"):
+        operators.update({op: value for op in ("gt", "gte", "lt", "lte")})
+    return {"anyOf": [value, {"type": "object", "properties": operators, "additionalProperties": False,
+                              "minProperties": 1}]}
+
+
+def filter_schema(fields: Mapping[str, str]) -> dict[str, Any]:
+    """JSON Schema of a filter over an index whose metadata fields are `fields` (name -> type)."""
+    # A filter has at most MAX_FILTER_NODES objects in all (a 422 past that); JSON Schema can bound
+    # each list, not the sum.
+    members: dict[str, Any] = {
+        "and": {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_BRANCHES, "items": _FILTER_REF},
+        "or": {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_BRANCHES, "items": _FILTER_REF},
+        "not": _FILTER_REF,
+    }
+    members.update({name: _condition(kind) for name, kind in sorted(fields.items())})
+    return {
+        "type": "object", "properties": members, "additionalProperties": False,
+        "description": f"members are anded; {{}} matches every document; at most {MAX_FILTER_NODES} objects in "
+                       "all. Fields of this index: "
+                       + (", ".join(f"{name} ({kind})" for name, kind in sorted(fields.items())) or "none"),
+    }
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """The non-null branch of an Optional field's anyOf."""
+    return next(branch for branch in schema["anyOf"] if branch.get("type") != "null")
+
+
+def _add_limits(document: dict[str, Any], app: FastAPI) -> None:
+    state = app.state.espn
+    schemas = document["components"]["schemas"]
+    schemas["BatchSearchRequest"]["properties"]["queries"]["maxItems"] = state.settings.max_batch_queries
+    for name in ("upsert", "delete"):
+        schemas["BatchWriteRequest"]["properties"][name]["maxItems"] = state.settings.max_batch_writes
+    if state.live is None:  # still starting: the limits of the index are not known yet
+        return
+    searcher = state.live.current  # its schema and nlist only: no lease needed
+    schemas["Filter"] = filter_schema(searcher.metadata.schema)
+    for name in ("SearchRequest", "BatchSearchRequest"):
+        properties = schemas[name]["properties"]
+        _nullable(properties["nprobe"])["maximum"] = searcher.nlist
+        properties["filter"]["anyOf"] = [_FILTER_REF, {"type": "null"}]
+
+
+def add_contract(app: FastAPI) -> None:
+    """Serve the document with the limits above as /openapi.json (and to /docs)."""
+    cache: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        searcher = app.state.espn.searcher
+        key = None if searcher is None else searcher.generation
+        if key is not None and cache.get("key") == key:
+            return cache["document"]
+        document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        _add_limits(document, app)
+        cache.update(key=key, document=document)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,27 @@
+"""`espn serve` that kills itself with SIGKILL the N-th time the live-index writer reaches a step.
+
+ESPN_TEST_CRASH_AT=step:N (steps are the `_checkpoint` names of espn_indexing.live and
+espn_indexing.compaction). Run with --workers 1, so the server is this process. Used by
+tests/test_live_restart.py only: the real `espn serve` with one test hook set.
+"""
+
+import os
+import signal
+import sys
+
+import espn_indexing.live as live
+from espn.cli import main
+
+step, _, count = os.environ["ESPN_TEST_CRASH_AT"].partition(":")
+left = [int(count or 1)]
+
+
+def checkpoint(name: str) -> None:
+    if name == step:
+        left[0] -= 1
+        if left[0] == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+live._checkpoint = checkpoint
+sys.exit(main(sys.argv[1:]))
