@@ -323,6 +323,13 @@ class _Part:
             self.fetch = None
 
 
+def _fault_point(name: str) -> None:
+    """Where a test's fault injector may interrupt the read path between syscalls."""
+    faults = _engines._faults
+    if faults is not None:
+        faults.point(name)
+
+
 def _wait_all(parts: list[_Part]) -> BaseException | None:
     """Wait for every part, even after one fails; the first error, or None."""
     error: BaseException | None = None
@@ -706,9 +713,7 @@ class Reader(abc.ABC):
             error = _wait_all(parts)  # every read finished (or failed) before any buffer is parsed
             if error is not None:
                 raise error
-            faults = _engines._faults
-            if faults is not None:
-                faults.point("gather")
+            _fault_point("gather")
             picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
             counts = [p.n_bow[pick] for p, pick in zip(parts, picks)]
             n = sum(len(c) for c in counts)
@@ -743,6 +748,7 @@ class Reader(abc.ABC):
             error = _wait_all(parts)
             if error is not None:
                 raise error
+            _fault_point("gather")
             picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
             used = [i for i, (part, pick) in enumerate(zip(parts, picks)) if part.done is not None and len(pick)]
             buffers = [parts[i].done[0] for i in used]  # type: ignore[index]
