@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from espn.ids import id_problem
+
 __all__ = [
     "MAX_QUERY_CHARS",
     "MAX_K",
@@ -73,8 +75,12 @@ def _non_blank(value: str) -> str:
 
 
 def check_write_id(value: str) -> str:
-    if not _WRITE_ID.fullmatch(value):
-        raise ValueError("an id has no leading or trailing whitespace and no control characters")
+    """The library's own words for what is wrong (`espn.ids`); the pattern is what the schema states."""
+    problem = id_problem(value)
+    if problem is None and not _WRITE_ID.fullmatch(value):
+        problem = "has leading or trailing whitespace or a control character"
+    if problem is not None:
+        raise ValueError(f"an id {problem}")
     return value
 
 
