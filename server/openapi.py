@@ -86,8 +86,8 @@ def add_contract(app: FastAPI) -> None:
     cache: dict[str, Any] = {}
 
     def openapi() -> dict[str, Any]:
-        searcher = app.state.espn.searcher
-        key = None if searcher is None else searcher.generation
+        live = app.state.espn.live
+        key = None if live is None else live.current.generation
         if key is not None and cache.get("key") == key:
             return cache["document"]
         document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)

@@ -460,13 +460,13 @@ def test_concurrent_clients_match_serial(client: httpx.Client, server) -> None:
     assert max(batch_sizes) > 1, "concurrent requests were never micro-batched"
 
 
-def _sigterm_during_a_long_batch(server: ServerProcess) -> httpx.Response:
-    """SIGTERM the server while a 256-query batch is in flight; that batch's response."""
+def _sigterm_during_a_long_batch(server: ServerProcess, queries: int = 256, k: int = 100) -> httpx.Response:
+    """SIGTERM the server while a batch of `queries` is in flight; that batch's response."""
     base = server.base_url
     outcome: dict[str, httpx.Response] = {}
 
     def long_request() -> None:
-        body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(256)], "k": 100, "rerank_count": 100}
+        body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(queries)], "k": k, "rerank_count": 100}
         outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
 
     thread = threading.Thread(target=long_request)
@@ -635,8 +635,10 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
 
 
 def test_shutdown_past_the_grace_period_answers_503_and_exits_0(sample_index: Path, tmp_path: Path) -> None:
-    with running_server(sample_index, tmp_path, "--graceful-timeout", "1", name="deadline") as server:
-        response = _sigterm_during_a_long_batch(server)
+    # A batch far longer than the 1 s of grace, however fast the machine encodes and scores.
+    with running_server(sample_index, tmp_path, "--graceful-timeout", "1", "--max-batch-queries", "2500",
+                        name="deadline") as server:
+        response = _sigterm_during_a_long_batch(server, queries=2500, k=10)
         assert server.process.wait(60) == 0
         log = server.log()
     assert response.status_code == 503, response.text[:300]
