@@ -216,6 +216,7 @@ class GroupCommit:
     def _fail(group: list[_Queued], exc: BaseException) -> None:
         """Every write of the group hears of the failure; nothing of it was published."""
         if isinstance(exc, OSError):
+            log.warning("writing %d writes failed: %s", len(group), exc, exc_info=exc)
             exc = WriteFailedError(f"the write failed: {exc.strerror or exc}; nothing of it was published")
         elif not isinstance(exc, EspnError):  # a bug: logged with its traceback, the committer goes on
             log.error("writing %d writes failed", len(group), exc_info=exc)

@@ -720,7 +720,12 @@ class LiveIndex:
 
 
 def _remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    """Remove a file or a tree; gone already is fine (a staging directory's owner removes it
+    itself, without the writer lock, between our listing of live/ and this call)."""
+    try:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _remove_if_unused(path: Path) -> bool:

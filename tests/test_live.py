@@ -517,3 +517,24 @@ def test_descriptors_do_not_grow_with_writes_or_metadata_fields(index: Path, enc
         assert searcher.generation == 13 and searcher.filtered_docs({"f7": 7}).matches == 1
     assert _open_fds() <= baseline + 2
     live.close()
+
+
+def test_recovery_tolerates_a_staging_directory_its_owner_removes_meanwhile(index: Path, encoder: Encoder,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compaction (in another worker) removes its staging directory without the writer lock;
+    a writer's recovery that listed it a moment before must not fail the write (ENOENT)."""
+    from espn_indexing import live
+
+    other = LiveIndex(index, encoder=encoder)
+    staging = live.Staging(other, "compact", 0.0)
+    unused = live._unused
+
+    def owner_finishes_first(path: Path, unlink: bool = False) -> bool:
+        if path == staging.path:
+            staging.close()  # rmtree, then the lock goes: between our listing and our removal
+        return unused(path, unlink)
+
+    monkeypatch.setattr(live, "_unused", owner_finishes_first)
+    writer = LiveIndex(index, encoder=encoder)
+    result = writer.delete(["s0001"])
+    assert result.deleted == ["s0001"] and not staging.path.exists()
