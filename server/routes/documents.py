@@ -57,7 +57,12 @@ _WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S, the write "
                                    "queue is full, or the index is not open (Retry-After)"},
 }
-_ID_DESCRIPTION = "external document id (UTF-8; no control characters)"
+# Every id an index holds obeys the write rules (the build and the writer refuse others), so
+# reads and deletes state the same pattern: a schema-valid id is never refused.
+StoredId = Annotated[str, Path(min_length=1, max_length=MAX_DOC_ID_CHARS, json_schema_extra={"pattern": WRITE_ID_PATTERN},
+                               description="external document id (UTF-8; no surrounding whitespace, no control "
+                                           "characters)"),
+                     AfterValidator(check_write_id)]
 
 
 # Before the {doc_id} routes: /v1/documents/batch is its own path, and by OpenAPI's rule a
@@ -84,7 +89,7 @@ def _path_id(request: Request) -> str:
 )
 async def get_document(
     request: Request,
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
+    doc_id: StoredId,
     state: AppState = Depends(get_state),
 ) -> DocumentResponse:
     exact = _path_id(request)
@@ -206,7 +211,7 @@ async def put_document(
 )
 async def delete_document(
     request: Request,
-    doc_id: str = Path(min_length=1, max_length=MAX_DOC_ID_CHARS, description=_ID_DESCRIPTION),
+    doc_id: StoredId,
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
     return _response(await _apply(state, [], [_path_id(request)]))
