@@ -20,7 +20,6 @@ directory). On that copy, in order:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import tempfile
@@ -30,19 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import machine, machine_line, markdown_table, percentiles, write_results
+from benchmarks.common import machine, machine_line, markdown_table, percentiles, read_jsonl, write_results
 
-
-def _read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if limit is not None and len(rows) >= limit:
-                    break
-    return rows
 
 
 def _write_corpus(docs: list[dict[str, Any]], path: Path, prefix: str) -> Path:
@@ -78,8 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(index, ignore_errors=True)
     shutil.copytree(args.index, index)
     few, many = args.deltas
-    corpus = _read_jsonl(args.corpus, args.add_docs + args.delta_docs * many)
-    queries = [q["text"] for q in _read_jsonl(args.queries, args.queries_n)]
+    corpus = read_jsonl(args.corpus, args.add_docs + args.delta_docs * many)
+    queries = [q["text"] for q in read_jsonl(args.queries, args.queries_n)]
     out: dict[str, Any] = {"machine": machine(), "index": str(args.index), "add_docs": args.add_docs}
 
     writer = LiveIndex.open(index)
@@ -99,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["add"] = {"docs_per_s": args.add_docs / add_s, "encode_only_docs_per_s": args.add_docs / encode_s,
                   "ratio": encode_s / add_s, "seconds": add_s}
 
-    ids = np.random.default_rng(0).permutation([f"{d['_id']}" for d in _read_jsonl(args.corpus)])
+    ids = np.random.default_rng(0).permutation([f"{d['_id']}" for d in read_jsonl(args.corpus)])
     delete_ms = []
     for doc_id in ids[: args.deletes]:
         started = time.perf_counter()

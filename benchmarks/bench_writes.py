@@ -29,7 +29,6 @@ as the server, and the machine may be shared: the load average is printed.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
@@ -39,27 +38,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
 from benchmarks.bench_server import serve, worker_processes
 from benchmarks.common import ROOT, SCIFACT, SCIFACT_INDEX, machine, machine_line, markdown_table, percentiles, \
-    write_results
+    read_jsonl, write_results
 
 FD_LIMIT = 1024
 
-
-def _read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
-    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if limit is not None and len(rows) >= limit:
-                    break
-    return rows
 
 
 def encode_rate(documents: list[dict[str, Any]], index: Path, work: Path) -> float:
@@ -206,8 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     index = work / "index"
     shutil.rmtree(index, ignore_errors=True)
     shutil.copytree(args.index, index)
-    documents = _read_jsonl(args.corpus, args.documents)
-    queries = [q["text"] for q in _read_jsonl(args.queries, 200)]
+    documents = read_jsonl(args.corpus, args.documents)
+    queries = [q["text"] for q in read_jsonl(args.queries, 200)]
     random.Random(0).shuffle(queries)
     out: dict[str, Any] = {"machine": machine(), "index": str(args.index), "large": str(args.large),
                            "settings": {k: v for k, v in vars(args).items() if k not in ("index", "large", "work")}}

@@ -227,6 +227,22 @@ def memory_cgroup(name: str, limit_bytes: int | None) -> Iterator[MemoryCgroup]:
 
 # -- queries ------------------------------------------------------------------------------
 
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The first `limit` rows of a JSON-lines file (gzipped when it ends in .gz): a benchmark's
+    slice of a corpus or its queries."""
+    import gzip
+
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if limit is not None and len(rows) >= limit:
+                    break
+    return rows
+
+
 def load_queries(path: Path):
     """QueryEmbeddings of every query in a `load_query_embeddings` .npz file (padded, masked)."""
     from espn.encoders.precomputed import load_query_embeddings
