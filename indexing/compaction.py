@@ -31,11 +31,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -116,15 +114,8 @@ def _compaction_lock(live_dir: Path, wait_s: float) -> Iterator[None]:
     live_dir.mkdir(exist_ok=True)
     fd = os.open(live_dir / "COMPACT", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise CompactionRunningError(f"{live_dir.parent}: another compaction is running") from None
-                time.sleep(0.05)
+        if not live.flock_within(fd, wait_s, longest_pause_s=0.05):
+            raise CompactionRunningError(f"{live_dir.parent}: another compaction is running")
         yield
     finally:
         os.close(fd)

@@ -184,6 +184,22 @@ class SideIndex(Protocol):
         through `renumber` (-1: dropped); the identity for a merge of deltas."""
 
 
+def flock_within(fd: int, wait_s: float, longest_pause_s: float = 0.01) -> bool:
+    """Take an exclusive flock on `fd`, polling for up to `wait_s` (flock itself cannot time
+    out); False when another holder kept it that long."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, longest_pause_s)
+
+
 #: Test hook: called with a step name at each point a crash test kills the writer.
 _checkpoint: Callable[[str], None] = lambda step: None
 
@@ -409,19 +425,9 @@ class LiveIndex:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise ReadOnlyIndexError(f"{self.root} is read-only ({exc.strerror}); writes are refused") from None
             raise
-        deadline = time.monotonic() + wait_s
-        pause = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise IndexLockedError(f"{self.root}: another writer holds {live / 'LOCK'}; one writer at a time") \
-                        from None
-                time.sleep(pause)
-                pause = min(pause * 2, 0.01)
+        if not flock_within(fd, wait_s):
+            os.close(fd)
+            raise IndexLockedError(f"{self.root}: another writer holds {live / 'LOCK'}; one writer at a time")
         self._lock_fd = fd
         try:
             self._recover()
