@@ -36,7 +36,7 @@ serve-sample: install
 test: install browser
 	$(VENV)/bin/mypy
 	$(MAKE) check-wheel
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 # Debian's Chromium and its driver for the search page's browser test (tests/test_page.py).
 # Skipped when both are present, or when ESPN_BROWSER_TESTS=0 turns that test off.
