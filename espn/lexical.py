@@ -18,6 +18,7 @@ import numpy as np
 from .errors import InvalidParameterError
 from .explain import passage_spans
 from .results import LexicalMatch
+from .segments import LIVE_DIR
 from .text.config import TextConfig
 from .text.query import LexicalQuery
 
@@ -49,9 +50,9 @@ def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: "LiveVie
         return None
 
     directory = Path(base_path) / section.get("directory", "text")
-    generation_text = getattr(view.generation, "text", None) if view is not None else None
-    if generation_text:
-        directory = view.root / generation_text["directory"]  # type: ignore[union-attr]
+    generation_text = view.generation.side.get("text") if view is not None else None
+    if generation_text and generation_text.get("directory"):  # kept live: this generation's own
+        directory = view.root / LIVE_DIR / generation_text["directory"]  # type: ignore[union-attr]
     elif view is not None and view.generation.segments:
         log.warning("%s: generation %d has delta segments but no text index of its own: the lexical side "
                     "searches the base's documents only", view.root, view.generation.number)

@@ -39,13 +39,14 @@ per generation besides that lock (`espn.mapped`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import faiss
 import numpy as np
@@ -66,6 +67,7 @@ __all__ = [
     "SegmentInfo",
     "TombstoneFile",
     "Generation",
+    "held_generation",
     "NeededFile",
     "LiveView",
     "OpenBase",
@@ -301,6 +303,17 @@ def _hold(root: Path) -> tuple[Generation, int]:
             return generation, fd
         os.close(fd)
     raise IndexCorruptError(f"{root}: the current generation kept disappearing while it was being opened")
+
+
+@contextlib.contextmanager
+def held_generation(root: Path | str) -> Iterator[Generation]:
+    """The current generation, held for the block: the writer's garbage collector keeps every
+    file it needs (what a copy of it, such as a snapshot, reads meanwhile)."""
+    generation, fd = _hold(Path(root))
+    try:
+        yield generation
+    finally:
+        os.close(fd)
 
 
 def read_tombstones(root: Path, generation: Generation, verify: bool = False) -> np.ndarray:

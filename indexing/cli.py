@@ -89,6 +89,17 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("index", type=Path)
     p.set_defaults(handler=cmd_stats)
 
+    p = sub.add_parser("snapshot", help="copy the current generation of an index (served and written or not) "
+                                        "to a new directory: a consistent, servable point-in-time copy")
+    p.add_argument("index", type=Path)
+    p.add_argument("dest", type=Path, help="a new directory (hard links for immutable files where the filesystem allows)")
+    p.set_defaults(handler=cmd_snapshot)
+
+    p = sub.add_parser("restore", help="a servable index directory from a snapshot, every byte verified")
+    p.add_argument("snapshot", type=Path)
+    p.add_argument("dest", type=Path, help="a new directory")
+    p.set_defaults(handler=cmd_restore)
+
     p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--partitions", type=int, default=1)
@@ -174,9 +185,9 @@ def cmd_add(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
     # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
-    result = LiveIndex(args.index).add_corpus(args.corpus, batch_size=args.batch_size,
-                                              loader_workers=args.loader_workers, progress=not args.no_progress,
-                                              skip_bad=args.skip_bad, wait_s=args.wait)
+    with LiveIndex(args.index) as writer:
+        result = writer.add_corpus(args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
+                                   progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait)
     _print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
     return 0
 
@@ -194,7 +205,8 @@ def cmd_delete(args: argparse.Namespace) -> int:
         ids += list(iter_ids_file(args.ids_file))
     if not ids:
         raise InvalidParameterError(f"--ids-file {args.ids_file}: no ids in it")
-    result = LiveIndex(args.index).apply(deletes=ids, wait_s=args.wait)
+    with LiveIndex(args.index) as writer:
+        result = writer.apply(deletes=ids, wait_s=args.wait)
     _print_write(args.index, f"{len(result.deleted)} deleted", result)
     return 0
 
@@ -203,9 +215,27 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from .live import LiveIndex
 
     # From a snapshot: writes go on meanwhile and wait only for the swap.
-    writer = LiveIndex(args.index)
-    result = writer.compact(wait_s=args.wait)
-    _print_write(args.index, f"compacted ({writer.current().live_documents} live documents)", result)
+    with LiveIndex(args.index) as writer:
+        result = writer.compact(wait_s=args.wait)
+        live_documents = writer.current().live_documents
+    _print_write(args.index, f"compacted ({live_documents} live documents)", result)
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from .snapshot import snapshot
+
+    result = snapshot(args.index, args.dest)
+    print(f"{args.dest}: generation {result.generation} of {args.index} ({result.files} files; "
+          f"{result.linked_bytes / 1e6:.1f} MB linked, {result.copied_bytes / 1e6:.1f} MB copied)")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from .snapshot import restore
+
+    result = restore(args.snapshot, args.dest)
+    print(f"{args.dest}: generation {result.generation} restored from {args.snapshot} and verified")
     return 0
 
 

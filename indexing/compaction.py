@@ -58,6 +58,8 @@ from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
 from . import live
+from .text_index import install_text_index
+from .text_side import SwapSource, TextSide
 from .assemble import default_search_params
 from .live import LiveIndex, Staging, file_entry, fsync_tree
 
@@ -267,10 +269,10 @@ def _columns_from_docs(directory: Path, n_docs: int, block: int = 65536) -> dict
 
 
 def _side_on_swap(writer: LiveIndex, current: Generation, number: int,
-                  renumber: Callable[[np.ndarray], np.ndarray]) -> dict[str, Any]:
+                  renumber: Callable[[np.ndarray], np.ndarray], source: SwapSource | None = None) -> dict[str, Any]:
     side = dict(current.side)
     for index in writer.side_indexes:
-        side[index.name] = dict(index.on_swap(writer.live_dir, number, current.side.get(index.name), renumber))
+        side[index.name] = dict(index.on_swap(writer.live_dir, number, current.side.get(index.name), renumber, source))
     return side
 
 
@@ -281,6 +283,9 @@ def _rewrite(writer: LiveIndex, view: LiveView, staging: Path, wait_s: float,
     snapshot = view.generation
     out = staging / "base"
     keep = write_base(view, out)
+    for index in writer.side_indexes:  # the new base's own text index, built before the swap
+        if isinstance(index, TextSide):
+            install_text_index(out, index.config)
     live._checkpoint("compact-staged")
     return swap(lambda: _carry(writer, snapshot, keep, view.live, staging, wait_s))
 
@@ -337,7 +342,9 @@ def _carry(writer: LiveIndex, snapshot: Generation, keep: np.ndarray, live_mask:
         live._checkpoint("swap-renamed")
         chain = (writer.write_tombstones(translated, number),) if len(translated) else ()
         manifest = IndexDirectory.open(writer.live_dir / name, verify="none").manifest
-        side = _side_on_swap(writer, current, number, renumber)
+        carried_dirs = {segments[0].first: writer.live_dir / segments[0].name} if carried else {}
+        side = _side_on_swap(writer, current, number, renumber,
+                             SwapSource(writer.live_dir / name, carried_dirs, translated))
         writer.commit(Generation(number, f"{LIVE_DIR}/{name}", n, end, segments, chain, live._now(),
                                  dict(manifest["files"]), side))
     log.info("rewrote the base: %d documents (%d carried over from writes during the rewrite)", n,

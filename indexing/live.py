@@ -179,9 +179,13 @@ class SideIndex(Protocol):
         """Generation `number` adds `documents` at doc numbers first.. and deletes `tombstones`."""
 
     def on_swap(self, live_dir: Path, number: int, previous: Mapping[str, Any] | None,
-                renumber: Callable[[np.ndarray], np.ndarray]) -> Mapping[str, Any]:
+                renumber: Callable[[np.ndarray], np.ndarray], source: Any = None) -> Mapping[str, Any]:
         """A compaction swaps in generation `number`: doc numbers of the generation before map
-        through `renumber` (-1: dropped); the identity for a merge of deltas."""
+        through `renumber` (-1: dropped); the identity for a merge of deltas (source None). A base
+        rewrite also gives its `text_side.SwapSource`: the new base, the carried segments, the deletes."""
+
+    def close(self) -> None:
+        """Release what it holds between writes (the writer closes)."""
 
 
 def flock_within(fd: int, wait_s: float, longest_pause_s: float = 0.01) -> bool:
@@ -198,6 +202,13 @@ def flock_within(fd: int, wait_s: float, longest_pause_s: float = 0.01) -> bool:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, longest_pause_s)
+
+
+def _own_side_indexes(root: Path) -> list[SideIndex]:
+    from .text_side import TextSide, text_config_of
+
+    config = text_config_of(root / read_current(root).base)
+    return [] if config is None else [TextSide(config)]
 
 
 #: Test hook: called with a step name at each point a crash test kills the writer.
@@ -228,9 +239,19 @@ class Staging:
 
     def __init__(self, writer: "LiveIndex", kind: str, wait_s: float) -> None:
         with writer.locked(wait_s):
-            self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=writer.live_dir))
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._make(writer.live_dir, kind)
+
+    @classmethod
+    def under_lock(cls, live_dir: Path, kind: str) -> "Staging":
+        """For a caller that holds the writer lock already (a side index, in a publish)."""
+        staging = cls.__new__(cls)
+        staging._make(live_dir, kind)
+        return staging
+
+    def _make(self, live_dir: Path, kind: str) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=live_dir))
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def __enter__(self) -> "Staging":
         return self
@@ -369,12 +390,13 @@ class LiveIndex:
     """
 
     def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
-                 side_indexes: Sequence[SideIndex] = ()) -> None:
+                 side_indexes: Sequence[SideIndex] | None = None) -> None:
         self.root = Path(root).absolute()
         read_manifest(self.root)  # a clear error for a path that is no index
         self._encoder = encoder
         self.limits = limits
-        self.side_indexes = list(side_indexes)
+        # By default the side indexes the index has: its full-text index, when its base has one.
+        self.side_indexes = list(side_indexes) if side_indexes is not None else _own_side_indexes(self.root)
         self._lock_fd = -1
         self._held = False  # by open(): kept across publishes
         self._mutex = threading.RLock()  # one publish at a time through this object
@@ -391,6 +413,8 @@ class LiveIndex:
         return writer
 
     def close(self) -> None:
+        for index in self.side_indexes:
+            index.close()
         if self._held:
             self._held = False
             self._release()

@@ -34,12 +34,15 @@ DEFAULT_HYBRID = HybridParams()
 
 def passages(directory: Path) -> Iterator[TextDocument]:
     """(doc number, title, text) of every passage in `directory/docs.jsonl` (split by
-    `docs_offsets.npy`), streamed."""
+    `docs_offsets.npy`), streamed; a hole (a deleted document a merge kept numbered, an
+    empty line) has none."""
     offsets = np.load(Path(directory) / "docs_offsets.npy", mmap_mode="r")
     with open(Path(directory) / "docs.jsonl", "rb") as f:
         for number in range(len(offsets) - 1):
-            obj = json.loads(f.read(int(offsets[number + 1] - offsets[number])))
-            yield TextDocument(number, obj.get("title") or "", obj.get("text") or "")
+            line = f.read(int(offsets[number + 1] - offsets[number]))
+            if line.strip():
+                obj = json.loads(line)
+                yield TextDocument(number, obj.get("title") or "", obj.get("text") or "")
 
 
 def build_for_directory(directory: Path, config: TextConfig) -> dict[str, Any]:
@@ -67,6 +70,13 @@ def add_text_index(root: Path, config: TextConfig, force: bool = False) -> dict[
     manifest = read_manifest(base)
     if manifest.get("text") is not None and "text/meta.json" in manifest["files"] and not force:
         raise InvalidParameterError(f"{base}: already has a full-text index (pass --force to rebuild it)")
+    return install_text_index(base, config)
+
+
+def install_text_index(base: Path, config: TextConfig) -> dict[str, Any]:
+    """Build `base/text/` from the base's passages (beside it, then renamed into place) and
+    record it in the base's manifest (section and files) in one atomic write."""
+    manifest = read_manifest(base)
     if not (base / "docs.jsonl").is_file():
         raise IndexCorruptError(f"{base}: no docs.jsonl to index")
     staging = base / "text.partial"

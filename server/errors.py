@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError,
-                         ReadOnlyIndexError, WriteFailedError)
+from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
+                         InvalidParameterError, ReadOnlyIndexError, WriteFailedError)
 
 from .batching import BatcherClosedError, QueueFullError
 
@@ -158,6 +158,13 @@ async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
 
 
+async def _on_index_corrupt(request: Request, exc: Exception) -> JSONResponse:
+    """A file of the index failed its check while serving a request: the operator's problem (logged),
+    the client's answer a 503 naming it, never a traceback."""
+    logger.error("%s %s: %s", request.method, request.url.path, exc)
+    return error_response(503, "index_corrupt", str(exc), headers={"Retry-After": "10"})
+
+
 async def _on_corpus_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid_document", str(exc))
 
@@ -183,4 +190,5 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(CorpusError, _on_corpus_error)
     app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
     app.add_exception_handler(WriteFailedError, _on_write_failed)
+    app.add_exception_handler(IndexCorruptError, _on_index_corrupt)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

@@ -326,3 +326,14 @@ def test_bench_hybrid_on_a_synthetic_index_with_text(results: Path, capsys, samp
     payload = _check(results, "text_engines", capsys, png=False)
     assert [row["engine"] for row in payload["rows"]] == ["tantivy", "bm25s"]
     assert all(row["documents"] == 600 and row["bytes"] > 0 for row in payload["rows"])
+
+
+def test_bench_text_writes(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_text_writes
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_text_writes.main(["--index", str(sample_index), "--corpus", str(data / "sample_corpus.jsonl"),
+                                   "--quick"]) == 0
+    payload = _check(results, "bench_text_writes_quick", capsys, png=False)
+    assert set(payload["summary"]) == {"text", "dense only"} and payload["ratio"]["docs_per_s"] > 0
+    assert not (sample_index / "live").exists()

@@ -20,6 +20,8 @@ from espn.hybrid import fuse
 from espn.lexical import TextIndexMissingError
 from espn.segments import open_view
 from espn.text import QuerySyntaxError, parse_query
+from espn.text.config import TextConfig
+from espn_indexing.text_index import add_text_index
 
 QUERY = "why does the moon turn red during a lunar eclipse"
 
@@ -200,14 +202,20 @@ def test_deleted_documents_never_leak_through_the_text_side(sample_index: Path, 
             assert top[0] not in got and top[1] in got, mode
             filtered = s.search(["lunar eclipse"], k=10, mode=mode, filter={"topic": "astronomy"})[0]
             assert top[0] not in [h.doc_id for h in filtered.hits]
-    # Compaction writes a new base without a text index (the live writer does not keep one
-    # yet): dense search goes on, lexical is refused clearly, and `espn text-index` restores it.
-    assert cli_main(["compact", str(live)]) == 0
-    with Searcher.open(live) as s:
-        assert s.search(["lunar eclipse"], k=3)[0].hits
-        with pytest.raises(TextIndexMissingError):
-            s.search(["lunar eclipse"], mode="lexical")
-    assert cli_main(["text-index", str(live)]) == 0
-    with Searcher.open(live) as s:
-        got = [h.doc_id for h in s.search(["lunar eclipse"], k=10, mode="hybrid")[0].hits]
-        assert top[0] not in got and top[1] in got
+    # The text side is kept live: an added document is found by its words, a replaced one by
+    # its new words only, and a compaction (a new base, renumbered) keeps all of it.
+    from espn_indexing.live import LiveIndex, NewDocument
+
+    with LiveIndex.open(live) as writer:
+        writer.upsert([NewDocument("eclipse-new", "A lunar eclipse seen from the zyxolith observatory")])
+        writer.upsert([NewDocument(top[1], "Now about tidal zyxolith forces, nothing else")])
+    for step in ("written", "compacted"):
+        with Searcher.open(live) as s:
+            for mode in ("lexical", "hybrid"):
+                got = [h.doc_id for h in s.search(["lunar eclipse"], k=10, mode=mode)[0].hits]
+                assert "eclipse-new" in got and top[0] not in got and top[1] not in got, (step, mode, got)
+                assert sorted(h.doc_id for h in s.search(["zyxolith"], k=10, mode="lexical")[0].hits) == \
+                    sorted(["eclipse-new", top[1]]), step
+        assert cli_main(["compact", str(live)]) == 0
+    with pytest.raises(InvalidParameterError, match="already has a full-text index"):
+        add_text_index(live, TextConfig())

@@ -47,6 +47,13 @@ def _ids(searcher: Searcher, query: str, k: int = 10, **overrides: object) -> li
     return [hit.doc_id for hit in searcher.search([query], k=k, **overrides)[0].hits]
 
 
+def _corpus_text(index: Path, doc_id: str) -> str:
+    """Words of `doc_id`'s text in the sample corpus: a lexical query it matches (no query syntax)."""
+    import re
+
+    return " ".join(re.findall(r"[A-Za-z]+", next(d["text"] for d in _corpus_docs(index) if d["_id"] == doc_id))[:12])
+
+
 def _corpus_docs(sample_index: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(__file__).parents[1] / "espn/data/sample_corpus.jsonl").open()]
 
@@ -255,9 +262,10 @@ CRASHER = textwrap.dedent("""
 
 
 # tests/test_live_restart.py kills a real server in a merge's swap ("swap-renamed") as well.
-@pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("generation", "write"),
-                                       ("published", "write"), ("queued", "group"), ("merge-built", "merge"),
-                                       ("compact-records", "rewrite"), ("swap-carried", "rewrite")])
+@pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("text-published", "write"),
+                                       ("generation", "write"), ("published", "write"), ("queued", "group"),
+                                       ("merge-built", "merge"), ("compact-records", "rewrite"),
+                                       ("swap-carried", "rewrite"), ("text-published", "rewrite")])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str, job: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])
@@ -283,12 +291,20 @@ def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Enc
             with pytest.raises(DocumentNotFoundError):
                 searcher.document("crash-new")
         assert _ids(searcher, "volcanoes erupting", k=1) == ["acked"]
+        # The text side is the same generation's: what it finds is exactly what the vectors hold.
+        assert _ids(searcher, "volcanoes erupting", k=1, mode="lexical") == ["acked"]
+        crashed = _ids(searcher, "written while the writer was killed", k=200, mode="lexical")
+        assert ("crash-new" in crashed) == published and "s0007" not in crashed
+        assert ("s0006" in _ids(searcher, _corpus_text(index, "s0006"), k=200, mode="lexical")) == (not published)
     # The next writer cleans up and works; the index then verifies in full.
     with LiveIndex.open(index, encoder=encoder) as writer:
-        writer.upsert([NewDocument("after", "written after the crash")])
+        writer.upsert([NewDocument("after", "written after the crash about glaciers")])
         writer.compact()
     view = open_view(index, verify="full")
     view.close()
+    with Searcher.open(index) as searcher:
+        assert _ids(searcher, "glaciers crash", k=1, mode="lexical") == ["after"]
+        assert "s0007" not in _ids(searcher, _corpus_text(index, "s0007"), k=200, mode="lexical")
     assert not any(p.name.endswith(".tmp") or p.name.startswith("stage-") for p in (index / "live").iterdir())
 
 
@@ -399,7 +415,11 @@ def test_a_delete_writes_a_tombstone_of_a_few_bytes(index: Path) -> None:
     current = read_current(index)
     new = set(os.listdir(index / "live")) - before
     assert new <= {"gen-000001.json", "gen-000002.json", "gen-000003.json", "tomb-000001.npy", "tomb-000002.npy",
-                   "tomb-000003.npy", "CURRENT"}
+                   "tomb-000003.npy", "CURRENT", "text-work", "text-000003"}
+    # The text side's share: a deletion file and meta.json; its segments are links to the base's.
+    text = current.side["text"]["directory"]
+    written = set(os.listdir(index / "live" / text)) - set(os.listdir(index / "text"))
+    assert written and all((index / "live" / text / name).stat().st_size < 4096 for name in written), written
     # Single deletes merge into few small files (here one of 3 entries, then more as they grow).
     assert [t.count for t in current.tombstones] == [2, 1] or [t.count for t in current.tombstones] == [3]
     assert all((index / "live" / t.file).stat().st_size < 256 for t in current.tombstones)

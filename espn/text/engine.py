@@ -197,7 +197,16 @@ class TextIndex:
     def __init__(self, directory: Path, config: TextConfig) -> None:
         self.directory = Path(directory)
         self.config = config
-        self._index = _open(self.directory, config)
+        self._shadow: Path | None = None
+        try:
+            self._index = _open(self.directory, config)
+        except IndexCorruptError as exc:
+            if "ReadOnlyFilesystem" not in str(exc) and "PermissionDenied" not in str(exc):
+                raise
+            # The engine takes a lock file beside the index even to read it: on a read-only mount
+            # (a served copy, a follower's volume) read through links from a writable place.
+            self._shadow = _shadow_of(self.directory)
+            self._index = _open(self._shadow, config)
         self._index.config_reader(reload_policy="manual")  # pinned: never follows later commits
         self._searcher = self._index.searcher()
         self._schema = self._index.schema
@@ -348,6 +357,19 @@ class TextIndex:
     def close(self) -> None:
         self._searcher = None
         self._index = None
+        if self._shadow is not None:
+            shutil.rmtree(self._shadow, ignore_errors=True)
+            self._shadow = None
+
+
+def _shadow_of(directory: Path) -> Path:
+    """A private temporary directory of symbolic links to `directory`'s index files."""
+    import tempfile
+
+    shadow = Path(tempfile.mkdtemp(prefix="espn-text-"))
+    for name in engine_files(directory):
+        os.symlink(directory.absolute() / name, shadow / name)
+    return shadow
 
 
 def _keep(hits: LexicalHits, allowed: np.ndarray, limit: int) -> LexicalHits:
@@ -366,9 +388,13 @@ class TextWriter:
     hard links, so what a crashed writer committed but never published is gone.
     """
 
-    def __init__(self, work: Path, published: Path, config: TextConfig, heap_bytes: int = 64 << 20) -> None:
+    def __init__(self, work: Path, published: Path, config: TextConfig, heap_bytes: int = 64 << 20,
+                 restore: bool = True) -> None:
+        """restore=False: `work` is known to hold exactly `published` already (this writer's own
+        last publish), so it is reopened as it is."""
         self.work, self.config = Path(work), config
-        restore_work(self.work, Path(published))
+        if restore or not (self.work / "meta.json").is_file():
+            restore_work(self.work, Path(published))
         self._index = _open(self.work, config)
         self._writer = self._index.writer(heap_size=heap_bytes, num_threads=1)
 

@@ -157,9 +157,9 @@ def _maybe_compact(state: AppState) -> None:
 
     def run() -> None:
         lower_priority(settings.write_nice)  # the work before the swap takes what searches leave
+        compactor = LiveIndex(settings.index, limits=writer.index.limits)
         try:
-            LiveIndex(settings.index, limits=writer.index.limits).maintain(policy, wait_s=settings.write_wait_s,
-                                                                           swap=swap)
+            compactor.maintain(policy, wait_s=settings.write_wait_s, swap=swap)
         except CompactionRunningError:
             logger.info("compaction not started: another one is running on this index")
         except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
@@ -167,6 +167,7 @@ def _maybe_compact(state: AppState) -> None:
         except Exception:  # a bug: its traceback is worth having
             logger.exception("compaction failed")
         finally:
+            compactor.close()  # its side indexes' writers (a text engine's) go with it
             state.compacting = False
 
     threading.Thread(target=run, name="espn-compact", daemon=True).start()

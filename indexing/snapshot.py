@@ -1,0 +1,155 @@
+"""Snapshots and restores: a servable copy of one generation, taken while the index is served
+and written.
+
+A generation names every file and byte range it needs (`Generation.needed_files()`), and the
+writer's garbage collector keeps them while a reader holds the generation: a snapshot holds
+the current one, copies exactly those, then writes the generation record and `CURRENT` last,
+so the copy is complete or absent (it is built beside its destination and renamed into
+place). Immutable files are hard-linked where the filesystem allows (no bytes copied);
+`embeddings.bin`, which the writer appends to (and whose unpublished tail its recovery
+truncates), is always copied, up to the generation's published length. Every file is checked
+against its size and sha256 as it lands. A restore is the same copy from a snapshot (itself
+an index directory), verified in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.index import fsync_path, sha256_file, write_json_atomic
+from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
+
+__all__ = ["SnapshotResult", "snapshot", "restore"]
+
+log = logging.getLogger(__name__)
+
+_APPENDED = "embeddings.bin"  # the one file a writer changes in place (appends, truncation of a crash's tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotResult:
+    generation: int
+    files: int
+    linked_bytes: int
+    copied_bytes: int
+
+
+def snapshot(index: Path, dest: Path) -> SnapshotResult:
+    """A consistent point-in-time copy of the index's current generation at `dest` (new)."""
+    index, dest = Path(index), Path(dest)
+    if not (index / "manifest.json").is_file():
+        raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
+    if dest.exists():
+        raise InvalidParameterError(f"{dest}: already exists; a snapshot goes to a new directory")
+    staging = dest.with_name(dest.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    try:
+        with held_generation(index) as generation:
+            result = _copy_generation(index, generation, staging)
+        fsync_path(staging)
+        os.replace(staging, dest)
+        fsync_path(dest.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("%s: generation %d copied to %s (%d files; %d bytes linked, %d copied)", index, result.generation,
+             dest, result.files, result.linked_bytes, result.copied_bytes)
+    return result
+
+
+def restore(source: Path, dest: Path) -> SnapshotResult:
+    """A servable index directory at `dest` (new) from a snapshot (or any index directory),
+    every byte checked against the generation's sha256."""
+    from espn.segments import open_view
+
+    result = snapshot(source, dest)
+    try:
+        open_view(dest, verify="full").close()
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return result
+
+
+def _copy_generation(index: Path, generation: Generation, out: Path) -> SnapshotResult:
+    out.mkdir(parents=True)
+    if generation.base != ".":  # the root's manifest marks the directory as an index (the base is below)
+        shutil.copyfile(index / "manifest.json", out / "manifest.json")
+    linked = copied = files = 0
+    appended: dict[str, int] = {}  # path -> bytes to copy (its published length)
+    for needed in generation.needed_files():
+        if needed.path.endswith(_APPENDED):  # the build's bytes, then the deltas' ranges: its published length
+            appended[needed.path] = generation.embeddings_bytes
+            continue
+        source, target = index / needed.path, out / needed.path
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if needed.path.endswith("manifest.json"):  # rewritten by rename, never in place: still copied, it is small
+            shutil.copyfile(source, target)
+            copied += target.stat().st_size
+        elif _link(source, target):
+            linked += needed.bytes
+        else:
+            shutil.copyfile(source, target)
+            copied += needed.bytes
+        _check(target, needed.bytes, needed.sha256)
+        files += 1
+    for path, length in appended.items():
+        target = out / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _copy_prefix(index / path, target, length)
+        copied += length
+        files += 1
+    for needed in generation.needed_files():  # the appended file: the deltas' ranges and a small base, checked
+        if needed.path.endswith(_APPENDED) and needed.sha256 and (needed.range is not None or needed.bytes < (64 << 20)):
+            start, stop = needed.range or (0, needed.bytes)
+            if sha256_file(out / needed.path, start, stop) != needed.sha256:
+                raise IndexCorruptError(f"{index / needed.path}: bytes {start}-{stop} do not match the generation")
+    if generation.number > 0:
+        live = out / LIVE_DIR
+        live.mkdir(exist_ok=True)
+        write_json_atomic(live / generation.file_name, generation.to_json())
+        (live / CURRENT).write_text(generation.file_name + "\n")
+        fsync_path(live / CURRENT)
+        fsync_path(live)
+    return SnapshotResult(generation.number, files, linked, copied)
+
+
+def _link(source: Path, target: Path) -> bool:
+    try:
+        os.link(source, target)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            return False  # another filesystem, or one without hard links: copy
+        raise
+
+
+def _copy_prefix(source: Path, target: Path, length: int) -> None:
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        if os.fstat(src.fileno()).st_size < length:
+            raise IndexCorruptError(f"{source}: shorter than the {length} bytes the generation published")
+        left = length
+        while left > 0:  # in-kernel copy (reflinks where the filesystem has them)
+            done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+            if done == 0:
+                raise IndexCorruptError(f"{source}: ended before byte {length}")
+            left -= done
+        dst.flush()
+        os.fsync(dst.fileno())
+
+
+def _check(path: Path, size: int, sha256: str | None) -> None:
+    got = path.stat().st_size
+    if size >= 0 and got != size:
+        raise IndexCorruptError(f"{path}: {got} bytes, the generation says {size}")
+    if sha256 is not None and size < (64 << 20) and sha256_file(path) != sha256:
+        raise IndexCorruptError(f"{path}: checksum mismatch (corrupted)")

@@ -1,0 +1,121 @@
+"""Snapshots and restores of a live index, taken while it is written and compacted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from espn import Searcher
+from espn.cli import main as cli_main
+from espn.errors import DocumentNotFoundError, IndexCorruptError, InvalidParameterError
+from espn.segments import open_view, read_current
+from espn_indexing.live import LiveIndex, NewDocument
+from espn_indexing.snapshot import restore, snapshot
+
+
+@pytest.fixture
+def index(sample_index: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "index"
+    shutil.copytree(sample_index, copy)
+    return copy
+
+
+def test_a_snapshot_during_writes_is_one_generation_whole(index: Path, tmp_path: Path) -> None:
+    """Writes (upserts and deletes) and a compaction go on while snapshots are taken: each
+    snapshot verifies in full and holds exactly the writes published up to its generation."""
+    writer = LiveIndex(index)
+    writer.upsert([NewDocument("w-first", "the first write, before any snapshot, about glaciers")])
+    published: list[tuple[int, str]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            i = 0
+            while not stop.is_set() and i < 40:
+                result = writer.upsert([NewDocument(f"w-{i}", f"write number {i} about zyxolith crystals")])
+                published.append((result.generation, f"w-{i}"))
+                if i == 3:
+                    writer.delete(["s0001"])
+                if i == 5:
+                    writer.compact()
+                i += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    snapshots = []
+    try:
+        for n in range(3):
+            while len(published) < 2 + 3 * n and thread.is_alive():
+                threading.Event().wait(0.05)
+            snapshots.append((tmp_path / f"snap-{n}", snapshot(index, tmp_path / f"snap-{n}")))
+    finally:
+        stop.set()
+        thread.join(300)
+    assert not errors, errors[0]
+    assert len({result.generation for _, result in snapshots}) >= 2, "the writes never moved past a snapshot"
+    for path, result in snapshots:
+        view = open_view(path, verify="full")  # every file and byte range against its sha256
+        view.close()
+        assert read_current(path).number == result.generation
+        with Searcher.open(path) as searcher:
+            for generation, doc_id in published:
+                if generation <= result.generation:
+                    assert searcher.document(doc_id).doc_id == doc_id
+                else:
+                    with pytest.raises(DocumentNotFoundError):
+                        searcher.document(doc_id)
+            lexical = {h.doc_id for h in searcher.search(["zyxolith"], k=100, mode="lexical")[0].hits}
+            assert lexical == {d for g, d in published if g <= result.generation}
+
+
+def test_snapshots_outlive_the_source_share_its_immutable_files_and_restore(index: Path, tmp_path: Path) -> None:
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument("kept", "a document the snapshot keeps, about coral reefs")])
+    snap = tmp_path / "snap"
+    assert cli_main(["snapshot", str(index), str(snap)]) == 0
+    generation = read_current(snap)
+    # Immutable files are hard links; embeddings.bin (appended to in place) is a copy.
+    assert os.stat(snap / "ann.faiss").st_ino == os.stat(index / "ann.faiss").st_ino
+    assert os.stat(snap / "embeddings.bin").st_ino != os.stat(index / "embeddings.bin").st_ino
+    assert (snap / "embeddings.bin").stat().st_size == generation.embeddings_bytes
+    # The source goes on: more writes, a compaction whose collector removes the old base's files.
+    with LiveIndex.open(index) as writer:
+        writer.delete(["kept"])
+        writer.upsert([NewDocument("later", "written after the snapshot")])
+        writer.compact()
+    assert not (index / "ann.faiss").exists()
+    open_view(snap, verify="full").close()
+    # Restore, serve, and write to the restored copy: the snapshot does not change.
+    restored = tmp_path / "restored"
+    assert cli_main(["restore", str(snap), str(restored)]) == 0
+    with Searcher.open(restored) as searcher:
+        assert searcher.search(["coral reefs"], k=1, mode="hybrid")[0].hits[0].doc_id == "kept"
+        with pytest.raises(DocumentNotFoundError):
+            searcher.document("later")
+    with LiveIndex.open(restored) as writer:
+        writer.upsert([NewDocument("on-restored", "written to the restored copy")])
+        writer.compact()
+    open_view(snap, verify="full").close()
+    assert read_current(snap).number == generation.number
+
+
+def test_a_corrupted_source_or_a_used_destination_is_refused_and_leaves_nothing(index: Path, tmp_path: Path) -> None:
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument("new", "a delta segment to corrupt")])
+    segment = next(p for p in (index / "live").iterdir() if p.name.startswith("seg-"))
+    data = bytearray((segment / "docs.jsonl").read_bytes())
+    data[5] ^= 0xFF
+    (segment / "docs.jsonl").write_bytes(bytes(data))
+    with pytest.raises(IndexCorruptError, match="docs.jsonl: checksum mismatch"):
+        snapshot(index, tmp_path / "snap")
+    assert not (tmp_path / "snap").exists() and not (tmp_path / "snap.partial").exists()
+    (tmp_path / "used").mkdir()
+    with pytest.raises(InvalidParameterError, match="already exists"):
+        restore(index, tmp_path / "used")
