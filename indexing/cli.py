@@ -95,10 +95,20 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("dest", type=Path, help="a new directory (hard links for immutable files where the filesystem allows)")
     p.set_defaults(handler=cmd_snapshot)
 
-    p = sub.add_parser("restore", help="a servable index directory from a snapshot, every byte verified")
-    p.add_argument("snapshot", type=Path)
+    p = sub.add_parser("restore", help="a servable index directory from a snapshot or from object storage "
+                                       "(s3://BUCKET/PREFIX), every byte verified")
+    p.add_argument("snapshot", help="a snapshot directory, or s3://BUCKET/PREFIX where `espn publish` wrote")
     p.add_argument("dest", type=Path, help="a new directory")
+    p.add_argument("--generation", type=int, default=None, help="from object storage: this generation (default: "
+                                                                "the newest published)")
     p.set_defaults(handler=cmd_restore)
+
+    p = sub.add_parser("publish", help="upload the current generation of an index to object storage "
+                                       "(s3://BUCKET/PREFIX; credentials from the AWS_* environment): its files "
+                                       "not stored yet, then its record")
+    p.add_argument("index", type=Path)
+    p.add_argument("url", help="s3://BUCKET/PREFIX (AWS_ENDPOINT_URL for MinIO, Ceph, GCS)")
+    p.set_defaults(handler=cmd_publish)
 
     p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
     p.add_argument("--out", type=Path, required=True)
@@ -232,10 +242,27 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    from .object_store import is_store_url, restore_from_store
     from .snapshot import restore
 
-    result = restore(args.snapshot, args.dest)
-    print(f"{args.dest}: generation {result.generation} restored from {args.snapshot} and verified")
+    if is_store_url(args.snapshot):
+        number = restore_from_store(args.snapshot, args.dest, args.generation)
+    else:
+        if args.generation is not None:
+            from espn.cli import UsageError
+
+            raise UsageError("--generation is for object storage; a snapshot holds one generation")
+        number = restore(Path(args.snapshot), args.dest).generation
+    print(f"{args.dest}: generation {number} restored from {args.snapshot} and verified")
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from .object_store import publish
+
+    result = publish(args.index, args.url)
+    print(f"{args.url}: generation {result.generation} of {args.index} published ({result.uploaded} files uploaded, "
+          f"{result.uploaded_bytes / 1e6:.1f} MB; {result.already_there} already stored)")
     return 0
 
 

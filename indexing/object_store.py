@@ -1,0 +1,216 @@
+"""Generations on object storage (S3 and what speaks its API: MinIO, Ceph, GCS's interoperability):
+the durable copy of an index, and what a new machine restores from.
+
+Layout under `s3://BUCKET/PREFIX/`:
+
+    blobs/<sha256>              every file a generation needs, by content (so a file shared by
+                                many generations is stored once, and a retry re-uploads nothing)
+    generations/gen-NNNNNN.json the generation record, plus where each of its files' bytes are
+    LATEST                      the name of the newest published generation record
+
+`publish` holds the current generation (the writer's collector keeps its files), uploads the
+blobs that are not there yet, each checked against the sha256 the generation records, then
+the generation record, then LATEST: the record is the commit point, so a reader never finds a
+generation whose bytes are not all stored. `embeddings.bin`, which the writer appends to, is
+stored as the build's bytes and each delta's appended range, each its own blob. `restore`
+reassembles a generation into a new index directory and verifies every byte before it is
+renamed into place. Credentials and the endpoint come from boto3's usual chain (AWS_* variables,
+`~/.aws`, an instance role; `AWS_ENDPOINT_URL` for a non-AWS store), never from the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.index import fsync_path, sha256_file, write_json_atomic
+from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
+
+__all__ = ["ObjectStoreUrl", "PublishResult", "publish", "restore_from_store", "is_store_url"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectStoreUrl:
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> "ObjectStoreUrl":
+        if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
+            raise InvalidParameterError(f"object store URL {url!r}: expected s3://BUCKET[/PREFIX]")
+        bucket, _, prefix = url[5:].partition("/")
+        return cls(bucket, prefix.strip("/"))
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishResult:
+    generation: int
+    uploaded: int
+    uploaded_bytes: int
+    already_there: int
+
+
+def is_store_url(value: str | os.PathLike[str]) -> bool:
+    return str(value).startswith("s3://")
+
+
+def _client() -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise InvalidParameterError("object storage needs boto3: pip install 'espn[s3]'") from None
+    return boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+
+
+def _exists(client: Any, bucket: str, key: str) -> bool:
+    from botocore.exceptions import ClientError
+
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+        return True
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+
+
+def _pieces(index: Path, generation: Generation) -> list[dict[str, Any]]:
+    """Every stored piece of the generation: {path, start, stop, sha256} (start/stop: bytes of the file)."""
+    pieces = []
+    base = "" if generation.base == "." else f"{generation.base}/"
+    manifest = f"{base}manifest.json"
+    for needed in generation.needed_files():
+        if needed.path == manifest:
+            continue
+        start, stop = needed.range if needed.range is not None else (0, needed.bytes)
+        pieces.append({"path": needed.path, "start": start, "stop": stop, "sha256": needed.sha256})
+    for path in {manifest, "manifest.json"}:  # the base's manifest (and the root's, which marks the index)
+        pieces.append({"path": path, "start": 0, "stop": (index / path).stat().st_size,
+                       "sha256": sha256_file(index / path)})
+    return pieces
+
+
+class _RangeReader(io.RawIOBase):
+    """Bytes [start, stop) of a file as a readable stream (what boto3's upload_fileobj takes)."""
+
+    def __init__(self, path: Path, start: int, stop: int) -> None:
+        self._file = open(path, "rb")
+        self._file.seek(start)
+        self._left = stop - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)[: self._left]
+        done = self._file.readinto(view) if len(view) else 0
+        self._left -= done
+        return done
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def publish(index: Path, url: str) -> PublishResult:
+    """Upload the index's current generation (what is not stored yet), then its record, then LATEST."""
+    index, where = Path(index), ObjectStoreUrl.parse(url)
+    if not (index / "manifest.json").is_file():
+        raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
+    client = _client()
+    uploaded = uploaded_bytes = there = 0
+    with held_generation(index) as generation:
+        pieces = _pieces(index, generation)
+        for piece in pieces:
+            key = where.key(f"blobs/{piece['sha256']}")
+            if _exists(client, where.bucket, key):
+                there += 1
+                continue
+            path, start, stop = index / piece["path"], piece["start"], piece["stop"]
+            if sha256_file(path, start, stop) != piece["sha256"]:
+                raise IndexCorruptError(f"{path}: bytes {start}-{stop} do not match the generation's sha256; "
+                                        "nothing of this generation was published")
+            with _RangeReader(path, start, stop) as body:  # streamed (multipart when large), never whole in memory
+                client.upload_fileobj(body, where.bucket, key)
+            uploaded, uploaded_bytes = uploaded + 1, uploaded_bytes + stop - start
+        record = {"generation": generation.to_json(), "pieces": pieces}
+        name = f"gen-{generation.number:06d}.json"
+        client.put_object(Bucket=where.bucket, Key=where.key(f"generations/{name}"),
+                          Body=json.dumps(record).encode(), ContentType="application/json")
+        client.put_object(Bucket=where.bucket, Key=where.key("LATEST"), Body=name.encode())
+    log.info("%s: generation %d published to %s (%d blobs uploaded, %d bytes; %d already there)", index,
+             generation.number, url, uploaded, uploaded_bytes, there)
+    return PublishResult(generation.number, uploaded, uploaded_bytes, there)
+
+
+def restore_from_store(url: str, dest: Path, generation: int | None = None) -> int:
+    """A servable index directory at `dest` (new) from a generation on object storage (the newest
+    by default), every byte verified; returns the generation's number."""
+    from botocore.exceptions import ClientError
+
+    where, dest = ObjectStoreUrl.parse(url), Path(dest)
+    if dest.exists():
+        raise InvalidParameterError(f"{dest}: already exists; a restore goes to a new directory")
+    client = _client()
+    try:
+        name = f"gen-{generation:06d}.json" if generation is not None else \
+            client.get_object(Bucket=where.bucket, Key=where.key("LATEST"))["Body"].read().decode().strip()
+        record = json.loads(client.get_object(Bucket=where.bucket, Key=where.key(f"generations/{name}"))["Body"].read())
+    except ClientError as exc:
+        raise InvalidParameterError(f"{url}: no published generation there ({exc.response.get('Error', {}).get('Code')})") \
+            from None
+    published = Generation.from_json(record["generation"])
+    staging = dest.with_name(dest.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    try:
+        for piece in record["pieces"]:
+            target = staging / piece["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            body = client.get_object(Bucket=where.bucket, Key=where.key(f"blobs/{piece['sha256']}"))["Body"]
+            digest, size = hashlib.sha256(), 0
+            with open(target, "r+b" if target.exists() else "wb") as f:
+                f.seek(piece["start"])
+                for chunk in body.iter_chunks(_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    f.write(chunk)
+            if size != piece["stop"] - piece["start"] or digest.hexdigest() != piece["sha256"]:
+                raise IndexCorruptError(f"{url}: blob {piece['sha256'][:12]}… of {piece['path']} does not match its "
+                                        "sha256 (corrupted in the store); nothing was restored")
+        for path in {p["path"] for p in record["pieces"]}:
+            fsync_path(staging / path)
+        if published.number > 0:
+            live = staging / LIVE_DIR
+            live.mkdir(exist_ok=True)
+            write_json_atomic(live / published.file_name, published.to_json())
+            (live / CURRENT).write_text(published.file_name + "\n")
+            fsync_path(live / CURRENT)
+            fsync_path(live)
+        from espn.segments import open_view
+
+        open_view(staging, verify="full").close()
+        fsync_path(staging)
+        os.replace(staging, dest)
+        fsync_path(dest.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("%s: generation %d restored from %s", dest, published.number, url)
+    return published.number
