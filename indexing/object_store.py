@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.index import fsync_path, sha256_file, write_json_atomic
-from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
+from espn.index import fsync_path, sha256_file
+from espn.segments import Generation, held_generation
+
+from .snapshot import write_generation_record
 
 __all__ = ["ObjectStoreUrl", "PublishResult", "publish", "restore_from_store", "is_store_url"]
 
@@ -196,13 +198,7 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
                                         "sha256 (corrupted in the store); nothing was restored")
         for path in {p["path"] for p in record["pieces"]}:
             fsync_path(staging / path)
-        if published.number > 0:
-            live = staging / LIVE_DIR
-            live.mkdir(exist_ok=True)
-            write_json_atomic(live / published.file_name, published.to_json())
-            (live / CURRENT).write_text(published.file_name + "\n")
-            fsync_path(live / CURRENT)
-            fsync_path(live)
+        write_generation_record(staging, published)
         from espn.segments import open_view
 
         open_view(staging, verify="full").close()

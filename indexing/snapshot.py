@@ -25,7 +25,7 @@ from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file, write_json_atomic
 from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
 
-__all__ = ["SnapshotResult", "snapshot", "restore"]
+__all__ = ["SnapshotResult", "snapshot", "restore", "write_generation_record"]
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +113,21 @@ def _copy_generation(index: Path, generation: Generation, out: Path) -> Snapshot
             start, stop = needed.range or (0, needed.bytes)
             if sha256_file(out / needed.path, start, stop) != needed.sha256:
                 raise IndexCorruptError(f"{index / needed.path}: bytes {start}-{stop} do not match the generation")
-    if generation.number > 0:
-        live = out / LIVE_DIR
-        live.mkdir(exist_ok=True)
-        write_json_atomic(live / generation.file_name, generation.to_json())
-        (live / CURRENT).write_text(generation.file_name + "\n")
-        fsync_path(live / CURRENT)
-        fsync_path(live)
+    write_generation_record(out, generation)
     return SnapshotResult(generation.number, files, linked, copied)
+
+
+def write_generation_record(out: Path, generation: Generation) -> None:
+    """The last step of a copy: the generation record and `live/CURRENT` naming it (none for
+    generation 0, which is the root's own manifest)."""
+    if generation.number == 0:
+        return
+    live = out / LIVE_DIR
+    live.mkdir(exist_ok=True)
+    write_json_atomic(live / generation.file_name, generation.to_json())
+    (live / CURRENT).write_text(generation.file_name + "\n")
+    fsync_path(live / CURRENT)
+    fsync_path(live)
 
 
 def _link(source: Path, target: Path) -> bool:
