@@ -20,6 +20,7 @@ renamed into place. Credentials and the endpoint come from boto3's usual chain (
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import hashlib
 import io
@@ -27,16 +28,18 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file
-from espn.segments import Generation, held_generation
+from espn.segments import Generation, held_generation, read_current
 
 from .snapshot import write_generation_record
 
-__all__ = ["ObjectStoreUrl", "PublishResult", "publish", "restore_from_store", "is_store_url"]
+__all__ = ["ObjectStoreUrl", "PublishResult", "Follower", "publish", "restore_from_store", "is_store_url"]
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +213,118 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
         raise
     log.info("%s: generation %d restored from %s", dest, published.number, url)
     return published.number
+
+
+class Follower:
+    """Keeps a local index directory at the newest generation published at `url` (a read replica).
+
+    Each poll reads `LATEST`; a newer generation's pieces that the local copy lacks are fetched
+    under the local writer lock (so a crash mid-fetch is undone by the next one's recovery, and
+    two server workers never fetch at once), each checked against its sha256, and the generation
+    record is committed last: readers never open a half-transferred generation. When the store
+    cannot be reached the local copy keeps serving its last generation and reports itself stale.
+    """
+
+    def __init__(self, url: str, index: Path, interval_s: float = 2.0) -> None:
+        self.where, self.url, self.index, self.interval_s = ObjectStoreUrl.parse(url), url, Path(index), interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._source_generation: int | None = None
+        self._source_created = ""
+        self._last_contact = 0.0
+        self._last_error: str | None = None
+
+    def start(self) -> "Follower":
+        self._thread = threading.Thread(target=self._run, name="espn-follow", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # noqa: BLE001 - the store is away or a blob is bad: keep serving, retry
+                with self._lock:
+                    if self._last_error != str(exc):
+                        log.warning("following %s: %s (still serving generation %d)", self.url, exc,
+                                    read_current(self.index).number)
+                    self._last_error = str(exc)
+            self._stop.wait(self.interval_s)
+
+    def poll_once(self) -> int | None:
+        """Fetch and commit the newest published generation if it is newer; its number, or None."""
+        from espn_indexing.live import IndexLockedError, LiveIndex
+
+        client = _client()
+        name = client.get_object(Bucket=self.where.bucket, Key=self.where.key("LATEST"))["Body"].read().decode().strip()
+        record = json.loads(client.get_object(Bucket=self.where.bucket,
+                                              Key=self.where.key(f"generations/{name}"))["Body"].read())
+        remote = Generation.from_json(record["generation"])
+        with self._lock:
+            self._source_generation, self._source_created = remote.number, remote.created
+            self._last_contact, self._last_error = time.monotonic(), None
+        if remote.number <= read_current(self.index).number:
+            return None
+        writer = LiveIndex(self.index, side_indexes=[])
+        try:
+            with writer.locked(0.0) as current:
+                if remote.number <= current.number:
+                    return None
+                for piece in record["pieces"]:
+                    self._fetch(client, piece)
+                writer.commit(remote)
+        except IndexLockedError:
+            return None  # another worker of this server is fetching it
+        log.info("following %s: generation %d fetched and served", self.url, remote.number)
+        return remote.number
+
+    def _fetch(self, client: Any, piece: dict[str, Any]) -> None:
+        target = self.index / piece["path"]
+        start, stop = piece["start"], piece["stop"]
+        appended = piece["path"].endswith("embeddings.bin")
+        if target.exists():
+            size = target.stat().st_size
+            if appended and size >= stop:
+                return  # fetched with an earlier generation (what lies past the published end is truncated on recovery)
+            if not appended and size == stop - start and (not piece["path"].endswith("manifest.json")
+                                                           or sha256_file(target) == piece["sha256"]):
+                return  # immutable once written: the same path is the same bytes
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = target if appended else target.with_name(target.name + ".fetch.tmp")
+        body = client.get_object(Bucket=self.where.bucket, Key=self.where.key(f"blobs/{piece['sha256']}"))["Body"]
+        digest, size = hashlib.sha256(), 0
+        with open(scratch, "r+b" if scratch.exists() else "wb") as f:
+            f.seek(start if appended else 0)
+            for chunk in body.iter_chunks(_CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        if size != stop - start or digest.hexdigest() != piece["sha256"]:
+            if not appended:
+                scratch.unlink(missing_ok=True)
+            raise IndexCorruptError(f"{self.url}: blob {piece['sha256'][:12]}… of {piece['path']} does not match "
+                                    "its sha256; the generation is not served")
+        if not appended:
+            os.replace(scratch, target)
+
+    def status(self) -> dict[str, Any]:
+        """What /readyz reports: the local and the source's generation, the lag, and staleness."""
+        local = read_current(self.index)
+        with self._lock:
+            source, created, contact, error = (self._source_generation, self._source_created, self._last_contact,
+                                               self._last_error)
+        behind = max(0, (source or local.number) - local.number)
+        lag_s = 0.0
+        if behind and created:
+            lag_s = max(0.0, time.time() - calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ")))
+        stale = contact == 0.0 or time.monotonic() - contact > 3 * self.interval_s + 5
+        return {"source": self.url, "generation": local.number, "source_generation": source,
+                "lag_generations": behind, "lag_seconds": round(lag_s, 1), "stale": stale, "last_error": error}

@@ -168,6 +168,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.text_bytes = _mean_text_bytes(searcher)
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
+    if settings.follow is not None:
+        from espn_indexing.object_store import Follower
+
+        state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     try:
@@ -177,6 +181,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.ready, state.status = False, "draining"
         state.metrics.ready.set(0)
         await asyncio.wait([warm])
+        if state.follower is not None:
+            await asyncio.to_thread(state.follower.stop)
         await batcher.close()
         executor.shutdown(wait=True)
         if state.writer is not None:  # what was accepted is published before the index closes

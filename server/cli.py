@@ -51,6 +51,7 @@ SERVE_GROUPS = (
     ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
                                 "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
                                 "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
+    ("replication", ("follow", "follow_interval_s")),
     ("operations", ("log_level", "warmup", "metrics_port")),
 )
 
@@ -166,6 +167,16 @@ def _return_freed_memory() -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Validate the settings, print them once, and serve until SIGTERM/SIGINT. Returns an exit code."""
     os.environ.update(_overrides(args))
+    follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
+    if follow and index and not Path(index).exists():  # a new follower starts from the newest generation
+        from espn.errors import EspnError
+        from espn_indexing.object_store import restore_from_store
+
+        try:
+            restore_from_store(follow, Path(index))
+        except EspnError as error:
+            print(f"espn serve: error: {error}", file=sys.stderr)
+            return 1
     try:
         settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
     except ValidationError as error:
@@ -181,6 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (EspnError, ValueError, OSError) as error:
         print(f"espn serve: error: {error}", file=sys.stderr)
         return 1
+    if settings.follow is not None:  # a follower's index changes only by what it fetches
+        settings = settings.model_copy(update={"read_only": True})
     if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
         from espn_indexing.live import read_only_reason
 

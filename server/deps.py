@@ -17,6 +17,7 @@ from .settings import ServerSettings
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
     from espn import Searcher
     from espn.lease import LiveSearcher
+    from espn_indexing.object_store import Follower
     from espn_indexing.commit import GroupCommit
 
     from .batching import MicroBatcher
@@ -40,6 +41,7 @@ class AppState:
     read_only: bool = False
     writer: Optional["GroupCommit"] = None  # made at the first write (server/routes/documents.py)
     compacting: bool = False
+    follower: Optional["Follower"] = None  # --follow: fetches what the writer publishes to object storage
 
     def require_live(self) -> "LiveSearcher":
         if self.live is None:

@@ -270,6 +270,9 @@ class ReadinessResponse(HealthResponse):
 
     generation: Optional[int] = Field(default=None, description="the live-index generation served (0: as built)")
     mode: Optional[str] = Field(default=None, description='"read-write", or "read-only" (writes get 409)')
+    replication: Optional[dict[str, Any]] = Field(
+        default=None, description="a follower's (--follow): source, generation, source_generation, lag_generations, "
+                                  "lag_seconds, stale (the source was not reached lately), last_error")
 
 
 class ErrorResponse(BaseModel):

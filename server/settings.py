@@ -99,6 +99,12 @@ class ServerSettings(BaseSettings):
         default_factory=list, description="browser origins allowed to call the API (JSON list or comma-separated); "
                                           "empty: CORS off")
 
+    # A read replica of an index published to object storage (`espn publish`).
+    follow: Optional[str] = Field(None, description="s3://BUCKET/PREFIX to follow: serve read-only the newest "
+                                                    "generation published there, fetched into the index directory "
+                                                    "(restored there first when it does not exist)")
+    follow_interval_s: float = Field(2.0, gt=0.0, le=3600.0, description="how often a follower looks for a new generation")
+
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
         None, description="refuse writes (409); unset: read-only only when the index directory is not writable")
@@ -130,6 +136,13 @@ class ServerSettings(BaseSettings):
         value = value.expanduser().resolve()
         if not (value / "manifest.json").is_file():
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
+        return value
+
+    @field_validator("follow")
+    @classmethod
+    def _check_follow(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not (value.startswith("s3://") and value[5:].split("/", 1)[0]):
+            raise ValueError(f"{value!r}: expected s3://BUCKET[/PREFIX]")
         return value
 
     @field_validator("reader")

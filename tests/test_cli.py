@@ -77,6 +77,7 @@ def _cases(sample_index: Path, tmp_path: Path) -> list[tuple[list[str], int, str
         (["serve", NOWHERE], 2, "index (ESPN_INDEX) /nonexistent/espn-index is not an ESPN index directory"),
         (["serve", str(sample_index), "--port", "70000"], 2, "port (ESPN_PORT)"),
         (["serve", str(sample_index), "--workers", "two"], 2, "workers (ESPN_WORKERS)"),
+        (["serve", str(sample_index), "--follow", "ftp://bucket"], 2, "follow (ESPN_FOLLOW)"),
         (["route"], 2, "shards (ESPN_ROUTER_SHARDS) Field required"),
         (["route", "--shards", "ftp://a"], 2, "shard URL must be http(s)"),
         (["route", "--shards", "http://a:1", "--timeout-ms", "0"], 2, "timeout_ms (ESPN_ROUTER_TIMEOUT_MS)"),

@@ -104,6 +104,9 @@ _writer_lock = threading.Lock()
 
 def _writer(state: AppState) -> "GroupCommit":
     """This worker's group committer, made at the first write (its encoder loads in its thread)."""
+    if state.settings.follow is not None:
+        raise ApiError(409, f"this server follows {state.settings.follow} (a read replica); send writes to the "
+                       "server that publishes there", code="read_only")
     if state.read_only:
         raise ApiError(409, f"this server serves {state.settings.index} read-only (--read-only, or the index is "
                        "on a read-only mount); writes are refused", code="read_only")

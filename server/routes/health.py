@@ -36,6 +36,7 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
         reader=searcher.reader.describe() if searcher is not None else None,
         generation=searcher.generation if searcher is not None else None,
         mode=None if searcher is None else "read-only" if state.read_only else "read-write",
+        replication=state.follower.status() if state.follower is not None else None,
     ).model_dump(mode="json", exclude_none=True)
     if state.ready:
         return JSONResponse(body)

@@ -1,0 +1,92 @@
+"""A follower (`espn serve --follow s3://...`) replicates what a writer publishes to object storage:
+real uvicorn processes, a real S3-compatible server (moto's) that the test stops and restarts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+from server_fixtures import running_server
+
+from espn_indexing.live import LiveIndex, NewDocument
+from espn_indexing.object_store import publish
+
+pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "espn-replica"
+URL = f"s3://{BUCKET}/sample"
+
+
+def _wait_for(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for the follower")
+
+
+def _readyz(server) -> dict:
+    return httpx.get(f"{server.base_url}/readyz", timeout=30).json()
+
+
+def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_going_away(
+        sample_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    store.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        source = tmp_path / "source"
+        shutil.copytree(sample_index, source)
+        with LiveIndex.open(source) as writer:
+            writer.upsert([NewDocument("before", "published before the follower started, about zyxolith")])
+        publish(source, URL)
+        # A new follower: its directory does not exist, so it starts from the newest generation.
+        replica = tmp_path / "replica"
+        with running_server(replica, tmp_path, "--follow", URL, "--follow-interval-s", "0.5", env=env,
+                            name="follower") as follower:
+            base = follower.base_url
+            assert httpx.get(f"{base}/v1/documents/before", timeout=30).status_code == 200
+            status = _readyz(follower)["replication"]
+            assert status["generation"] == 1 and status["lag_generations"] == 0 and not status["stale"]
+            refused = httpx.put(f"{base}/v1/documents/x", json={"text": "a write to a replica"}, timeout=30)
+            assert refused.status_code == 409 and URL in refused.json()["message"]
+
+            with LiveIndex.open(source) as writer:
+                writer.upsert([NewDocument("after", "published while the follower runs, about zyxolith")])
+                writer.delete(["s0004"])
+            publish(source, URL)
+            _wait_for(lambda: httpx.get(f"{base}/v1/documents/after", timeout=30).status_code == 200)
+            assert httpx.get(f"{base}/v1/documents/s0004", timeout=30).status_code == 404
+            found = httpx.post(f"{base}/v1/search", json={"query": "zyxolith", "k": 5, "mode": "lexical"}, timeout=30)
+            assert {hit["id"] for hit in found.json()["results"]} == {"before", "after"}
+
+            # The store goes away: the follower keeps serving its generation and says it is stale.
+            store.stop()
+            _wait_for(lambda: _readyz(follower)["replication"]["stale"], timeout_s=60)
+            assert httpx.get(f"{base}/v1/documents/after", timeout=30).status_code == 200
+            with LiveIndex.open(source) as writer:
+                writer.upsert([NewDocument("during", "written while the store was away")])
+            store.start()  # the same in-process backend: what was stored is still there
+            publish(source, URL)
+            _wait_for(lambda: httpx.get(f"{base}/v1/documents/during", timeout=30).status_code == 200)
+            status = _readyz(follower)["replication"]
+            assert not status["stale"] and status["lag_generations"] == 0
+            assert status["generation"] == status["source_generation"]
+    finally:
+        store.stop()
