@@ -11,7 +11,7 @@ do not collide.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -95,6 +95,25 @@ class ServerMetrics:
         self.ready = Gauge(
             "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=reg
         )
+
+        self.replication_lag = Gauge(
+            "espn_replication_lag_generations", "a follower's generations behind its source (--follow)",
+            multiprocess_mode="livemax", registry=reg,
+        )
+        self.replication_lag_seconds = Gauge(
+            "espn_replication_lag_seconds", "age of the newest source generation a follower does not serve yet",
+            multiprocess_mode="livemax", registry=reg,
+        )
+        self.replication_stale = Gauge(
+            "espn_replication_stale", "1 while a follower has not reached its source lately", multiprocess_mode="livemax",
+            registry=reg,
+        )
+
+    def set_replication(self, status: Mapping[str, Any]) -> None:
+        """A follower's status (object_store.Follower.status) as gauges."""
+        self.replication_lag.set(status["lag_generations"])
+        self.replication_lag_seconds.set(status["lag_seconds"])
+        self.replication_stale.set(1 if status["stale"] else 0)
 
     def set_reader(self, reader: str, engine: str) -> None:
         """The reader and I/O engine as labels (the engine is chosen at open: io_uring, aio, threads)."""

@@ -88,5 +88,7 @@ def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_goin
             status = _readyz(follower)["replication"]
             assert not status["stale"] and status["lag_generations"] == 0
             assert status["generation"] == status["source_generation"]
+            metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            assert "espn_replication_lag_generations 0.0" in metrics and "espn_replication_stale 0.0" in metrics
     finally:
         store.stop()

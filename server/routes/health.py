@@ -50,4 +50,6 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(state: AppState = Depends(get_state)) -> Response:
+    if state.follower is not None:
+        state.metrics.set_replication(state.follower.status())
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
