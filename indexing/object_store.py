@@ -234,6 +234,7 @@ class Follower:
         self._source_created = ""
         self._last_contact = 0.0
         self._last_error: str | None = None
+        self._client: Any = None  # made at the first poll, then reused (boto3 clients are thread-safe)
 
     def start(self) -> "Follower":
         self._thread = threading.Thread(target=self._run, name="espn-follow", daemon=True)
@@ -261,7 +262,7 @@ class Follower:
         """Fetch and commit the newest published generation if it is newer; its number, or None."""
         from espn_indexing.live import IndexLockedError, LiveIndex
 
-        client = _client()
+        client = self._client = self._client or _client()
         name = client.get_object(Bucket=self.where.bucket, Key=self.where.key("LATEST"))["Body"].read().decode().strip()
         record = json.loads(client.get_object(Bucket=self.where.bucket,
                                               Key=self.where.key(f"generations/{name}"))["Body"].read())
