@@ -27,7 +27,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file
 from espn.segments import Generation, held_generation, read_current
 
-from .snapshot import write_generation_record
+from .snapshot import new_directory, write_generation_record
 
 __all__ = ["ObjectStoreUrl", "PublishResult", "Follower", "publish", "restore_from_store", "is_store_url"]
 
@@ -170,8 +169,6 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
     from botocore.exceptions import ClientError
 
     where, dest = ObjectStoreUrl.parse(url), Path(dest)
-    if dest.exists():
-        raise InvalidParameterError(f"{dest}: already exists; a restore goes to a new directory")
     client = _client()
     try:
         name = f"gen-{generation:06d}.json" if generation is not None else \
@@ -181,10 +178,7 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
         raise InvalidParameterError(f"{url}: no published generation there ({exc.response.get('Error', {}).get('Code')})") \
             from None
     published = Generation.from_json(record["generation"])
-    staging = dest.with_name(dest.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    try:
+    with new_directory(dest, "a restore") as staging:
         for piece in record["pieces"]:
             target = staging / piece["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -205,12 +199,6 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
         from espn.segments import open_view
 
         open_view(staging, verify="full").close()
-        fsync_path(staging)
-        os.replace(staging, dest)
-        fsync_path(dest.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     log.info("%s: generation %d restored from %s", dest, published.number, url)
     return published.number
 

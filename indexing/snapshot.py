@@ -14,18 +14,20 @@ an index directory), verified in full.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file, write_json_atomic
 from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
 
-__all__ = ["SnapshotResult", "snapshot", "restore", "write_generation_record"]
+__all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "write_generation_record"]
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +47,31 @@ def snapshot(index: Path, dest: Path) -> SnapshotResult:
     index, dest = Path(index), Path(dest)
     if not (index / "manifest.json").is_file():
         raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
+    with new_directory(dest, "a snapshot") as staging:
+        with held_generation(index) as generation:
+            result = _copy_generation(index, generation, staging)
+    log.info("%s: generation %d copied to %s (%d files; %d bytes linked, %d copied)", index, result.generation,
+             dest, result.files, result.linked_bytes, result.copied_bytes)
+    return result
+
+
+@contextlib.contextmanager
+def new_directory(dest: Path, what: str) -> Iterator[Path]:
+    """A directory built beside `dest` and renamed into place (fsynced) when the block succeeds,
+    removed when it fails: `dest` is whole or absent."""
     if dest.exists():
-        raise InvalidParameterError(f"{dest}: already exists; a snapshot goes to a new directory")
+        raise InvalidParameterError(f"{dest}: already exists; {what} goes to a new directory")
     staging = dest.with_name(dest.name + ".partial")
     if staging.exists():
         shutil.rmtree(staging)
     try:
-        with held_generation(index) as generation:
-            result = _copy_generation(index, generation, staging)
+        yield staging
         fsync_path(staging)
         os.replace(staging, dest)
         fsync_path(dest.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log.info("%s: generation %d copied to %s (%d files; %d bytes linked, %d copied)", index, result.generation,
-             dest, result.files, result.linked_bytes, result.copied_bytes)
-    return result
 
 
 def restore(source: Path, dest: Path) -> SnapshotResult:
