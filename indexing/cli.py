@@ -108,6 +108,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                                        "not stored yet, then its record")
     p.add_argument("index", type=Path)
     p.add_argument("url", help="s3://BUCKET/PREFIX (AWS_ENDPOINT_URL for MinIO, Ceph, GCS)")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="then keep only the newest N generations there (and the files they need); default: keep all")
+    p.add_argument("--min-age-s", type=float, default=3600.0,
+                   help="with --keep: never delete a stored file younger than this (a publish in progress; default 3600)")
     p.set_defaults(handler=cmd_publish)
 
     p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
@@ -258,11 +262,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from espn.errors import InvalidParameterError
+
     from .object_store import publish
 
+    if args.keep is not None and args.keep < 1:
+        raise InvalidParameterError(f"--keep must be at least 1 (the newest generation), got {args.keep}")
     result = publish(args.index, args.url)
     print(f"{args.url}: generation {result.generation} of {args.index} published ({result.uploaded} files uploaded, "
           f"{result.uploaded_bytes / 1e6:.1f} MB; {result.already_there} already stored)")
+    if args.keep is not None:
+        from .object_store import apply_retention
+
+        kept = apply_retention(args.url, args.keep, args.min_age_s)
+        print(f"{args.url}: {kept.records_deleted} older generations and {kept.blobs_deleted} files "
+              f"({kept.bytes_deleted / 1e6:.1f} MB) deleted; the newest {args.keep} kept")
     return 0
 
 

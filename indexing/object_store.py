@@ -38,7 +38,8 @@ from espn.segments import Generation, held_generation, read_current
 
 from .snapshot import new_directory, write_generation_record
 
-__all__ = ["ObjectStoreUrl", "PublishResult", "Follower", "publish", "restore_from_store", "is_store_url"]
+__all__ = ["ObjectStoreUrl", "PublishResult", "Follower", "Retention", "publish", "restore_from_store", "apply_retention",
+           "is_store_url"]
 
 log = logging.getLogger(__name__)
 
@@ -317,3 +318,44 @@ class Follower:
         stale = contact == 0.0 or time.monotonic() - contact > 3 * self.interval_s + 5
         return {"source": self.url, "generation": local.number, "source_generation": source,
                 "lag_generations": behind, "lag_seconds": round(lag_s, 1), "stale": stale, "last_error": error}
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    records_deleted: int
+    blobs_deleted: int
+    bytes_deleted: int
+
+
+def apply_retention(url: str, keep: int, min_age_s: float = 3600.0) -> Retention:
+    """Keep the newest `keep` generations on object storage and the blobs they need; delete the rest.
+
+    Records go first (so no restore or follower starts on them), then the blobs no kept record
+    names. A blob younger than `min_age_s` is kept whatever: a publish uploads its blobs before
+    its record, and they must not vanish in between. A follower fetches the newest generation,
+    which is always kept.
+    """
+    if keep < 1:
+        raise InvalidParameterError(f"keep must be at least 1 (the newest generation), got {keep}")
+    where, client = ObjectStoreUrl.parse(url), _client()
+
+    def listing(folder: str) -> list[dict[str, Any]]:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=where.bucket, Prefix=where.key(folder) + "/")
+        return [obj for page in pages for obj in page.get("Contents", [])]
+
+    records = sorted(listing("generations"), key=lambda o: o["Key"])
+    kept, dropped = records[-keep:], records[:-keep]
+    for obj in dropped:
+        client.delete_object(Bucket=where.bucket, Key=obj["Key"])
+    needed = {piece["sha256"] for obj in kept
+              for piece in json.loads(client.get_object(Bucket=where.bucket, Key=obj["Key"])["Body"].read())["pieces"]}
+    now = time.time()
+    blobs = deleted_bytes = 0
+    for obj in listing("blobs"):
+        if obj["Key"].rsplit("/", 1)[-1] in needed or now - obj["LastModified"].timestamp() < min_age_s:
+            continue
+        client.delete_object(Bucket=where.bucket, Key=obj["Key"])
+        blobs, deleted_bytes = blobs + 1, deleted_bytes + int(obj["Size"])
+    log.info("%s: kept %d generations; deleted %d older records and %d blobs (%d bytes)", url, len(kept), len(dropped),
+             blobs, deleted_bytes)
+    return Retention(len(dropped), blobs, deleted_bytes)

@@ -107,3 +107,30 @@ def test_a_corrupted_blob_or_a_missing_generation_restores_nothing(sample_index:
     store.delete_object(Bucket=BUCKET, Key=f"indexes/sample/blobs/{read_current(index).base_files['ids.npy']['sha256']}")
     with pytest.raises(IndexCorruptError, match="ids.npy"):
         publish(index, URL)
+
+
+def test_retention_keeps_the_newest_generations_and_what_they_need(sample_index: Path, tmp_path: Path, store) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(sample_index, index)
+    for i in range(3):
+        with LiveIndex.open(index) as writer:
+            writer.upsert([NewDocument(f"g-{i}", f"generation {i} of the retention test")])
+        publish(index, URL)
+    # Young blobs are never deleted (a publish in progress uploads them before its record).
+    young = cli_main(["publish", str(index), URL, "--keep", "1"])
+    assert young == 0 and len(store.list_objects_v2(Bucket=BUCKET, Prefix="indexes/sample/generations/")["Contents"]) == 1
+    blobs_before = store.list_objects_v2(Bucket=BUCKET, Prefix="indexes/sample/blobs/")["KeyCount"]
+    from espn_indexing.object_store import apply_retention
+
+    dropped = apply_retention(URL, keep=1, min_age_s=0)
+    assert dropped.records_deleted == 0 and dropped.blobs_deleted >= 2  # older generations' text-index meta.json
+    assert store.list_objects_v2(Bucket=BUCKET, Prefix="indexes/sample/blobs/")["KeyCount"] == \
+        blobs_before - dropped.blobs_deleted
+    restored = tmp_path / "restored"
+    assert restore_from_store(URL, restored) == read_current(index).number
+    with Searcher.open(restored) as searcher:
+        assert [searcher.document(f"g-{i}").doc_id for i in range(3)] == ["g-0", "g-1", "g-2"]
+    with pytest.raises(InvalidParameterError, match="no published generation"):
+        restore_from_store(URL, tmp_path / "old", generation=1)
+    with pytest.raises(InvalidParameterError, match="at least 1"):
+        apply_retention(URL, keep=0)
