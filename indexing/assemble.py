@@ -22,6 +22,7 @@ from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
 from espn.text.config import TextConfig
@@ -75,17 +76,20 @@ def _chunk_list(work: WorkDir) -> list[int]:
     return chunks
 
 
-def _mine(first: int, size: int, partition: int, partitions: int) -> np.ndarray:
-    """Which of the documents first .. first+size-1 belong to `partition`."""
-    return (np.arange(first, first + size) % partitions) == partition
+def _mine(ids: np.ndarray, layout: PartitionLayout) -> np.ndarray:
+    """Which of these documents (their ids) partition `layout.index` owns."""
+    if layout.count == 1:
+        return np.ones(len(ids), dtype=bool)
+    return owners(ids, layout.count) == layout.index
 
 
 def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int = 1) -> dict[str, Any]:
     """Write a complete index into `staging` from the work dir's chunks.
 
-    With `partitions` > 1 it takes every `partitions`-th document (document i goes to
-    partition i mod S), so partitions are balanced whatever the chunk size.
+    With `partitions` > 1 it takes the documents whose ids `espn.partitioning` places in
+    `partition`: the rule the router follows for writes, recorded in the manifest.
     """
+    partition_layout = PartitionLayout(partition, partitions)
     job = work.job()
     chunks = _chunk_list(work)
     if staging.exists():
@@ -96,11 +100,10 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
                          dtype=job.get("bow_dtype", "float16"), pool_factor=job.get("pool_factor", 1))
 
     # Pass 1 (headers only): sizes of the memmaps.
-    n_docs, id_width, first = 0, 1, 0
+    n_docs, id_width = 0, 1
     for c in chunks:
         with np.load(chunk_path(work.path, c)) as z:
-            n_docs += int(_mine(first, len(z["counts"]), partition, partitions).sum())
-            first += len(z["counts"])
+            n_docs += int(_mine(z["ids"], partition_layout).sum())
             id_width = max(id_width, z["ids"].dtype.itemsize)
     if n_docs == 0:
         raise CorpusError(f"{job['corpus']}: the partition has no documents")
@@ -110,16 +113,14 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
     cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
     docs_offsets[0] = 0
-    position = n_bow = n_encoded = first = 0
+    position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
     started = time.perf_counter()
     with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
             chunk = read_chunk(work.path, c)
-            size = len(chunk)
             if partitions > 1:
-                chunk = chunk.select(_mine(first, size, partition, partitions))
-            first += size
+                chunk = chunk.select(_mine(chunk.ids, partition_layout))
             rows = slice(position, position + len(chunk))
             written = writer.append(chunk.cls, chunk.bow, chunk.counts)
             records[rows] = written
@@ -174,7 +175,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
                   "bow_reduction": encoder_config.get("bow_reduction", "mean"),
                   "calibrated": weight is not None},
         "search_defaults": default_search_params(ivf.nlist, n_docs),
-        "partition": {"index": partition, "count": partitions},
+        "partition": partition_layout.to_json(),
         "source": {"corpus": job["corpus"]},
     }
     if metadata_section is not None:

@@ -39,7 +39,7 @@ from espn.errors import EspnError, WriteFailedError
 
 from . import live
 from .encode import EncodedDocuments
-from .live import LiveIndex, NewDocument, WriteRequest, WriteResult, check_write
+from .live import LiveIndex, NewDocument, WriteRequest, WriteResult
 
 __all__ = ["GroupCommit", "lower_priority"]
 
@@ -94,7 +94,7 @@ class GroupCommit:
 
     def submit(self, upserts: Sequence[NewDocument] = (), deletes: Sequence[str] = ()) -> "concurrent.futures.Future[WriteResult]":
         """Queue one write (all or nothing); InvalidParameterError at once for a bad one."""
-        request = check_write(upserts, deletes, self.index.limits)
+        request = self.index.check(upserts, deletes)
         future: concurrent.futures.Future[WriteResult] = concurrent.futures.Future()
         items = len(request.upserts) + len(request.deletes)
         with self._cond:

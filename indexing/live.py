@@ -54,6 +54,7 @@ from espn.index import FILES, IdMap, IndexDirectory, fsync_path, read_manifest, 
 from espn.metadata import DEFAULT_LIMITS, MetadataLimits, MetadataWriter, add_from_passages, check_field_count, \
     check_metadata, merge_types, value_type
 from espn.metadata import DIRECTORY as METADATA_DIR
+from espn.partitioning import PartitionLayout
 from espn.segments import (
     LIVE_DIR,
     SEGMENT_FILES,
@@ -392,7 +393,8 @@ class LiveIndex:
     def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
                  side_indexes: Sequence[SideIndex] | None = None) -> None:
         self.root = Path(root).absolute()
-        read_manifest(self.root)  # a clear error for a path that is no index
+        # read_manifest: a clear error for a path that is no index
+        self.partition = PartitionLayout.from_manifest(read_manifest(self.root))
         self._encoder = encoder
         self.limits = limits
         # By default the side indexes the index has: its full-text index, when its base has one.
@@ -496,11 +498,17 @@ class LiveIndex:
 
     def apply(self, upserts: Sequence[NewDocument] = (), deletes: Sequence[str] = (), wait_s: float = 0.0) -> WriteResult:
         """Upserts and deletes as one generation: all visible at once, or (on any error) none."""
-        request = check_write(upserts, deletes, self.limits)
+        request = self.check(upserts, deletes)
         outcome = self.publish([request], [self.encode(upserts)], wait_s)[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def check(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteRequest:
+        """`check_write`, then that this partition owns every id (WrongPartitionError)."""
+        request = check_write(upserts, deletes, self.limits)
+        self.partition.check_owned(request.upserts + request.deletes)
+        return request
 
     def encode(self, documents: Sequence[NewDocument], batch_size: int = 32) -> EncodedDocuments | None:
         """Encode documents in memory (no lock needed): what `publish` stores. None for none."""
@@ -562,6 +570,7 @@ class LiveIndex:
             _checkpoint("encoded")
             parts = [EncodedDocuments.from_chunk(read_chunk(work.path, c)) for c in finished_chunks(work.path)]
             documents = EncodedDocuments.concat(parts)
+            self.partition.check_owned(documents.ids)
             try:
                 check_field_count(scan.metadata_fields, self.limits.metadata)
             except ValueError as exc:

@@ -19,6 +19,7 @@ from starlette.routing import Match
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
                          InvalidParameterError, ReadOnlyIndexError, WriteFailedError)
+from espn.partitioning import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
 
@@ -150,6 +151,10 @@ async def _on_conflict(request: Request, exc: Exception) -> JSONResponse:
     return error_response(409, "conflict", str(exc))
 
 
+async def _on_wrong_partition(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(421, "wrong_partition", str(exc))
+
+
 async def _on_read_only(request: Request, exc: Exception) -> JSONResponse:
     return error_response(409, "read_only", f"{exc} (this server serves the index read-only)")
 
@@ -184,6 +189,7 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
     app.add_exception_handler(ConflictError, _on_conflict)  # a subclass: Starlette picks the closest handler
+    app.add_exception_handler(WrongPartitionError, _on_wrong_partition)
     app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)
     app.add_exception_handler(QueueFullError, _on_queue_full)
     app.add_exception_handler(IndexLockedError, _on_index_locked)

@@ -272,7 +272,12 @@ class ReadinessResponse(HealthResponse):
     mode: Optional[str] = Field(default=None, description='"read-write", or "read-only" (writes get 409)')
     replication: Optional[dict[str, Any]] = Field(
         default=None, description="a follower's (--follow): source, generation, source_generation, lag_generations, "
-                                  "lag_seconds, stale (the source was not reached lately), last_error")
+                                  "lag_seconds, stale (the source was not reached lately), last_error; a writer's "
+                                  "(--publish): target, generation, published_generation, lag_generations, "
+                                  "lag_seconds, stale (the last publish failed), last_error")
+    partition: Optional[dict[str, Any]] = Field(
+        default=None, description="which partition of how many this index is, and the rule that places ids "
+                                  "(`index`, `count`, `by`); the router checks it before it sends a write")
 
 
 class ErrorResponse(BaseModel):

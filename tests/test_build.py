@@ -219,19 +219,23 @@ def test_full_disk_gives_one_line_and_no_index(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_partitions_split_documents_evenly(tmp_path: Path) -> None:
+def test_partitions_place_documents_by_the_hash_of_their_id(tmp_path: Path) -> None:
+    from espn.partitioning import HASH_NAME, owner
+
     tsv = tmp_path / "collection.tsv"
-    tsv.write_text("".join(f"p{i}\tpassage {i} about {['rivers', 'stars', 'bread', 'trains'][i % 4]}\n" for i in range(31)))
+    tsv.write_text("".join(f"p{i}\tpassage {i} about {['rivers', 'stars', 'bread', 'trains'][i % 4]}\n" for i in range(90)))
     run_espn("index", tsv, "--out", tmp_path / "parts", "--partitions", "3", "--no-progress")
     seen = []
     encoders = set()
     for p in range(3):
         part = IndexDirectory.open(tmp_path / "parts" / f"part-{p}", verify="full")
-        assert part.manifest["partition"] == {"index": p, "count": 3}
-        seen += [bytes(x).decode() for x in part.load_array("ids.npy")]
+        assert part.manifest["partition"] == {"index": p, "count": 3, "by": HASH_NAME}
+        ids = [bytes(x).decode() for x in part.load_array("ids.npy")]
+        assert all(owner(doc_id, 3) == p for doc_id in ids)  # the rule the router follows for writes
+        seen += ids
         encoders.add(part.manifest["files"]["encoder/projection.npy"]["sha256"])
-        assert part.num_documents in (10, 11)
-    assert sorted(seen) == sorted(f"p{i}" for i in range(31))
+        assert 15 <= part.num_documents <= 45  # a hash spreads 90 ids about evenly
+    assert sorted(seen) == sorted(f"p{i}" for i in range(90))
     assert len(encoders) == 1  # one shared projection: scores compare across partitions
 
 

@@ -52,6 +52,7 @@ _WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
                                    "or with the index (a metadata field of another type), or the server serves the "
                                    "index read-only (code `read_only`); nothing is written"},
     413: {**_ERROR, "description": "request body too large"},
+    421: {**_ERROR, "description": "an id another partition owns (code `wrong_partition`): write through `espn route`"},
     415: {**_ERROR, "description": "the body is not application/json"},
     422: {**_ERROR, "description": "a field out of bounds, or the schema not met (nothing is written)"},
     503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S, the write "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 
+from espn.partitioning import PartitionLayout
+
 from ..deps import AppState, get_state
 from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import HealthResponse, ReadinessResponse
@@ -36,7 +38,8 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
         reader=searcher.reader.describe() if searcher is not None else None,
         generation=searcher.generation if searcher is not None else None,
         mode=None if searcher is None else "read-only" if state.read_only else "read-write",
-        replication=state.follower.status() if state.follower is not None else None,
+        replication=state.replication(),
+        partition=PartitionLayout.from_manifest(searcher.manifest).to_json() if searcher is not None else None,
     ).model_dump(mode="json", exclude_none=True)
     if state.ready:
         return JSONResponse(body)
@@ -50,6 +53,7 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(state: AppState = Depends(get_state)) -> Response:
-    if state.follower is not None:
-        state.metrics.set_replication(state.follower.status())
+    replication = state.replication()
+    if replication is not None:
+        state.metrics.set_replication(replication)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
