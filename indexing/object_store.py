@@ -21,7 +21,9 @@ renamed into place. Credentials and the endpoint come from boto3's usual chain (
 from __future__ import annotations
 
 import calendar
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
@@ -33,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.index import fsync_path, sha256_file
+from espn.index import fsync_path, sha256_file, write_json_atomic
 from espn.segments import Generation, held_generation, read_current
 
 from .snapshot import new_directory, write_generation_record
 
-__all__ = ["ObjectStoreUrl", "PublishResult", "Follower", "Retention", "publish", "restore_from_store", "apply_retention",
+__all__ = ["ObjectStoreUrl", "PublishResult", "Publisher", "Follower", "Retention", "publish", "restore_from_store", "apply_retention",
            "is_store_url"]
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,18 @@ def _exists(client: Any, bucket: str, key: str) -> bool:
     except ClientError as exc:
         if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
             return False
+        raise
+
+
+def _latest_name(client: Any, where: ObjectStoreUrl) -> str | None:
+    """The record LATEST names (gen-NNNNNN.json sorts by number), or None before the first publish."""
+    from botocore.exceptions import ClientError
+
+    try:
+        return str(client.get_object(Bucket=where.bucket, Key=where.key("LATEST"))["Body"].read().decode().strip())
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
         raise
 
 
@@ -158,7 +172,9 @@ def publish(index: Path, url: str) -> PublishResult:
         name = f"gen-{generation.number:06d}.json"
         client.put_object(Bucket=where.bucket, Key=where.key(f"generations/{name}"),
                           Body=json.dumps(record).encode(), ContentType="application/json")
-        client.put_object(Bucket=where.bucket, Key=where.key("LATEST"), Body=name.encode())
+        newest = _latest_name(client, where)
+        if newest is None or newest < name:  # never move LATEST back (a slower, older publish racing a newer one)
+            client.put_object(Bucket=where.bucket, Key=where.key("LATEST"), Body=name.encode())
     log.info("%s: generation %d published to %s (%d blobs uploaded, %d bytes; %d already there)", index,
              generation.number, url, uploaded, uploaded_bytes, there)
     return PublishResult(generation.number, uploaded, uploaded_bytes, there)
@@ -202,6 +218,112 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
         open_view(staging, verify="full").close()
     log.info("%s: generation %d restored from %s", dest, published.number, url)
     return published.number
+
+
+class Publisher:
+    """Publishes every generation of a served index to `url` (`espn serve --publish`): the writer's half.
+
+    A thread looks at live/CURRENT every `interval_s` and publishes when it moved (writes from
+    any worker, compactions). One process per index publishes: the one holding the flock on
+    live/publish.lock (a worker that dies lets another take it). What was published last, and
+    the last error, are kept in live/PUBLISHED so that every worker's /readyz reports the same.
+    A write is acknowledged when it is committed on this machine's disk, before its upload:
+    replication is asynchronous, as in a database with asynchronous replicas, and the lag is
+    reported. When the store is away, writes go on and publish when it returns.
+    """
+
+    def __init__(self, url: str, index: Path, interval_s: float = 1.0) -> None:
+        ObjectStoreUrl.parse(url)
+        self.url, self.index, self.interval_s = url, Path(index), interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock_fd = -1
+        self._client: Any = None
+
+    @property
+    def _state_path(self) -> Path:
+        return self.index / "live" / "PUBLISHED"
+
+    def start(self) -> "Publisher":
+        self._thread = threading.Thread(target=self._run, name="espn-publish", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling; the process holding the lock publishes what is committed one last time."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+        if self._owns_lock():
+            with contextlib.suppress(Exception):
+                self.publish_once()
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _owns_lock(self) -> bool:
+        if self._lock_fd >= 0:
+            return True
+        path = self.index / "live" / "publish.lock"
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._owns_lock():
+                try:
+                    self.publish_once()
+                except Exception as exc:  # noqa: BLE001 - the store is away: writes go on, publish later
+                    self._record(error=f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self.interval_s)
+
+    def publish_once(self) -> int | None:
+        """Publish the current generation if it is not published yet; its number, or None."""
+        current = read_current(self.index).number
+        if current == self._published().get("generation"):
+            return None
+        result = publish(self.index, self.url)
+        self._record(generation=result.generation)
+        return result.generation
+
+    def _published(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._state_path.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _record(self, generation: int | None = None, error: str | None = None) -> None:
+        state = self._published()
+        if error is not None and state.get("error") != error:
+            log.warning("publishing %s to %s: %s (writes go on; retrying)", self.index, self.url, error)
+        if generation is not None:
+            state.update(generation=generation, published_at=time.time())
+        state["error"] = error
+        state["attempt_at"] = time.time()
+        write_json_atomic(self._state_path, state)
+
+    def status(self) -> dict[str, Any]:
+        """What /readyz reports: generations committed here but not yet on object storage."""
+        current = read_current(self.index)
+        state = self._published()
+        published = state.get("generation")
+        behind = current.number - published if published is not None else current.number + 1
+        lag_s = 0.0
+        if behind > 0:  # since the last publish (or, before the first, since this generation was committed)
+            since = state.get("published_at")
+            if since is None and current.created:
+                since = calendar.timegm(time.strptime(current.created, "%Y-%m-%dT%H:%M:%SZ"))
+            lag_s = max(0.0, time.time() - float(since or time.time()))
+        stale = state.get("error") is not None
+        return {"target": self.url, "generation": current.number, "published_generation": published,
+                "lag_generations": max(0, behind), "lag_seconds": round(lag_s, 1), "stale": stale,
+                "last_error": state.get("error")}
 
 
 class Follower:

@@ -172,6 +172,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from espn_indexing.object_store import Follower
 
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
+    if settings.publish is not None:
+        from espn_indexing.object_store import Publisher
+
+        state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     try:
@@ -187,6 +191,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         executor.shutdown(wait=True)
         if state.writer is not None:  # what was accepted is published before the index closes
             await asyncio.to_thread(state.writer.close)
+        if state.publisher is not None:  # ... and uploaded, when the store answers
+            await asyncio.to_thread(state.publisher.stop)
         state.require_live().close()
         state.metrics.close()
         logger.info("index closed")

@@ -51,7 +51,7 @@ SERVE_GROUPS = (
     ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
                                 "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
                                 "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
-    ("replication", ("follow", "follow_interval_s")),
+    ("replication", ("publish", "publish_interval_s", "follow", "follow_interval_s")),
     ("operations", ("log_level", "warmup", "metrics_port")),
 )
 
@@ -83,6 +83,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     from .settings_doc import add_flags, environment_help
 
     add_flags(parser, RouterSettings, [("routing", ("shards", "timeout_ms", "max_connections")),
+                                       ("writes", ("writers", "write_timeout_ms")),
                                        ("listening", ("host", "port", "log_level"))])
     parser.epilog = environment_help(RouterSettings)
 

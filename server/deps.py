@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -17,7 +17,7 @@ from .settings import ServerSettings
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
     from espn import Searcher
     from espn.lease import LiveSearcher
-    from espn_indexing.object_store import Follower
+    from espn_indexing.object_store import Follower, Publisher
     from espn_indexing.commit import GroupCommit
 
     from .batching import MicroBatcher
@@ -42,6 +42,12 @@ class AppState:
     writer: Optional["GroupCommit"] = None  # made at the first write (server/routes/documents.py)
     compacting: bool = False
     follower: Optional["Follower"] = None  # --follow: fetches what the writer publishes to object storage
+    publisher: Optional["Publisher"] = None  # --publish: uploads each generation to object storage
+
+    def replication(self) -> Optional[dict[str, Any]]:
+        """A follower's or a publishing writer's status (same lag and staleness keys), or None."""
+        source = self.follower or self.publisher
+        return source.status() if source is not None else None
 
     def require_live(self) -> "LiveSearcher":
         if self.live is None:

@@ -97,15 +97,20 @@ class ServerMetrics:
         )
 
         self.replication_lag = Gauge(
-            "espn_replication_lag_generations", "a follower's generations behind its source (--follow)",
+            "espn_replication_lag_generations",
+            "a follower's generations behind its source (--follow); a writer's not yet published (--publish)",
             multiprocess_mode="livemax", registry=reg,
         )
         self.replication_lag_seconds = Gauge(
-            "espn_replication_lag_seconds", "age of the newest source generation a follower does not serve yet",
+            "espn_replication_lag_seconds",
+            "a follower: age of the newest source generation it does not serve yet; a writer: time since its last "
+            "publish while behind",
             multiprocess_mode="livemax", registry=reg,
         )
         self.replication_stale = Gauge(
-            "espn_replication_stale", "1 while a follower has not reached its source lately", multiprocess_mode="livemax",
+            "espn_replication_stale",
+            "1 while a follower has not reached its source lately, or a writer's last publish failed",
+            multiprocess_mode="livemax",
             registry=reg,
         )
 

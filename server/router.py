@@ -23,7 +23,7 @@ would form (the top rerank_count by dense score, the top lexical_k by BM25) and 
 with `espn.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
 report. What remains different from one index is BM25's corpus statistics (document
 frequencies, average length), which each partition computes over its own documents: with
-documents spread i mod S they differ by sampling noise only. Measured on 2 partitions of
+documents spread by a hash of their ids they differ by sampling noise only. Measured on 2 partitions of
 300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
 every routed hybrid ranking within the tolerance stated there.
 
@@ -61,6 +61,7 @@ from .schemas import (
     SearchRequest,
     SearchResponse,
 )
+from .router_writes import WriterPool, add_write_routes
 from .settings import ROUTER_ENV_PREFIX, RouterSettings
 
 __all__ = [
@@ -364,6 +365,8 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
                                      trust_env=False) as client:
             fanout["client"] = _Fanout(client, list(settings.shards), timeout_s, metrics)
             logger.info("routing to %d shard(s): %s", len(settings.shards), ", ".join(settings.shards))
+            if settings.writers:
+                logger.info("writes to %d writer(s): %s", len(settings.writers), ", ".join(settings.writers))
             yield
             fanout.clear()
 
@@ -375,6 +378,18 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
 
     def get_fanout() -> _Fanout:
         return fanout["client"]
+
+    writer_pool = WriterPool(lambda: get_fanout().client, list(settings.writers), settings.write_timeout_ms / 1000.0,
+                             lambda url, error, message: get_fanout().record_failure(url, error, message))
+
+    def _observe(endpoint: str, started: float, partial: bool) -> None:
+        _observe_status(endpoint, started, 200)
+        if partial:
+            metrics.partial.labels(endpoint=endpoint).inc()
+
+    def _observe_status(endpoint: str, started: float, status: int) -> None:
+        metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -426,14 +441,25 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
         _observe("batch", started, bool(failures))
         return RoutedBatchResponse(responses=responses, partial=bool(failures), failed_shards=failures)
 
-    @app.get("/v1/documents/{doc_id:path}", summary="A document, from whichever partition holds it",
+    if settings.writers:
+        add_write_routes(app, lambda: writer_pool, _observe_status)
+    else:
+        @app.api_route("/v1/documents/{doc_id:path}", methods=["PUT", "DELETE", "POST"], include_in_schema=False)
+        async def no_writes() -> JSONResponse:
+            return _error(405, "method_not_allowed", "this router takes no writes: start it with --writers "
+                          "(one writer URL per partition)")
+
+    @app.get("/v1/documents/{doc_id:path}", summary="A document, from the partition that owns its id",
              responses={404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
     async def document(doc_id: str, request: Request) -> Any:
         fan = get_fanout()
         path = "/v1/documents/" + quote(doc_id, safe="")
-        outcomes = await asyncio.gather(*(fan.call(s, "GET", path, _headers(request), None) for s in fan.shards))
+        # With writers the layout is the hash rule: only the owner can hold the id. Without
+        # (an index built before the rule), every partition is asked.
+        shards = [fan.shards[writer_pool.owner(doc_id)]] if settings.writers else fan.shards
+        outcomes = await asyncio.gather(*(fan.call(s, "GET", path, _headers(request), None) for s in shards))
         failures = []
-        for shard, outcome in zip(fan.shards, outcomes):
+        for shard, outcome in zip(shards, outcomes):
             if isinstance(outcome, ShardFailure):
                 failures.append(outcome)
             elif outcome.status_code == 200:
@@ -472,12 +498,6 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def _observe(endpoint: str, started: float, partial: bool) -> None:
-        metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
-        metrics.requests.labels(endpoint=endpoint, status="200").inc()
-        if partial:
-            metrics.partial.labels(endpoint=endpoint).inc()
 
     return app
 

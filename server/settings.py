@@ -104,6 +104,10 @@ class ServerSettings(BaseSettings):
                                                     "generation published there, fetched into the index directory "
                                                     "(restored there first when it does not exist)")
     follow_interval_s: float = Field(2.0, gt=0.0, le=3600.0, description="how often a follower looks for a new generation")
+    publish: Optional[str] = Field(None, description="s3://BUCKET/PREFIX: this server is the index's writer and "
+                                                     "publishes each new generation there (for followers and backup)")
+    publish_interval_s: float = Field(0.5, gt=0.0, le=3600.0,
+                                      description="how often the writer looks for a generation to publish")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
@@ -138,9 +142,9 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
         return value
 
-    @field_validator("follow")
+    @field_validator("follow", "publish")
     @classmethod
-    def _check_follow(cls, value: Optional[str]) -> Optional[str]:
+    def _check_store_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not (value.startswith("s3://") and value[5:].split("/", 1)[0]):
             raise ValueError(f"{value!r}: expected s3://BUCKET[/PREFIX]")
         return value
@@ -189,6 +193,14 @@ class ServerSettings(BaseSettings):
                 return json.loads(text)
             return [origin.strip() for origin in text.split(",") if origin.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _check_replication(self) -> "ServerSettings":
+        if self.publish is not None and self.follow is not None:
+            raise ValueError("--publish (this server writes) and --follow (it copies a writer) exclude each other")
+        if self.publish is not None and self.read_only:
+            raise ValueError("--publish makes this server the writer: it cannot also be --read-only")
+        return self
 
     @model_validator(mode="after")
     def _check_batching(self) -> "ServerSettings":
@@ -256,15 +268,22 @@ class RouterSettings(BaseSettings):
 
     shards: Annotated[list[str], NoDecode] = Field(
         description="base URL of each partition's server, e.g. http://espn-part-0:8000 (comma-separated)")
+    writers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="base URL of each partition's writer (`espn serve --publish`), in the order of --shards "
+                    "(comma-separated); with them the router takes writes and sends each id to its partition")
     timeout_ms: float = Field(2000.0, gt=0.0, le=600_000.0,
                               description="per-shard time limit; a shard slower than this is left out and the "
                                           "answer marked partial")
+    write_timeout_ms: float = Field(30_000.0, gt=0.0, le=600_000.0,
+                                    description="time limit of a write at its writer; past it the answer is a 504 "
+                                                "(the write may or may not have been applied)")
     host: str = Field("127.0.0.1", description="interface to bind; 0.0.0.0 for every interface")
     port: int = Field(8080, ge=0, le=65535, description="TCP port, 0 for any free one")
     max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
     log_level: LogLevel = Field("info", description="router log level")
 
-    @field_validator("shards", mode="before")
+    @field_validator("shards", "writers", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         # "a,b" (the variable, or one --shards) and ["a,b", "c"] (--shards repeated) alike.
@@ -279,15 +298,31 @@ class RouterSettings(BaseSettings):
     def _check_shards(cls, value: list[str]) -> list[str]:
         if not value:
             raise ValueError("at least one shard URL is needed")
-        urls = []
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"shard URL must be http(s)://host[:port][/prefix], got {url!r}")
-            if parts.query or parts.fragment:
-                raise ValueError(f"shard URL must not carry a query or fragment, got {url!r}")
-            urls.append(url.rstrip("/"))
-        duplicates = sorted({u for u in urls if urls.count(u) > 1})
-        if duplicates:
-            raise ValueError(f"shard URLs repeat: {', '.join(duplicates)}")
-        return urls
+        return _base_urls(value, "shard")
+
+    @field_validator("writers")
+    @classmethod
+    def _check_writers(cls, value: list[str]) -> list[str]:
+        return _base_urls(value, "writer")
+
+    @model_validator(mode="after")
+    def _one_writer_per_partition(self) -> "RouterSettings":
+        if self.writers and len(self.writers) != len(self.shards):
+            raise ValueError(f"--writers lists {len(self.writers)} URL(s) for {len(self.shards)} partition(s) in "
+                             "--shards: give one writer per partition, in the same order")
+        return self
+
+
+def _base_urls(value: list[str], what: str) -> list[str]:
+    urls = []
+    for url in value:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{what} URL must be http(s)://host[:port][/prefix], got {url!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{what} URL must not carry a query or fragment, got {url!r}")
+        urls.append(url.rstrip("/"))
+    duplicates = sorted({u for u in urls if urls.count(u) > 1})
+    if duplicates:
+        raise ValueError(f"{what} URLs repeat: {', '.join(duplicates)}")
+    return urls
