@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file, write_json_atomic
@@ -46,6 +46,8 @@ __all__ = ["ObjectStoreUrl", "PublishResult", "Publisher", "Follower", "Retentio
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
+# Test hook (tests/crash_serve.py): called at "uploaded" after each blob, to kill a writer mid-upload.
+_checkpoint: Callable[[str], None] = lambda step: None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,7 @@ def publish(index: Path, url: str) -> PublishResult:
             with _RangeReader(path, start, stop) as body:  # streamed (multipart when large), never whole in memory
                 client.upload_fileobj(body, where.bucket, key)
             uploaded, uploaded_bytes = uploaded + 1, uploaded_bytes + stop - start
+            _checkpoint("uploaded")
         record = {"generation": generation.to_json(), "pieces": pieces}
         name = f"gen-{generation.number:06d}.json"
         client.put_object(Bucket=where.bucket, Key=where.key(f"generations/{name}"),

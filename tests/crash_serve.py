@@ -1,8 +1,9 @@
 """`espn serve` that kills itself with SIGKILL the N-th time the live-index writer reaches a step.
 
-ESPN_TEST_CRASH_AT=step:N (steps are the `_checkpoint` names of espn_indexing.live and
-espn_indexing.compaction). Run with --workers 1, so the server is this process. Used by
-tests/test_live_restart.py only: the real `espn serve` with one test hook set.
+ESPN_TEST_CRASH_AT=step:N (steps are the `_checkpoint` names of espn_indexing.live,
+espn_indexing.compaction and espn_indexing.object_store). Run with --workers 1, so the
+server is this process. Used by tests/test_live_restart.py and tests/test_replication.py:
+the real `espn serve` with one test hook set.
 """
 
 import os
@@ -10,6 +11,7 @@ import signal
 import sys
 
 import espn_indexing.live as live
+import espn_indexing.object_store as object_store
 from espn.cli import main
 
 step, _, count = os.environ["ESPN_TEST_CRASH_AT"].partition(":")
@@ -24,4 +26,5 @@ def checkpoint(name: str) -> None:
 
 
 live._checkpoint = checkpoint
+object_store._checkpoint = checkpoint
 sys.exit(main(sys.argv[1:]))
