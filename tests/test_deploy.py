@@ -76,6 +76,8 @@ def unknown_fields(data: Any, type_name: str, path: str = "") -> list[str]:
     by_json = {json_key: attr for attr, json_key in model.attribute_map.items()}
     problems = []
     for key, value in data.items():
+        if key.startswith("$"):  # a strategic-merge directive in a patch ($patch: delete), not a field
+            continue
         if key not in by_json:
             problems.append(f"{path}.{key} (not a field of {type_name})")
         else:
@@ -203,12 +205,12 @@ def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def _pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for doc in docs:
-        if doc["kind"] in ("Deployment", "Job"):
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
 
 
 def test_overlays_exist() -> None:
-    assert {p.name for p in OVERLAYS} >= {"cpu", "gpu", "partitioned"}
+    assert {p.name for p in OVERLAYS} >= {"cpu", "gpu", "partitioned", "replicated"}
 
 
 def test_overlay_renders_valid_objects(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -264,11 +266,12 @@ def test_servers_have_probes_scrape_annotations_service_and_hpa(rendered: tuple[
         assert name in hpas, f"{name}: no HorizontalPodAutoscaler"
         assert 1 <= hpas[name]["spec"]["minReplicas"] <= hpas[name]["spec"]["maxReplicas"]
         assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs), name
-    # Two Deployments' Services must never select each other's pods.
+    # Two workloads' Services must never select each other's pods (a writer's Service must
+    # not reach its partition's followers, nor theirs the writer).
     for service in services:
-        matching = [d for d in _by_kind(docs, "Deployment")
+        matching = [d for d in _by_kind(docs, "Deployment") + _by_kind(docs, "StatefulSet")
                     if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
-        assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} Deployments"
+        assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} workloads"
 
 
 def test_servers_serve_from_local_nvme(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -507,8 +510,8 @@ def test_compose_builds_the_index_before_the_server() -> None:
 
 def test_servers_take_the_api_key_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    servers = [d for d in _by_kind(docs, "Deployment") if d["spec"]["template"]["spec"]["containers"][0]["args"][0]
-               == "serve"]
+    servers = [d for d in _by_kind(docs, "Deployment") + _by_kind(docs, "StatefulSet")
+               if d["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"]
     assert servers
     for deployment in servers:
         env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])}
