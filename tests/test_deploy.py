@@ -351,6 +351,190 @@ def test_gpu_overlay_gives_each_server_a_gpu_and_kvikio() -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# The replicated overlay: writers publish to object storage, followers serve from it
+
+
+def resolved_env(container: dict[str, Any], pod_labels: dict[str, str],
+                 config_maps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The container's plain environment as the kubelet builds it: labels through the
+    Downward API, ConfigMap keys, and $(VAR) expanded from variables defined earlier in the
+    list (a later or unknown one stays literally `$(VAR)`, as Kubernetes leaves it). Secrets
+    stay out: the test never needs their values."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        source = entry.get("valueFrom", {})
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"])
+        elif "fieldRef" in source:
+            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", source["fieldRef"]["fieldPath"])
+            assert label, source
+            env[entry["name"]] = pod_labels.get(label.group(1), "")
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[entry["name"]] = config_maps[ref["name"]][ref["key"]]
+    return env
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None:
+    docs = render(K8S / "overlays/replicated")
+    config_maps = {c["metadata"]["name"]: c["data"] for c in _by_kind(docs, "ConfigMap")}
+    services = {s["metadata"]["name"]: s for s in _by_kind(docs, "Service")}
+    hpa_targets = {h["spec"]["scaleTargetRef"]["kind"] + "/" + h["spec"]["scaleTargetRef"]["name"]
+                   for h in _by_kind(docs, "HorizontalPodAutoscaler")}
+    jobs = {j["metadata"]["name"]: j for j in _by_kind(docs, "Job")}
+    merge_args = jobs["espn-index-merge"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    partitions = int(_arg(merge_args, "--partitions"))
+    # The build writes OUT/part-P on the index store, which the writers mount at /store.
+    build_out = Path(_arg(merge_args, "--out")).relative_to("/var/lib/espn")
+
+    writers = {w["metadata"]["labels"]["espn.dev/partition"]: w for w in _by_kind(docs, "StatefulSet")}
+    followers = {d["metadata"]["labels"]["espn.dev/partition"]: d for d in _by_kind(docs, "Deployment")
+                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "follower"}
+    assert sorted(writers) == sorted(followers) == [str(p) for p in range(partitions)]
+    published = {}
+    for p in map(str, range(partitions)):
+        writer, follower = writers[p], followers[p]
+        # One writer per partition, never autoscaled, with a volume of its own that survives it.
+        assert writer["metadata"]["name"] == f"espn-writer-{p}" and writer["spec"]["replicas"] == 1
+        assert f"StatefulSet/espn-writer-{p}" not in hpa_targets
+        claim = writer["spec"]["volumeClaimTemplates"][0]
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+        assert writer["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+        spec = writer["spec"]["template"]["spec"]
+        labels = writer["spec"]["template"]["metadata"]["labels"]
+        container = spec["containers"][0]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+        assert container["args"][:2] == ["serve", f"{mount['mountPath']}/index"] and not mount.get("readOnly")
+        assert "--read-only" not in container["args"]
+        env = resolved_env(container, labels, config_maps)
+        store_url = config_maps[next(n for n in config_maps if n.startswith("espn-replication"))]["store-url"]
+        assert env["ESPN_PUBLISH"] == f"{store_url}/part-{p}", env
+        published[p] = env["ESPN_PUBLISH"]
+        init = next(c for c in spec["initContainers"] if c["name"] == "restore-index")
+        init_env = resolved_env(init, labels, config_maps)
+        assert init_env["ESPN_PUBLISH"] == published[p]
+        assert init_env["ESPN_INDEX_SOURCE"] == str(build_out / f"part-{p}")
+        assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/espn"] == mount["name"]
+        service = services[f"espn-writer-{p}"]
+        assert service["spec"]["selector"].items() <= labels.items() and writer["spec"]["serviceName"] == f"espn-writer-{p}"
+
+        # Followers: the server base, following what the writer publishes, from an empty local volume.
+        assert follower["metadata"]["name"] == f"espn-part-{p}" and f"Deployment/espn-part-{p}" in hpa_targets
+        spec = follower["spec"]["template"]["spec"]
+        labels = follower["spec"]["template"]["metadata"]["labels"]
+        container = spec["containers"][0]
+        env = resolved_env(container, labels, config_maps)
+        assert env["ESPN_FOLLOW"] == published[p] and "ESPN_PUBLISH" not in env
+        assert float(env["ESPN_FOLLOW_INTERVAL_S"]) > 0
+        assert resolved_env(spec["initContainers"][0], labels, config_maps)["ESPN_FOLLOW"] == published[p]
+        assert [c["name"] for c in spec["initContainers"]] == ["restore-index"]  # not a copy of the index store
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "index-store" not in volumes and "ephemeral" in volumes["local-index"]
+        assert services[f"espn-part-{p}"]["spec"]["selector"].items() <= labels.items()
+
+    # The router: searches to the followers, writes to the writers, both in partition order.
+    router = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "espn-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    shards, writer_urls = _arg(args, "--shards").split(","), _arg(args, "--writers").split(",")
+    assert len(shards) == len(writer_urls) == partitions
+    for p, (shard, writer_url) in enumerate(zip(shards, writer_urls)):
+        for url, name in ((shard, f"espn-part-{p}"), (writer_url, f"espn-writer-{p}")):
+            host, _, port = url.removeprefix("http://").partition(":")
+            assert host == name, url
+            assert int(port or 80) == services[name]["spec"]["ports"][0]["port"], url
+
+
+def test_object_storage_credentials_come_only_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    for owner, spec in _pod_specs(docs):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{owner}/{container['name']}"
+            env = {e["name"]: e for e in container.get("env", [])}
+            for name, entry in env.items():
+                if name.startswith("AWS_"):
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], f"{where}: {name}"
+                    assert entry["valueFrom"]["secretKeyRef"]["name"] == "espn-object-store", where
+            talks_to_the_store = {"ESPN_PUBLISH", "ESPN_FOLLOW"} & set(env)
+            if talks_to_the_store:  # and without the credentials it would try the node's role, or nothing
+                for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                    assert name in env and not env[name]["valueFrom"]["secretKeyRef"].get("optional"), where
+            assert not any("AWS_" in str(source) for source in container.get("envFrom", [])), where
+    for config_map in _by_kind(docs, "ConfigMap"):  # configuration, never credentials
+        assert not any(key.upper().startswith("AWS_") or "SECRET" in key.upper() for key in config_map["data"])
+
+
+def _run_writer_restore(tmp_path: Path, store: str, have_index: bool = False, partition: str = "0",
+                        built: bool = True) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
+    """The writer's restore-index script, against a fake `espn` whose object store has a
+    generation ("has"), none ("empty") or cannot be reached ("down"), and a `sleep` that
+    ends the script where it would wait."""
+    docs = render(K8S / "overlays/replicated")
+    writer = next(w for w in _by_kind(docs, "StatefulSet") if w["metadata"]["name"] == "espn-writer-0")
+    init = next(c for c in writer["spec"]["template"]["spec"]["initContainers"] if c["name"] == "restore-index")
+    volume, index_store, fake = tmp_path / "volume", tmp_path / "store", tmp_path / "bin"
+    for path in (volume, index_store, fake):
+        path.mkdir(parents=True)
+    script = init["args"][0].replace("/var/lib/espn/", f"{volume}/").replace('"/store/', f'"{index_store}/')
+    if built:
+        (index_store / "parts/part-0").mkdir(parents=True)
+        (index_store / "parts/part-0/manifest.json").write_text("{}")
+    if have_index:
+        (volume / "index").mkdir()
+        (volume / "index/manifest.json").write_text("{}")
+    (fake / "espn").write_text(
+        '#!/bin/sh\necho "$*" >> "$FAKE_LOG"\n'
+        'case "$2" in\n'
+        '  s3://*) case "$FAKE_STORE" in\n'
+        '    has) mkdir "$3" && echo "{}" > "$3/manifest.json"; echo "$3: generation 7 restored"; exit 0 ;;\n'
+        '    empty) echo "espn restore: error: $2: no published generation there (NoSuchKey)" >&2; exit 1 ;;\n'
+        '    *) echo "espn restore: error: Could not connect to the endpoint URL" >&2; exit 1 ;;\n'
+        '  esac ;;\n'
+        '  *) mkdir "$3" && cp "$2/manifest.json" "$3/"; echo "$3: generation 0 restored"; exit 0 ;;\n'
+        'esac\n')
+    (fake / "sleep").write_text("#!/bin/sh\nexit 3\n")
+    for tool in ("espn", "sleep"):
+        (fake / tool).chmod(0o755)
+    log = tmp_path / "espn.log"
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_STORE": store,
+           "ESPN_PARTITION": partition, "ESPN_PUBLISH": "s3://bucket/espn/part-0", "ESPN_INDEX_SOURCE": "parts/part-0"}
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return done, calls, volume / "index"
+
+
+def test_writer_starts_from_the_newest_published_generation(tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(tmp_path, store="has")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and (index / "manifest.json").is_file()
+
+
+def test_writer_starts_from_the_build_only_when_nothing_is_published(tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(tmp_path, store="empty")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}", f"restore {tmp_path}/store/parts/part-0 {index}"]
+    assert (index / "manifest.json").is_file()
+
+
+def test_writer_never_starts_from_the_build_while_the_store_is_unreachable(tmp_path: Path) -> None:
+    # A store that is down may hold newer generations than the build: the writer waits for it.
+    done, calls, index = _run_writer_restore(tmp_path, store="down")
+    assert done.returncode == 3 and "retrying" in done.stdout, done.stdout + done.stderr  # 3: our fake sleep
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and not index.exists()
+
+
+def test_writer_keeps_the_index_on_its_volume(tmp_path: Path) -> None:
+    # It may hold acknowledged writes the store never received: no restore may replace it.
+    done, calls, index = _run_writer_restore(tmp_path, store="has", have_index=True)
+    assert done.returncode == 0 and calls == [], done.stdout + done.stderr
+    done, calls, _ = _run_writer_restore(tmp_path / "unlabelled", store="has", partition="")
+    assert done.returncode == 1 and calls == [] and "espn.dev/partition" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------
 # Sizing from the index manifest
 
 
