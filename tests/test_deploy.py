@@ -10,6 +10,7 @@ the overlays are always rendered, never skipped for a missing tool.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -467,18 +468,25 @@ def test_object_storage_credentials_come_only_from_a_secret(rendered: tuple[str,
         assert not any(key.upper().startswith("AWS_") or "SECRET" in key.upper() for key in config_map["data"])
 
 
-def _run_writer_restore(tmp_path: Path, store: str, have_index: bool = False, partition: str = "0",
-                        built: bool = True) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
-    """The writer's restore-index script, against a fake `espn` whose object store has a
-    generation ("has"), none ("empty") or cannot be reached ("down"), and a `sleep` that
-    ends the script where it would wait."""
+@functools.lru_cache(maxsize=1)
+def _restore_scripts() -> dict[str, str]:
+    """The writer's restore script: the StatefulSet's init container and compose's one-shot."""
     docs = render(K8S / "overlays/replicated")
     writer = next(w for w in _by_kind(docs, "StatefulSet") if w["metadata"]["name"] == "espn-writer-0")
     init = next(c for c in writer["spec"]["template"]["spec"]["initContainers"] if c["name"] == "restore-index")
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return {"k8s": init["args"][0], "compose": compose["services"]["espn-writer-0-restore"]["command"][0].replace("$$", "$")}
+
+
+def _run_writer_restore(script: str, tmp_path: Path, store: str, have_index: bool = False, partition: str = "0",
+                        built: bool = True) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
+    """The writer's restore script, against a fake `espn` whose object store has a generation
+    ("has"), none ("empty") or cannot be reached ("down"), and a `sleep` that ends the script
+    where it would wait."""
     volume, index_store, fake = tmp_path / "volume", tmp_path / "store", tmp_path / "bin"
     for path in (volume, index_store, fake):
         path.mkdir(parents=True)
-    script = init["args"][0].replace("/var/lib/espn/", f"{volume}/").replace('"/store/', f'"{index_store}/')
+    script = script.replace("/var/lib/espn/", f"{volume}/").replace('"/store/', f'"{index_store}/')
     if built:
         (index_store / "parts/part-0").mkdir(parents=True)
         (index_store / "parts/part-0/manifest.json").write_text("{}")
@@ -506,32 +514,36 @@ def _run_writer_restore(tmp_path: Path, store: str, have_index: bool = False, pa
     return done, calls, volume / "index"
 
 
-def test_writer_starts_from_the_newest_published_generation(tmp_path: Path) -> None:
-    done, calls, index = _run_writer_restore(tmp_path, store="has")
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_starts_from_the_newest_published_generation(where: str, tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="has")
     assert done.returncode == 0, done.stdout + done.stderr
     assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and (index / "manifest.json").is_file()
 
 
-def test_writer_starts_from_the_build_only_when_nothing_is_published(tmp_path: Path) -> None:
-    done, calls, index = _run_writer_restore(tmp_path, store="empty")
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_starts_from_the_build_only_when_nothing_is_published(where: str, tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="empty")
     assert done.returncode == 0, done.stdout + done.stderr
     assert calls == [f"restore s3://bucket/espn/part-0 {index}", f"restore {tmp_path}/store/parts/part-0 {index}"]
     assert (index / "manifest.json").is_file()
 
 
-def test_writer_never_starts_from_the_build_while_the_store_is_unreachable(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_never_starts_from_the_build_while_the_store_is_unreachable(where: str, tmp_path: Path) -> None:
     # A store that is down may hold newer generations than the build: the writer waits for it.
-    done, calls, index = _run_writer_restore(tmp_path, store="down")
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="down")
     assert done.returncode == 3 and "retrying" in done.stdout, done.stdout + done.stderr  # 3: our fake sleep
     assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and not index.exists()
 
 
-def test_writer_keeps_the_index_on_its_volume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_keeps_the_index_on_its_volume(where: str, tmp_path: Path) -> None:
     # It may hold acknowledged writes the store never received: no restore may replace it.
-    done, calls, index = _run_writer_restore(tmp_path, store="has", have_index=True)
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="has", have_index=True)
     assert done.returncode == 0 and calls == [], done.stdout + done.stderr
-    done, calls, _ = _run_writer_restore(tmp_path / "unlabelled", store="has", partition="")
-    assert done.returncode == 1 and calls == [] and "espn.dev/partition" in done.stdout
+    done, calls, _ = _run_writer_restore(_restore_scripts()[where], tmp_path / "unlabelled", store="has", partition="")
+    assert done.returncode == 1 and calls == [] and "partition" in done.stdout
 
 
 # ---------------------------------------------------------------------------------------
@@ -660,7 +672,10 @@ def test_compose_builds_the_index_before_the_server() -> None:
                 assert source in declared_volumes, f"{name}: volume {source} is not declared"
         for dependency, condition in (service.get("depends_on") or {}).items():
             assert dependency in services, f"{name} depends on unknown {dependency}"
-            assert set(services[dependency].get("profiles", [])) <= set(service.get("profiles", [])), name
+            # Whenever the service runs, so does what it needs: the dependency runs in every
+            # profile (it has none), or in each of the service's profiles.
+            needed, runs_in = set(service.get("profiles", [])), set(services[dependency].get("profiles", []))
+            assert not runs_in or (needed and needed <= runs_in), f"{name} -> {dependency}"
             assert condition["condition"] in ("service_completed_successfully", "service_healthy")
 
     index, server = services["index"], services["server"]
@@ -678,7 +693,7 @@ def test_compose_builds_the_index_before_the_server() -> None:
     assert server["command"][:2] == ["serve", "/var/lib/espn/index"]
     assert any(v.endswith(":/var/lib/espn:ro") for v in server["volumes"])
     for name, service in services.items():  # a read-only mount is served read-only, and says so
-        if service.get("command", [None])[0] == "serve":
+        if service.get("command", [None])[0] == "serve" and "replicated" not in service.get("profiles", []):
             assert "--read-only" in service["command"] and any(v.endswith(":ro") for v in service["volumes"]), name
     assert any(v.endswith(":/var/lib/espn") for v in index["volumes"])
 
@@ -708,7 +723,69 @@ def test_compose_servers_read_the_api_key_from_an_env_file() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     example = DEPLOY / "espn.env.example"
     assert "ESPN_API_KEY=" in example.read_text()
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        assert re.search(rf"^{name}=", example.read_text(), re.M), name
+    assert re.search(r"^AWS_SECRET_ACCESS_KEY=$", example.read_text(), re.M)  # a placeholder, never a secret
     for name, service in compose["services"].items():
         command = service.get("command") or []
         if command and command[0] == "serve":
             assert service.get("env_file") == ["espn.env"], name
+
+
+def _compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {k: str(v) for k, v in environment.items()}
+
+
+def test_compose_replicated_profile_wires_writers_followers_and_the_router() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    declared_volumes = set(compose["volumes"])
+    replicated = {n: s for n, s in services.items() if "replicated" in s.get("profiles", [])}
+    partitions = int(re.search(r"--partitions (\d+)", services["index-parts"]["command"][0]).group(1))  # type: ignore[union-attr]
+    assert "index-parts" in replicated and "partitioned" in services["index-parts"]["profiles"]
+
+    router = replicated["router-replicated"]["command"]
+    shards, writers = _arg(router, "--shards").split(","), _arg(router, "--writers").split(",")
+    assert len(shards) == len(writers) == partitions
+    bucket = _compose_environment(replicated["minio-bucket"])["ESPN_BUCKET"]
+    for p, (shard, writer_url) in enumerate(zip(shards, writers)):
+        follower_name, writer_name = (u.removeprefix("http://").split(":")[0] for u in (shard, writer_url))
+        assert (follower_name, writer_name) == (f"espn-part-{p}", f"espn-writer-{p}")
+        assert replicated["router-replicated"]["depends_on"][follower_name]["condition"] == "service_healthy"
+        writer, follower = replicated[writer_name], replicated[follower_name]
+        restore = replicated[f"{writer_name}-restore"]
+        # The writer: one container, its own named volume, written (not :ro), publishing part-P.
+        assert writer["command"][:2] == ["serve", "/var/lib/espn/index"] and "--read-only" not in writer["command"]
+        assert "deploy" not in writer and "scale" not in writer  # one writer per partition, always
+        volume = f"{writer_name}:/var/lib/espn"
+        assert writer["volumes"] == [volume] and writer_name in declared_volumes
+        url = _compose_environment(writer)["ESPN_PUBLISH"]
+        assert url.endswith(f"/part-{p}") and url.startswith(f"s3://{bucket}/"), url
+        assert writer["depends_on"][restore_name := f"{writer_name}-restore"]["condition"] == \
+            "service_completed_successfully"
+        # Its volume is filled first: from the store, else from the build's part-P.
+        env = _compose_environment(restore)
+        assert env["ESPN_PUBLISH"] == url and env["ESPN_PARTITION"] == str(p)
+        assert env["ESPN_INDEX_SOURCE"] == f"parts/part-{p}" and "espn-index:/store:ro" in restore["volumes"]
+        assert volume in restore["volumes"], restore_name
+        assert {"index-parts", "minio-bucket"} <= set(restore["depends_on"])
+        # The follower: the same prefix, no named volume (a new one starts empty), waits for its writer.
+        follower_env = _compose_environment(follower)
+        assert follower_env["ESPN_FOLLOW"] == url and "ESPN_PUBLISH" not in follower_env
+        assert not any(v.split(":")[0] in declared_volumes for v in follower.get("volumes", []))
+        assert follower["depends_on"][writer_name]["condition"] == "service_healthy"
+        assert "ports" not in writer and "ports" not in follower  # reached through the router only
+
+    minio = replicated["minio"]
+    assert minio["image"].startswith("${MINIO_IMAGE:-minio/minio:RELEASE.") and "espn-objects:/data" in minio["volumes"]
+    assert replicated["minio-bucket"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    # Credentials only from deploy/espn.env: no AWS_* (nor MinIO's root pair) written here.
+    for name, service in replicated.items():
+        environment = _compose_environment(service)
+        assert not any(k.startswith(("AWS_", "MINIO_ROOT")) for k in environment), name
+        if {"ESPN_PUBLISH", "ESPN_FOLLOW"} & set(environment) or name.startswith("minio"):
+            assert service.get("env_file") == ["espn.env"], name
+    assert "AWS_ACCESS_KEY_ID:?" in minio["command"][0]  # no default root password
