@@ -235,9 +235,13 @@ class Publisher:
     reported. When the store is away, writes go on and publish when it returns.
     """
 
-    def __init__(self, url: str, index: Path, interval_s: float = 1.0) -> None:
+    # Retention runs after a publish at most this often (it lists the whole prefix).
+    RETENTION_EVERY_S = 600.0
+
+    def __init__(self, url: str, index: Path, interval_s: float = 1.0, keep: int | None = None) -> None:
         ObjectStoreUrl.parse(url)
-        self.url, self.index, self.interval_s = url, Path(index), interval_s
+        self.url, self.index, self.interval_s, self.keep = url, Path(index), interval_s, keep
+        self._retained_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
@@ -293,6 +297,9 @@ class Publisher:
             return None
         result = publish(self.index, self.url)
         self._record(generation=result.generation)
+        if self.keep is not None and time.monotonic() - self._retained_at > self.RETENTION_EVERY_S:
+            self._retained_at = time.monotonic()
+            apply_retention(self.url, self.keep)
         return result.generation
 
     def _published(self) -> dict[str, Any]:

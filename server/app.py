@@ -175,7 +175,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     if settings.publish is not None:
         from espn_indexing.object_store import Publisher
 
-        state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s).start()
+        state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s,
+                                    settings.publish_keep).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -134,3 +135,54 @@ def test_retention_keeps_the_newest_generations_and_what_they_need(sample_index:
         restore_from_store(URL, tmp_path / "old", generation=1)
     with pytest.raises(InvalidParameterError, match="at least 1"):
         apply_retention(URL, keep=0)
+
+
+def test_the_writers_publisher_uploads_each_generation_once_and_keeps_writing_while_the_store_is_away(
+        sample_index: Path, tmp_path: Path, store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from espn_indexing.object_store import Publisher
+
+    index = tmp_path / "index"
+    shutil.copytree(sample_index, index)
+    publisher = Publisher(URL, index, interval_s=0.1)
+    second = Publisher(URL, index, interval_s=0.1)  # another worker of the same server
+    assert publisher._owns_lock() and not second._owns_lock()  # one process per index publishes
+    assert publisher.publish_once() == 0 and publisher.publish_once() is None  # nothing new: nothing sent
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument("p1", "first write after the base")])
+        writer.upsert([NewDocument("p2", "second write")])
+    status = second.status()  # any worker reports the same, from live/PUBLISHED
+    assert status["lag_generations"] == 2 and status["published_generation"] == 0 and not status["stale"]
+    assert publisher.publish_once() == 2
+    assert second.status()["lag_generations"] == 0
+
+    # The store is away (an endpoint nothing listens on): writes go on, the writer reports stale.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    publisher._client = None
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument("p3", "written while the store was away")])
+    publisher.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not second.status()["stale"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = second.status()
+        assert status["stale"] and status["lag_generations"] == 1 and status["last_error"]
+        monkeypatch.undo()  # the store is back
+        store_env = {"AWS_ENDPOINT_URL": store.meta.endpoint_url, "AWS_ACCESS_KEY_ID": "test",
+                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        for name, value in store_env.items():
+            monkeypatch.setenv(name, value)
+    finally:
+        publisher.stop()  # the lock holder publishes what is committed one last time
+    assert not second.status()["stale"] and second.status()["published_generation"] == 3
+    restored = tmp_path / "restored"
+    assert restore_from_store(URL, restored) == 3
+    with Searcher.open(restored) as searcher:
+        assert searcher.document("p3").text == "written while the store was away"
+
+    # LATEST never moves back: publishing an older copy of the index after a newer one.
+    older = tmp_path / "older"
+    shutil.copytree(sample_index, older)
+    publish(older, URL)
+    assert store.get_object(Bucket=BUCKET, Key="indexes/sample/LATEST")["Body"].read() == b"gen-000003.json"
