@@ -26,7 +26,7 @@ from .metrics import ServerMetrics
 from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
 from .openapi import add_contract
 from .page import add_search_page
-from .routes import documents, health, search
+from .routes import documents, health, search, snapshots
 from .schemas import ErrorResponse
 from .settings import ServerSettings
 
@@ -223,6 +223,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
         401: {"model": ErrorResponse, "description": "missing or wrong API key"}} if keyed else {}
     app.include_router(search.router, dependencies=protected, responses=unauthorized)
     app.include_router(documents.router, dependencies=protected, responses=unauthorized)
+    app.include_router(snapshots.router, dependencies=protected, responses=unauthorized)
     app.include_router(health.router)
     if settings.metrics_port is None:  # else the parent process serves it on its own port
         app.include_router(health.metrics_router)

@@ -108,6 +108,9 @@ class ServerSettings(BaseSettings):
                                                      "publishes each new generation there (for followers and backup)")
     publish_interval_s: float = Field(0.5, gt=0.0, le=3600.0,
                                       description="how often the writer looks for a generation to publish")
+    snapshot_dir: Optional[Path] = Field(None, description="where POST /v1/snapshots writes snapshots (a directory "
+                                                           "on the index's filesystem shares immutable files by hard "
+                                                           "links); unset: snapshots over HTTP are off")
     publish_keep: Optional[int] = Field(None, ge=1, le=1_000_000,
                                         description="keep the newest N generations on object storage (and blobs "
                                                     "younger than an hour); unset: keep every generation")

@@ -119,3 +119,68 @@ def test_a_corrupted_source_or_a_used_destination_is_refused_and_leaves_nothing(
     (tmp_path / "used").mkdir()
     with pytest.raises(InvalidParameterError, match="already exists"):
         restore(index, tmp_path / "used")
+
+
+def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_acknowledged_before_it(
+        index: Path, tmp_path: Path) -> None:
+    """The real server: PUTs from several clients while POST /v1/snapshots (behind the API key)
+    is taken; the snapshot restores to every write acknowledged with a generation up to its
+    own, and none after."""
+    import concurrent.futures
+
+    import httpx
+    from server_fixtures import running_server
+
+    key = "k" * 32
+    headers = {"Authorization": f"Bearer {key}"}
+    with running_server(index, tmp_path, "--snapshot-dir", str(tmp_path / "snaps"), "--no-warmup",
+                        env={"ESPN_API_KEY": key}) as server:
+        base = server.base_url
+        assert httpx.post(f"{base}/v1/snapshots", timeout=30).status_code == 401
+        acknowledged: dict[str, int] = {}
+        stop = threading.Event()
+
+        def write(worker: int) -> None:
+            with httpx.Client(headers=headers, timeout=60) as client:
+                i = 0
+                while not stop.is_set() and i < 40:
+                    doc_id = f"h{worker}-{i}"
+                    answer = client.put(f"{base}/v1/documents/{doc_id}", json={"text": f"written over http {doc_id}"})
+                    assert answer.status_code == 201, answer.text
+                    acknowledged[doc_id] = answer.json()["generation"]
+                    i += 1
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(write, w) for w in range(3)]
+            while len(acknowledged) < 10:
+                threading.Event().wait(0.05)
+            taken = httpx.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=120)
+            stop.set()
+            for future in futures:
+                future.result()
+        assert taken.status_code == 201, taken.text
+        generation = taken.json()["generation"]
+        again = httpx.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=30)
+        assert again.status_code == 409
+        assert httpx.post(f"{base}/v1/snapshots", json={"name": "../escape"}, headers=headers,
+                          timeout=30).status_code == 422
+        listed = httpx.get(f"{base}/v1/snapshots", headers=headers, timeout=30).json()["snapshots"]
+        assert listed == [{"name": "mid-writes", "generation": generation}]
+    restore(tmp_path / "snaps" / "mid-writes", tmp_path / "restored")
+    with Searcher.open(tmp_path / "restored") as searcher:
+        for doc_id, acked_in in acknowledged.items():
+            if acked_in <= generation:
+                assert searcher.document(doc_id).text == f"written over http {doc_id}"
+            else:
+                with pytest.raises(DocumentNotFoundError):
+                    searcher.document(doc_id)
+    assert any(g > generation for g in acknowledged.values())  # writes went on after the snapshot
+
+
+def test_snapshots_over_http_are_off_without_a_directory(index: Path, tmp_path: Path) -> None:
+    import httpx
+    from server_fixtures import running_server
+
+    with running_server(index, tmp_path, "--no-warmup") as server:
+        off = httpx.post(f"{server.base_url}/v1/snapshots", timeout=30)
+        assert off.status_code == 404 and "--snapshot-dir" in off.json()["message"]

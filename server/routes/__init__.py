@@ -1,5 +1,5 @@
-"""One router per resource: search, documents, and health (liveness, readiness, metrics)."""
+"""One router per resource: search, documents, snapshots, and health (liveness, readiness, metrics)."""
 
-from . import documents, health, search
+from . import documents, health, search, snapshots
 
-__all__ = ["documents", "health", "search"]
+__all__ = ["documents", "health", "search", "snapshots"]
