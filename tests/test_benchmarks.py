@@ -337,3 +337,21 @@ def test_bench_text_writes(sample_index: Path, results: Path, capsys) -> None:
     payload = _check(results, "bench_text_writes_quick", capsys, png=False)
     assert set(payload["summary"]) == {"text", "dense only"} and payload["ratio"]["docs_per_s"] > 0
     assert not (sample_index / "live").exists()
+
+
+def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: Path) -> None:
+    pytest.importorskip("moto.server")
+    from benchmarks import bench_replication
+    from helpers import run_espn
+
+    data = common.ROOT / "espn" / "data"
+    run_espn("index", data / "sample_corpus.jsonl", "--out", tmp_path / "parts", "--partitions", "2", "--no-progress")
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("".join(json.dumps({"_id": str(i), "text": q}) + "\n"
+                               for i, q in enumerate(["rivers and floods", "bread baking", "train timetables"])))
+    assert bench_replication.main(["--index", str(sample_index), "--parts", str(tmp_path / "parts"), "--rates", "2",
+                                   "--seconds", "2", "--repeats", "1", "--queries", "3",
+                                   "--query-file", str(queries)]) == 0
+    payload = _check(results, "replication", capsys, png=False)
+    assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
+    assert payload["catch_up_s"]["median"] > 0 and payload["search_p50_ms"]["ratio"] > 0

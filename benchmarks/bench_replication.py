@@ -1,0 +1,234 @@
+"""Replication and partitioned serving, measured with real processes and a real S3-compatible
+server (moto's, in this process):
+
+1. Replication lag against write rate: a writer (`espn serve --publish`) takes PUTs at a fixed
+   rate (open loop); a follower (`espn serve --follow`) is polled for each acknowledged id. Lag
+   is the time from the write's acknowledgement to the follower serving it; p50 and p99.
+2. Follower catch-up from empty: `espn serve EMPTY_DIR --follow` until /readyz answers, for a
+   SciFact-sized index (median of repeats), beside the writer's first publish of it.
+3. Router search latency: the same queries, one at a time, against one `espn serve` of the
+   whole index and against `espn route` over 2 partition servers of the same documents,
+   interleaved per repeat; p50 of each and their ratio.
+
+    python -m benchmarks.bench_replication --index .espn/scifact-index --parts .espn/scifact-parts
+
+Everything runs on this machine: the store, the writer, the followers and the load share its
+cores, so the lag includes their contention. Writes: `--workers 1` servers, `nice` 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from benchmarks.common import (ROOT, SCIFACT, SCIFACT_INDEX, machine, markdown_table, median, percentiles,
+                               read_jsonl, write_results)
+
+ESPN = str(Path(sys.executable).with_name("espn"))
+BUCKET = "espn-bench"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def process(command: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> float:
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{base}: exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return time.perf_counter() - started
+        time.sleep(0.05)
+    raise RuntimeError(f"{base}: not ready after {timeout_s} s")
+
+
+def serve(index: Path, log: Path, env: dict[str, str], *flags: str) -> tuple[list[str], str]:
+    port = free_port()
+    return ([ESPN, "serve", str(index), "--port", str(port), "--workers", "1", *flags], f"http://127.0.0.1:{port}")
+
+
+async def lag_at_rate(writer: str, follower: str, rate: float, seconds: float, tag: str) -> dict[str, Any]:
+    """Open-loop PUTs at `rate`/s for `seconds`; for each, ack time and first time the follower has it."""
+    lags: list[float] = []
+    failed = 0
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def one(i: int) -> None:
+            nonlocal failed
+            doc_id = f"{tag}-{i}"
+            answer = await client.put(f"{writer}/v1/documents/{doc_id}",
+                                      json={"text": f"replication lag probe {doc_id} about tectonic plates"})
+            if answer.status_code not in (200, 201):
+                failed += 1
+                return
+            acked = time.perf_counter()
+            while (await client.get(f"{follower}/v1/documents/{doc_id}")).status_code != 200:
+                if time.perf_counter() - acked > 120:
+                    failed += 1
+                    return
+                await asyncio.sleep(0.02)
+            lags.append(time.perf_counter() - acked)
+
+        tasks = []
+        started = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            await asyncio.sleep(max(0.0, started + i / rate - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    stats = percentiles([lag * 1000 for lag in lags]) if lags else {}
+    return {"rate": rate, "writes": len(lags), "failed": failed, "lag_ms": stats}
+
+
+def search_latencies(base: str, queries: list[str], k: int) -> list[float]:
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for query in queries:
+            started = time.perf_counter()
+            answer = client.post(f"{base}/v1/search", json={"query": query, "k": k})
+            answer.raise_for_status()
+            out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--index", type=Path, default=SCIFACT_INDEX, help="one index of the corpus")
+    parser.add_argument("--parts", type=Path, default=ROOT / ".espn" / "scifact-parts",
+                        help="the same corpus as `espn index --partitions 2` (part-0, part-1)")
+    parser.add_argument("--rates", default="1,2,5,10", help="write rates (per second) for the lag study")
+    parser.add_argument("--seconds", type=float, default=30.0, help="seconds of writes per rate")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of catch-up and of the search comparison")
+    parser.add_argument("--queries", type=int, default=100, help="queries per search repeat")
+    parser.add_argument("--query-file", type=Path, default=SCIFACT / "queries.jsonl",
+                        help="BEIR queries.jsonl (their `text`)")
+    args = parser.parse_args(argv)
+    for path in (args.index, args.parts / "part-0", args.parts / "part-1"):
+        if not (path / "manifest.json").is_file():
+            parser.error(f"{path}: no index (build it: espn index CORPUS --out {args.index} and "
+                         f"espn index CORPUS --out {args.parts} --partitions 2)")
+
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    store.start()
+    aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(aws)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ESPN_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    url = f"s3://{BUCKET}/bench"
+    results: dict[str, Any] = {"machine": machine(), "index": str(args.index)}
+    work = Path(tempfile.mkdtemp(prefix="espn-bench-replication-"))
+    try:
+        volume = work / "writer"
+        shutil.copytree(args.index, volume)
+        command, writer = serve(volume, work / "writer.log", env, "--publish", url, "--publish-interval-s", "0.2",
+                                "--no-warmup")
+        with process(command, work / "writer.log", env) as writer_proc:
+            wait_ready(writer, writer_proc)
+            started = time.perf_counter()
+            while httpx.get(f"{writer}/readyz", timeout=10).json()["replication"]["published_generation"] is None:
+                time.sleep(0.1)
+            results["first_publish_s"] = round(time.perf_counter() - started, 2)
+            size = sum(p.stat().st_size for p in args.index.rglob("*") if p.is_file())
+            results["index_bytes"] = size
+
+            catch_up = []
+            for r in range(args.repeats):
+                command, follower = serve(work / f"empty-{r}", work / f"catch-up-{r}.log", env, "--follow", url,
+                                          "--no-warmup")
+                started = time.perf_counter()
+                with process(command, work / f"catch-up-{r}.log", env) as proc:
+                    wait_ready(follower, proc)
+                    catch_up.append(time.perf_counter() - started)
+                shutil.rmtree(work / f"empty-{r}")
+            results["catch_up_s"] = {"runs": [round(s, 2) for s in catch_up], "median": round(median(catch_up), 2)}
+            print(f"catch-up from empty: median {median(catch_up):.1f} s over {args.repeats} "
+                  f"({size / 2**20:.0f} MiB index; first publish {results['first_publish_s']} s)", flush=True)
+
+            command, follower = serve(work / "follower", work / "follower.log", env, "--follow", url,
+                                      "--follow-interval-s", "0.2", "--no-warmup")
+            with process(command, work / "follower.log", env) as proc:
+                wait_ready(follower, proc)
+                lag_rows = []
+                for rate in [float(r) for r in args.rates.split(",")]:
+                    row = asyncio.run(lag_at_rate(writer, follower, rate, args.seconds, f"r{rate:g}"))
+                    lag_rows.append(row)
+                    print(f"rate {rate:g}/s: {row['writes']} writes, lag p50 {row['lag_ms'].get('p50', 0):.0f} ms, "
+                          f"p99 {row['lag_ms'].get('p99', 0):.0f} ms, failed {row['failed']}", flush=True)
+                results["lag"] = lag_rows
+
+        # Router over 2 partitions against one index of the same documents.
+        queries = [row["text"] for row in read_jsonl(args.query_file)][: args.queries]
+        commands = [serve(args.index, work / "whole.log", env, "--no-warmup")]
+        commands += [serve(args.parts / f"part-{p}", work / f"part-{p}.log", env, "--no-warmup") for p in range(2)]
+        with contextlib.ExitStack() as stack:
+            procs = [stack.enter_context(process(c, work / f"search-{i}.log", env)) for i, (c, _) in enumerate(commands)]
+            for (_, base), proc in zip(commands, procs):
+                wait_ready(base, proc)
+            router_port = free_port()
+            router = f"http://127.0.0.1:{router_port}"
+            route = [ESPN, "route", "--shards", ",".join(base for _, base in commands[1:]), "--port", str(router_port)]
+            router_proc = stack.enter_context(process(route, work / "router.log", env))
+            wait_ready(router, router_proc)
+            for base in (commands[0][1], router):  # warm both (first queries load pages and compile paths)
+                search_latencies(base, queries[:20], 10)
+            whole, routed = [], []
+            for _ in range(args.repeats):
+                whole.append(median(search_latencies(commands[0][1], queries, 10)))
+                routed.append(median(search_latencies(router, queries, 10)))
+            results["search_p50_ms"] = {"one_index": whole, "router_2_partitions": routed,
+                                        "ratio": round(median(routed) / median(whole), 3)}
+    finally:
+        store.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(markdown_table(["write rate (/s)", "writes", "lag p50 (ms)", "lag p99 (ms)", "failed"],
+                         [[r["rate"], r["writes"], r["lag_ms"].get("p50"), r["lag_ms"].get("p99"), r["failed"]]
+                          for r in results["lag"]]))
+    search = results["search_p50_ms"]
+    print()
+    print(markdown_table(["", "search p50 (ms), median of repeats"],
+                         [["one index", median(search["one_index"])],
+                          ["router, 2 partitions", median(search["router_2_partitions"])],
+                          ["ratio", search["ratio"]]]))
+    write_results("replication", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
