@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import httpx
 
@@ -104,3 +104,24 @@ def running_server(index: Path, log_dir: Path, *flags: str, env: Optional[dict[s
         yield server
     finally:
         server.terminate()
+
+
+@contextlib.contextmanager
+def s3_server(monkeypatch: Any, bucket: str) -> Iterator[tuple[Any, dict[str, str]]]:
+    """A real S3-compatible server (moto's) on a free loopback port with `bucket` created; the
+    AWS_* variables that reach it are set in this process and returned for child processes."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    store.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield store, env
+    finally:
+        store.stop()

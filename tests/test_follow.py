@@ -4,20 +4,19 @@ real uvicorn processes, a real S3-compatible server (moto's) that the test stops
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import pytest
-from server_fixtures import running_server
+from server_fixtures import running_server, s3_server
 
 from espn_indexing.live import LiveIndex, NewDocument
 from espn_indexing.object_store import publish
 
 pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 BUCKET = "espn-replica"
 URL = f"s3://{BUCKET}/sample"
@@ -38,19 +37,7 @@ def _readyz(server) -> dict:
 
 def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_going_away(
         sample_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    store.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    try:
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
+    with s3_server(monkeypatch, BUCKET) as (store, env):
         source = tmp_path / "source"
         shutil.copytree(sample_index, source)
         with LiveIndex.open(source) as writer:
@@ -90,5 +77,3 @@ def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_goin
             assert status["generation"] == status["source_generation"]
             metrics = httpx.get(f"{base}/metrics", timeout=30).text
             assert "espn_replication_lag_generations 0.0" in metrics and "espn_replication_stale 0.0" in metrics
-    finally:
-        store.stop()

@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 from helpers import run_espn
-from server_fixtures import BIN, REPO, ServerProcess, free_port
+from server_fixtures import BIN, REPO, ServerProcess, free_port, s3_server
 
 from espn.partitioning import owner
 
 pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 SAMPLE_CORPUS = REPO / "espn" / "data" / "sample_corpus.jsonl"
 CRASH_SERVE = [sys.executable, str(Path(__file__).with_name("crash_serve.py"))]
@@ -78,20 +78,8 @@ class Cluster:
 
 @pytest.fixture
 def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    import boto3
-
-    port = free_port()
-    store = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    store.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    try:
+    with s3_server(monkeypatch, BUCKET) as (_, env):
         yield env
-    finally:
-        store.stop()
 
 
 def _records(prefix: str) -> set[int]:
