@@ -40,8 +40,8 @@ from espn.segments import Generation, held_generation, read_current
 
 from .snapshot import new_directory, write_generation_record
 
-__all__ = ["ObjectStoreUrl", "PublishResult", "Publisher", "Follower", "Retention", "publish", "restore_from_store", "apply_retention",
-           "is_store_url"]
+__all__ = ["ObjectStoreUrl", "PublishResult", "Publisher", "Follower", "Retention", "publish", "restore_from_store",
+           "apply_retention", "is_store_url"]
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,13 @@ class _RangeReader(io.RawIOBase):
         super().close()
 
 
-def publish(index: Path, url: str) -> PublishResult:
-    """Upload the index's current generation (what is not stored yet), then its record, then LATEST."""
+def publish(index: Path, url: str, client: Any = None) -> PublishResult:
+    """Upload the index's current generation (what is not stored yet), then its record, then LATEST.
+    `client`: a boto3 S3 client to reuse (one is made by default)."""
     index, where = Path(index), ObjectStoreUrl.parse(url)
     if not (index / "manifest.json").is_file():
         raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
-    client = _client()
+    client = client or _client()
     uploaded = uploaded_bytes = there = 0
     with held_generation(index) as generation:
         pieces = _pieces(index, generation)
@@ -287,6 +288,7 @@ class Publisher:
                 try:
                     self.publish_once()
                 except Exception as exc:  # noqa: BLE001 - the store is away: writes go on, publish later
+                    self._client = None  # a fresh one next time (the endpoint or credentials may have changed)
                     self._record(error=f"{type(exc).__name__}: {exc}")
             self._stop.wait(self.interval_s)
 
@@ -295,7 +297,8 @@ class Publisher:
         current = read_current(self.index).number
         if current == self._published().get("generation"):
             return None
-        result = publish(self.index, self.url)
+        self._client = self._client or _client()  # made once: a boto3 client costs tens of ms to make
+        result = publish(self.index, self.url, self._client)
         self._record(generation=result.generation)
         if self.keep is not None and time.monotonic() - self._retained_at > self.RETENTION_EVERY_S:
             self._retained_at = time.monotonic()
