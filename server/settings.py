@@ -148,6 +148,11 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
         return value
 
+    @field_validator("snapshot_dir")
+    @classmethod
+    def _absolute(cls, value: Optional[Path]) -> Optional[Path]:
+        return value.expanduser().resolve() if value is not None else None
+
     @field_validator("follow", "publish")
     @classmethod
     def _check_store_url(cls, value: Optional[str]) -> Optional[str]:

@@ -53,13 +53,14 @@ class Cluster:
         self.processes: list[ServerProcess] = []
 
     def serve(self, name: str, index: Path, *flags: str, espn: list[str] | None = None,
-              extra_env: dict[str, str] | None = None, port: int | None = None) -> ServerProcess:
+              extra_env: dict[str, str] | None = None, port: int | None = None, wait: bool = True) -> ServerProcess:
         port = port or free_port()
         command = [*(espn or [str(BIN / "espn")]), "serve", str(index), "--host", "127.0.0.1", "--port", str(port),
                    "--workers", "1", "--no-warmup", *flags]
         server = ServerProcess(command, port, self.tmp / f"{name}.log", {**self.env, **(extra_env or {})})
         self.processes.append(server)
-        server.wait_ready()
+        if wait:
+            server.wait_ready()
         return server
 
     def route(self, shards: list[str], writers: list[str]) -> ServerProcess:
@@ -110,14 +111,18 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
             shutil.copytree(tmp_path / "built" / f"part-{p}", volumes[p])
         publish = ["--publish-interval-s", "0.2"]
         writers = [cluster.serve("writer-0", volumes[0], "--publish", urls[0], *publish, espn=CRASH_SERVE,
-                                 extra_env={"ESPN_TEST_CRASH_AT": "uploaded:40"}),
-                   cluster.serve("writer-1", volumes[1], "--publish", urls[1], *publish)]
+                                 extra_env={"ESPN_TEST_CRASH_AT": "uploaded:40"}, wait=False),
+                   cluster.serve("writer-1", volumes[1], "--publish", urls[1], *publish, wait=False)]
+        for server in writers:  # started together, waited for together
+            server.wait_ready()
         for prefix in prefixes:
             _until(lambda: bool(_records(prefix)), f"the first publish to {prefix}")
         # Followers start from nothing: each restores the newest generation, then follows.
         follow = ["--follow-interval-s", "0.3"]
-        followers = [[cluster.serve(f"follower-{p}-{j}", tmp_path / f"follower-{p}-{j}", "--follow", urls[p], *follow)
-                      for j in range(2)] for p in range(PARTITIONS)]
+        followers = [[cluster.serve(f"follower-{p}-{j}", tmp_path / f"follower-{p}-{j}", "--follow", urls[p], *follow,
+                                    wait=False) for j in range(2)] for p in range(PARTITIONS)]
+        for server in followers[0] + followers[1]:
+            server.wait_ready()
         router = cluster.route([followers[p][0].base_url for p in range(PARTITIONS)], [w.base_url for w in writers])
 
         # Every follower's generation, watched all along, to check against what was published.
