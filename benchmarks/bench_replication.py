@@ -73,38 +73,59 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> flo
     raise RuntimeError(f"{base}: not ready after {timeout_s} s")
 
 
-def serve(index: Path, log: Path, env: dict[str, str], *flags: str) -> tuple[list[str], str]:
+def serve(index: Path, *flags: str) -> tuple[list[str], str]:
+    """The command of `espn serve INDEX` on a free port, and its base URL."""
     port = free_port()
     return ([ESPN, "serve", str(index), "--port", str(port), "--workers", "1", *flags], f"http://127.0.0.1:{port}")
 
 
 async def lag_at_rate(writer: str, follower: str, rate: float, seconds: float, tag: str) -> dict[str, Any]:
-    """Open-loop PUTs at `rate`/s for `seconds`; for each, ack time and first time the follower has it."""
-    lags: list[float] = []
+    """Open-loop PUTs at `rate`/s for `seconds`. A write answered with generation g is on the
+    follower from the moment the follower serves a generation >= g (generations are whole and
+    ordered), which one poller of the follower's /readyz sees every 20 ms: polling each id
+    would load the follower more than the writes do."""
+    acked: list[tuple[float, int]] = []
     failed = 0
+    seen: list[tuple[float, int]] = []
+    done = asyncio.Event()
     async with httpx.AsyncClient(timeout=60) as client:
         async def one(i: int) -> None:
             nonlocal failed
             doc_id = f"{tag}-{i}"
             answer = await client.put(f"{writer}/v1/documents/{doc_id}",
                                       json={"text": f"replication lag probe {doc_id} about tectonic plates"})
-            if answer.status_code not in (200, 201):
+            if answer.status_code in (200, 201):
+                acked.append((time.perf_counter(), answer.json()["generation"]))
+            else:
                 failed += 1
-                return
-            acked = time.perf_counter()
-            while (await client.get(f"{follower}/v1/documents/{doc_id}")).status_code != 200:
-                if time.perf_counter() - acked > 120:
-                    failed += 1
-                    return
-                await asyncio.sleep(0.02)
-            lags.append(time.perf_counter() - acked)
 
+        async def watch() -> None:
+            while not done.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    generation = (await client.get(f"{follower}/readyz")).json()["replication"]["generation"]
+                    seen.append((time.perf_counter(), generation))
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
         tasks = []
         started = time.perf_counter()
         for i in range(int(rate * seconds)):
             await asyncio.sleep(max(0.0, started + i / rate - time.perf_counter()))
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
+        newest = max((g for _, g in acked), default=0)
+        deadline = time.perf_counter() + 300
+        while (not seen or seen[-1][1] < newest) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        done.set()
+        await watcher
+    lags = []
+    for at, generation in acked:
+        visible = next((t for t, g in seen if t >= at and g >= generation), None)
+        if visible is None:
+            failed += 1
+        else:
+            lags.append(visible - at)
     stats = percentiles([lag * 1000 for lag in lags]) if lags else {}
     return {"rate": rate, "writes": len(lags), "failed": failed, "lag_ms": stats}
 
@@ -125,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=Path, default=SCIFACT_INDEX, help="one index of the corpus")
     parser.add_argument("--parts", type=Path, default=ROOT / ".espn" / "scifact-parts",
                         help="the same corpus as `espn index --partitions 2` (part-0, part-1)")
+    parser.add_argument("--studies", default="catch-up,lag,search", help="which of the three to run (comma-separated)")
     parser.add_argument("--rates", default="1,2,5,10", help="write rates (per second) for the lag study")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds of writes per rate")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of catch-up and of the search comparison")
@@ -132,12 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query-file", type=Path, default=SCIFACT / "queries.jsonl",
                         help="BEIR queries.jsonl (their `text`)")
     args = parser.parse_args(argv)
-    for path in (args.index, args.parts / "part-0", args.parts / "part-1"):
+    studies = set(args.studies.split(","))
+    for path in (args.index, *((args.parts / "part-0", args.parts / "part-1") if "search" in studies else ())):
         if not (path / "manifest.json").is_file():
             parser.error(f"{path}: no index (build it: espn index CORPUS --out {args.index} and "
                          f"espn index CORPUS --out {args.parts} --partitions 2)")
 
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's access log: one line per request
 
     port = free_port()
     store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -155,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         volume = work / "writer"
         shutil.copytree(args.index, volume)
-        command, writer = serve(volume, work / "writer.log", env, "--publish", url, "--publish-interval-s", "0.2",
+        command, writer = serve(volume, "--publish", url, "--publish-interval-s", "0.2",
                                 "--no-warmup")
         with process(command, work / "writer.log", env) as writer_proc:
             wait_ready(writer, writer_proc)
@@ -167,67 +194,74 @@ def main(argv: list[str] | None = None) -> int:
             results["index_bytes"] = size
 
             catch_up = []
-            for r in range(args.repeats):
-                command, follower = serve(work / f"empty-{r}", work / f"catch-up-{r}.log", env, "--follow", url,
+            for r in range(args.repeats if "catch-up" in studies else 0):
+                command, follower = serve(work / f"empty-{r}", "--follow", url,
                                           "--no-warmup")
                 started = time.perf_counter()
                 with process(command, work / f"catch-up-{r}.log", env) as proc:
                     wait_ready(follower, proc)
                     catch_up.append(time.perf_counter() - started)
                 shutil.rmtree(work / f"empty-{r}")
-            results["catch_up_s"] = {"runs": [round(s, 2) for s in catch_up], "median": round(median(catch_up), 2)}
-            print(f"catch-up from empty: median {median(catch_up):.1f} s over {args.repeats} "
-                  f"({size / 2**20:.0f} MiB index; first publish {results['first_publish_s']} s)", flush=True)
+            if catch_up:
+                results["catch_up_s"] = {"runs": [round(s, 2) for s in catch_up], "median": round(median(catch_up), 2)}
+                print(f"catch-up from empty: median {median(catch_up):.1f} s over {args.repeats} "
+                      f"({size / 2**20:.0f} MiB index; first publish {results['first_publish_s']} s)", flush=True)
 
-            command, follower = serve(work / "follower", work / "follower.log", env, "--follow", url,
+            command, follower = serve(work / "follower", "--follow", url,
                                       "--follow-interval-s", "0.2", "--no-warmup")
             with process(command, work / "follower.log", env) as proc:
                 wait_ready(follower, proc)
                 lag_rows = []
-                for rate in [float(r) for r in args.rates.split(",")]:
+                for rate in [float(r) for r in args.rates.split(",")] if "lag" in studies else []:
                     row = asyncio.run(lag_at_rate(writer, follower, rate, args.seconds, f"r{rate:g}"))
                     lag_rows.append(row)
                     print(f"rate {rate:g}/s: {row['writes']} writes, lag p50 {row['lag_ms'].get('p50', 0):.0f} ms, "
                           f"p99 {row['lag_ms'].get('p99', 0):.0f} ms, failed {row['failed']}", flush=True)
                 results["lag"] = lag_rows
 
-        # Router over 2 partitions against one index of the same documents.
-        queries = [row["text"] for row in read_jsonl(args.query_file)][: args.queries]
-        commands = [serve(args.index, work / "whole.log", env, "--no-warmup")]
-        commands += [serve(args.parts / f"part-{p}", work / f"part-{p}.log", env, "--no-warmup") for p in range(2)]
-        with contextlib.ExitStack() as stack:
-            procs = [stack.enter_context(process(c, work / f"search-{i}.log", env)) for i, (c, _) in enumerate(commands)]
-            for (_, base), proc in zip(commands, procs):
-                wait_ready(base, proc)
-            router_port = free_port()
-            router = f"http://127.0.0.1:{router_port}"
-            route = [ESPN, "route", "--shards", ",".join(base for _, base in commands[1:]), "--port", str(router_port)]
-            router_proc = stack.enter_context(process(route, work / "router.log", env))
-            wait_ready(router, router_proc)
-            for base in (commands[0][1], router):  # warm both (first queries load pages and compile paths)
-                search_latencies(base, queries[:20], 10)
-            whole, routed = [], []
-            for _ in range(args.repeats):
-                whole.append(median(search_latencies(commands[0][1], queries, 10)))
-                routed.append(median(search_latencies(router, queries, 10)))
-            results["search_p50_ms"] = {"one_index": whole, "router_2_partitions": routed,
-                                        "ratio": round(median(routed) / median(whole), 3)}
+        if "search" in studies:
+            results["search_p50_ms"] = compare_search(args, work, env)
     finally:
         store.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print()
-    print(markdown_table(["write rate (/s)", "writes", "lag p50 (ms)", "lag p99 (ms)", "failed"],
-                         [[r["rate"], r["writes"], r["lag_ms"].get("p50"), r["lag_ms"].get("p99"), r["failed"]]
-                          for r in results["lag"]]))
-    search = results["search_p50_ms"]
-    print()
-    print(markdown_table(["", "search p50 (ms), median of repeats"],
-                         [["one index", median(search["one_index"])],
-                          ["router, 2 partitions", median(search["router_2_partitions"])],
-                          ["ratio", search["ratio"]]]))
+    if results.get("lag"):
+        print()
+        print(markdown_table(["write rate (/s)", "writes", "lag p50 (ms)", "lag p99 (ms)", "failed"],
+                             [[r["rate"], r["writes"], r["lag_ms"].get("p50"), r["lag_ms"].get("p99"), r["failed"]]
+                              for r in results["lag"]]))
+    if "search_p50_ms" in results:
+        search = results["search_p50_ms"]
+        print()
+        print(markdown_table(["", "search p50 (ms), median of repeats"],
+                             [["one index", median(search["one_index"])],
+                              ["router, 2 partitions", median(search["router_2_partitions"])],
+                              ["ratio", search["ratio"]]]))
     write_results("replication", results)
     return 0
+
+
+def compare_search(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Router over 2 partitions against one index of the same documents, interleaved per repeat."""
+    queries = [row["text"] for row in read_jsonl(args.query_file)][: args.queries]
+    commands = [serve(args.index, "--no-warmup")]
+    commands += [serve(args.parts / f"part-{p}", "--no-warmup") for p in range(2)]
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(process(c, work / f"search-{i}.log", env)) for i, (c, _) in enumerate(commands)]
+        for (_, base), proc in zip(commands, procs):
+            wait_ready(base, proc)
+        router_port = free_port()
+        router = f"http://127.0.0.1:{router_port}"
+        route = [ESPN, "route", "--shards", ",".join(base for _, base in commands[1:]), "--port", str(router_port)]
+        router_proc = stack.enter_context(process(route, work / "router.log", env))
+        wait_ready(router, router_proc)
+        for base in (commands[0][1], router):  # warm both (first queries load pages and compile paths)
+            search_latencies(base, queries[:20], 10)
+        whole, routed = [], []
+        for _ in range(args.repeats):
+            whole.append(median(search_latencies(commands[0][1], queries, 10)))
+            routed.append(median(search_latencies(router, queries, 10)))
+        return {"one_index": whole, "router_2_partitions": routed, "ratio": round(median(routed) / median(whole), 3)}
 
 
 if __name__ == "__main__":

@@ -149,9 +149,12 @@ class _RangeReader(io.RawIOBase):
         super().close()
 
 
-def publish(index: Path, url: str, client: Any = None) -> PublishResult:
+def publish(index: Path, url: str, client: Any = None, stored: set[str] | None = None) -> PublishResult:
     """Upload the index's current generation (what is not stored yet), then its record, then LATEST.
-    `client`: a boto3 S3 client to reuse (one is made by default)."""
+
+    `client`: a boto3 S3 client to reuse (one is made by default). `stored`: sha256s of blobs
+    known to be on the store (not asked again; what this publish finds or uploads is added).
+    """
     index, where = Path(index), ObjectStoreUrl.parse(url)
     if not (index / "manifest.json").is_file():
         raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
@@ -161,8 +164,13 @@ def publish(index: Path, url: str, client: Any = None) -> PublishResult:
         pieces = _pieces(index, generation)
         for piece in pieces:
             key = where.key(f"blobs/{piece['sha256']}")
+            if stored is not None and piece["sha256"] in stored:
+                there += 1
+                continue
             if _exists(client, where.bucket, key):
                 there += 1
+                if stored is not None:
+                    stored.add(piece["sha256"])
                 continue
             path, start, stop = index / piece["path"], piece["start"], piece["stop"]
             if sha256_file(path, start, stop) != piece["sha256"]:
@@ -171,6 +179,8 @@ def publish(index: Path, url: str, client: Any = None) -> PublishResult:
             with _RangeReader(path, start, stop) as body:  # streamed (multipart when large), never whole in memory
                 client.upload_fileobj(body, where.bucket, key)
             uploaded, uploaded_bytes = uploaded + 1, uploaded_bytes + stop - start
+            if stored is not None:
+                stored.add(piece["sha256"])
             _checkpoint("uploaded")
         record = {"generation": generation.to_json(), "pieces": pieces}
         name = f"gen-{generation.number:06d}.json"
@@ -242,7 +252,12 @@ class Publisher:
     def __init__(self, url: str, index: Path, interval_s: float = 1.0, keep: int | None = None) -> None:
         ObjectStoreUrl.parse(url)
         self.url, self.index, self.interval_s, self.keep = url, Path(index), interval_s, keep
-        self._retained_at = 0.0
+        self._retained_at = 0.0  # the first publish applies retention
+        self._stored_since = time.monotonic()
+        # Blobs this process stored or saw stored: a publish asks the store only about new pieces
+        # (one HEAD per piece of every generation otherwise). Forgotten when retention runs and
+        # every RETENTION_EVERY_S, so a blob collected meanwhile is asked about again.
+        self._stored: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
@@ -298,10 +313,13 @@ class Publisher:
         if current == self._published().get("generation"):
             return None
         self._client = self._client or _client()  # made once: a boto3 client costs tens of ms to make
-        result = publish(self.index, self.url, self._client)
+        if time.monotonic() - self._stored_since > self.RETENTION_EVERY_S:
+            self._stored, self._stored_since = set(), time.monotonic()
+        result = publish(self.index, self.url, self._client, self._stored)
         self._record(generation=result.generation)
         if self.keep is not None and time.monotonic() - self._retained_at > self.RETENTION_EVERY_S:
             self._retained_at = time.monotonic()
+            self._stored = set()
             apply_retention(self.url, self.keep)
         return result.generation
 
