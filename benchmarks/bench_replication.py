@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=100, help="queries per search repeat")
     parser.add_argument("--query-file", type=Path, default=SCIFACT / "queries.jsonl",
                         help="BEIR queries.jsonl (their `text`)")
+    parser.add_argument("--quick", action="store_true", help="a small run: 2 writes/s for 2 s, 1 repeat, 5 queries")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.seconds, args.repeats, args.queries = "2", 2.0, 1, 5
     studies = set(args.studies.split(","))
     for path in (args.index, *((args.parts / "part-0", args.parts / "part-1") if "search" in studies else ())):
         if not (path / "manifest.json").is_file():

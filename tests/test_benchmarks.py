@@ -349,8 +349,7 @@ def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: 
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps({"_id": str(i), "text": q}) + "\n"
                                for i, q in enumerate(["rivers and floods", "bread baking", "train timetables"])))
-    assert bench_replication.main(["--index", str(sample_index), "--parts", str(tmp_path / "parts"), "--rates", "2",
-                                   "--seconds", "2", "--repeats", "1", "--queries", "3",
+    assert bench_replication.main(["--index", str(sample_index), "--parts", str(tmp_path / "parts"), "--quick",
                                    "--query-file", str(queries)]) == 0
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
