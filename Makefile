@@ -63,6 +63,9 @@ check-wheel: install
 		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/run.trec --k 10
 	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
 		--qrels espn/data/sample_qrels.tsv --out $(WHEEL_CHECK)/hybrid.trec --k 10 --mode hybrid
+	# Object storage is an extra: without boto3, --publish is refused in one line, before serving.
+	! $(WHEEL_VENV)/bin/espn serve $(WHEEL_CHECK)/index --publish s3://bucket/prefix 2> $(WHEEL_CHECK)/publish.err
+	grep -q "pip install 'espn\[s3\]'" $(WHEEL_CHECK)/publish.err
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
 
 # The README's settings tables, from the settings models (server/settings.py): run after adding a setting.

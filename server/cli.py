@@ -194,6 +194,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except (EspnError, ValueError, OSError) as error:
         print(f"espn serve: error: {error}", file=sys.stderr)
         return 1
+    if settings.publish is not None or settings.follow is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("boto3") is None:  # else every worker's thread would fail on its own
+            print("espn serve: error: --publish and --follow need boto3: pip install 'espn[s3]'", file=sys.stderr)
+            return 1
     if settings.follow is not None:  # a follower's index changes only by what it fetches
         settings = settings.model_copy(update={"read_only": True})
     if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
