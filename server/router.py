@@ -23,8 +23,8 @@ would form (the top rerank_count by dense score, the top lexical_k by BM25) and 
 with `espn.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
 report. What remains different from one index is BM25's corpus statistics (document
 frequencies, average length), which each partition computes over its own documents: with
-documents spread by a hash of their ids they differ by sampling noise only. Measured on 2 partitions of
-300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
+documents spread by a hash of their ids they differ by sampling noise only. Measured on 2
+partitions of 300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
 every routed hybrid ranking within the tolerance stated there.
 
 Nothing here is a cluster manager: the shard list is static configuration, and
