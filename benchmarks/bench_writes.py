@@ -1,6 +1,6 @@
 """The live index in production: descriptors, write rate, its cost to searches, compaction, deletes.
 
-    python -m benchmarks.bench_writes --index /work/data/scifact-index --large /work/data/synth2m
+    python -m benchmarks.bench_writes --index .espn/scifact-index --large /data/synth2m
     python -m benchmarks.bench_writes --index INDEX --corpus CORPUS --queries QUERIES --quick
 
 INDEX (and LARGE) are never modified: the script works on a copy in --work (LARGE's copy
