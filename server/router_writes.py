@@ -33,10 +33,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from espn.errors import InvalidParameterError
-from espn.ids import decode_doc_id
 from espn.partitioning import HASH_NAME, PartitionLayout, owner
 
-from .schemas import BatchWriteRequest, ErrorResponse
+from .schemas import BatchWriteRequest, ErrorResponse, path_doc_id
 
 __all__ = ["PartitionOutcome", "RoutedWriteResponse", "WriterPool", "add_write_routes"]
 
@@ -160,12 +159,6 @@ def _relay(answer: httpx.Response | JSONResponse, partition: int) -> JSONRespons
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _raw_id(request: Request) -> str:
-    """The id exactly as sent (raw path, percent-decoded, strict UTF-8), as the server reads it."""
-    raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
-    return decode_doc_id(urllib.parse.unquote_to_bytes(raw.split(b"/v1/documents/", 1)[-1]))
-
-
 def add_write_routes(app: FastAPI, pool: Callable[[], WriterPool], observe: Callable[[str, float, int], None]) -> None:
     """PUT, DELETE and batch writes on `app`, placed by id (see the module doc)."""
 
@@ -175,7 +168,7 @@ def add_write_routes(app: FastAPI, pool: Callable[[], WriterPool], observe: Call
     async def single(request: Request, method: str) -> JSONResponse:
         started = time.perf_counter()
         try:
-            doc_id = _raw_id(request)
+            doc_id = path_doc_id(request)
         except InvalidParameterError as exc:
             return JSONResponse({"error": "invalid_parameter", "message": str(exc)}, status_code=422)
         writers = pool()

@@ -15,11 +15,13 @@ twice in one write) are 409s, documented as such.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from starlette.requests import Request
 
-from espn.ids import id_problem
+from espn.ids import decode_doc_id, id_problem
 
 __all__ = [
     "MAX_QUERY_CHARS",
@@ -72,6 +74,16 @@ def _non_blank(value: str) -> str:
     if _BLANK.fullmatch(value):
         raise ValueError("must contain a non-whitespace character")
     return value
+
+
+def path_doc_id(request: Request) -> str:
+    """The id in a /v1/documents/{id} URL exactly as sent: the raw path after /v1/documents/,
+    percent-decoded to bytes, then strict UTF-8 and the id rules (InvalidParameterError, a 422,
+    naming the problem). Starlette's decoding would turn invalid bytes into U+FFFD, so two
+    different ids could collide."""
+    raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
+    tail = raw.split(b"/v1/documents/", 1)[-1]
+    return decode_doc_id(urllib.parse.unquote_to_bytes(tail))
 
 
 def check_write_id(value: str) -> str:

@@ -18,18 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import urllib.parse
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Sequence
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AfterValidator
 
-from espn.ids import decode_doc_id
-
 from ..deps import AppState, get_state
 from ..errors import ApiError
 from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
-                       DocumentWrite, ErrorResponse, WriteResponse, check_write_id)
+                       DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
 
 if TYPE_CHECKING:
     from espn_indexing.commit import GroupCommit
@@ -74,14 +71,6 @@ async def batch_other_methods() -> None:
     raise ApiError(405, "method not allowed: /v1/documents/batch takes POST", headers={"Allow": "POST"})
 
 
-def _path_id(request: Request) -> str:
-    """The id in the URL exactly as sent: the raw path after /v1/documents/, percent-decoded to
-    bytes, then strict UTF-8 and the id rules (InvalidParameterError, a 422, naming the problem)."""
-    raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
-    tail = raw.split(b"/v1/documents/", 1)[-1]
-    return decode_doc_id(urllib.parse.unquote_to_bytes(tail))
-
-
 @router.get(
     "/{doc_id:path}",
     response_model=DocumentResponse,
@@ -93,7 +82,7 @@ async def get_document(
     doc_id: StoredId,
     state: AppState = Depends(get_state),
 ) -> DocumentResponse:
-    exact = _path_id(request)
+    exact = path_doc_id(request)
     with state.lease() as searcher:
         # Reads passage text from disk: keep it off the event loop.
         document = await asyncio.to_thread(searcher.document, exact)
@@ -202,7 +191,7 @@ async def put_document(
 ) -> WriteResponse:
     from espn_indexing.live import NewDocument
 
-    result = await _apply(state, [NewDocument(_path_id(request), body.text, body.title, body.metadata)], [])
+    result = await _apply(state, [NewDocument(path_doc_id(request), body.text, body.title, body.metadata)], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -219,7 +208,7 @@ async def delete_document(
     doc_id: StoredId,
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    return _response(await _apply(state, [], [_path_id(request)]))
+    return _response(await _apply(state, [], [path_doc_id(request)]))
 
 
 @router.post(
