@@ -158,7 +158,8 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
             if i % 29 in (4, 9, 14, 19, 24):  # 50 batches of 5 upserts, spread over both partitions; 240 PUTs
                 ids = [f"w{i}-{j}" for j in range(5)]
                 answer = send("POST", "/v1/documents/batch",
-                              {"upsert": [{"id": d, "text": f"replicated passage {d} about glaciers"} for d in ids]})
+                              {"upsert": [{"id": d, "text": f"replicated passage {d} about glaciers",
+                                           "metadata": {"kind": "batch"}} for d in ids]})
                 assert answer.status_code == 200, answer.text
                 assert sorted(answer.json()["applied"]) == sorted({owner(d, PARTITIONS) for d in ids})
                 written = ids
@@ -212,6 +213,14 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
             hits = client.post(f"{router.base_url}/v1/search", json={"query": "replicated passage about glaciers",
                                                                       "k": 10}).json()["results"]
             assert {hit["id"] for hit in hits} & acknowledged
+            # Combined with filters and explanations, on a follower of each partition: the metadata
+            # written through the router replicated with its documents.
+            for p in range(PARTITIONS):
+                found = client.post(f"{followers[p][1].base_url}/v1/search", json={
+                    "query": "replicated passage about glaciers", "k": 5, "filter": {"kind": {"in": ["batch"]}},
+                    "explain": True}).json()["results"]
+                assert found and all("-" in hit["id"] and owner(hit["id"], PARTITIONS) == p for hit in found)
+                assert all(hit["explanation"] for hit in found)
         # No follower ever served a generation that was not wholly published.
         published = [_records(prefix) for prefix in prefixes]
         assert served and all(generation in published[p] for p, generation in served)
