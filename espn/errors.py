@@ -15,6 +15,7 @@ __all__ = [
     "IndexLockedError",
     "ReadOnlyIndexError",
     "WriteFailedError",
+    "ObjectStoreError",
 ]
 
 
@@ -69,3 +70,8 @@ class ReadOnlyIndexError(EspnError):
 class WriteFailedError(EspnError):
     """A write could not be published (the disk is full, the writer queue is full, ...);
     nothing of it is visible and it may be retried."""
+
+
+class ObjectStoreError(EspnError):
+    """Object storage cannot be reached, or an object an index needs is missing or unreadable
+    there; the message names the object (s3://BUCKET/KEY), what it was needed for, and the cause."""

@@ -25,6 +25,7 @@ from typing import Iterator
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import fsync_path, sha256_file, write_json_atomic
+from espn.layout import check_generation_layout
 from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
 
 __all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "write_generation_record"]
@@ -89,6 +90,8 @@ def restore(source: Path, dest: Path) -> SnapshotResult:
 
 
 def _copy_generation(index: Path, generation: Generation, out: Path) -> SnapshotResult:
+    # A snapshot being restored came from outside: nothing it names may lead out of `out`.
+    check_generation_layout(generation, str(index / LIVE_DIR / generation.file_name))
     out.mkdir(parents=True)
     if generation.base != ".":  # the root's manifest marks the directory as an index (the base is below)
         shutil.copyfile(index / "manifest.json", out / "manifest.json")
