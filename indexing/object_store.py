@@ -715,6 +715,10 @@ class Follower:
 
         client = self._client = self._client or _client()
         name = _latest_name(client, self.where)
+        if name is not None:
+            with self._lock:  # what the store says is newest, even when its record is then refused
+                self._source_generation, self._source_created = int(name[4:10]), ""
+                self._last_contact = time.monotonic()
         checked = _read_record(client, self.where, name) if name is not None else None
         if checked is None:
             raise ObjectStoreError(f"{self.url}: no published generation there "
@@ -722,7 +726,6 @@ class Follower:
         remote, pieces = checked
         with self._lock:
             self._source_generation, self._source_created = remote.number, remote.created
-            self._last_contact = time.monotonic()
         if remote.number <= read_current(self.index).number:
             return None
         what = self.where.url(f"generations/{name}")
