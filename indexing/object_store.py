@@ -490,6 +490,7 @@ class Publisher:
         self.where = ObjectStoreUrl.parse(url)
         self.url, self.index, self.interval_s, self.keep = url, Path(index), interval_s, keep
         self.verify_every_s = 60 * interval_s if verify_every_s is None else verify_every_s
+        self.max_backoff_s = max(interval_s, min(30.0, 16 * interval_s))  # between attempts while they fail
         self._retained_at = 0.0  # the first publish applies retention
         # Blobs seen on the store lately (by a listing, a HEAD or an upload): a publish asks the
         # store only about new pieces. None: a full check is due (at start, after an error, and
@@ -553,17 +554,16 @@ class Publisher:
                     self._warnings.resolved(f"publishing {self.index} to {self.url}: the store answers again")
             except Exception as exc:  # noqa: BLE001 - the thread must outlive any failure: record, retry later
                 self._failures += 1
-                delay = min(max(self.interval_s, min(30.0, 16 * self.interval_s)),
-                            self.interval_s * 2 ** min(self._failures, 10))
-                self._failed(exc, delay)
+                delay = min(self.max_backoff_s, self.interval_s * 2 ** min(self._failures, 10))
+                self._failed(exc)
             self._stop.wait(delay)
 
-    def _failed(self, exc: Exception, retry_in_s: float) -> None:
+    def _failed(self, exc: Exception) -> None:
         """After a failure: a fresh client and a full check next time; the error in live/PUBLISHED, logged once."""
         self._client, self._stored = None, None  # the endpoint, credentials or the store's contents may have changed
         error = str(exc) if isinstance(exc, EspnError) else _cause(exc)
-        self._warnings.warning(f"publishing {self.index} to {self.url}: {error} (writes go on; retrying every "
-                               f"{retry_in_s:.1f} s at most)")
+        self._warnings.warning(f"publishing {self.index} to {self.url}: {error} (writes go on; retrying, "
+                               f"{self.max_backoff_s:g} s apart at most)")
         try:
             self._record(error=error)
         except Exception as state_error:  # noqa: BLE001 - e.g. a full disk: still retry, say so once

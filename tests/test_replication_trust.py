@@ -268,6 +268,8 @@ def test_the_publisher_outlives_store_outages_and_the_writers_recovery(sample_in
         publisher.stop()
     restored = tmp_path / "restored"
     assert restore_from_store(url, restored) == read_current(index).number == 3
+    with Searcher.open(restored) as searcher:  # every write acknowledged during an outage is on the store
+        assert [searcher.document(f"o{i}").text for i in range(3)] == [f"written during outage {i}" for i in range(3)]
 
 
 def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_index: Path, tmp_path: Path,
