@@ -16,6 +16,7 @@ published generation, which drops whatever an unpublished one added.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..corpus import passage_text
-from ..errors import IndexCorruptError, InvalidParameterError
+from ..errors import IndexCorruptError, InvalidParameterError, storage_full
 from ..index import fsync_path, sha256_file
 from .config import TOKENIZER_NAME, TextConfig
 from .query import LexicalQuery
@@ -362,6 +363,17 @@ class TextIndex:
             self._shadow = None
 
 
+def _io_error(exc: ValueError, what: str) -> Exception:
+    """A Tantivy error as the library's: a full disk is a StorageFullError, another I/O failure
+    an OSError (the writer answers both as a failed write), anything else stays what it was."""
+    full = storage_full(exc, what)
+    if full is not None:
+        return full
+    if "IO error" in str(exc):
+        return OSError(errno.EIO, f"{what}: {exc}")
+    return exc
+
+
 def _shadow_of(directory: Path) -> Path:
     """A private temporary directory of symbolic links to `directory`'s index files."""
     import tempfile
@@ -403,12 +415,15 @@ class TextWriter:
         import tantivy
 
         numbers = [int(n) for n in np.asarray(deletes, dtype=np.int64).tolist()]
-        if numbers:
-            self._writer.delete_documents_by_query(
-                tantivy.Query.term_set_query(self._index.schema, FIELD_DOC, numbers))
-        for doc in adds:
-            self._writer.add_document(_document(doc))
-        self._writer.commit()
+        try:
+            if numbers:
+                self._writer.delete_documents_by_query(
+                    tantivy.Query.term_set_query(self._index.schema, FIELD_DOC, numbers))
+            for doc in adds:
+                self._writer.add_document(_document(doc))
+            self._writer.commit()
+        except ValueError as exc:  # Tantivy reports I/O failures as ValueError("An IO error occurred: ...")
+            raise _io_error(exc, f"the full-text index in {self.work}") from exc
 
     def publish(self, dest: Path, previous: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Hard-link the committed state into the new directory `dest` (created whole by a
