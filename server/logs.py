@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["JsonFormatter", "RepeatFilter", "logging_config", "ACCESS_LOGGER"]
 
@@ -39,9 +39,9 @@ class RepeatFilter(logging.Filter):
     "socket.accept() out of system resource") cannot fill a disk. The first record let through
     after a quiet period carries `suppressed`: how many like it were dropped before."""
 
-    def __init__(self, burst: int = 5, period_s: float = 60.0) -> None:
+    def __init__(self, burst: int = 5, period_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.burst, self.period_s = burst, period_s
+        self.burst, self.period_s, self.clock = burst, period_s, clock
         self._seen: dict[tuple[str, int, str], list[float]] = {}  # -> [window start, let through, dropped]
         self._lock = threading.Lock()
 
@@ -49,7 +49,7 @@ class RepeatFilter(logging.Filter):
         if record.levelno < logging.WARNING:
             return True
         key = (record.name, record.levelno, str(record.msg))
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             window = self._seen.get(key)
             if window is None or now - window[0] >= self.period_s:
