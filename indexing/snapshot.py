@@ -215,9 +215,18 @@ def _copy_prefix(source: Path, target: Path, length: int) -> None:
     with open(source, "rb") as src, open(target, "wb") as dst:
         if os.fstat(src.fileno()).st_size < length:
             raise IndexCorruptError(f"{source}: shorter than the {length} bytes the generation published")
-        left = length
+        left, in_kernel = length, True
         while left > 0:  # in-kernel copy (reflinks where the filesystem has them)
-            done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+            try:
+                if in_kernel:
+                    done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+                else:
+                    done = os.sendfile(dst.fileno(), src.fileno(), None, min(left, 1 << 30))
+            except OSError as exc:
+                if not in_kernel or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                in_kernel = False  # across filesystems (or none of them supports it): sendfile
+                continue
             if done == 0:
                 raise IndexCorruptError(f"{source}: ended before byte {length}")
             left -= done

@@ -104,8 +104,10 @@ def test_the_full_text_engine_on_a_full_disk_raises_storage_full_and_keeps_its_p
         ballast = fill(disk, leave_bytes=0)
         writer = TextWriter(disk / "work", published, config, heap_bytes=16 << 20)
         with pytest.raises(StorageFullError, match="full-text index"):
-            writer.apply([TextDocument(100 + i, "t", "words " * 2000) for i in range(200)], [])
-        writer.close()
+            try:  # as the writer's text side does: the engine is closed whatever happened
+                writer.apply([TextDocument(100 + i, "t", f"words{i} " * 2000) for i in range(200)], [])
+            finally:
+                writer.close()
         ballast.unlink()
         with TextWriter(disk / "work", published, config, heap_bytes=16 << 20) as again:
             again.apply([TextDocument(1000, "after", "space came back")], [])

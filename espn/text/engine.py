@@ -363,15 +363,23 @@ class TextIndex:
             self._shadow = None
 
 
-def _io_error(exc: ValueError, what: str) -> Exception:
+def _io_error(exc: ValueError, what: str, directory: Path, room_bytes: int) -> Exception:
     """A Tantivy error as the library's: a full disk is a StorageFullError, another I/O failure
-    an OSError (the writer answers both as a failed write), anything else stays what it was."""
+    an OSError (the writer answers both as a failed write), anything else stays what it was.
+
+    A failure in Tantivy's indexing thread reaches Python only as "An index writer was killed
+    ... (io::Error most likely)", without its cause: it counts as a full disk when the
+    filesystem has less free than `room_bytes` (what the writer flushes at once) or 1% of it."""
     full = storage_full(exc, what)
     if full is not None:
         return full
-    if "IO error" in str(exc):
-        return OSError(errno.EIO, f"{what}: {exc}")
-    return exc
+    message = str(exc)
+    if "IO error" not in message and "io::Error" not in message:
+        return exc
+    stat = os.statvfs(directory)
+    if stat.f_bavail * stat.f_frsize < max(room_bytes, stat.f_blocks * stat.f_frsize // 100):
+        return storage_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory)), what) or exc
+    return OSError(errno.EIO, f"{what}: {exc}")
 
 
 def _shadow_of(directory: Path) -> Path:
@@ -409,6 +417,7 @@ class TextWriter:
             restore_work(self.work, Path(published))
         self._index = _open(self.work, config)
         self._writer = self._index.writer(heap_size=heap_bytes, num_threads=1)
+        self._heap_bytes = heap_bytes
 
     def apply(self, adds: Sequence[TextDocument], deletes: Sequence[int] | np.ndarray) -> None:
         """Delete the doc numbers `deletes`, add `adds`, and commit (not yet published)."""
@@ -423,7 +432,10 @@ class TextWriter:
                 self._writer.add_document(_document(doc))
             self._writer.commit()
         except ValueError as exc:  # Tantivy reports I/O failures as ValueError("An IO error occurred: ...")
-            raise _io_error(exc, f"the full-text index in {self.work}") from exc
+            raise self._io_error(exc) from exc
+
+    def _io_error(self, exc: ValueError) -> Exception:
+        return _io_error(exc, f"the full-text index in {self.work}", self.work, 2 * self._heap_bytes)
 
     def publish(self, dest: Path, previous: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Hard-link the committed state into the new directory `dest` (created whole by a
@@ -479,9 +491,11 @@ class TextWriter:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.wait_merging_threads()
-            self._writer = None
-            self._index = None
+            writer, self._writer, self._index = self._writer, None, None
+            try:
+                writer.wait_merging_threads()
+            except ValueError as exc:  # a merge that failed, or the writer killed by a failed write
+                raise self._io_error(exc) from exc
 
     def __enter__(self) -> "TextWriter":
         return self
