@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
     "EspnError",
     "InvalidParameterError",
@@ -16,6 +19,8 @@ __all__ = [
     "ReadOnlyIndexError",
     "WriteFailedError",
     "ObjectStoreError",
+    "StorageFullError",
+    "storage_full",
 ]
 
 
@@ -29,7 +34,8 @@ class InvalidParameterError(EspnError, ValueError):
 
 class ConflictError(InvalidParameterError):
     """A write that conflicts with itself (an id twice, an id both upserted and deleted) or with the
-    index (a metadata field given another type than the index holds). HTTP: 409."""
+    index (a metadata field given another type than the index holds), or a name that is taken (a
+    snapshot that exists or is being taken). HTTP: 409."""
 
 
 class CorpusError(EspnError):
@@ -75,3 +81,31 @@ class WriteFailedError(EspnError):
 class ObjectStoreError(EspnError):
     """Object storage cannot be reached, or an object an index needs is missing or unreadable
     there; the message names the object (s3://BUCKET/KEY), what it was needed for, and the cause."""
+
+
+class StorageFullError(WriteFailedError):
+    """The filesystem holding the index (or a snapshot) has no space left: what was being written
+    is removed or never published, nothing acknowledged before is lost; free space and retry.
+    HTTP: 507."""
+
+
+# What a full disk says: the errno of an OSError, or the text of a native library that only
+# hands back a message (Tantivy: "An IO error occurred: 'No space left on device (os error 28)'").
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_FULL_MESSAGES = tuple(os.strerror(code) for code in sorted(_FULL_ERRNOS))
+
+
+def storage_full(exc: BaseException, what: str) -> StorageFullError | None:
+    """`exc` as a StorageFullError naming `what` was being written, None when it is not a full
+    disk. The one place that recognises one: library boundaries (the writer, the text engine,
+    snapshots) call it where they catch an OSError or a native library's error."""
+    if isinstance(exc, StorageFullError):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return StorageFullError(f"no space left on device writing {what}{where}; nothing of it was kept, "
+                                "free space and retry")
+    if not isinstance(exc, OSError) and any(message in str(exc) for message in _FULL_MESSAGES):
+        return StorageFullError(f"no space left on device writing {what} ({exc}); nothing of it was kept, "
+                                "free space and retry")
+    return None

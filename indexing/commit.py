@@ -35,7 +35,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
-from espn.errors import EspnError, WriteFailedError
+from espn.errors import EspnError, WriteFailedError, storage_full
 
 from . import live
 from .encode import EncodedDocuments
@@ -215,7 +215,11 @@ class GroupCommit:
     @staticmethod
     def _fail(group: list[_Queued], exc: BaseException) -> None:
         """Every write of the group hears of the failure; nothing of it was published."""
-        if isinstance(exc, OSError):
+        full = storage_full(exc, f"{len(group)} write(s)")
+        if full is not None:  # a 507: nothing of it published; the next write's recovery removes its leftovers
+            log.warning("%s", full)
+            exc = full
+        elif isinstance(exc, OSError):
             log.warning("writing %d writes failed: %s", len(group), exc, exc_info=exc)
             exc = WriteFailedError(f"the write failed: {exc.strerror or exc}; nothing of it was published")
         elif not isinstance(exc, EspnError):  # a bug: logged with its traceback, the committer goes on

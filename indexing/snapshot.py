@@ -8,8 +8,15 @@ so the copy is complete or absent (it is built beside its destination and rename
 place). Immutable files are hard-linked where the filesystem allows (no bytes copied);
 `embeddings.bin`, which the writer appends to (and whose unpublished tail its recovery
 truncates), is always copied, up to the generation's published length. Every file is checked
-against its size and sha256 as it lands. A restore is the same copy from a snapshot (itself
-an index directory), verified in full.
+against its size and sha256 as it lands, and the whole copy as `espn verify` checks an index
+before it is renamed into place. A restore is the same copy from a snapshot (itself an index
+directory), verified in full.
+
+A name is claimed before any byte is copied: `NAME.partial` is created under an flock of the
+destination's parent directory and stays flocked while it is built, so of two snapshots (or
+restores) to the same name, in threads or processes, one builds and the other gets
+ConflictError at once; a `NAME.partial` no live claim holds is a crash's leftover and is
+removed. A full disk is a StorageFullError, with the partial copy removed and the name free.
 """
 
 from __future__ import annotations
@@ -17,18 +24,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
-from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.errors import ConflictError, IndexCorruptError, InvalidParameterError, storage_full
 from espn.index import fsync_path, sha256_file, write_json_atomic
 from espn.layout import check_generation_layout
-from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation
+from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation, open_view
 
-__all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "write_generation_record"]
+__all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "verify_copy", "write_generation_record"]
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +52,13 @@ class SnapshotResult:
 
 
 def snapshot(index: Path, dest: Path) -> SnapshotResult:
-    """A consistent point-in-time copy of the index's current generation at `dest` (new)."""
+    """A consistent point-in-time copy of the index's current generation at `dest` (new), verified
+    in full before it appears. ConflictError: `dest` exists or is being taken; StorageFullError: the
+    disk filled (nothing is left behind)."""
     index, dest = Path(index), Path(dest)
     if not (index / "manifest.json").is_file():
         raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
-    with new_directory(dest, "a snapshot") as staging:
+    with new_directory(dest, "a snapshot", verify=verify_copy) as staging:
         with held_generation(index) as generation:
             result = _copy_generation(index, generation, staging)
     log.info("%s: generation %d copied to %s (%d files; %d bytes linked, %d copied)", index, result.generation,
@@ -56,43 +66,86 @@ def snapshot(index: Path, dest: Path) -> SnapshotResult:
     return result
 
 
+def verify_copy(directory: Path) -> None:
+    """What `espn verify` checks: the current generation opens and every byte matches its sha256."""
+    open_view(directory, verify="full").close()
+
+
 @contextlib.contextmanager
-def new_directory(dest: Path, what: str) -> Iterator[Path]:
-    """A directory built beside `dest` and renamed into place (fsynced) when the block succeeds,
-    removed when it fails: `dest` is whole or absent."""
-    if dest.exists():
-        raise InvalidParameterError(f"{dest}: already exists; {what} goes to a new directory")
+def new_directory(dest: Path, what: str, verify: Optional[Callable[[Path], None]] = None) -> Iterator[Path]:
+    """A directory built beside `dest` (claimed at once, see the module doc) and renamed into place
+    (fsynced) when the block succeeds and `verify` passes on it; removed when either fails, the name
+    then free again: `dest` is whole or absent."""
+    dest = Path(dest)
     staging = dest.with_name(dest.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        claim = _claim(dest, staging, what)
+    except OSError as exc:
+        raise storage_full(exc, f"{what} to {dest}") or exc
     try:
         yield staging
+        if verify is not None:
+            verify(staging)
         fsync_path(staging)
-        os.replace(staging, dest)
+        os.rename(staging, dest)
         fsync_path(dest.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        full = storage_full(exc, f"{what} to {dest}")
+        if full is not None:
+            raise full from exc
         raise
+    finally:
+        os.close(claim)
+
+
+def _claim(dest: Path, staging: Path, what: str) -> int:
+    """Create `staging` and return an fd holding its flock; claims in one directory take turns
+    (an flock of the directory), so creating and locking is one step to any other claimant."""
+    parent = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(parent, fcntl.LOCK_EX)  # held for a few syscalls, never during a copy
+        if dest.exists():
+            raise ConflictError(f"{dest}: already exists; {what} goes to a new directory")
+        try:
+            os.mkdir(staging)
+        except FileExistsError:
+            leftover = _locked(staging)
+            if leftover is None:
+                raise ConflictError(f"{dest}: {what} of this name is being taken (by another request or "
+                                    "process); choose another name or retry when it is done") from None
+            os.close(leftover)  # nobody holds it: a crashed copy's leftover
+            shutil.rmtree(staging)
+            os.mkdir(staging)
+        claim = _locked(staging)
+        assert claim is not None, "a directory created under the parent's lock is locked by nobody else"
+        return claim
+    finally:
+        os.close(parent)
+
+
+def _locked(directory: Path) -> Optional[int]:
+    """An fd holding an exclusive flock of `directory`, None when another holds it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def restore(source: Path, dest: Path) -> SnapshotResult:
     """A servable index directory at `dest` (new) from a snapshot (or any index directory),
-    every byte checked against the generation's sha256."""
-    from espn.segments import open_view
-
-    result = snapshot(source, dest)
-    try:
-        open_view(dest, verify="full").close()
-    except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
-    return result
+    every byte checked against the generation's sha256 before it appears (`snapshot` verifies)."""
+    return snapshot(source, dest)
 
 
 def _copy_generation(index: Path, generation: Generation, out: Path) -> SnapshotResult:
     # A snapshot being restored came from outside: nothing it names may lead out of `out`.
     check_generation_layout(generation, str(index / LIVE_DIR / generation.file_name))
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)  # the claimed staging directory
     if generation.base != ".":  # the root's manifest marks the directory as an index (the base is below)
         shutil.copyfile(index / "manifest.json", out / "manifest.json")
     linked = copied = files = 0
@@ -157,9 +210,18 @@ def _copy_prefix(source: Path, target: Path, length: int) -> None:
     with open(source, "rb") as src, open(target, "wb") as dst:
         if os.fstat(src.fileno()).st_size < length:
             raise IndexCorruptError(f"{source}: shorter than the {length} bytes the generation published")
-        left = length
+        left, in_kernel = length, True
         while left > 0:  # in-kernel copy (reflinks where the filesystem has them)
-            done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+            try:
+                if in_kernel:
+                    done = os.copy_file_range(src.fileno(), dst.fileno(), min(left, 1 << 30))
+                else:
+                    done = os.sendfile(dst.fileno(), src.fileno(), None, min(left, 1 << 30))
+            except OSError as exc:
+                if not in_kernel or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                in_kernel = False  # across filesystems (or none of them supports it): sendfile
+                continue
             if done == 0:
                 raise IndexCorruptError(f"{source}: ended before byte {length}")
             left -= done

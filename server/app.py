@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from . import connections
 from .batching import MicroBatcher
 from .deps import AppState, declare_api_key
 from .docs import add_offline_docs
@@ -233,7 +234,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     # Added innermost first: the access log sees every response, 413s and CORS included; the
     # key is checked before the body is read; a CORS preflight is answered without the key.
     app.add_middleware(CancelledRequestMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
     if settings.cors_origins:
@@ -252,4 +253,6 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
 def create_app() -> FastAPI:
     """uvicorn factory (`server.app:create_app --factory`): settings from ESPN_* variables."""
-    return build_app(ServerSettings())  # type: ignore[call-arg]  # index comes from ESPN_INDEX
+    settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
+    connections.install(settings.connection_limits())  # this worker's connections (uvicorn's http=)
+    return build_app(settings)

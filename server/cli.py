@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from .settings import ENV_PREFIX, ServerSettings
 
-__all__ = ["add_serve_arguments", "run_serve", "register"]
+__all__ = ["add_serve_arguments", "run_serve", "register", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # "other settings" (server/settings_doc.py makes one flag per ServerSettings field).
 SERVE_GROUPS = (
     ("listening", ("host", "port", "workers", "preload", "graceful_timeout_s")),
+    ("connections", ("max_connections", "header_timeout_s", "body_timeout_s", "keep_alive_s")),
     ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "torch_threads",
                 "max_pending", "fair_chunk_queries")),
     ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct")),
@@ -214,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)
-    if settings.api_key is None and not _is_loopback(settings.host):
+    if settings.api_key is None and not is_loopback(settings.host):
         print(json.dumps({"level": "WARNING", "event": "unauthenticated",
                           "message": f"serving on {settings.host} without ESPN_API_KEY: anyone who can reach this "
                           "address can search and read every document; set ESPN_API_KEY (from a secret)"}),
@@ -230,6 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _return_freed_memory()
 
+    from .connections import GuardedH11Protocol
     from .logs import logging_config
 
     # uvicorn re-raises the SIGTERM it drained on, so the process would end "killed by
@@ -249,6 +251,9 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=settings.log_level,
             access_log=False,  # server.middleware.AccessMiddleware logs each request once
             server_header=False,
+            http=GuardedH11Protocol,  # the connection cap and header timeout (server.connections)
+            backlog=settings.connection_limits().backlog,
+            timeout_keep_alive=settings.keep_alive_s,
             timeout_graceful_shutdown=settings.graceful_timeout_s,
             # Loading torch and the index can take a while on a busy machine.
             timeout_worker_healthcheck=60,
@@ -268,7 +273,7 @@ def _exit_cleanly(signum: int, frame: Optional[types.FrameType]) -> None:
     raise SystemExit(0)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
-                         InvalidParameterError, ReadOnlyIndexError, WriteFailedError)
+                         InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
 from espn.partitioning import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
@@ -39,6 +39,7 @@ _CODES = {
     422: "invalid_request",
     429: "too_many_requests",
     503: "unavailable",
+    507: "insufficient_storage",
 }
 
 
@@ -163,6 +164,13 @@ async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
 
 
+async def _on_storage_full(request: Request, exc: Exception) -> JSONResponse:
+    """The disk is full: 507 with the library's message (what was being written; nothing of it
+    kept). Logged, since only the operator can free space."""
+    logger.error("%s %s: %s", request.method, request.url.path, exc)
+    return error_response(507, "insufficient_storage", str(exc), headers={"Retry-After": "30"})
+
+
 async def _on_index_corrupt(request: Request, exc: Exception) -> JSONResponse:
     """A file of the index failed its check while serving a request: the operator's problem (logged),
     the client's answer a 503 naming it, never a traceback."""
@@ -196,5 +204,6 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(CorpusError, _on_corpus_error)
     app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
     app.add_exception_handler(WriteFailedError, _on_write_failed)
+    app.add_exception_handler(StorageFullError, _on_storage_full)  # a WriteFailedError: the closest handler wins
     app.add_exception_handler(IndexCorruptError, _on_index_corrupt)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

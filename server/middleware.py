@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,9 +40,11 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class AccessMiddleware:
-    """Counts, times and logs every HTTP request (one structured line each); sets X-Request-ID."""
+    """Counts, times and logs every HTTP request (one structured line each); sets X-Request-ID.
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
+    The line names the path, never the query string (it may carry a key) nor a header."""
+
+    def __init__(self, app: ASGIApp, metrics: Optional[ServerMetrics], routes: list[BaseRoute]) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes  # matched in order to label a request by its route template
@@ -67,8 +69,9 @@ class AccessMiddleware:
         status = 500  # what the client gets if the app raises before answering
         started = time.perf_counter()
         endpoint = self._endpoint(scope)
-        in_flight = self.metrics.in_flight.labels(endpoint)
-        in_flight.inc()
+        in_flight = self.metrics.in_flight.labels(endpoint) if self.metrics is not None else None
+        if in_flight is not None:
+            in_flight.inc()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -81,9 +84,10 @@ class AccessMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            in_flight.dec()
             seconds = time.perf_counter() - started
-            self.metrics.observe_request(endpoint, scope["method"], status, seconds)
+            if in_flight is not None and self.metrics is not None:
+                in_flight.dec()
+                self.metrics.observe_request(endpoint, scope["method"], status, seconds)
             extra: dict[str, Any] = {}
             state = scope.get("state")
             if isinstance(state, dict) and isinstance(state.get(LOG_EXTRA_KEY), dict):
@@ -132,16 +136,18 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads the request body up to `max_bytes`, answering 413 beyond it.
+    """Reads the request body up to `max_bytes` within `timeout_s`, answering 413 beyond the size
+    and 408 beyond the time (a body trickling a byte a second holds a connection no longer).
 
     A declared Content-Length over the limit is refused before reading anything; a
     chunked body is counted as it arrives. The body is buffered (it is small by then)
     and replayed to the app.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -155,21 +161,19 @@ class BodyLimitMiddleware:
             if int(declared) > self.max_bytes:
                 await self._too_large(scope, receive, send)
                 return
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
-            body = message.get("body", b"")
-            total += len(body)
-            if total > self.max_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        buffered = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                buffered = await self._read(receive)
+        except TimeoutError:
+            response = error_response(408, "request_timeout", f"the request body did not arrive within "
+                                      f"{self.timeout_s:g} s", headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        if buffered is None:
+            return  # the client left before sending its body
+        if len(buffered) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -180,6 +184,20 @@ class BodyLimitMiddleware:
             return await receive()  # after the body: wait for the disconnect, as Starlette expects
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or its first max_bytes + 1 bytes; None when the client left."""
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body = message.get("body", b"")
+            total += len(body)
+            chunks.append(body)
+            if total > self.max_bytes or not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes",

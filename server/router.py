@@ -50,6 +50,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from . import connections
+from .logs import logging_config
+from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from .schemas import (
     MAX_EXPLAIN_K,
     MAX_K,
@@ -441,6 +444,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
         _observe("batch", started, bool(failures))
         return RoutedBatchResponse(responses=responses, partial=bool(failures), failed_shards=failures)
 
+    _add_middleware(app, settings)
     if settings.writers:
         add_write_routes(app, lambda: writer_pool, _observe_status)
     else:
@@ -502,6 +506,16 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     return app
 
 
+def _add_middleware(app: FastAPI, settings: RouterSettings) -> None:
+    """As the server's: the key checked before the body is read (a request without it gets 401,
+    never a schema error), the body bounded in size and time, one access line per request that
+    names the path but never the query string (where a client may have put its key)."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
+    app.add_middleware(AccessMiddleware, metrics=None, routes=app.router.routes)
+
+
 # ---------------------------------------------------------------------------------------
 # Command line: `espn route`
 
@@ -510,7 +524,7 @@ def run_route(args: argparse.Namespace) -> int:
     """Validate the settings and serve until SIGTERM/SIGINT. Returns an exit code."""
     import uvicorn
 
-    from .cli import settings_error_line
+    from .cli import is_loopback, settings_error_line
 
     given = {name: getattr(args, name, None) for name in RouterSettings.model_fields}
     try:
@@ -520,6 +534,13 @@ def run_route(args: argparse.Namespace) -> int:
         return 2
     print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
           f"listening on {settings.host}:{settings.port}", file=sys.stderr)
+    if settings.api_key is None and not is_loopback(settings.host):
+        print(f"espn route: warning: listening on {settings.host} without ESPN_API_KEY: anyone who can reach it can "
+              "search every partition", file=sys.stderr)
+    limits = settings.connection_limits()
+    connections.install(limits)
     uvicorn.run(build_router_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=logging_config(settings.log_level), access_log=False, server_header=False,
+                http=connections.GuardedH11Protocol, backlog=limits.backlog, timeout_keep_alive=settings.keep_alive_s,
                 timeout_graceful_shutdown=30)
     return 0

@@ -14,17 +14,21 @@ before it binds a port.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import resource
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "READER_NAMES", "MIN_API_KEY_CHARS"]
+__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "READER_NAMES", "MIN_API_KEY_CHARS",
+           "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
+           "RESERVED_DESCRIPTORS"]
 
 ENV_PREFIX = "ESPN_"
 ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
@@ -60,6 +64,21 @@ class ServerSettings(BaseSettings):
                                             "(false: each worker starts a fresh interpreter)")
     graceful_timeout_s: int = Field(30, ge=1, le=3600,
                                     description="seconds in-flight requests get after SIGTERM")
+
+    # Connections (server/connections.py): what a client that sends nothing, or trickles, can hold.
+    max_connections: Optional[int] = Field(
+        None, ge=1, le=1_000_000,
+        description="open client connections per worker; past it the oldest connection waiting for a request is "
+                    "closed (or, all busy, the new one gets 503); unset: the open-file limit (`ulimit -n`) less a "
+                    "quarter of it (at least 64) kept for the index's files and less 4 listen backlogs (limit / 32, "
+                    "8 to 2048); 160 under `ulimit -n 256`")
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0,
+                                    description="a connection must send a whole request head within this many "
+                                                "seconds of opening (or of its previous answer), else it is closed")
+    body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0,
+                                  description="a request body must arrive whole within this many seconds; a slower "
+                                              "one gets 408 and the connection is closed")
+    keep_alive_s: int = Field(5, ge=1, le=3600, description="how long an idle keep-alive connection is kept open")
 
     # Micro-batching: requests with identical parameters arriving within `batch_wait_ms`
     # share one Searcher.search call of at most `max_batch_size` queries.
@@ -179,20 +198,7 @@ class ServerSettings(BaseSettings):
     @field_validator("api_key")
     @classmethod
     def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
-        # An empty ESPN_API_KEY (a secret that did not mount, `ESPN_API_KEY=$UNSET`) must not
-        # quietly turn authentication off: only an unset variable means "no key".
-        if value is None:
-            return None
-        key = value.get_secret_value()
-        if key == "":
-            raise ValueError("is empty; unset ESPN_API_KEY to serve without a key, or give one of at least "
-                             f"{MIN_API_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)")
-        if len(key) < MIN_API_KEY_CHARS:
-            raise ValueError(f"has {len(key)} characters; at least {MIN_API_KEY_CHARS} are needed "
-                             "(e.g. `openssl rand -hex 32`)")
-        if not _API_KEY_CHARS.match(key):
-            raise ValueError("must be printable ASCII without spaces (it is sent in an HTTP header)")
-        return value
+        return check_api_key(value)
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -218,6 +224,15 @@ class ServerSettings(BaseSettings):
         if self.max_pending < self.max_batch_size:
             raise ValueError("max_pending must be at least max_batch_size")
         return self
+
+    @model_validator(mode="after")
+    def _check_max_connections(self) -> "ServerSettings":
+        _check_connections_below_limit(self.max_connections)
+        return self
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The per-worker limits server.connections enforces."""
+        return _connection_limits(self.max_connections, self.header_timeout_s)
 
     @model_validator(mode="after")
     def _check_metrics_port(self) -> "ServerSettings":
@@ -293,6 +308,34 @@ class RouterSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="TCP port, 0 for any free one")
     max_connections: int = Field(256, ge=1, le=100_000, description="open connections per shard")
     log_level: LogLevel = Field("info", description="router log level")
+    api_key: Optional[SecretStr] = Field(
+        None, validation_alias=AliasChoices("ESPN_ROUTER_API_KEY", "ESPN_API_KEY"),
+        description="if set, /v1/* needs `Authorization: Bearer <key>` (checked before the body is read, and passed "
+                    "on to the partitions); read from ESPN_ROUTER_API_KEY, else ESPN_API_KEY like `espn serve`; "
+                    "environment only, never a flag")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
+    max_client_connections: Optional[int] = Field(
+        None, ge=1, le=1_000_000,
+        description="open client connections; past it the oldest one waiting for a request is closed (or, all busy, "
+                    "the new one gets 503); unset: derived from the open-file limit as for `espn serve`")
+    header_timeout_s: float = Field(10.0, gt=0.0, le=3600.0,
+                                    description="a connection must send a whole request head within this many seconds")
+    body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0,
+                                  description="a request body must arrive whole within this many seconds, else 408")
+    keep_alive_s: int = Field(5, ge=1, le=3600, description="how long an idle keep-alive connection is kept open")
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
+        return check_api_key(value)
+
+    @model_validator(mode="after")
+    def _check_max_connections(self) -> "RouterSettings":
+        _check_connections_below_limit(self.max_client_connections)
+        return self
+
+    def connection_limits(self) -> ConnectionLimits:
+        return _connection_limits(self.max_client_connections, self.header_timeout_s)
 
     @field_validator("shards", "writers", mode="before")
     @classmethod
@@ -337,3 +380,69 @@ def _base_urls(value: list[str], what: str) -> list[str]:
     if duplicates:
         raise ValueError(f"{what} URLs repeat: {', '.join(duplicates)}")
     return urls
+
+
+def check_api_key(value: Optional[SecretStr]) -> Optional[SecretStr]:
+    """The server's and the router's key: unset, or at least MIN_API_KEY_CHARS printable characters."""
+    # An empty ESPN_API_KEY (a secret that did not mount, `ESPN_API_KEY=$UNSET`) must not
+    # quietly turn authentication off: only an unset variable means "no key".
+    if value is None:
+        return None
+    key = value.get_secret_value()
+    if key == "":
+        raise ValueError("is empty; unset ESPN_API_KEY to serve without a key, or give one of at least "
+                         f"{MIN_API_KEY_CHARS} characters (e.g. `openssl rand -hex 32`)")
+    if len(key) < MIN_API_KEY_CHARS:
+        raise ValueError(f"has {len(key)} characters; at least {MIN_API_KEY_CHARS} are needed "
+                         "(e.g. `openssl rand -hex 32`)")
+    if not _API_KEY_CHARS.match(key):
+        raise ValueError("must be printable ASCII without spaces (it is sent in an HTTP header)")
+    return value
+
+
+#: Descriptors kept for everything but client connections (the index's files, the metrics
+#: directory, pipes, io_uring), at least; a quarter of the limit when that is more.
+RESERVED_DESCRIPTORS = 64
+_MOST_CONNECTIONS = 65_536  # past this a worker's memory, not its descriptors, is the limit
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionLimits:
+    """What server.connections enforces per process, and the listen backlog that goes with it."""
+
+    max_connections: int
+    header_timeout_s: float
+    backlog: int
+
+
+def descriptor_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (`ulimit -n`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _MOST_CONNECTIONS * 2 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def listen_backlog(limit: Optional[int] = None) -> int:
+    """The listen backlog: asyncio accepts up to this many sockets at a time before the
+    connection cap sees any of them, so it is small next to the descriptor limit."""
+    limit = descriptor_limit() if limit is None else limit
+    return max(8, min(limit // 32, 2048))
+
+
+def default_max_connections(limit: Optional[int] = None) -> int:
+    """Open connections a worker allows by default: the descriptor limit less what is reserved for
+    the index and less four accept bursts (sockets accepted, or closed, but not yet seen by the cap)."""
+    limit = descriptor_limit() if limit is None else limit
+    return max(1, min(limit - max(RESERVED_DESCRIPTORS, limit // 4) - 4 * listen_backlog(limit), _MOST_CONNECTIONS))
+
+
+def _check_connections_below_limit(max_connections: Optional[int]) -> None:
+    limit = descriptor_limit()
+    most = limit - RESERVED_DESCRIPTORS - 4 * listen_backlog(limit)
+    if max_connections is not None and max_connections > most:
+        raise ValueError(f"max connections {max_connections} must stay below the open-file limit {limit} "
+                         f"(`ulimit -n`) less {limit - most} descriptors (index files, accept bursts): at most "
+                         f"{most}, or descriptors run out before it applies")
+
+
+def _connection_limits(max_connections: Optional[int], header_timeout_s: float) -> ConnectionLimits:
+    return ConnectionLimits(max_connections or default_max_connections(), header_timeout_s, listen_backlog())

@@ -184,3 +184,73 @@ def test_snapshots_over_http_are_off_without_a_directory(index: Path, tmp_path: 
     with running_server(index, tmp_path, "--no-warmup") as server:
         off = httpx.post(f"{server.base_url}/v1/snapshots", timeout=30)
         assert off.status_code == 404 and "--snapshot-dir" in off.json()["message"]
+
+
+def test_same_name_snapshots_racing_over_http_acknowledge_one_verified_copy(index: Path, tmp_path: Path) -> None:
+    """Five clients POST the same name at once, three rounds: exactly one 201 per name, the others
+    409 with a message; the acknowledged copy verifies and restores, and the list names only
+    complete copies (no `.partial` left behind)."""
+    import concurrent.futures
+
+    import httpx
+    from server_fixtures import running_server
+
+    snaps = tmp_path / "snaps"
+    with running_server(index, tmp_path, "--snapshot-dir", str(snaps), "--no-warmup") as server:
+        base = server.base_url
+        for round_ in range(3):
+            name = f"race-{round_}"
+            barrier = threading.Barrier(5)
+
+            def take(_: int) -> httpx.Response:
+                barrier.wait()
+                return httpx.post(f"{base}/v1/snapshots", json={"name": name}, timeout=120)
+
+            with concurrent.futures.ThreadPoolExecutor(5) as pool:
+                answers = list(pool.map(take, range(5)))
+            statuses = sorted(a.status_code for a in answers)
+            assert statuses == [201, 409, 409, 409, 409], [a.text for a in answers]
+            for answer in answers:
+                if answer.status_code == 409:
+                    assert answer.json()["error"] == "conflict" and name in answer.json()["message"]
+            assert cli_main(["verify", str(snaps / name)]) == 0
+            restore(snaps / name, tmp_path / f"restored-{round_}")
+        listed = httpx.get(f"{base}/v1/snapshots", timeout=30).json()["snapshots"]
+        assert [s["name"] for s in listed] == ["race-0", "race-1", "race-2"]
+    assert sorted(p.name for p in snaps.iterdir()) == ["race-0", "race-1", "race-2"]
+
+
+def test_a_name_being_taken_is_refused_and_a_crashed_copy_does_not_block_it(index: Path, tmp_path: Path) -> None:
+    """The claim is an flock: a live claim (another thread here) refuses the name at once; a
+    `.partial` nobody holds (what a killed process leaves) is removed and the name taken."""
+    from espn.errors import ConflictError
+    from espn_indexing.snapshot import new_directory
+
+    dest = tmp_path / "snap"
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with new_directory(dest, "a test claim") as staging:
+            (staging / "marker").write_text("claimed")
+            entered.set()
+            release.wait(30)
+            raise RuntimeError("abandon the claim")
+
+    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, hold))
+    thread.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(ConflictError, match="being taken"):
+            snapshot(index, dest)
+        assert (tmp_path / "snap.partial" / "marker").read_text() == "claimed"  # the holder's copy is untouched
+    finally:
+        release.set()
+        thread.join(30)
+    assert not dest.exists() and not (tmp_path / "snap.partial").exists()
+    (tmp_path / "snap.partial").mkdir()  # a crashed copy's leftover: nobody holds it
+    (tmp_path / "snap.partial" / "half-copied").write_bytes(b"x" * 100)
+    result = snapshot(index, dest)
+    assert result.files > 0 and not (tmp_path / "snap.partial").exists()
+    open_view(dest, verify="full").close()
+    with pytest.raises(ConflictError, match="already exists"):
+        snapshot(index, dest)

@@ -16,6 +16,7 @@ published generation, which drops whatever an unpublished one added.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..corpus import passage_text
-from ..errors import IndexCorruptError, InvalidParameterError
+from ..errors import IndexCorruptError, InvalidParameterError, storage_full
 from ..index import fsync_path, sha256_file
 from .config import TOKENIZER_NAME, TextConfig
 from .query import LexicalQuery
@@ -362,6 +363,25 @@ class TextIndex:
             self._shadow = None
 
 
+def _io_error(exc: ValueError, what: str, directory: Path, room_bytes: int) -> Exception:
+    """A Tantivy error as the library's: a full disk is a StorageFullError, another I/O failure
+    an OSError (the writer answers both as a failed write), anything else stays what it was.
+
+    A failure in Tantivy's indexing thread reaches Python only as "An index writer was killed
+    ... (io::Error most likely)", without its cause: it counts as a full disk when the
+    filesystem has less free than `room_bytes` (what the writer flushes at once) or 1% of it."""
+    full = storage_full(exc, what)
+    if full is not None:
+        return full
+    message = str(exc)
+    if "IO error" not in message and "io::Error" not in message:
+        return exc
+    stat = os.statvfs(directory)
+    if stat.f_bavail * stat.f_frsize < max(room_bytes, stat.f_blocks * stat.f_frsize // 100):
+        return storage_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory)), what) or exc
+    return OSError(errno.EIO, f"{what}: {exc}")
+
+
 def _shadow_of(directory: Path) -> Path:
     """A private temporary directory of symbolic links to `directory`'s index files."""
     import tempfile
@@ -397,18 +417,25 @@ class TextWriter:
             restore_work(self.work, Path(published))
         self._index = _open(self.work, config)
         self._writer = self._index.writer(heap_size=heap_bytes, num_threads=1)
+        self._heap_bytes = heap_bytes
 
     def apply(self, adds: Sequence[TextDocument], deletes: Sequence[int] | np.ndarray) -> None:
         """Delete the doc numbers `deletes`, add `adds`, and commit (not yet published)."""
         import tantivy
 
         numbers = [int(n) for n in np.asarray(deletes, dtype=np.int64).tolist()]
-        if numbers:
-            self._writer.delete_documents_by_query(
-                tantivy.Query.term_set_query(self._index.schema, FIELD_DOC, numbers))
-        for doc in adds:
-            self._writer.add_document(_document(doc))
-        self._writer.commit()
+        try:
+            if numbers:
+                self._writer.delete_documents_by_query(
+                    tantivy.Query.term_set_query(self._index.schema, FIELD_DOC, numbers))
+            for doc in adds:
+                self._writer.add_document(_document(doc))
+            self._writer.commit()
+        except ValueError as exc:  # Tantivy reports I/O failures as ValueError("An IO error occurred: ...")
+            raise self._io_error(exc) from exc
+
+    def _io_error(self, exc: ValueError) -> Exception:
+        return _io_error(exc, f"the full-text index in {self.work}", self.work, 2 * self._heap_bytes)
 
     def publish(self, dest: Path, previous: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Hard-link the committed state into the new directory `dest` (created whole by a
@@ -464,9 +491,11 @@ class TextWriter:
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.wait_merging_threads()
-            self._writer = None
-            self._index = None
+            writer, self._writer, self._index = self._writer, None, None
+            try:
+                writer.wait_merging_threads()
+            except ValueError as exc:  # a merge that failed, or the writer killed by a failed write
+                raise self._io_error(exc) from exc
 
     def __enter__(self) -> "TextWriter":
         return self

@@ -55,19 +55,20 @@ def _directory(state: AppState) -> Path:
              summary="Take a consistent snapshot of the served index (while it is searched and written)",
              responses={400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
                         404: {"model": ErrorResponse, "description": "--snapshot-dir is not set"},
-                        409: {"model": ErrorResponse, "description": "a snapshot with this name exists"},
+                        409: {"model": ErrorResponse, "description": "a snapshot with this name exists or is "
+                                                                         "being taken"},
                         413: {"model": ErrorResponse, "description": "request body too large"},
-                        415: {"model": ErrorResponse, "description": "the body is not application/json"}})
+                        415: {"model": ErrorResponse, "description": "the body is not application/json"},
+                        507: {"model": ErrorResponse, "description": "the disk is full (nothing was kept)"}})
 async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState = Depends(get_state)) -> SnapshotInfo:
     from espn_indexing.snapshot import snapshot
 
     directory = _directory(state)
     name = (body.name if body is not None else None) or time.strftime("snapshot-%Y%m%dT%H%M%SZ", time.gmtime())
-    dest = directory / name
-    if dest.exists() or dest.with_name(name + ".partial").exists():
-        raise ApiError(409, f"snapshot {name!r} exists (or is being taken); choose another name", code="conflict")
-    directory.mkdir(parents=True, exist_ok=True)
-    result = await asyncio.to_thread(snapshot, state.settings.index, dest)
+    # The library claims the name before it copies anything (a second request for it gets a
+    # ConflictError, 409) and renames the copy into place only once it verifies; a full disk
+    # is a StorageFullError (507) with nothing left behind.
+    result = await asyncio.to_thread(snapshot, state.settings.index, directory / name)
     return SnapshotInfo(name=name, generation=result.generation, files=result.files,
                         linked_bytes=result.linked_bytes, copied_bytes=result.copied_bytes)
 
