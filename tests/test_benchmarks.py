@@ -28,7 +28,7 @@ pytest.importorskip("matplotlib")
 def tiny_index(tmp_path_factory: pytest.TempPathFactory, sample_index: Path) -> Path:
     """2,000 synthetic documents around the real vectors of an index built in this session.
 
-    The full SciFact index gives the README's geometry; the bundled sample corpus keeps
+    The full SciFact index gives the docs' geometry (docs/benchmarks/index.md); the bundled sample corpus keeps
     the test self-contained on a fresh machine.
     """
     from benchmarks.make_synthetic import generate
