@@ -40,21 +40,23 @@ _HELP_COLUMNS = "100"
 
 
 @contextlib.contextmanager
-def _columns(width: str) -> Iterator[None]:
-    before = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = width
+def _environment(**values: str) -> Iterator[None]:
+    """The process environment with `values` set and no ESPN_* variable (the generated pages
+    show the defaults, whatever the shell that runs `make docs` has set), restored after."""
+    before = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith("ESPN_")]:
+        del os.environ[name]
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = before
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def cli_reference() -> str:
     """Markdown: every subcommand's --help, in the order `espn --help` lists them."""
-    with _columns(_HELP_COLUMNS):
+    with _environment(COLUMNS=_HELP_COLUMNS):
         parser = build_parser()
         subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parts = ["## espn", "", "```text", parser.format_help().rstrip(), "```", ""]
@@ -66,10 +68,9 @@ def cli_reference() -> str:
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI document of `espn serve` with its default settings, no API key and an index
     with no metadata fields (what a server adds from its index is described in the page)."""
-    with tempfile.TemporaryDirectory() as index:
+    with tempfile.TemporaryDirectory() as index, _environment():
         Path(index, "manifest.json").write_text("{}")
-        settings = ServerSettings(index=Path(index), api_key=None)
-        document = build_app(settings).openapi()
+        document = build_app(ServerSettings(index=Path(index))).openapi()
     document["info"]["version"] = "see /openapi.json of a running server"
     return json.loads(json.dumps(document, sort_keys=True))
 
@@ -136,7 +137,11 @@ def _operation(path: str, method: str, operation: dict[str, Any]) -> list[str]:
 def http_reference(document: dict[str, Any]) -> str:
     """Markdown: each operation (parameters, body, every status) and each schema of `document`."""
     lines = ["## Operations", ""]
-    for path, item in document["paths"].items():
+    order = ("/v1/search", "/v1/documents", "/v1/snapshots")  # then the operational endpoints
+    paths = sorted(document["paths"].items(),
+                   key=lambda item: (next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)),
+                                     item[0]))
+    for path, item in paths:
         for method, operation in item.items():
             lines += _operation(path, method, operation)
     lines += ["## Schemas", ""]

@@ -20,8 +20,6 @@ from server_fixtures import running_server
 API_KEY = "page-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path(os.environ.get("ESPN_CHROMIUM", "/usr/bin/chromium"))
-CHROMEDRIVER = Path(os.environ.get("ESPN_CHROMEDRIVER", "/usr/bin/chromedriver"))
 QUERY = "why does the moon turn red during a lunar eclipse"
 
 
@@ -85,32 +83,6 @@ def test_the_page_and_its_assets_are_served_offline(server) -> None:
         response = httpx.get(f"{server.base_url}/page-assets/{asset}", timeout=30)
         assert response.status_code == 200 and len(response.text) > 500
         assert "http://" not in response.text and "https://" not in response.text
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory):
-    if os.environ.get("ESPN_BROWSER_TESTS") == "0":
-        pytest.skip("ESPN_BROWSER_TESTS=0 turns the browser test off")
-    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.is_file()]
-    if missing:
-        pytest.fail(f"{' and '.join(missing)} not found: `make browser` installs Debian's chromium and "
-                    "chromium-driver (or set ESPN_BROWSER_TESTS=0 to skip this test)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    # Without the network switches Chromium stalls on this closed network (updates, sync, ...).
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", "--window-size=1200,1500",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
-        options.add_argument(flag)
-    # The driver is given explicitly, so selenium's own driver manager never downloads one.
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
 
 
 def test_search_page_in_a_real_browser(browser, server, client: httpx.Client, tmp_path: Path) -> None:
