@@ -68,9 +68,9 @@ def cli_reference() -> str:
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI document of `espn serve` with its default settings, no API key and an index
     with no metadata fields (what a server adds from its index is described in the page)."""
-    with tempfile.TemporaryDirectory() as index, _environment():
+    with tempfile.TemporaryDirectory() as index, _environment(ESPN_INDEX=index):
         Path(index, "manifest.json").write_text("{}")
-        document = build_app(ServerSettings(index=Path(index))).openapi()
+        document = build_app(ServerSettings()).openapi()  # type: ignore[call-arg]  # index from ESPN_INDEX
     document["info"]["version"] = "see /openapi.json of a running server"
     return json.loads(json.dumps(document, sort_keys=True))
 
