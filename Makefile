@@ -14,15 +14,16 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP = --retries 1 torch==$(TORCH_VERSION) --extra-index-url $(TORCH_INDEX)
 TORCH_BUILD = import torch; print(f"torch {torch.__version__}:", f"the CUDA {torch.version.cuda} build" if torch.version.cuda else "the CPU build")
 
-.PHONY: install serve-sample test check-wheel browser bench clean settings-table
+.PHONY: install serve-sample test check-wheel browser bench clean settings-table docs docs-strict
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, pinned (see TORCH_INDEX above).
 	$(PY) -m pip install -q $(TORCH_PIP)
+	$(PY) -m pip install -q -e '.[test,bench,docs]'
+	# Which torch build pip took, asked once numpy is installed (torch imported without numpy warns).
 	@$(PY) -c '$(TORCH_BUILD)'
-	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,11 +33,25 @@ serve-sample: install
 	@test -f $(SAMPLE_INDEX)/manifest.json || $(ESPN) index espn/data/sample_corpus.jsonl --out $(SAMPLE_INDEX)
 	$(ESPN) serve $(SAMPLE_INDEX)
 
-# Type check, the wheel as a user installs it, then the test suite.
+# Type check, the documentation site (no broken link or anchor), the wheel as a user installs
+# it, then the test suite (tests/test_docs_site.py opens the site built here in a browser).
 test: install browser
 	$(VENV)/bin/mypy
+	$(MAKE) docs-strict
 	$(MAKE) check-wheel
 	$(VENV)/bin/pytest -q --durations=25
+
+# The documentation site (mkdocs.yml, docs/): generated pages first (the CLI's --help, the
+# settings tables, the OpenAPI document), then the HTML in site/ (`make docs`) or, checked with
+# --strict, in .espn/site (`make test`). Open site/index.html, or `mkdocs serve` for live reload.
+DOCS_SITE ?= site
+docs: install
+	$(PY) -m espn_server.docs_pages docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(DOCS_SITE)
+
+docs-strict: install
+	$(PY) -m espn_server.docs_pages docs --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d .espn/site
 
 # Debian's Chromium and its driver for the search page's browser test (tests/test_page.py).
 # Skipped when both are present, or when ESPN_BROWSER_TESTS=0 turns that test off.
@@ -68,9 +83,9 @@ check-wheel: install
 	grep -q "pip install 'espn\[s3\]'" $(WHEEL_CHECK)/publish.err
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
 
-# The README's settings tables, from the settings models (server/settings.py): run after adding a setting.
+# The docs' settings tables, from the settings models (server/settings.py): run after adding a setting.
 settings-table: install
-	$(PY) -m espn_server.settings_doc --write README.md
+	$(PY) -m espn_server.settings_doc --write docs/reference/settings.md
 
 clean:
-	rm -rf $(VENV) .espn
+	rm -rf $(VENV) .espn site

@@ -18,7 +18,7 @@ and writes the same JSON and PNG under other names (benchmarks/results/):
 Every measured process opens its searcher on the GPU (`Searcher` picks CUDA when torch
 sees it), so posix and memory are compared with MaxSim on the same device. Without CUDA
 or kvikio it prints one line saying which is missing and exits with status 1, measuring
-nothing. No GPU number in the README comes from anywhere but this script.
+nothing. No GPU number in the docs comes from anywhere but this script.
 """
 
 from __future__ import annotations

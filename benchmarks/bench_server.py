@@ -12,7 +12,7 @@ what they really cost together; the script breaks it down by what the pages hold
     .venv/bin/python benchmarks/bench_server.py --index PATH --workers 1 4 --concurrency 1 8 32
     .venv/bin/python benchmarks/bench_server.py --index PATH --quick    # 1 worker, 20 requests per level
 
-Not a test: it prints tables for the README. The load generator runs on the same
+Not a test: it prints tables for the docs (docs/benchmarks/http-service.md). The load generator runs on the same
 machine, so on a small box it competes with the server for CPU; the numbers say so.
 """
 

@@ -22,7 +22,7 @@ order, so that every ratio is measured side by side:
    server calls): bytes written per delete (the write() bytes of this process, and the
    size of the files each leaves) and p50/p99 ms.
 
-Not a test: it prints the tables the README quotes. The clients run on the same machine
+Not a test: it prints the tables the docs quote (docs/benchmarks/live-index.md). The clients run on the same machine
 as the server, and the machine may be shared: the load average is printed.
 """
 

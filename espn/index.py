@@ -217,13 +217,18 @@ class DocStore:
     def __init__(self, path: Path, offsets: np.ndarray) -> None:
         self.path, self.offsets = Path(path), offsets
 
-    def get(self, doc_number: int) -> tuple[str, str]:
+    def _line(self, doc_number: int) -> dict[str, Any]:
         start, end = int(self.offsets[doc_number]), int(self.offsets[doc_number + 1])
         with open(self.path, "rb") as f:
             f.seek(start)
-            obj = json.loads(f.read(end - start))
+            return dict(json.loads(f.read(end - start)))
+
+    def get(self, doc_number: int) -> tuple[str, str]:
+        obj = self._line(doc_number)
         return obj.get("title", ""), obj.get("text", "")
 
     def document(self, doc_id: str, doc_number: int) -> Document:
-        title, text = self.get(doc_number)
-        return Document(doc_id=doc_id, title=title, text=text)
+        """The passage with the metadata object stored beside it ({} when none)."""
+        obj = self._line(doc_number)
+        return Document(doc_id=doc_id, title=obj.get("title", ""), text=obj.get("text", ""),
+                        metadata=dict(obj.get("metadata") or {}))

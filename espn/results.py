@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Hit", "SearchStats", "QueryResult", "Document", "PassageSpan", "TokenMatch", "Explanation", "LexicalMatch"]
 
@@ -145,3 +145,4 @@ class Document:
     doc_id: str
     title: str
     text: str
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # as written ({} when none)

@@ -443,8 +443,8 @@ class SegmentedDocStore:
             return dict(json.loads(f.read(end - start)).get("metadata") or {})
 
     def document(self, doc_id: str, doc_number: int) -> Document:
-        title, text = self.get(doc_number)
-        return Document(doc_id=doc_id, title=title, text=text)
+        store, local = self._route(doc_number)
+        return store.document(doc_id, local)
 
 
 class RecordTable:

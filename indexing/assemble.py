@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
-    """Defaults stored in the manifest (tuned on SciFact train queries; see README).
+    """Defaults stored in the manifest (tuned on SciFact train queries; see docs/benchmarks/effectiveness.md).
 
     nprobe scans about max(4000 documents, 5% of the corpus): on SciFact that is 96 of
     128 lists, within 0.1% nDCG@10 of an exhaustive search; on MS MARCO (8192 lists)

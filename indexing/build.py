@@ -32,7 +32,7 @@ __all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "B
 
 log = logging.getLogger(__name__)
 
-#: Storage defaults of new indexes, chosen on SciFact train queries (README, "Compact records"):
+#: Storage defaults of new indexes, chosen on SciFact train queries (docs/benchmarks/compact-records.md):
 #: pooling by 2 and int8 cut embeddings.bin 4.0x with nDCG@10 0.7057 against 0.7063.
 DEFAULT_POOL_FACTOR = 2
 DEFAULT_BOW_DTYPE = "int8"

@@ -11,11 +11,11 @@ import json
 import logging
 from typing import Any, Optional
 
+import fastapi.routing
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
                          InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
@@ -23,7 +23,8 @@ from espn.partitioning import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
 
-__all__ = ["ApiError", "ServiceUnavailableError", "error_response", "register_exception_handlers"]
+__all__ = ["ApiError", "METHOD_NOT_ALLOWED_ROUTE", "ServiceUnavailableError", "allowed_methods", "error_response", "method_not_allowed_message",
+           "register_exception_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,19 +116,45 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
         code, message = "invalid_utf8", f"request body is not valid UTF-8: {exc.__cause__.reason}"
     headers = getattr(exc, "headers", None)
     if exc.status_code == 405:
-        headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        allowed = allowed_methods(request)
+        headers = {**(headers or {}), "Allow": allowed}
+        message = method_not_allowed_message(request, allowed)
     return error_response(exc.status_code, code, message, headers=headers)
 
 
-def _allowed_methods(request: Request) -> str:
-    """Every method of every route on this path: Starlette's 405 names only the first route's
-    (GET, PUT and DELETE of /v1/documents/{id} are three routes)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match is not Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return ", ".join(sorted(methods))
+#: The `name` of a route that exists only to answer 405 (e.g. the other methods of
+#: /v1/documents/batch, which would otherwise reach /v1/documents/{id}): not an allowed method.
+METHOD_NOT_ALLOWED_ROUTE = "method_not_allowed"
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _routes(app: Any) -> list[Any]:
+    """The app's routes, flat: FastAPI 0.165 wraps each included router in one route of its
+    own, which `fastapi.routing.iter_route_contexts` unwraps (older FastAPI lists them flat)."""
+    unwrap = getattr(fastapi.routing, "iter_route_contexts", None)
+    return list(unwrap(app.routes)) if unwrap is not None else list(app.routes)
+
+
+def allowed_methods(request: Request) -> str:
+    """The methods this path takes, for a 405's `Allow`: per method, the first route whose
+    path matches and that takes the method (as Starlette dispatches), unless that route only
+    answers 405. Starlette's own 405 names only the first route's methods (GET, PUT and
+    DELETE of /v1/documents/{id} are three routes)."""
+    path = request.scope.get("path", "")
+    routes = [r for r in _routes(request.app)
+              if getattr(r, "methods", None) and getattr(r, "path_regex", None) is not None
+              and r.path_regex.match(path)]
+    allowed = []
+    for method in _METHODS:
+        route = next((r for r in routes if method in r.methods), None)
+        if route is not None and route.name != METHOD_NOT_ALLOWED_ROUTE:
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
+def method_not_allowed_message(request: Request, allowed: str) -> str:
+    return (f"method {request.method} is not allowed on {request.url.path}; it takes "
+            f"{allowed or 'no method'}")
 
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:

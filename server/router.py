@@ -49,8 +49,10 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import connections
+from .errors import METHOD_NOT_ALLOWED_ROUTE, allowed_methods, method_not_allowed_message
 from .logs import logging_config
 from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from .schemas import (
@@ -399,6 +401,18 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         return _error(422, "invalid_request", "the request does not match the schema", errors=errors)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (404, 405) in the API's error body; a 405 names what the path takes."""
+        if exc.status_code == 405:
+            allowed = allowed_methods(request)
+            response = _error(405, "method_not_allowed", method_not_allowed_message(request, allowed))
+            response.headers["Allow"] = allowed
+            return response
+        response = _error(exc.status_code, "not_found" if exc.status_code == 404 else "error", str(exc.detail))
+        response.headers.update(getattr(exc, "headers", None) or {})
+        return response
+
     @app.exception_handler(ClientError)
     async def _passed_on(request: Request, exc: ClientError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status_code)
@@ -448,10 +462,14 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     if settings.writers:
         add_write_routes(app, lambda: writer_pool, _observe_status)
     else:
-        @app.api_route("/v1/documents/{doc_id:path}", methods=["PUT", "DELETE", "POST"], include_in_schema=False)
-        async def no_writes() -> JSONResponse:
-            return _error(405, "method_not_allowed", "this router takes no writes: start it with --writers "
-                          "(one writer URL per partition)")
+        @app.api_route("/v1/documents/{doc_id:path}", methods=["PUT", "DELETE", "POST"], include_in_schema=False,
+                       name=METHOD_NOT_ALLOWED_ROUTE)
+        async def no_writes(request: Request) -> JSONResponse:
+            allowed = allowed_methods(request)
+            response = _error(405, "method_not_allowed", f"this router takes no writes: start it with --writers "
+                          f"(one writer URL per partition); {request.url.path} takes {allowed}")
+            response.headers["Allow"] = allowed
+            return response
 
     @app.get("/v1/documents/{doc_id:path}", summary="A document, from the partition that owns its id",
              responses={404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})

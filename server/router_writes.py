@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, ValidationError
 from espn.errors import InvalidParameterError
 from espn.partitioning import HASH_NAME, PartitionLayout, owner
 
+from .errors import METHOD_NOT_ALLOWED_ROUTE
 from .schemas import BatchWriteRequest, ErrorResponse, path_doc_id
 
 __all__ = ["PartitionOutcome", "RoutedWriteResponse", "WriterPool", "add_write_routes"]
@@ -179,10 +180,11 @@ def add_write_routes(app: FastAPI, pool: Callable[[], WriterPool], observe: Call
         observe("write", started, response.status_code)
         return response
 
-    @app.api_route("/v1/documents/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False)
-    async def batch_other_methods() -> JSONResponse:
-        return JSONResponse({"error": "method_not_allowed", "message": "/v1/documents/batch takes POST"},
-                            status_code=405, headers={"Allow": "POST"})
+    @app.api_route("/v1/documents/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False,
+                   name=METHOD_NOT_ALLOWED_ROUTE)
+    async def batch_other_methods(request: Request) -> JSONResponse:
+        return JSONResponse({"error": "method_not_allowed", "message": f"method {request.method} is not allowed on "
+                             "/v1/documents/batch; it takes POST"}, status_code=405, headers={"Allow": "POST"})
 
     @app.post("/v1/documents/batch", response_model=RoutedWriteResponse,
               summary="Upserts and deletes, each part applied on the partition that owns its ids",

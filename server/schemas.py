@@ -269,6 +269,8 @@ class DocumentResponse(BaseModel):
     id: str
     title: str
     text: str
+    metadata: dict[str, Any] = Field(default_factory=dict, description="the metadata object the document was written "
+                                     "with ({} when none)")
 
 
 class HealthResponse(BaseModel):

@@ -2,7 +2,7 @@
 
 The one source of truth for settings: every `ESPN_*` variable the code reads is a field of
 one of these models, and each field's description and default are what `espn serve --help`,
-`espn route --help` and the README's settings tables show (server/settings_doc.py renders
+`espn route --help` and the docs' settings tables (docs/reference/settings.md) show (server/settings_doc.py renders
 them; a field with no description fails tests/test_settings_doc.py).
 
 `espn serve` turns its flags into these environment variables before it starts uvicorn,

@@ -1,15 +1,15 @@
-"""Settings as a user meets them: flags, `--help` text and the README tables, all from the models.
+"""Settings as a user meets them: flags, `--help` text and the docs' tables, all from the models.
 
 Each field of `ServerSettings` and `RouterSettings` (server/settings.py) is one setting: its
 environment variable is the model's prefix + the field name in capitals, its flag is
 `--field-name` (the few exceptions are in `FLAG_NAMES`), its help text is the field's
 description followed by `(<variable>, default <value>)`. Nothing here is written by hand per setting,
-so a new field shows up in `espn serve --help` and in the README table as soon as it has a
-description. Regenerate the README tables after adding or changing a field:
+so a new field shows up in `espn serve --help` and in the docs' table as soon as it has a
+description. Regenerate the tables of docs/reference/settings.md after adding or changing a field:
 
-    python -m espn_server.settings_doc --write README.md      (or: make settings-table)
+    python -m espn_server.settings_doc --write docs/reference/settings.md      (or: make settings-table)
 
-tests/test_settings_doc.py fails when the README's tables differ from what this prints.
+tests/test_settings_doc.py fails when the page's tables differ from what this prints.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def settings_of(model: type[BaseSettings]) -> list[Setting]:
     for name, info in model.model_fields.items():
         if not info.description:
             raise ValueError(f"{model.__name__}.{name} has no description: give it Field(..., description=...), "
-                             "which --help and the README table show")
+                             "which --help and the docs' settings table show")
         kind, choices = _kind(info.annotation)
         default = _default_text(name, info)
         out.append(Setting(name=name, env=prefix + name.upper(), flag=_flag(name, kind, default), kind=kind,
@@ -183,7 +183,7 @@ def environment_help(model: type[BaseSettings]) -> str:
 
 
 def markdown_table(model: type[BaseSettings]) -> str:
-    """The README table of `model`'s settings: variable, flag, default, meaning."""
+    """The Markdown table of `model`'s settings (docs/reference/settings.md): variable, flag, default, meaning."""
     rows = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
     for s in settings_of(model):
         flag = f"`{s.flag}`" if s.flag else ("INDEX (the argument)" if s.name in POSITIONAL else "none (environment only)")
@@ -215,8 +215,8 @@ def write_readme(path: Path, check: bool = False) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m espn_server.settings_doc", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", type=Path, metavar="README", help="rewrite the settings tables in this file")
-    parser.add_argument("--check", type=Path, metavar="README", help="exit 1 if this file's tables are out of date")
+    parser.add_argument("--write", type=Path, metavar="PAGE", help="rewrite the settings tables in this file (docs/reference/settings.md)")
+    parser.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if this file's tables are out of date")
     args = parser.parse_args(argv)
     if args.write:
         changed = write_readme(args.write)

@@ -14,6 +14,8 @@ from helpers import run_espn, write_scifact_subset
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
 SAMPLE_CORPUS = ROOT / "espn" / "data" / "sample_corpus.jsonl"
+CHROMIUM = Path(os.environ.get("ESPN_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("ESPN_CHROMEDRIVER", "/usr/bin/chromedriver"))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -82,3 +84,30 @@ def fake_kvikio(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     yield fake
     reader_module._unavailable_reason.cache_clear()
     fake._fake.reset()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory):
+    """Debian's headless Chromium through its chromedriver (tests/test_page.py, tests/test_docs_site.py)."""
+    if os.environ.get("ESPN_BROWSER_TESTS") == "0":
+        pytest.skip("ESPN_BROWSER_TESTS=0 turns the browser test off")
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.is_file()]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} not found: `make browser` installs Debian's chromium and "
+                    "chromium-driver (or set ESPN_BROWSER_TESTS=0 to skip this test)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    # Without the network switches Chromium stalls on this closed network (updates, sync, ...).
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", "--window-size=1200,1500",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    # The driver is given explicitly, so selenium's own driver manager never downloads one.
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()

@@ -28,7 +28,7 @@ pytest.importorskip("matplotlib")
 def tiny_index(tmp_path_factory: pytest.TempPathFactory, sample_index: Path) -> Path:
     """2,000 synthetic documents around the real vectors of an index built in this session.
 
-    The full SciFact index gives the README's geometry; the bundled sample corpus keeps
+    The full SciFact index gives the docs' geometry (docs/benchmarks/index.md); the bundled sample corpus keeps
     the test self-contained on a fresh machine.
     """
     from benchmarks.make_synthetic import generate
@@ -354,3 +354,15 @@ def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: 
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
     assert payload["catch_up_s"]["median"] > 0 and payload["search_p50_ms"]["ratio"] > 0
+
+
+def test_bench_explain(sample_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_explain
+
+    data = common.ROOT / "espn" / "data"
+    assert bench_explain.main(["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+                               "--qrels", str(data / "sample_qrels.tsv"), "--quick"]) == 0
+    payload = _check(results, "explain", capsys, png=False)
+    explained = payload["configs"]["search + explain"]
+    assert payload["ratio"] > 0 and explained["explain_p50"][0] > 0
+    assert not any(payload["configs"]["search"]["explain_p50"])  # no explain stage when it is not asked for

@@ -127,7 +127,7 @@ def test_serve_refuses_an_empty_api_key_in_one_line(sample_index: Path) -> None:
 
 
 def test_search_with_qrels_searches_the_queries_it_judges(sample_index: Path, tmp_path: Path) -> None:
-    """What the README's SciFact commands rely on: queries.jsonl holds every split, --qrels picks one."""
+    """What the docs' SciFact commands rely on: queries.jsonl holds every split, --qrels picks one."""
     queries = tmp_path / "queries.jsonl"
     rows = (ROOT / "espn" / "data" / "sample_queries.jsonl").read_text().splitlines()
     queries.write_text("\n".join(rows + ['{"_id": "unjudged-1", "text": "a query the qrels do not judge"}']) + "\n")

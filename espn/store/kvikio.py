@@ -1,8 +1,8 @@
 """The default reader on a GPU machine: `kvikio.CuFile.pread` of every extent at once.
 
 Written against kvikio 26.10 (`kvikio-cu12`; its Python sources and libkvikio headers were
-read for what follows). Nothing here has been measured on a GPU yet: see the README,
-"Measuring on a GPU".
+read for what follows). Nothing here has been measured on a GPU yet: see docs/guides/gpus.md
+(how to measure on one).
 
 What kvikio does with a read, and what this reader configures at open
 ---------------------------------------------------------------------

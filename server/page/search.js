@@ -1,8 +1,10 @@
-// The search page: one POST /v1/search with explain on, rendered with DOM calls only
-// (passage text goes in as textContent, never as HTML).
+// The search page: one POST /v1/search, rendered with DOM calls only (passage text goes in
+// as textContent, never as HTML). Explanations cost a pass of their own, so they are asked for
+// only when the "explain matches" box is ticked; the choice is remembered in localStorage.
 "use strict";
 
 const KEY_STORAGE = "espn-api-key";
+const EXPLAIN_STORAGE = "espn-explain";
 
 const $ = (id) => document.getElementById(id);
 let pending = null; // the request body waiting for an API key
@@ -25,7 +27,7 @@ function requestBody() {
     k: optionalInt("k") ?? 10,
     prefetch: $("prefetch").checked,
     return_text: true,
-    explain: true,
+    explain: $("explain").checked,
     mode: $("mode").value,
   };
   for (const name of ["nprobe", "rerank_count"]) {
@@ -73,7 +75,7 @@ async function search(body) {
       $("status").textContent = "";
       return;
     }
-    render(payload);
+    render(payload, body.query);
     $("status").textContent = `${payload.results.length} results`;
   } catch (err) {
     showError(`request failed: ${err.message}`);
@@ -201,7 +203,14 @@ function matchedText(hit, match) {
   return source.slice(span.start, span.end);
 }
 
-function renderHit(hit, rank) {
+// The words of a lexical match as the user typed them ("eclipse", not the stem "eclips"):
+// query_start and query_end count code points, as the server's Python strings do.
+function typedWords(query, match) {
+  const written = Array.from(query).slice(match.query_start, match.query_end).join("");
+  return written.replace(/^[+-]/, "").replace(/^"(.*)"$/, "$1") || match.terms;
+}
+
+function renderHit(hit, rank, query) {
   const item = el("li", "result");
   item.dataset.id = hit.id;
   const head = el("div", "head");
@@ -239,10 +248,10 @@ function renderHit(hit, rank) {
     const top = Math.max(...hit.lexical_matches.map((m) => m.score), 1e-9);
     for (const match of hit.lexical_matches) {
       const chip = el("span", "match lexical");
-      chip.title = `BM25 contribution ${match.score.toFixed(4)}`;
+      chip.title = `BM25 contribution ${match.score.toFixed(4)} (indexed as: ${match.terms})`;
       const bar = el("span", "strength");
       bar.style.width = `${Math.max(0, (100 * match.score) / top)}%`;
-      chip.append(el("span", "q", match.terms), el("span", "arrow", "BM25"), el("span", "d", match.score.toFixed(2)), bar);
+      chip.append(el("span", "q", typedWords(query, match)), el("span", "arrow", "BM25"), el("span", "d", match.score.toFixed(2)), bar);
       matches.append(chip);
     }
     item.append(matches);
@@ -264,12 +273,17 @@ function renderHit(hit, rank) {
   return item;
 }
 
-function render(payload) {
+function render(payload, query) {
   renderStats(payload.stats);
   const list = $("results");
-  list.replaceChildren(...payload.results.map((hit, i) => renderHit(hit, i + 1)));
+  list.replaceChildren(...payload.results.map((hit, i) => renderHit(hit, i + 1, query)));
   if (!payload.results.length) list.append(el("li", "muted", "No results."));
 }
+
+$("explain").checked = localStorage.getItem(EXPLAIN_STORAGE) === "on";
+$("explain").addEventListener("change", () => {
+  localStorage.setItem(EXPLAIN_STORAGE, $("explain").checked ? "on" : "off");
+});
 
 $("search-form").addEventListener("submit", (event) => {
   event.preventDefault();

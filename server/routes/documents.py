@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AfterValidator
 
 from ..deps import AppState, get_state
-from ..errors import ApiError
+from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
 from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
 
@@ -66,15 +66,17 @@ StoredId = Annotated[str, Path(min_length=1, max_length=MAX_DOC_ID_CHARS, json_s
 # Before the {doc_id} routes: /v1/documents/batch is its own path, and by OpenAPI's rule a
 # concrete path wins over a templated one, so its other methods are 405 (not "the document
 # with id 'batch'"). The id `batch` therefore cannot be read or written over HTTP.
-@router.api_route("/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False)
-async def batch_other_methods() -> None:
-    raise ApiError(405, "method not allowed: /v1/documents/batch takes POST", headers={"Allow": "POST"})
+@router.api_route("/batch", methods=["GET", "PUT", "DELETE"], include_in_schema=False,
+                  name=METHOD_NOT_ALLOWED_ROUTE)
+async def batch_other_methods(request: Request) -> None:
+    raise ApiError(405, f"method {request.method} is not allowed on /v1/documents/batch; it takes POST",
+                   headers={"Allow": "POST"})
 
 
 @router.get(
     "/{doc_id:path}",
     response_model=DocumentResponse,
-    summary="Fetch one document's title and text",
+    summary="Fetch one document's title, text and metadata",
     responses=_READ_ERRORS,
 )
 async def get_document(
@@ -86,7 +88,7 @@ async def get_document(
     with state.lease() as searcher:
         # Reads passage text from disk: keep it off the event loop.
         document = await asyncio.to_thread(searcher.document, exact)
-    return DocumentResponse(id=document.doc_id, title=document.title, text=document.text)
+    return DocumentResponse(id=document.doc_id, title=document.title, text=document.text, metadata=document.metadata)
 
 
 _writer_lock = threading.Lock()

@@ -1,0 +1,199 @@
+"""The documentation site's generated parts, from the code that defines them.
+
+- docs/reference/cli.md: `espn --help` and `espn CMD --help` of every subcommand, from the
+  argument parsers (espn.cli.build_parser, which the subcommands of espn_indexing and
+  espn_server join through the `espn.commands` entry point);
+- docs/reference/settings.md: the settings tables (settings_doc.py);
+- docs/reference/openapi.json and the operations of docs/reference/http-api.md: the OpenAPI
+  document of a server with its default settings and no API key, rendered as Markdown, so
+  the page reads offline with no JavaScript renderer.
+
+Each generated part sits between `<!-- generated:NAME -->` and `<!-- /generated -->` in a
+page whose other text is written by hand. `python -m espn_server.docs_pages docs` rewrites
+them (`make docs` does); `--check` exits 1 when one is out of date, and
+tests/test_docs_site.py fails in the same case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from espn.cli import build_parser
+
+from .app import build_app
+from .settings import ServerSettings
+from .settings_doc import write_readme
+
+__all__ = ["cli_reference", "openapi_document", "http_reference", "write_pages"]
+
+_MARKER = re.compile(r"<!-- generated:(\w+) -->\n.*?<!-- /generated -->", re.S)
+#: argparse wraps --help to the terminal's width: a fixed width keeps the page the same everywhere.
+_HELP_COLUMNS = "100"
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """The process environment with `values` set and no ESPN_* variable (the generated pages
+    show the defaults, whatever the shell that runs `make docs` has set), restored after."""
+    before = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith("ESPN_")]:
+        del os.environ[name]
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def cli_reference() -> str:
+    """Markdown: every subcommand's --help, in the order `espn --help` lists them."""
+    with _environment(COLUMNS=_HELP_COLUMNS):
+        parser = build_parser()
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parts = ["## espn", "", "```text", parser.format_help().rstrip(), "```", ""]
+        for name, sub in subparsers.choices.items():
+            parts += [f"## espn {name}", "", "```text", sub.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of `espn serve` with its default settings, no API key and an index
+    with no metadata fields (what a server adds from its index is described in the page)."""
+    with tempfile.TemporaryDirectory() as index, _environment(ESPN_INDEX=index):
+        Path(index, "manifest.json").write_text("{}")
+        document = build_app(ServerSettings()).openapi()  # type: ignore[call-arg]  # index from ESPN_INDEX
+    document["info"]["version"] = "see /openapi.json of a running server"
+    return json.loads(json.dumps(document, sort_keys=True))
+
+
+def _schema_name(schema: dict[str, Any]) -> str:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return f"[{name}](#{name.lower()})"
+    if "anyOf" in schema:
+        return " or ".join(_schema_name(s) for s in schema["anyOf"])
+    if schema.get("type") == "array":
+        return f"array of {_schema_name(schema.get('items', {}))}"
+    if "const" in schema:
+        return f"`{json.dumps(schema['const'])}`"
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+    return str(schema.get("type", "any"))
+
+
+def _bounds(schema: dict[str, Any]) -> str:
+    keys = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength", "maxLength", "minItems",
+            "maxItems", "pattern", "default")
+    return ", ".join(f"{key} `{json.dumps(schema[key], ensure_ascii=False)}`" for key in keys if key in schema)
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _schema_table(schema: dict[str, Any]) -> list[str]:
+    properties = schema.get("properties") or {}
+    if not properties:
+        return [_cell(schema.get("description", "")) or "(no fields)", ""]
+    required = set(schema.get("required") or ())
+    rows = ["| field | type | required | bounds and default | description |", "|---|---|---|---|---|"]
+    for name, field in properties.items():
+        rows.append(f"| `{name}` | {_schema_name(field)} | {'yes' if name in required else ''} | "
+                    f"{_cell(_bounds(field))} | {_cell(field.get('description', ''))} |")
+    return rows + [""]
+
+
+def _operation(path: str, method: str, operation: dict[str, Any]) -> list[str]:
+    lines = [f"### {method.upper()} `{path}`", "", f"**{operation.get('summary', '')}**", ""]
+    if operation.get("description"):
+        lines += [operation["description"].strip(), ""]
+    parameters = operation.get("parameters") or []
+    if parameters:
+        lines += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
+        for p in parameters:
+            lines.append(f"| `{p['name']}` | {p['in']} | {_schema_name(p.get('schema', {}))} | "
+                         f"{'yes' if p.get('required') else ''} | {_cell(p.get('description', ''))} |")
+        lines.append("")
+    body = (operation.get("requestBody") or {}).get("content", {}).get("application/json")
+    if body:
+        lines += [f"Request body (`application/json`): {_schema_name(body['schema'])}", ""]
+    lines += ["| status | body | meaning |", "|---|---|---|"]
+    for status, response in sorted(operation.get("responses", {}).items()):
+        content = (response.get("content") or {}).get("application/json", {})
+        lines.append(f"| {status} | {_schema_name(content['schema']) if content.get('schema') else ''} | "
+                     f"{_cell(response.get('description', ''))} |")
+    return lines + [""]
+
+
+def http_reference(document: dict[str, Any]) -> str:
+    """Markdown: each operation (parameters, body, every status) and each schema of `document`."""
+    lines = ["## Operations", ""]
+    order = ("/v1/search", "/v1/documents", "/v1/snapshots")  # then the operational endpoints
+    paths = sorted(document["paths"].items(),
+                   key=lambda item: (next((i for i, p in enumerate(order) if item[0].startswith(p)), len(order)),
+                                     item[0]))
+    for path, item in paths:
+        for method, operation in item.items():
+            lines += _operation(path, method, operation)
+    lines += ["## Schemas", ""]
+    for name, schema in sorted(document.get("components", {}).get("schemas", {}).items()):
+        lines += [f"### {name}", ""]
+        if schema.get("description") and schema.get("properties"):
+            lines += [_cell(schema["description"]), ""]
+        lines += _schema_table(schema)
+    return "\n".join(lines)
+
+
+def write_pages(docs: Path, check: bool = False) -> list[Path]:
+    """Rewrite the generated blocks under `docs` (and openapi.json); the files that changed (or would)."""
+    document = openapi_document()
+    pages = {docs / "reference" / "cli.md": {"cli": cli_reference()},
+             docs / "reference" / "http-api.md": {"operations": http_reference(document)}}
+    changed = []
+    for path, blocks in pages.items():
+        text = path.read_text(encoding="utf-8")
+        found = {m.group(1) for m in _MARKER.finditer(text)}
+        missing = sorted(set(blocks) - found)
+        if missing:
+            raise ValueError(f"{path}: no <!-- generated:{missing[0]} --> ... <!-- /generated --> block")
+        updated = _MARKER.sub(lambda m: f"<!-- generated:{m.group(1)} -->\n{blocks[m.group(1)].rstrip()}\n"
+                                        "<!-- /generated -->", text)
+        if updated != text:
+            changed.append(path)
+            if not check:
+                path.write_text(updated, encoding="utf-8")
+    settings = docs / "reference" / "settings.md"  # its own markers and writer (settings_doc)
+    if write_readme(settings, check=check):
+        changed.append(settings)
+    openapi = json.dumps(document, indent=1, ensure_ascii=False) + "\n"
+    target = docs / "reference" / "openapi.json"
+    if not target.exists() or target.read_text(encoding="utf-8") != openapi:
+        changed.append(target)
+        if not check:
+            target.write_text(openapi, encoding="utf-8")
+    return changed
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m espn_server.docs_pages", description=__doc__.split("\n\n")[0])
+    parser.add_argument("docs", type=Path, help="the docs/ folder")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated part is out of date")
+    args = parser.parse_args(argv)
+    changed = write_pages(args.docs, check=args.check)
+    for path in changed:
+        print(f"{path}: {'out of date; run `make docs`' if args.check else 'updated'}",
+              file=sys.stderr if args.check else sys.stdout)
+    return 1 if (changed and args.check) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
