@@ -36,6 +36,7 @@ set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_
 from benchmarks.common import SCIFACT, SCIFACT_INDEX, machine, machine_line, markdown_table, percentiles, write_results
 
 WEIGHTS = np.round(np.arange(0.0, 1.0001, 0.05), 2)
+FUSION_GRID = ("mix", "zscore")
 
 
 def _run(ranked: dict[str, list[tuple[str, float]]]) -> dict[str, dict[str, float]]:
@@ -131,6 +132,130 @@ def _texts(path: Path, n: int) -> list[str]:
     from espn.corpus import read_queries
 
     return [text for _, text in read_queries(path)][:n]
+
+
+# ---------------------------------------------------------------------------------------
+# Does the default travel? Collections built offline from SciFact, every fusion on each.
+
+#: (collection, index option, queries file under --collections, qrels directory under --collections)
+COLLECTIONS = (
+    ("scifact", "index", "scifact/queries.jsonl", "scifact/qrels"),
+    ("scifact-no-titles", "no_titles_index", "scifact/queries.jsonl", "scifact/qrels"),
+    ("title-keywords", "no_titles_index", "title-keywords/queries.jsonl", "title-keywords/qrels"),
+)
+KEYWORDS = 4  # words of a title kept as a keyword query
+
+
+def write_collections(data: Path, out: Path) -> None:
+    """BEIR-format test collections made from SciFact, without a network:
+
+    scifact/            SciFact's own queries and qrels (train and test)
+    no-titles/          the corpus with every title removed (index it for scifact-no-titles
+                        and title-keywords: the text alone must carry the match)
+    title-keywords/     per document judged in a split, a short keyword query: the first
+                        KEYWORDS words of its title that are not stop words; that document is
+                        its one relevant answer (searched against no-titles, where the title is
+                        not indexed)
+    """
+    import gzip
+    import re
+
+    from espn.corpus import read_qrels
+
+    from espn.text import TextConfig
+
+    analyzer = TextConfig(stemmer=False).analyzer()  # espn's English chain: what it drops is a stop word
+    (out / "scifact" / "qrels").mkdir(parents=True, exist_ok=True)
+    (out / "no-titles").mkdir(parents=True, exist_ok=True)
+    (out / "title-keywords" / "qrels").mkdir(parents=True, exist_ok=True)
+    (out / "scifact" / "queries.jsonl").write_bytes((data / "queries.jsonl").read_bytes())
+    titles: dict[str, str] = {}
+    with gzip.open(data / "corpus.jsonl.gz", "rt", encoding="utf-8") as src, \
+            open(out / "no-titles" / "corpus.jsonl", "w", encoding="utf-8") as dst:
+        for line in src:
+            doc = json.loads(line)
+            titles[doc["_id"]] = doc.get("title", "")
+            dst.write(json.dumps({"_id": doc["_id"], "title": "", "text": doc["text"]}) + "\n")
+    queries = []
+    for split in ("train", "test"):
+        (out / "scifact" / "qrels" / f"{split}.tsv").write_bytes((data / "qrels" / f"{split}.tsv").read_bytes())
+        docs = sorted({doc for judged in read_qrels(data / "qrels" / f"{split}.tsv").values() for doc in judged})
+        lines = ["query-id\tcorpus-id\tscore"]
+        for doc in docs:
+            words = [w for w in re.findall(r"[\w-]+", titles.get(doc, "")) if analyzer.analyze(w)][:KEYWORDS]
+            if len(words) < 2:
+                continue
+            queries.append({"_id": f"{split}-{doc}", "text": " ".join(words)})
+            lines.append(f"{split}-{doc}\t{doc}\t1")
+        (out / "title-keywords" / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    with open(out / "title-keywords" / "queries.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(q) + "\n" for q in queries)
+
+
+def _candidates(base: Any) -> dict[str, Any]:
+    """Every fusion setting compared: RRF (two constants), the min-max mix and the z-score mix
+    over a weight grid."""
+    out = {"rrf k=60": base.replace(fusion="rrf", rrf_k=60), "rrf k=20": base.replace(fusion="rrf", rrf_k=20)}
+    for fusion in FUSION_GRID:
+        for weight in np.round(np.arange(0.3, 0.8501, 0.05), 2):
+            out[f"{fusion} {weight:.2f}"] = base.replace(fusion=fusion, mix_weight=float(weight))
+    return out
+
+
+def generalise(args: argparse.Namespace) -> dict[str, Any]:
+    """Dense, lexical and every candidate fusion on every collection and split; the default
+    chosen on the train splits by the worst gain over dense, then the mean."""
+    from espn import Searcher
+    from espn.corpus import read_qrels, read_queries
+    from espn.evaluation import evaluate
+
+    indexes = {"index": args.index, "no_titles_index": args.no_titles_index}
+    rows: dict[str, dict[str, float]] = {}  # "collection/split" -> run -> nDCG@10
+    sizes: dict[str, int] = {}
+    for name, index_option, queries_file, qrels_dir in COLLECTIONS:
+        with Searcher.open(indexes[index_option], reader="posix", verify="none") as searcher:
+            base = searcher.hybrid_params(mode="hybrid")
+            candidates = _candidates(base)
+            all_queries = read_queries(args.collections / queries_file)
+            for split in args.splits.split(","):
+                qrels = read_qrels(args.collections / qrels_dir / f"{split}.tsv")
+                queries = [(qid, text) for qid, text in all_queries if qid in qrels][: args.limit]
+                started = time.perf_counter()
+                dense = {}
+                for start in range(0, len(queries), args.batch):
+                    chunk = queries[start : start + args.batch]
+                    for (qid, _), r in zip(chunk, searcher.search([t for _, t in chunk], k=10, mode="dense")):
+                        dense[qid] = [(h.doc_id, h.score) for h in r.hits]
+                pools = _pools(searcher, queries, True, args.batch)
+                key = f"{name}/{split}"
+                rows[key] = {"dense": evaluate(_run(dense), qrels)["nDCG@10"],
+                             "lexical": evaluate(_lexical_run(pools), qrels)["nDCG@10"]}
+                for label, params in candidates.items():
+                    rows[key][label] = evaluate(_fused_run(pools, params), qrels)["nDCG@10"]
+                sizes[key] = len(queries)
+                print(f"{key}: {len(queries)} queries in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    train = [key for key in rows if key.endswith("/" + args.splits.split(",")[0])]
+    labels = [label for label in next(iter(rows.values())) if label not in ("dense", "lexical")]
+
+    def gains(label: str, keys: list[str]) -> list[float]:
+        return [rows[key][label] - rows[key]["dense"] for key in keys]
+
+    chosen = max(labels, key=lambda label: (round(min(gains(label, train)), 3), float(np.mean(gains(label, train)))))
+    keys = list(rows)
+    shown = ["rrf k=60", "mix 0.65", chosen] + [max((lb for lb in labels if lb.startswith(f)),
+                                                    key=lambda lb: float(np.mean(gains(lb, train))))
+                                                for f in FUSION_GRID]
+    shown = list(dict.fromkeys(shown))
+    table_rows = [["dense"] + [rows[k]["dense"] for k in keys] + ["", ""],
+                  ["lexical"] + [rows[k]["lexical"] for k in keys] + ["", ""]]
+    for label in shown:
+        all_gains = gains(label, keys)
+        table_rows.append([label + (" (chosen)" if label == chosen else "")] + [rows[k][label] for k in keys]
+                          + [min(all_gains), float(np.mean(all_gains))])
+    table = markdown_table(["run"] + [f"{k} ({sizes[k]} q)" for k in keys] + ["worst gain", "mean gain"], table_rows)
+    print(f"nDCG@10 per collection; gain = fused - dense on the same index. Chosen on the {args.splits.split(',')[0]} "
+          f"splits by worst gain, then mean: {chosen}. Machine: {machine_line(machine())}\n\n{table}")
+    return {"nDCG@10": rows, "queries": sizes, "chosen": chosen}
 
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:

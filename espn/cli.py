@@ -124,10 +124,13 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
 
 def _add_mode_params(p: argparse.ArgumentParser) -> None:
     from espn.hybrid import FUSIONS, MODES
+    from espn.text.query import SYNTAXES
 
     g = p.add_argument_group("search mode (lexical and hybrid need the index's full-text index)")
-    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused); lexical "
-                   'and hybrid queries read "phrases", +required and -excluded words')
+    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused)")
+    g.add_argument("--query-syntax", choices=SYNTAXES, help="lexical and hybrid: plain (default: every character is "
+                   'text, never an operator) or simple ("phrases", +required, -excluded; what it cannot read is '
+                   "read as text)")
     g.add_argument("--fusion", choices=FUSIONS, help="hybrid: rrf or mix (default: the index's)")
     g.add_argument("--lexical-k", type=int, help="hybrid: candidates from the lexical side (default 100)")
     g.add_argument("--rrf-k", type=int, help="hybrid: the RRF constant (default 60)")
@@ -138,7 +141,8 @@ def _add_mode_params(p: argparse.ArgumentParser) -> None:
 
 def _mode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": args.mode, "fusion": args.fusion, "lexical_k": args.lexical_k, "rrf_k": args.rrf_k,
-            "mix_weight": args.mix_weight, "union": False if args.no_union else None}
+            "mix_weight": args.mix_weight, "union": False if args.no_union else None,
+            "syntax": getattr(args, "query_syntax", None)}
 
 
 def _search_overrides(args: argparse.Namespace) -> dict:
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
     p.add_argument("--tag", default="espn")
+    p.add_argument("--strict", action="store_true", help="stop at the first query that cannot be searched (default: "
+                   "report it on stderr naming its id, search the others, write their run, exit 1)")
     p.add_argument("--explain", action="store_true", help="also write OUT.explain.jsonl: per re-ranked hit, each "
                    "query token's MaxSim contribution and the passage span it matched")
     p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
@@ -238,7 +244,7 @@ def _load_queries(args: argparse.Namespace):
     if args.queries is not None:
         from espn.corpus import read_queries
 
-        return read_queries(args.queries), None
+        return read_queries(args.queries, keep_empty=True), None  # an empty one: an error of its own below
     from espn.encoders.precomputed import load_query_embeddings
 
     ids, embeddings = load_query_embeddings(args.query_embeddings)
@@ -286,16 +292,19 @@ def cmd_search(args: argparse.Namespace) -> int:
             embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
-    searcher.hybrid_params(**modes)
+    if searcher.hybrid_params(**modes).mode != "dense":
+        from espn.lexical import require_text
+
+        require_text(searcher.text, modes["mode"] or searcher.hybrid_defaults.mode)  # the run's, not a query's
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
     if filtered is not None:
         print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
     ranked, latencies, hit_rates = {}, [], []
     explained: list[tuple[str, int, Hit]] = []
+    failed: dict[str, str] = {}
     started = time.perf_counter()
     for start in range(0, len(queries), args.batch_size):
         batch = queries[start : start + args.batch_size]
-        ids = [qid for qid, _ in batch]
         if args.exhaustive:
             if embeddings is not None:
                 q = embeddings[start : start + len(batch)]
@@ -305,17 +314,24 @@ def cmd_search(args: argparse.Namespace) -> int:
             rerank = 1000 if args.rerank_count is None else args.rerank_count  # 0 is honoured: CLS only
             hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=rerank,
                                                    allowed=None if filtered is None else filtered.mask)
+            answered = list(zip([qid for qid, _ in batch], hit_lists))
         else:
-            if embeddings is not None:
-                results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k,
-                                                     filter=args.filter, **overrides)
-            else:
-                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain,
-                                          **modes, **overrides)
-            hit_lists = [r.hits for r in results]
-            latencies.append(results[0].stats.stage_ms["total"])
-            hit_rates += [r.stats.hit_rate for r in results]
-        for qid, hits in zip(ids, hit_lists):
+            def run(rows: list[int]) -> list[Any]:
+                if embeddings is not None:
+                    return searcher.search_embeddings(embeddings[[start + r for r in rows]], args.k,
+                                                      filter=args.filter, **overrides)
+                return searcher.search([batch[r][1] for r in rows], args.k, filter=args.filter,
+                                       explain=args.explain, **modes, **overrides)
+
+            results, errors = _search_each(run, len(batch), strict=args.strict)
+            for row, message in errors.items():
+                failed[batch[row][0]] = message
+                print(f"espn search: error: query {batch[row][0]}: {message}", file=sys.stderr)
+            answered = [(batch[row][0], result.hits) for row, result in results.items()]
+            if results:
+                latencies.append(next(iter(results.values())).stats.stage_ms["total"])
+                hit_rates += [r.stats.hit_rate for r in results.values()]
+        for qid, hits in answered:
             ranked[qid] = [(h.doc_id, h.score) for h in hits]
             explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1)
                           if h.explanation is not None or h.lexical_matches is not None]
@@ -334,7 +350,35 @@ def cmd_search(args: argparse.Namespace) -> int:
         run = {qid: dict(strictly_decreasing(hits)) for qid, hits in ranked.items()}
         for measure, value in evaluate(run, qrels).items():
             print(f"{measure}\t{value:.4f}")
+    if failed:
+        print(f"espn search: error: {len(failed)} of {len(queries)} queries failed ({', '.join(list(failed)[:10])}"
+              f"{', ...' if len(failed) > 10 else ''}); the run file holds the other {len(ranked)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _search_each(run: Callable[[list[int]], list[Any]], count: int, strict: bool) -> tuple[dict[int, Any], dict[int, str]]:
+    """Search a batch of `count` queries with `run(rows)`; a query the library refuses (a
+    parameter error: too long, no text, ...) costs only itself: when the batch fails, each
+    query is searched alone and the refused ones come back as {row: message}.
+    strict: the first refusal ends the run, as before (it is raised)."""
+    try:
+        return dict(enumerate(run(list(range(count))))), {}
+    except ValueError as exc:  # InvalidParameterError and the engines' refusals of a query
+        if strict:
+            raise
+        if count == 1:
+            return {}, {0: _one_line(exc)}
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    for row in range(count):
+        try:
+            (results[row],) = run([row])
+        except ValueError as exc:
+            if strict:
+                raise
+            errors[row] = _one_line(exc)
+    return results, errors
 
 
 def _write_explanations(path: Path, explained: list[tuple[str, int, "Hit"]]) -> None:
