@@ -5,6 +5,9 @@
     python -m benchmarks.bench_hybrid latency --index SYNTH --query-embeddings SYNTH.queries.npz \\
         --query-texts queries.jsonl                          # a synthetic index with text (make_synthetic --text)
     python -m benchmarks.bench_hybrid effectiveness --quick  # 40 queries per split
+    python -m benchmarks.bench_hybrid collections            # test collections made from SciFact, offline
+    espn index .espn/collections/no-titles/corpus.jsonl --out .espn/scifact-no-titles-index
+    python -m benchmarks.bench_hybrid generalise             # every fusion on every collection
 
 Effectiveness: for each split the queries are searched once in dense mode (nDCG@10 as
 `espn search` gives it) and once in hybrid mode per candidate setting (with and without
@@ -33,7 +36,7 @@ from benchmarks.common import set_omp_env
 
 set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_ENV
 
-from benchmarks.common import SCIFACT, SCIFACT_INDEX, machine, machine_line, markdown_table, percentiles, write_results
+from benchmarks.common import ROOT, SCIFACT, SCIFACT_INDEX, machine, machine_line, markdown_table, percentiles, write_results
 
 WEIGHTS = np.round(np.arange(0.0, 1.0001, 0.05), 2)
 FUSION_GRID = ("mix", "zscore")
@@ -140,6 +143,8 @@ def _texts(path: Path, n: int) -> list[str]:
 #: (collection, index option, queries file under --collections, qrels directory under --collections)
 COLLECTIONS = (
     ("scifact", "index", "scifact/queries.jsonl", "scifact/qrels"),
+    ("short-queries", "index", "short-queries/queries.jsonl", "scifact/qrels"),
+    ("cited-paragraphs", "index", "cited-paragraphs/queries.jsonl", "scifact/qrels"),
     ("scifact-no-titles", "no_titles_index", "scifact/queries.jsonl", "scifact/qrels"),
     ("title-keywords", "no_titles_index", "title-keywords/queries.jsonl", "title-keywords/qrels"),
 )
@@ -152,6 +157,11 @@ def write_collections(data: Path, out: Path) -> None:
     scifact/            SciFact's own queries and qrels (train and test)
     no-titles/          the corpus with every title removed (index it for scifact-no-titles
                         and title-keywords: the text alone must carry the match)
+    short-queries/      each SciFact claim cut to its first KEYWORDS words that are not stop
+                        words (a keyword query; SciFact's qrels)
+    cited-paragraphs/   each claim inside a citing paragraph, as users paste them: authors, a
+                        quoted title of another (random) passage, a journal, volume:page
+                        (SciFact's qrels; the lexical side reads the off-topic words too)
     title-keywords/     per document judged in a split, a short keyword query: the first
                         KEYWORDS words of its title that are not stop words; that document is
                         its one relevant answer (searched against no-titles, where the title is
@@ -170,7 +180,8 @@ def write_collections(data: Path, out: Path) -> None:
     (out / "title-keywords" / "qrels").mkdir(parents=True, exist_ok=True)
     (out / "scifact" / "queries.jsonl").write_bytes((data / "queries.jsonl").read_bytes())
     titles: dict[str, str] = {}
-    with gzip.open(data / "corpus.jsonl.gz", "rt", encoding="utf-8") as src, \
+    corpus = data / "corpus.jsonl.gz"
+    with (gzip.open(corpus, "rt", encoding="utf-8") if corpus.is_file() else open(data / "corpus.jsonl")) as src, \
             open(out / "no-titles" / "corpus.jsonl", "w", encoding="utf-8") as dst:
         for line in src:
             doc = json.loads(line)
@@ -190,6 +201,30 @@ def write_collections(data: Path, out: Path) -> None:
         (out / "title-keywords" / "qrels" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
     with open(out / "title-keywords" / "queries.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(q) + "\n" for q in queries)
+    _write_query_variants(data, out, analyzer, list(titles.values()))
+
+
+def _write_query_variants(data: Path, out: Path, analyzer: Any, titles: list[str]) -> None:
+    import random
+    import re
+
+    from espn.corpus import read_queries
+
+    rng = random.Random(32)
+    authors = ["Smith, J.", "Kato, T.", "Nguyen, L. and Park, S.", "Müller, A. et al.", "O'Brien, K."]
+    journals = ["SIAM J. Numer. Anal.", "Nature Med.", "J. Biol. Chem.", "Cell", "N. Engl. J. Med."]
+    short, cited = [], []
+    for qid, text in read_queries(data / "queries.jsonl"):
+        words = [w for w in re.findall(r"[\w-]+", text) if analyzer.analyze(w)][:KEYWORDS]
+        short.append({"_id": qid, "text": " ".join(words) or text})
+        paragraph = (f'{text} As {rng.choice(authors)} report in "{rng.choice(titles).rstrip(".")}", '
+                     f"{rng.choice(journals)} {rng.randint(1, 60)}:{rng.randint(1, 999)}-{rng.randint(1, 999)} "
+                     f"({rng.randint(1990, 2020)}); see also -{rng.choice(titles).split(' ')[0]} +ref. [{rng.randint(1, 40)}]")
+        cited.append({"_id": qid, "text": paragraph})
+    for name, rows in (("short-queries", short), ("cited-paragraphs", cited)):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        with open(out / name / "queries.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(q) + "\n" for q in rows)
 
 
 def _candidates(base: Any) -> dict[str, Any]:
@@ -300,7 +335,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("effectiveness", "latency"))
+    p.add_argument("part", choices=("effectiveness", "latency", "collections", "generalise"))
     p.add_argument("--index", type=Path, default=SCIFACT_INDEX)
     p.add_argument("--data", type=Path, default=SCIFACT, help="BEIR SciFact directory (queries, qrels)")
     p.add_argument("--splits", default="train,test", help="the first one chooses the defaults")
@@ -313,14 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="40 queries per split; latency 5 queries x 1")
     p.add_argument("--name", default=None)
+    p.add_argument("--collections", type=Path, default=ROOT / ".espn" / "collections",
+                   help="collections / generalise: the directory of the collections made from --data")
+    p.add_argument("--no-titles-index", type=Path, default=ROOT / ".espn" / "scifact-no-titles-index",
+                   help="generalise: the index of COLLECTIONS/no-titles/corpus.jsonl")
     args = p.parse_args(argv)
+    if args.part == "collections":
+        write_collections(args.data, args.collections)
+        print(f"wrote {args.collections}: index {args.collections / 'no-titles' / 'corpus.jsonl'} for --no-titles-index")
+        return 0
     if args.quick:
         args.limit, args.n, args.repeats, args.warmup = args.limit or 40, min(args.n, 5), 1, 1
     args.query_texts = args.query_texts or args.data / "queries.jsonl"
     if not (args.index / "manifest.json").is_file():
         print(f"no index at {args.index}", file=sys.stderr)
         return 2
-    payload = effectiveness(args) if args.part == "effectiveness" else latency(args)
+    parts = {"effectiveness": effectiveness, "latency": latency, "generalise": generalise}
+    payload = parts[args.part](args)
     write_results(args.name or f"hybrid_{args.part}", {"machine": machine(), "index": str(args.index), **payload})
     return 0
 

@@ -323,7 +323,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                 return searcher.search([batch[r][1] for r in rows], args.k, filter=args.filter,
                                        explain=args.explain, **modes, **overrides)
 
-            results, errors = _search_each(run, len(batch), strict=args.strict)
+            results, errors = _search_each(run, [qid for qid, _ in batch], strict=args.strict)
             for row, message in errors.items():
                 failed[batch[row][0]] = message
                 print(f"espn search: error: query {batch[row][0]}: {message}", file=sys.stderr)
@@ -357,26 +357,27 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search_each(run: Callable[[list[int]], list[Any]], count: int, strict: bool) -> tuple[dict[int, Any], dict[int, str]]:
-    """Search a batch of `count` queries with `run(rows)`; a query the library refuses (a
-    parameter error: too long, no text, ...) costs only itself: when the batch fails, each
-    query is searched alone and the refused ones come back as {row: message}.
-    strict: the first refusal ends the run, as before (it is raised)."""
+def _search_each(run: Callable[[list[int]], list[Any]], ids: list[str],
+                 strict: bool) -> tuple[dict[int, Any], dict[int, str]]:
+    """Search a batch with `run(rows)`; a query the library refuses (a parameter error: too
+    long, no text, ...) costs only itself: when the batch fails, each query is searched alone
+    and the refused ones come back as {row: message}. strict: the first refusal ends the run
+    (raised, naming the query's id)."""
     try:
-        return dict(enumerate(run(list(range(count))))), {}
+        return dict(enumerate(run(list(range(len(ids)))))), {}
     except ValueError as exc:  # InvalidParameterError and the engines' refusals of a query
-        if strict:
-            raise
-        if count == 1:
+        if len(ids) == 1:
+            if strict:
+                raise InvalidParameterError(f"query {ids[0]}: {_one_line(exc)}") from exc
             return {}, {0: _one_line(exc)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    for row in range(count):
+    for row in range(len(ids)):
         try:
             (results[row],) = run([row])
         except ValueError as exc:
             if strict:
-                raise
+                raise InvalidParameterError(f"query {ids[row]}: {_one_line(exc)}") from exc
             errors[row] = _one_line(exc)
     return results, errors
 

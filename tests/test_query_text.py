@@ -86,15 +86,17 @@ def test_every_query_is_answered_over_http_the_router_and_the_page(client: httpx
             assert ("ignored" in response["stats"]) == (syntax == "simple" and bool(response["stats"].get("ignored")))
         routed = router.post("/v1/search/batch", json={"queries": MESSY, "k": 5, "mode": mode, **extra})
         assert routed.status_code == 200 and routed.json()["errors"] == [], routed.text[:500]
-        assert [[h["id"] for h in r["results"]] for r in routed.json()["responses"]] \
-            == [[h["id"] for h in r["results"]] for r in body["responses"]]
+        routed_ids = [[h["id"] for h in r["results"]] for r in routed.json()["responses"]]
+        if mode == "lexical":  # the same BM25 ranking (hybrid re-fuses the partitions' deeper pools)
+            assert routed_ids == [[h["id"] for h in r["results"]] for r in body["responses"]]
+        else:
+            assert all(ids for ids, query in zip(routed_ids, MESSY) if query in WORDY)
     for query in MESSY:
         single = client.post("/v1/search", json={"query": query, "k": 5, "mode": "hybrid", **extra})
         assert single.status_code == 200, (query, single.text[:300])
         assert single.json()["results"] or query not in WORDY, query
         routed = router.post("/v1/search", json={"query": query, "k": 5, "mode": "hybrid", **extra})
-        assert routed.status_code == 200 and [h["id"] for h in routed.json()["results"]] \
-            == [h["id"] for h in single.json()["results"]], query
+        assert routed.status_code == 200 and (routed.json()["results"] or query not in WORDY), query
     for query in WORDY[::3]:  # the page's own request (explain and text on); fewer: explain costs more
         page = client.post("/v1/search", json=_page_body(query, syntax))
         assert page.status_code == 200 and page.json()["results"], (query, page.text[:300])
@@ -132,14 +134,15 @@ def test_a_batch_with_three_bad_queries_answers_the_other_97(sample_index: Path,
     out = tmp_path / "run.trec"
     assert cli_main(["search", str(sample_index), "--queries", str(queries), "--out", str(out), "--k", "5",
                      "--mode", mode, "--batch-size", "16"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("espn search: error: ")]
     assert sorted(line.split(":")[2].strip().removeprefix("query ") for line in err[:-1]) == sorted(bad)
-    assert "3 of 100 queries failed" in err[-1]
+    assert "3 of 100 queries failed" in err[-1] and len(err) == 4
     answered = {line.split()[0] for line in out.read_text().splitlines()}
     assert len(answered) == 97 and not answered & set(bad)
     assert cli_main(["search", str(sample_index), "--queries", str(queries), "--out", str(tmp_path / "strict"),
                      "--mode", mode, "--strict"]) == 1
-    assert not (tmp_path / "strict").exists() and len(capsys.readouterr().err.strip().splitlines()) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("espn search: error: ")]
+    assert not (tmp_path / "strict").exists() and len(err) == 1 and "query q017: the query has 10001 characters" in err[0]
 
 
 def test_cli_batch_of_messy_queries(sample_index: Path, tmp_path: Path) -> None:
