@@ -232,7 +232,7 @@ def _candidates(base: Any) -> dict[str, Any]:
     over a weight grid."""
     out = {"rrf k=60": base.replace(fusion="rrf", rrf_k=60), "rrf k=20": base.replace(fusion="rrf", rrf_k=20)}
     for fusion in FUSION_GRID:
-        for weight in np.round(np.arange(0.3, 0.8501, 0.05), 2):
+        for weight in np.round(np.arange(0.3, 0.9501, 0.05), 2):
             out[f"{fusion} {weight:.2f}"] = base.replace(fusion=fusion, mix_weight=float(weight))
     return out
 
@@ -248,6 +248,9 @@ def generalise(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, float]] = {}  # "collection/split" -> run -> nDCG@10
     sizes: dict[str, int] = {}
     for name, index_option, queries_file, qrels_dir in COLLECTIONS:
+        if not (indexes[index_option] / "manifest.json").is_file():
+            print(f"{name}: skipped, no index at {indexes[index_option]}", file=sys.stderr)
+            continue
         with Searcher.open(indexes[index_option], reader="posix", verify="none") as searcher:
             base = searcher.hybrid_params(mode="hybrid")
             candidates = _candidates(base)

@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
     p.add_argument("--hybrid", action="store_true", help="fit the hybrid mix weight (the dense side's share in "
-                   "fusion 'mix') instead of w, and make the better of mix and rrf the default fusion; needs a "
-                   "full-text index")
+                   "fusions 'mix' and 'zscore') instead of w, and make the best of mix, zscore and rrf the default "
+                   "fusion; needs a full-text index")
     p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
     add_reader_options(p)
     p.set_defaults(handler=cmd_calibrate)
@@ -316,14 +316,14 @@ def cmd_search(args: argparse.Namespace) -> int:
                                                    allowed=None if filtered is None else filtered.mask)
             answered = list(zip([qid for qid, _ in batch], hit_lists))
         else:
-            def run(rows: list[int]) -> list[Any]:
+            def search_rows(rows: list[int]) -> list[Any]:
                 if embeddings is not None:
                     return searcher.search_embeddings(embeddings[[start + r for r in rows]], args.k,
                                                       filter=args.filter, **overrides)
                 return searcher.search([batch[r][1] for r in rows], args.k, filter=args.filter,
                                        explain=args.explain, **modes, **overrides)
 
-            results, errors = _search_each(run, [qid for qid, _ in batch], strict=args.strict)
+            results, errors = _search_each(search_rows, [qid for qid, _ in batch], strict=args.strict)
             for row, message in errors.items():
                 failed[batch[row][0]] = message
                 print(f"espn search: error: query {batch[row][0]}: {message}", file=sys.stderr)
@@ -462,16 +462,17 @@ def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any,
             run[qid] = dict(strictly_decreasing([(str(d), float(v)) for d, v in zip(fused.doc, fused.score)]))
         return evaluate(run, qrels)[args.measure]
 
-    best_weight, best = hybrid.mix_weight, -1.0
-    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
-        value = measure(hybrid.replace(mix_weight=float(weight)))
-        log.debug("mix_weight=%.2f %s=%.4f", weight, args.measure, value)
-        if value > best + 1e-9:
-            best_weight, best = float(weight), value
+    best_fusion, best_weight, best = "mix", hybrid.mix_weight, -1.0
+    for fusion in ("mix", "zscore"):  # both weighted fusions, each over the grid
+        for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
+            value = measure(hybrid.replace(fusion=fusion, mix_weight=float(weight)))
+            log.debug("%s mix_weight=%.2f %s=%.4f", fusion, weight, args.measure, value)
+            if value > best + 1e-9:
+                best_fusion, best_weight, best = fusion, float(weight), value
     rrf = measure(hybrid.replace(fusion="rrf"))
-    fusion = "mix" if best >= rrf else "rrf"
-    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; was "
-          f"{hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
+    fusion = best_fusion if best >= rrf else "rrf"
+    print(f"best mix_weight = {best_weight:.2f} with {best_fusion} ({args.measure} {best:.4f} on {len(pools)} "
+          f"queries; was {hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
     if not args.dry_run:
         update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": fusion, "mix_weight": best_weight,
                                                      "calibrated_on": str(Path(args.qrels).absolute())})

@@ -276,9 +276,11 @@ class MicroBatcher(Generic[R]):
                     continue
                 if isinstance(outcome, BaseException):
                     item.future.set_exception(outcome)
-                elif isinstance(outcome[i], BaseException):  # that query's own failure (the others were answered)
-                    item.future.set_exception(outcome[i])
+                    continue
+                one: Any = outcome[i]
+                if isinstance(one, BaseException):  # that query's own failure (the others were answered)
+                    item.future.set_exception(one)
                 else:
-                    item.future.set_result(BatchedResult(outcome[i], (started - item.enqueued) * 1000.0, size))
+                    item.future.set_result(BatchedResult(one, (started - item.enqueued) * 1000.0, size))
         if self._on_batch is not None:
             self._on_batch(size, elapsed)
