@@ -9,6 +9,13 @@
     espn index .espn/collections/no-titles/corpus.jsonl --out .espn/scifact-no-titles-index
     python -m benchmarks.bench_hybrid generalise             # every fusion on every collection
 
+    # The figures of docs/guides/hybrid-search.md: a 1,024-passage SciFact subset (2 encodes)
+    python -m benchmarks.bench_hybrid collections --subset 1024 --collections .espn/subset-collections
+    espn index .espn/subset-collections/corpus.jsonl --out .espn/subset-index
+    espn index .espn/subset-collections/no-titles/corpus.jsonl --out .espn/subset-no-titles-index
+    python -m benchmarks.bench_hybrid generalise --index .espn/subset-index --limit 100 \\
+        --no-titles-index .espn/subset-no-titles-index --collections .espn/subset-collections
+
 Effectiveness: for each split the queries are searched once in dense mode (nDCG@10 as
 `espn search` gives it) and once in hybrid mode per candidate setting (with and without
 `union`), asking for the whole fusion pool with both sides' scores. Lexical-only, RRF
@@ -151,27 +158,29 @@ COLLECTIONS = (
 KEYWORDS = 4  # words of a title kept as a keyword query
 
 
-def write_collections(data: Path, out: Path) -> None:
+def write_collections(data: Path, out: Path, subset: int | None = None) -> None:
     """BEIR-format test collections made from SciFact, without a network:
 
     scifact/            SciFact's own queries and qrels (train and test)
+    corpus.jsonl        with `subset`: every judged passage and the first others, `subset` in
+                        all (the index of the scifact, short-queries and cited-paragraphs
+                        collections; without `subset`, index SciFact's own corpus)
     no-titles/          the corpus with every title removed (index it for scifact-no-titles
                         and title-keywords: the text alone must carry the match)
+    title-keywords/     per document judged in a split, a short keyword query: the first
+                        KEYWORDS words of its title that are not stop words; that document is
+                        its one relevant answer (searched against no-titles, where the title is
+                        not indexed)
     short-queries/      each SciFact claim cut to its first KEYWORDS words that are not stop
                         words (a keyword query; SciFact's qrels)
     cited-paragraphs/   each claim inside a citing paragraph, as users paste them: authors, a
                         quoted title of another (random) passage, a journal, volume:page
                         (SciFact's qrels; the lexical side reads the off-topic words too)
-    title-keywords/     per document judged in a split, a short keyword query: the first
-                        KEYWORDS words of its title that are not stop words; that document is
-                        its one relevant answer (searched against no-titles, where the title is
-                        not indexed)
     """
     import gzip
     import re
 
     from espn.corpus import read_qrels
-
     from espn.text import TextConfig
 
     analyzer = TextConfig(stemmer=False).analyzer()  # espn's English chain: what it drops is a stop word
@@ -179,14 +188,19 @@ def write_collections(data: Path, out: Path) -> None:
     (out / "no-titles").mkdir(parents=True, exist_ok=True)
     (out / "title-keywords" / "qrels").mkdir(parents=True, exist_ok=True)
     (out / "scifact" / "queries.jsonl").write_bytes((data / "queries.jsonl").read_bytes())
-    titles: dict[str, str] = {}
     corpus = data / "corpus.jsonl.gz"
-    with (gzip.open(corpus, "rt", encoding="utf-8") if corpus.is_file() else open(data / "corpus.jsonl")) as src, \
-            open(out / "no-titles" / "corpus.jsonl", "w", encoding="utf-8") as dst:
-        for line in src:
-            doc = json.loads(line)
-            titles[doc["_id"]] = doc.get("title", "")
-            dst.write(json.dumps({"_id": doc["_id"], "title": "", "text": doc["text"]}) + "\n")
+    with (gzip.open(corpus, "rt", encoding="utf-8") if corpus.is_file() else open(data / "corpus.jsonl")) as src:
+        docs = [json.loads(line) for line in src]
+    if subset is not None:
+        judged = {doc for split in ("train", "test")
+                  for answers in read_qrels(data / "qrels" / f"{split}.tsv").values() for doc in answers}
+        kept = [doc for doc in docs if doc["_id"] in judged]
+        docs = kept + [doc for doc in docs if doc["_id"] not in judged][: max(0, subset - len(kept))]
+        with open(out / "corpus.jsonl", "w", encoding="utf-8") as dst:
+            dst.writelines(json.dumps(doc) + "\n" for doc in docs)
+    titles = {doc["_id"]: doc.get("title", "") for doc in docs}
+    with open(out / "no-titles" / "corpus.jsonl", "w", encoding="utf-8") as dst:
+        dst.writelines(json.dumps({"_id": doc["_id"], "title": "", "text": doc["text"]}) + "\n" for doc in docs)
     queries = []
     for split in ("train", "test"):
         (out / "scifact" / "qrels" / f"{split}.tsv").write_bytes((data / "qrels" / f"{split}.tsv").read_bytes())
@@ -353,11 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None)
     p.add_argument("--collections", type=Path, default=ROOT / ".espn" / "collections",
                    help="collections / generalise: the directory of the collections made from --data")
+    p.add_argument("--subset", type=int, default=None,
+                   help="collections: a corpus of every judged passage and the first others, this many in all")
     p.add_argument("--no-titles-index", type=Path, default=ROOT / ".espn" / "scifact-no-titles-index",
                    help="generalise: the index of COLLECTIONS/no-titles/corpus.jsonl")
     args = p.parse_args(argv)
     if args.part == "collections":
-        write_collections(args.data, args.collections)
+        write_collections(args.data, args.collections, args.subset)
         print(f"wrote {args.collections}: index {args.collections / 'no-titles' / 'corpus.jsonl'} for --no-titles-index")
         return 0
     if args.quick:
