@@ -43,7 +43,7 @@ def test_index_has_a_checksummed_text_index(sample_index: Path) -> None:
                                             "ascii_fold": False, "max_token_chars": 40}
     text_files = [name for name in manifest["files"] if name.startswith("text/")]
     assert "text/meta.json" in text_files and len(text_files) > 3
-    assert manifest["hybrid"]["fusion"] == "mix"
+    assert manifest["hybrid"]["fusion"] == "zscore" and manifest["hybrid"]["mix_weight"] == 0.8
 
 
 def test_lexical_mode_is_the_text_index_ranking(searcher: Searcher) -> None:
@@ -74,8 +74,8 @@ def test_hybrid_scores_lexical_only_documents_with_maxsim_and_fuses_the_pool(sea
                  searcher.hybrid_params(mode="hybrid"))
     assert fused.doc.tolist() == list(range(len(hits)))
     assert [h.score for h in hits] == pytest.approx(fused.score.tolist(), abs=1e-6)
-    assert union.stats.mode == "hybrid" and union.stats.hybrid["fusion"] == "mix"
-    for fusion in ("rrf", "mix"):
+    assert union.stats.mode == "hybrid" and union.stats.hybrid["fusion"] == "zscore"
+    for fusion in ("rrf", "mix", "zscore"):
         (top,) = searcher.search([QUERY], k=5, mode="hybrid", fusion=fusion)
         assert len(top.hits) == 5 and np.all(np.diff([h.score for h in top.hits]) <= 0)
 

@@ -230,8 +230,22 @@ def _reference_fuse(docs: list[int], dense: list[float | None], lexical: list[fl
         low, high = min(present, default=0.0), max(present, default=0.0)
         return {i: (1.0 if high == low else (s - low) / (high - low)) for i, s in enumerate(scores) if s is not None}
 
+    def standardised(scores: list[float | None]) -> dict[int, float]:
+        present = [s for s in scores if s is not None]
+        if not present:
+            return {}
+        mean = sum(present) / len(present)
+        sd = (sum((s - mean) ** 2 for s in present) / len(present)) ** 0.5
+        z = {i: ((s - mean) / sd if sd > 0 else 0.0) for i, s in enumerate(scores) if s is not None}
+        lowest = min(z.values())
+        return {i: z.get(i, lowest) for i in range(len(scores))}
+
     out = []
-    if params.fusion == "rrf":
+    if params.fusion == "zscore":
+        zd, zl = standardised(dense), standardised(lexical)
+        for i, doc in enumerate(docs):
+            out.append((doc, params.mix_weight * zd.get(i, 0.0) + (1 - params.mix_weight) * zl.get(i, 0.0)))
+    elif params.fusion == "rrf":
         rd, rl = ranks(dense), ranks(lexical)
         for i, doc in enumerate(docs):
             out.append((doc, (1 / (params.rrf_k + rd[i]) if i in rd else 0) + (1 / (params.rrf_k + rl[i]) if i in rl else 0)))
@@ -243,7 +257,9 @@ def _reference_fuse(docs: list[int], dense: list[float | None], lexical: list[fl
 
 
 @pytest.mark.parametrize("params", [HybridParams(fusion="rrf"), HybridParams(fusion="rrf", rrf_k=5),
-                                    HybridParams(fusion="mix", mix_weight=0.3), HybridParams(fusion="mix", mix_weight=1.0)])
+                                    HybridParams(fusion="mix", mix_weight=0.3), HybridParams(fusion="mix", mix_weight=1.0),
+                                    HybridParams(fusion="zscore", mix_weight=0.8),
+                                    HybridParams(fusion="zscore", mix_weight=0.3)])
 def test_fusion_equals_python_reference(params: HybridParams) -> None:
     rng = np.random.default_rng(7)
     for _ in range(20):
