@@ -107,6 +107,9 @@ class RoutedStats(BaseModel):
     shards_answered: int
     shards_total: int
     route_ms: float = Field(description="milliseconds in the router, fan-out to merged answer")
+    syntax: Optional[str] = Field(default=None, description="lexical and hybrid: how the query was read")
+    ignored: Optional[list[str]] = Field(default=None, description="syntax simple: what was read as text instead "
+                                                                   "(as each partition reads it alike)")
 
 
 class RoutedSearchResponse(BaseModel):
@@ -227,6 +230,8 @@ def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: flo
         shards_answered=len(stats),
         shards_total=total,
         route_ms=round(route_ms, 3),
+        syntax=next((s.syntax for s in stats if s.syntax), None),
+        ignored=next((s.ignored for s in stats if s.ignored), None),
     )
 
 

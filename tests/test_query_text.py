@@ -97,6 +97,7 @@ def test_every_query_is_answered_over_http_the_router_and_the_page(client: httpx
         assert single.json()["results"] or query not in WORDY, query
         routed = router.post("/v1/search", json={"query": query, "k": 5, "mode": "hybrid", **extra})
         assert routed.status_code == 200 and (routed.json()["results"] or query not in WORDY), query
+        assert routed.json()["stats"]["ignored"] == single.json()["stats"].get("ignored"), query
     for query in WORDY[::3]:  # the page's own request (explain and text on); fewer: explain costs more
         page = client.post("/v1/search", json=_page_body(query, syntax))
         assert page.status_code == 200 and page.json()["results"], (query, page.text[:300])
