@@ -23,6 +23,11 @@ and the mix at every weight on a 0.05 grid are then fused from those pools with
 `espn.hybrid.fuse`, the function the Searcher itself calls, so they equal what a search
 with those parameters returns. The default is chosen on train; test is reported with it.
 
+Generalise: the same pools on every collection `collections` writes (see
+`write_collections`), every candidate (RRF k 60 and 20, mix and zscore on a 0.05 grid) as
+a gain over dense on the same index; the default is the best worst gain over the train
+splits, then the best mean (the test splits are only reported).
+
 Latency: single queries (one per call), dense and hybrid interleaved query by query so
 both see the same machine load; p50 / p99 per mode over `--repeats` passes, and the
 ratio of the medians.
