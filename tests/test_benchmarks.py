@@ -354,3 +354,16 @@ def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: 
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
     assert payload["catch_up_s"]["median"] > 0 and payload["search_p50_ms"]["ratio"] > 0
+
+
+def test_bench_lexical(results: Path, capsys, tmp_path: Path) -> None:
+    """espn's lexical side against bm25s on the sample corpus (the SciFact run is the same code)."""
+    pytest.importorskip("bm25s")
+    from benchmarks import bench_lexical
+
+    beir = _sample_beir(tmp_path)
+    shutil.copy(common.ROOT / "espn" / "data" / "sample_corpus.jsonl", beir / "corpus.jsonl")
+    assert bench_lexical.main(["--data", str(beir), "--splits", "test"]) == 0
+    payload = _check(results, "lexical_vs_bm25s", capsys, png=False)
+    rows = payload["nDCG@10"]
+    assert len(rows) == 4 and all(0.0 < row["test"] <= 1.0 for row in rows.values())
