@@ -124,10 +124,13 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
 
 def _add_mode_params(p: argparse.ArgumentParser) -> None:
     from espn.hybrid import FUSIONS, MODES
+    from espn.text.query import SYNTAXES
 
     g = p.add_argument_group("search mode (lexical and hybrid need the index's full-text index)")
-    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused); lexical "
-                   'and hybrid queries read "phrases", +required and -excluded words')
+    g.add_argument("--mode", choices=MODES, help="dense (default), lexical (BM25) or hybrid (both, fused)")
+    g.add_argument("--query-syntax", choices=SYNTAXES, help="lexical and hybrid: plain (default: every character is "
+                   'text, never an operator) or simple ("phrases", +required, -excluded; what it cannot read is '
+                   "read as text)")
     g.add_argument("--fusion", choices=FUSIONS, help="hybrid: rrf or mix (default: the index's)")
     g.add_argument("--lexical-k", type=int, help="hybrid: candidates from the lexical side (default 100)")
     g.add_argument("--rrf-k", type=int, help="hybrid: the RRF constant (default 60)")
@@ -138,7 +141,8 @@ def _add_mode_params(p: argparse.ArgumentParser) -> None:
 
 def _mode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": args.mode, "fusion": args.fusion, "lexical_k": args.lexical_k, "rrf_k": args.rrf_k,
-            "mix_weight": args.mix_weight, "union": False if args.no_union else None}
+            "mix_weight": args.mix_weight, "union": False if args.no_union else None,
+            "syntax": getattr(args, "query_syntax", None)}
 
 
 def _search_overrides(args: argparse.Namespace) -> dict:
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exhaustive", action="store_true", help="brute-force reference: exact CLS over all docs, "
                    "MaxSim over --rerank-count (default 1000)")
     p.add_argument("--tag", default="espn")
+    p.add_argument("--strict", action="store_true", help="stop at the first query that cannot be searched (default: "
+                   "report it on stderr naming its id, search the others, write their run, exit 1)")
     p.add_argument("--explain", action="store_true", help="also write OUT.explain.jsonl: per re-ranked hit, each "
                    "query token's MaxSim contribution and the passage span it matched")
     p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
@@ -217,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", default="nDCG@10", choices=[str(m) for m in DEFAULT_MEASURES])
     p.add_argument("--dry-run", action="store_true", help="print the best w without writing it")
     p.add_argument("--hybrid", action="store_true", help="fit the hybrid mix weight (the dense side's share in "
-                   "fusion 'mix') instead of w, and make the better of mix and rrf the default fusion; needs a "
-                   "full-text index")
+                   "fusions 'mix' and 'zscore') instead of w, and make the best of mix, zscore and rrf the default "
+                   "fusion; needs a full-text index")
     p.add_argument("--reader", choices=sorted(READERS), help="embedding reader (default: kvikio with CUDA, else posix)")
     add_reader_options(p)
     p.set_defaults(handler=cmd_calibrate)
@@ -238,7 +244,7 @@ def _load_queries(args: argparse.Namespace):
     if args.queries is not None:
         from espn.corpus import read_queries
 
-        return read_queries(args.queries), None
+        return read_queries(args.queries, keep_empty=True), None  # an empty one: an error of its own below
     from espn.encoders.precomputed import load_query_embeddings
 
     ids, embeddings = load_query_embeddings(args.query_embeddings)
@@ -286,16 +292,19 @@ def cmd_search(args: argparse.Namespace) -> int:
             embeddings = None if embeddings is None else embeddings[np.asarray(judged)]
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
-    searcher.hybrid_params(**modes)
+    if searcher.hybrid_params(**modes).mode != "dense":
+        from espn.lexical import require_text
+
+        require_text(searcher.text, modes["mode"] or searcher.hybrid_defaults.mode)  # the run's, not a query's
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
     if filtered is not None:
         print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
     ranked, latencies, hit_rates = {}, [], []
     explained: list[tuple[str, int, Hit]] = []
+    failed: dict[str, str] = {}
     started = time.perf_counter()
     for start in range(0, len(queries), args.batch_size):
         batch = queries[start : start + args.batch_size]
-        ids = [qid for qid, _ in batch]
         if args.exhaustive:
             if embeddings is not None:
                 q = embeddings[start : start + len(batch)]
@@ -305,17 +314,24 @@ def cmd_search(args: argparse.Namespace) -> int:
             rerank = 1000 if args.rerank_count is None else args.rerank_count  # 0 is honoured: CLS only
             hit_lists = searcher.search_exhaustive(q, k=args.k, rerank_count=rerank,
                                                    allowed=None if filtered is None else filtered.mask)
+            answered = list(zip([qid for qid, _ in batch], hit_lists))
         else:
-            if embeddings is not None:
-                results = searcher.search_embeddings(embeddings[start : start + len(batch)], args.k,
-                                                     filter=args.filter, **overrides)
-            else:
-                results = searcher.search([text for _, text in batch], args.k, filter=args.filter, explain=args.explain,
-                                          **modes, **overrides)
-            hit_lists = [r.hits for r in results]
-            latencies.append(results[0].stats.stage_ms["total"])
-            hit_rates += [r.stats.hit_rate for r in results]
-        for qid, hits in zip(ids, hit_lists):
+            def search_rows(rows: list[int]) -> list[Any]:
+                if embeddings is not None:
+                    return searcher.search_embeddings(embeddings[[start + r for r in rows]], args.k,
+                                                      filter=args.filter, **overrides)
+                return searcher.search([batch[r][1] for r in rows], args.k, filter=args.filter,
+                                       explain=args.explain, **modes, **overrides)
+
+            results, errors = _search_each(search_rows, [qid for qid, _ in batch], strict=args.strict)
+            for row, message in errors.items():
+                failed[batch[row][0]] = message
+                print(f"espn search: error: query {batch[row][0]}: {message}", file=sys.stderr)
+            answered = [(batch[row][0], result.hits) for row, result in results.items()]
+            if results:
+                latencies.append(next(iter(results.values())).stats.stage_ms["total"])
+                hit_rates += [r.stats.hit_rate for r in results.values()]
+        for qid, hits in answered:
             ranked[qid] = [(h.doc_id, h.score) for h in hits]
             explained += [(qid, rank, h) for rank, h in enumerate(hits, start=1)
                           if h.explanation is not None or h.lexical_matches is not None]
@@ -334,7 +350,36 @@ def cmd_search(args: argparse.Namespace) -> int:
         run = {qid: dict(strictly_decreasing(hits)) for qid, hits in ranked.items()}
         for measure, value in evaluate(run, qrels).items():
             print(f"{measure}\t{value:.4f}")
+    if failed:
+        print(f"espn search: error: {len(failed)} of {len(queries)} queries failed ({', '.join(list(failed)[:10])}"
+              f"{', ...' if len(failed) > 10 else ''}); the run file holds the other {len(ranked)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _search_each(run: Callable[[list[int]], list[Any]], ids: list[str],
+                 strict: bool) -> tuple[dict[int, Any], dict[int, str]]:
+    """Search a batch with `run(rows)`; a query the library refuses (a parameter error: too
+    long, no text, ...) costs only itself: when the batch fails, each query is searched alone
+    and the refused ones come back as {row: message}. strict: the first refusal ends the run
+    (raised, naming the query's id)."""
+    try:
+        return dict(enumerate(run(list(range(len(ids)))))), {}
+    except ValueError as exc:  # InvalidParameterError and the engines' refusals of a query
+        if len(ids) == 1:
+            if strict:
+                raise InvalidParameterError(f"query {ids[0]}: {_one_line(exc)}") from exc
+            return {}, {0: _one_line(exc)}
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    for row in range(len(ids)):
+        try:
+            (results[row],) = run([row])
+        except ValueError as exc:
+            if strict:
+                raise InvalidParameterError(f"query {ids[row]}: {_one_line(exc)}") from exc
+            errors[row] = _one_line(exc)
+    return results, errors
 
 
 def _write_explanations(path: Path, explained: list[tuple[str, int, "Hit"]]) -> None:
@@ -417,16 +462,17 @@ def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any,
             run[qid] = dict(strictly_decreasing([(str(d), float(v)) for d, v in zip(fused.doc, fused.score)]))
         return evaluate(run, qrels)[args.measure]
 
-    best_weight, best = hybrid.mix_weight, -1.0
-    for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
-        value = measure(hybrid.replace(mix_weight=float(weight)))
-        log.debug("mix_weight=%.2f %s=%.4f", weight, args.measure, value)
-        if value > best + 1e-9:
-            best_weight, best = float(weight), value
+    best_fusion, best_weight, best = "mix", hybrid.mix_weight, -1.0
+    for fusion in ("mix", "zscore"):  # both weighted fusions, each over the grid
+        for weight in np.round(np.arange(0.0, 1.0001, 0.05), 2):
+            value = measure(hybrid.replace(fusion=fusion, mix_weight=float(weight)))
+            log.debug("%s mix_weight=%.2f %s=%.4f", fusion, weight, args.measure, value)
+            if value > best + 1e-9:
+                best_fusion, best_weight, best = fusion, float(weight), value
     rrf = measure(hybrid.replace(fusion="rrf"))
-    fusion = "mix" if best >= rrf else "rrf"
-    print(f"best mix_weight = {best_weight:.2f} ({args.measure} {best:.4f} on {len(pools)} queries; was "
-          f"{hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
+    fusion = best_fusion if best >= rrf else "rrf"
+    print(f"best mix_weight = {best_weight:.2f} with {best_fusion} ({args.measure} {best:.4f} on {len(pools)} "
+          f"queries; was {hybrid.mix_weight:.2f}); rrf {rrf:.4f}; default fusion: {fusion}")
     if not args.dry_run:
         update_manifest(searcher.index.path, hybrid={**hybrid.to_json(), "fusion": fusion, "mix_weight": best_weight,
                                                      "calibrated_on": str(Path(args.qrels).absolute())})

@@ -81,14 +81,15 @@ def _iter_lines(path: Path) -> Iterator[tuple[int, str]]:
         raise CorpusError(f"{path}:{number + 1}: cannot read: {exc}") from exc
 
 
-def _parse(path: Path, number: int, line: str, fmt: str, kind: str) -> tuple[str, str, str]:
+def _parse(path: Path, number: int, line: str, fmt: str, kind: str,
+           keep_empty: bool = False) -> tuple[str, str, str]:
     """-> (id, title, text) or raise CorpusError naming file:line."""
-    doc_id, title, text, _ = _parse_with_metadata(path, number, line, fmt, kind)
+    doc_id, title, text, _ = _parse_with_metadata(path, number, line, fmt, kind, keep_empty)
     return doc_id, title, text
 
 
-def _parse_with_metadata(path: Path, number: int, line: str, fmt: str,
-                         kind: str) -> tuple[str, str, str, dict[str, Any] | None]:
+def _parse_with_metadata(path: Path, number: int, line: str, fmt: str, kind: str,
+                         keep_empty: bool = False) -> tuple[str, str, str, dict[str, Any] | None]:
     """-> (id, title, text, metadata or None) or raise CorpusError naming file:line."""
     where = f"{path}:{number}"
     metadata = None
@@ -126,7 +127,7 @@ def _parse_with_metadata(path: Path, number: int, line: str, fmt: str,
         problem = id_problem(doc_id)  # the rule every write applies: ids are exact UTF-8 bytes
         if problem is not None:
             raise CorpusError(f"{where}: document id {quote_id(doc_id)} {problem}")
-    if kind == "query" and not (title.strip() or text.strip()):
+    if kind == "query" and not keep_empty and not (title.strip() or text.strip()):
         raise CorpusError(f"{where}: {kind} {doc_id!r} has no text")
     # A document without text is kept (real corpora have them): it is indexed with no
     # BOW vectors, can be fetched by id, and the build warns once with a count.
@@ -156,8 +157,11 @@ def iter_corpus(path: Path, skip_bad: bool = False) -> Iterator[CorpusDocument]:
         log.warning("%s: skipped %d bad line(s)", path, skipped)
 
 
-def read_queries(path: Path) -> list[tuple[str, str]]:
-    """(query_id, text) pairs: BEIR queries.jsonl or id<TAB>text. Queries are few, so a list."""
+def read_queries(path: Path, keep_empty: bool = False) -> list[tuple[str, str]]:
+    """(query_id, text) pairs: BEIR queries.jsonl or id<TAB>text. Queries are few, so a list.
+
+    keep_empty: a query without text is kept (for a search to refuse on its own, naming its
+    id) instead of refusing the whole file."""
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: no such file")
@@ -165,7 +169,7 @@ def read_queries(path: Path) -> list[tuple[str, str]]:
     queries = []
     for number, line in _iter_lines(path):
         if line.strip():
-            query_id, title, text = _parse(path, number, line, fmt, "query")
+            query_id, title, text = _parse(path, number, line, fmt, "query", keep_empty)
             queries.append((query_id, f"{title} {text}".strip()))
     if not queries:
         raise CorpusError(f"{path}: no queries")

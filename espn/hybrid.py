@@ -9,6 +9,8 @@ document has a late-interaction score. The pool is then fused:
 - `mix`: α · dense' + (1 − α) · lexical', each side min-max normalised over its own list
   (a document missing from the lexical list counts 0 there); α = `mix_weight`, fitted by
   `espn calibrate` on training queries and stored in the manifest (`hybrid.mix_weight`).
+- `zscore`: the same mix of each side standardised over the pool (mean 0, sd 1; a document
+  missing from the lexical list counts as its lowest).
 
 `fuse` is the one definition of the fused ranking: the Searcher calls it per query, and
 the router calls it on the pools of every partition so a partitioned index ranks as one.
@@ -23,11 +25,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import InvalidParameterError
+from .text.query import check_syntax
 
 __all__ = ["MODES", "FUSIONS", "HybridParams", "Fused", "fuse"]
 
 MODES = ("dense", "lexical", "hybrid")
-FUSIONS = ("rrf", "mix")
+FUSIONS = ("rrf", "mix", "zscore")
 MAX_LEXICAL_K = 10_000
 
 
@@ -36,19 +39,24 @@ class HybridParams:
     """What a search may set about modes and fusion (defaults: the manifest's `hybrid` section).
 
     mode:       dense (vectors only), lexical (BM25 only) or hybrid (both, fused)
-    fusion:     rrf or mix (see the module doc)
+    fusion:     rrf, mix or zscore (see the module doc)
     lexical_k:  candidates taken from the lexical side
     rrf_k:      the constant of reciprocal rank fusion
-    mix_weight: α, the dense side's weight in the mix, in [0, 1]
+    mix_weight: α, the dense side's weight in mix and zscore, in [0, 1]
     union:      read and MaxSim-score the documents only the lexical side found
+    syntax:     how the lexical side reads a query: plain text (default) or the opt-in
+                simple syntax ("phrases", +required, -excluded; `espn.text.query`)
     """
 
     mode: str = "dense"
-    fusion: str = "mix"  # chosen on SciFact train (README, "Hybrid retrieval")
+    # zscore at 0.80: the best worst case over the train splits of five collections made from
+    # SciFact (docs/guides/hybrid-search.md); `espn calibrate --hybrid` refits both per index.
+    fusion: str = "zscore"
     lexical_k: int = 100
     rrf_k: int = 60
-    mix_weight: float = 0.65  # best on SciFact train; `espn calibrate --hybrid` refits it per index
+    mix_weight: float = 0.80
     union: bool = True
+    syntax: str = "plain"
 
     def replace(self, **overrides: Any) -> "HybridParams":
         given = {key: value for key, value in overrides.items() if value is not None}
@@ -69,6 +77,7 @@ class HybridParams:
             raise InvalidParameterError(f"mix_weight must be a number in [0, 1], got {weight!r}")
         if not isinstance(self.union, bool):
             raise InvalidParameterError(f"union must be true or false, got {self.union!r}")
+        check_syntax(self.syntax)
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -77,7 +86,7 @@ class HybridParams:
 
     @classmethod
     def from_manifest(cls, section: Mapping[str, Any] | None) -> "HybridParams":
-        known = {f.name for f in dataclasses.fields(cls)} - {"mode"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"mode", "syntax"}
         return cls(**{key: value for key, value in (section or {}).items() if key in known}).validate()
 
 
@@ -112,6 +121,18 @@ def _min_max(scores: np.ndarray) -> np.ndarray:
     return out
 
 
+def _z_score(scores: np.ndarray) -> np.ndarray:
+    """Standardised over the present scores (mean 0, sd 1; all equal: 0); missing: the lowest present."""
+    present = ~np.isnan(scores)
+    out = np.zeros(len(scores), dtype=np.float64)
+    if present.any():
+        values = scores[present].astype(np.float64)
+        sd = float(values.std())
+        out[present] = (values - values.mean()) / sd if sd > 0 else 0.0
+        out[~present] = float(out[present].min())
+    return out
+
+
 def fuse(doc: np.ndarray, dense: np.ndarray, lexical: np.ndarray, params: HybridParams) -> Fused:
     """Fuse one query's pool: doc [m] distinct keys, dense [m] and lexical [m] scores (NaN:
     not on that side's list). Ties break on the dense score, then the lexical score, then
@@ -120,6 +141,8 @@ def fuse(doc: np.ndarray, dense: np.ndarray, lexical: np.ndarray, params: Hybrid
     lexical = np.asarray(lexical, dtype=np.float32)
     if params.fusion == "rrf":
         score = 1.0 / (params.rrf_k + _ranks(dense)) + 1.0 / (params.rrf_k + _ranks(lexical))
+    elif params.fusion == "zscore":
+        score = params.mix_weight * _z_score(dense) + (1.0 - params.mix_weight) * _z_score(lexical)
     else:
         score = params.mix_weight * _min_max(dense) + (1.0 - params.mix_weight) * _min_max(lexical)
     order = np.lexsort((np.arange(len(doc)), -np.nan_to_num(lexical, nan=-np.inf),

@@ -37,13 +37,14 @@ __all__ = ["search_modes"]
 def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParams, hybrid: HybridParams,
                  filtered: FilteredDocs | None, explain: bool, timer: "_Timer",
                  embeddings: QueryEmbeddings | None = None) -> list[QueryResult]:
-    """A lexical or hybrid search of `texts` (query strings in the lexical syntax).
+    """A lexical or hybrid search of `texts`, read in `hybrid.syntax` (`espn.text.query`).
 
     embeddings: the queries encoded elsewhere (`search_embeddings`); None encodes the
-    queries' dense text (their words without operators, quotes or excluded clauses).
+    queries' dense text (as typed in plain syntax; without the simple syntax's operators,
+    quotes and excluded clauses).
     """
     text = require_text(searcher.text, hybrid.mode)
-    parsed = [parse_query(query) for query in texts]
+    parsed = [parse_query(query, hybrid.syntax) for query in texts]
     allowed = filtered.mask if filtered is not None else searcher.live
     if hybrid.mode == "lexical":
         lexical = search_batch(text, parsed, params.k, allowed)
@@ -63,7 +64,7 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
             return [hits.doc_numbers for hits in found], searcher.reader.submit(docs).records() if len(docs) else None
 
         future = searcher._pool.submit(lexical_side)
-        dense_texts = [query.dense_text() or query.source for query in parsed]  # as Searcher.dense_queries
+        dense_texts = [query.dense_text() for query in parsed]  # as Searcher.dense_queries
         pools: list = []
         try:
             if embeddings is None:
@@ -85,9 +86,10 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
         timer.lap("explain")
     stage_ms = timer.total()
     used = {**hybrid.to_json(), "rerank_count": params.rerank_count} if hybrid.mode == "hybrid" else None
-    for result in results:
+    for query, result in zip(parsed, results):
         result.stats.stage_ms = stage_ms
         result.stats.mode, result.stats.hybrid = hybrid.mode, used
+        result.stats.syntax, result.stats.ignored = query.syntax, list(query.ignored)
     return results
 
 

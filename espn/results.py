@@ -116,6 +116,9 @@ class SearchStats:
     mode:       dense, lexical or hybrid (see espn.hybrid)
     hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
                 (the router re-fuses partitions' pools with them)
+    syntax:     lexical and hybrid: how the query was read ("plain" or "simple")
+    ignored:    what the simple syntax read as text instead of as syntax (an unclosed quote,
+                an operator before another), one line each; empty when nothing was
     """
 
     stage_ms: dict[str, float]
@@ -132,6 +135,8 @@ class SearchStats:
     filter_path: Optional[str] = None
     mode: str = "dense"
     hybrid: Optional[dict] = None
+    syntax: Optional[str] = None
+    ignored: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -265,14 +265,15 @@ class Searcher:
 
     def hybrid_params(self, mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
                       rrf_k: int | None = None, mix_weight: float | None = None,
-                      union: bool | None = None) -> HybridParams:
+                      union: bool | None = None, syntax: str | None = None) -> HybridParams:
         """The index's mode and fusion defaults with per-call overrides, validated."""
         return self.hybrid_defaults.replace(mode=mode, fusion=fusion, lexical_k=lexical_k, rrf_k=rrf_k,
-                                            mix_weight=mix_weight, union=union)
+                                            mix_weight=mix_weight, union=union, syntax=syntax)
 
     def search(self, queries: Sequence[str], k: int | None = None, filter: Any = None, explain: bool = False,
                mode: str | None = None, fusion: str | None = None, lexical_k: int | None = None,
                rrf_k: int | None = None, mix_weight: float | None = None, union: bool | None = None,
+               syntax: str | None = None,
                embeddings: QueryEmbeddings | None = None, **overrides: Any) -> list[QueryResult]:
         """Search a batch of query strings; one QueryResult per query, in order.
 
@@ -282,15 +283,16 @@ class Searcher:
         lexical matches; computed after the search, for the returned hits only, and timed as
         stage "explain". False costs nothing.
         mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
-        union tune hybrid search (`espn.hybrid.HybridParams`). Lexical and hybrid queries
-        use the syntax of `espn.text.query` (phrases, +required, -excluded).
+        union tune hybrid search (`espn.hybrid.HybridParams`). syntax: how the lexical side
+        reads the queries, "plain" text (default: never an operator, never an error) or
+        "simple" (phrases, +required, -excluded; lenient, see `espn.text.query`).
         embeddings: these queries already encoded by `encode` (the server encodes concurrent
         requests of different parameters in one call); stage "encode" is then 0 here. In
         hybrid mode they must be the encodings of the queries' dense text (`dense_queries`).
         """
         if not isinstance(explain, bool):
             raise InvalidParameterError(f"explain must be true or false, got {explain!r}")
-        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union, syntax)
         if explain and hybrid.mode != "lexical":
             can_explain(self.encoder)
         self._check_texts(queries)
@@ -309,15 +311,17 @@ class Searcher:
         results = self._search(embeddings, params, timer, filtered=filtered)
         return self._explain(queries, embeddings, results) if explain else results
 
-    def dense_queries(self, queries: Sequence[str], mode: str | None = None) -> list[str] | None:
+    def dense_queries(self, queries: Sequence[str], mode: str | None = None,
+                      syntax: str | None = None) -> list[str] | None:
         """What `encode` takes for these queries in `mode` (None: the index's default): the
-        queries themselves (dense), their words without the lexical syntax's quotes and
-        operators (hybrid), or None (lexical: nothing is encoded)."""
-        mode = self.hybrid_params(mode).mode
-        if mode == "lexical":
+        queries as typed (dense, and hybrid in plain syntax), their words without the simple
+        syntax's quotes, operators and excluded clauses (hybrid, syntax simple), or None
+        (lexical: nothing is encoded)."""
+        hybrid = self.hybrid_params(mode, syntax=syntax)
+        if hybrid.mode == "lexical":
             return None
-        if mode == "hybrid":
-            return [query.dense_text() or query.source for query in map(parse_query, queries)]
+        if hybrid.mode == "hybrid":
+            return [parse_query(query, hybrid.syntax).dense_text() for query in queries]
         return list(queries)
 
     def encode(self, queries: Sequence[str]) -> QueryEmbeddings:
@@ -336,10 +340,12 @@ class Searcher:
         if len(queries) > MAX_BATCH:
             raise InvalidParameterError(f"a batch holds at most {MAX_BATCH} queries, got {len(queries)}")
         for i, query in enumerate(queries):
-            if not isinstance(query, str) or not query.strip():
-                raise InvalidParameterError(f"query {i} must be a non-empty string")
+            which = f"query {i}" if len(queries) > 1 else "the query"
+            if not isinstance(query, str) or not any(ch.isprintable() and not ch.isspace() for ch in query):
+                raise InvalidParameterError(f"{which} must be a non-empty string (it has no text: only "
+                                            "whitespace or control characters)")
             if len(query) > MAX_QUERY_CHARS:
-                raise InvalidParameterError(f"query {i} has {len(query)} characters; at most {MAX_QUERY_CHARS}")
+                raise InvalidParameterError(f"{which} has {len(query)} characters; at most {MAX_QUERY_CHARS}")
 
     def _explain(self, queries: Sequence[str], embeddings: QueryEmbeddings, results: list[QueryResult]) -> list[QueryResult]:
         started = time.perf_counter()
@@ -354,13 +360,14 @@ class Searcher:
     def search_embeddings(self, queries: QueryEmbeddings, k: int | None = None, filter: Any = None,
                           mode: str | None = None, texts: Sequence[str] | None = None, fusion: str | None = None,
                           lexical_k: int | None = None, rrf_k: int | None = None, mix_weight: float | None = None,
-                          union: bool | None = None, **overrides: Any) -> list[QueryResult]:
+                          union: bool | None = None, syntax: str | None = None,
+                          **overrides: Any) -> list[QueryResult]:
         """Search queries encoded elsewhere: cls [B, d_cls], bow [B, L, d_bow], mask [B, L].
 
         mode hybrid also needs `texts`, the B query strings for the lexical side.
         """
         params = self.params(k, **overrides)
-        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union)
+        hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union, syntax)
         filtered = self.filtered_docs(filter)
         if queries.cls.ndim != 2 or queries.cls.shape[1] != self.layout.d_cls or queries.bow.shape[-1] != self.layout.d_bow:
             raise InvalidParameterError(

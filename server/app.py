@@ -84,7 +84,7 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
         embeddings = None
         if len(groups) > 1:
             try:
-                texts = [searcher.dense_queries(queries, params.get("mode")) for queries, params in groups]
+                texts = [searcher.dense_queries(queries, params.get("mode"), params.get("syntax")) for queries, params in groups]
                 flat = [text for group in texts if group is not None for text in group]
                 embeddings = searcher.encode(flat) if flat else None
             except Exception:  # noqa: BLE001 - a bad group fails below, on its own
@@ -100,6 +100,9 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
             try:
                 results = searcher.search(queries, embeddings=None if rows is None or embeddings is None else
                                           embeddings[rows], **params)
+            except ValueError as exc:  # InvalidParameterError: one query's refusal is only that query's
+                outcomes.append(_one_by_one(searcher, queries, params) if len(queries) > 1 else exc)
+                continue
             except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
                 outcomes.append(exc)
                 continue
@@ -113,6 +116,17 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
         return outcomes
 
     return search_many
+
+
+def _one_by_one(searcher: "Searcher", queries: list[str], params: Mapping[str, Any]) -> list[Any]:
+    """Each query of a refused group searched alone: its result, or the exception for its own waiter."""
+    out: list[Any] = []
+    for query in queries:
+        try:
+            out += searcher.search([query], **params)
+        except ValueError as exc:
+            out.append(exc)
+    return out
 
 
 def _mean_text_bytes(searcher: "Searcher") -> float:

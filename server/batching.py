@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 SearchFn = Callable[[list[str], Mapping[str, Any]], Sequence[R]]
 #: Several groups of queries, each with its parameters -> per group its results, or the
-#: exception that group raised (a failure reaches only its own group).
+#: exception that group raised (a failure reaches only its own group); a result may itself be
+#: an exception, that one query's (the group's others were answered).
 SearchManyFn = Callable[[list[tuple[list[str], Mapping[str, Any]]]], list[Union[Sequence[R], BaseException]]]
 
 
@@ -275,7 +276,11 @@ class MicroBatcher(Generic[R]):
                     continue
                 if isinstance(outcome, BaseException):
                     item.future.set_exception(outcome)
+                    continue
+                one: Any = outcome[i]
+                if isinstance(one, BaseException):  # that query's own failure (the others were answered)
+                    item.future.set_exception(one)
                 else:
-                    item.future.set_result(BatchedResult(outcome[i], (started - item.enqueued) * 1000.0, size))
+                    item.future.set_result(BatchedResult(one, (started - item.enqueued) * 1000.0, size))
         if self._on_batch is not None:
             self._on_batch(size, elapsed)

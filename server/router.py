@@ -64,6 +64,7 @@ from .schemas import (
     SearchHit,
     SearchOptions,
     SearchRequest,
+    QueryError,
     SearchResponse,
 )
 from .router_writes import WriterPool, add_write_routes
@@ -111,6 +112,9 @@ class RoutedStats(BaseModel):
     shards_answered: int
     shards_total: int
     route_ms: float = Field(description="milliseconds in the router, fan-out to merged answer")
+    syntax: Optional[str] = Field(default=None, description="lexical and hybrid: how the query was read")
+    ignored: Optional[list[str]] = Field(default=None, description="syntax simple: what was read as text instead "
+                                                                   "(as each partition reads it alike)")
 
 
 class RoutedSearchResponse(BaseModel):
@@ -121,8 +125,14 @@ class RoutedSearchResponse(BaseModel):
     failed_shards: list[ShardFailure]
 
 
+class RoutedSearchAnswer(RoutedSearchResponse):
+    index: int = Field(description="the query's position in the request")
+
+
 class RoutedBatchResponse(BaseModel):
-    responses: list[RoutedSearchResponse]
+    responses: list[RoutedSearchAnswer] = Field(description="the answered queries, in request order")
+    errors: list[QueryError] = Field(default_factory=list, description="one per query the partitions could not "
+                                                                       "search; the others are answered")
     partial: bool
     failed_shards: list[ShardFailure]
 
@@ -131,6 +141,11 @@ class ShardsBatch(BaseModel):
     """What a shard's /v1/search/batch answers (validated: a garbled answer is a failure)."""
 
     responses: list[SearchResponse]
+    errors: list[QueryError] = []  # absent from shards that predate per-query errors
+
+    def by_index(self) -> dict[int, SearchResponse]:
+        """The answered queries by position (a shard without `index` answered every query, in order)."""
+        return {i if r.index is None else r.index: r for i, r in enumerate(self.responses)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,6 +235,8 @@ def _combine_stats(answered: Sequence[SearchResponse], total: int, route_ms: flo
         shards_answered=len(stats),
         shards_total=total,
         route_ms=round(route_ms, 3),
+        syntax=next((s.syntax for s in stats if s.syntax), None),
+        ignored=next((s.ignored for s in stats if s.ignored), None),
     )
 
 
@@ -447,16 +464,24 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
             "/v1/search/batch", _fan_out_body(body), _headers(request), ShardsBatch)
         if not answers:
             return _unavailable("batch", failures)
-        if any(len(answer.responses) != len(body.queries) for answer in answers):
+        if any(len(answer.responses) + len(answer.errors) != len(body.queries) for answer in answers):
             return _error(502, "bad_gateway", "a shard answered a different number of queries than asked")
         route_ms = (time.perf_counter() - started) * 1000
-        responses = [
-            _merge_responses(query, [answer.responses[i] for answer in answers], body.k, len(settings.shards),
-                             failures, route_ms)
-            for i, query in enumerate(body.queries)
-        ]
+        by_index = [answer.by_index() for answer in answers]
+        # Every partition checks a query's text alike: one that no partition answered is an
+        # error entry, in the first partition's words.
+        refused = {e.index: e for answer in reversed(answers) for e in answer.errors}
+        responses, errors = [], []
+        for i, query in enumerate(body.queries):
+            answered = [shard[i] for shard in by_index if i in shard]
+            if not answered:
+                errors.append(refused.get(i) or QueryError(index=i, error="invalid_query",
+                                                           message=f"queries[{i}]: no partition answered it"))
+                continue
+            merged = _merge_responses(query, answered, body.k, len(settings.shards), failures, route_ms)
+            responses.append(RoutedSearchAnswer(index=i, **dict(merged)))
         _observe("batch", started, bool(failures))
-        return RoutedBatchResponse(responses=responses, partial=bool(failures), failed_shards=failures)
+        return RoutedBatchResponse(responses=responses, errors=errors, partial=bool(failures), failed_shards=failures)
 
     _add_middleware(app, settings)
     if settings.writers:

@@ -38,6 +38,7 @@ __all__ = [
     "SearchStatsModel",
     "SearchResponse",
     "BatchSearchResponse",
+    "QueryError",
     "DocumentResponse",
     "HealthResponse",
     "ReadinessResponse",
@@ -135,11 +136,15 @@ class SearchOptions(BaseModel):
                           'operators in, not_in, gt, gte, lt, lte, exists; and, or, not (see espn.filters)')
     mode: Optional[Literal["dense", "lexical", "hybrid"]] = Field(
         None, description='dense (vectors; the default), lexical (BM25 over the full-text index) or hybrid (both, '
-                          'fused). Lexical and hybrid queries read "phrases", +required and -excluded words; an index '
-                          'built without a full-text index answers them with 422')
-    fusion: Optional[Literal["rrf", "mix"]] = Field(
-        None, description="hybrid: reciprocal rank fusion, or the normalised mix of the two scores (default: the "
-                          "index's)")
+                          'fused); an index built without a full-text index answers lexical and hybrid with 422')
+    syntax: Optional[Literal["plain", "simple"]] = Field(
+        None, description='lexical and hybrid: how a query is read. plain (default): text, every character a word or '
+                          'punctuation, never an operator or an error; the dense side reads it as typed. simple: '
+                          '"phrases", +required and -excluded words; an unclosed quote or a dangling operator is read '
+                          'as text and stats.ignored says so')
+    fusion: Optional[Literal["rrf", "mix", "zscore"]] = Field(
+        None, description="hybrid: reciprocal rank fusion, the min-max normalised mix of the two scores, or the "
+                          "z-score normalised mix (default: the index's)")
     lexical_k: Optional[int] = Field(None, ge=1, le=MAX_LEXICAL_K, description="hybrid: candidates from the lexical side")
     rrf_k: Optional[int] = Field(None, ge=1, le=100_000, description="hybrid: the RRF constant")
     mix_weight: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
@@ -162,7 +167,7 @@ class SearchOptions(BaseModel):
     def mode_kwargs(self) -> dict[str, Any]:
         """The mode and fusion keyword arguments (None = index default)."""
         return {"mode": self.mode, "fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
-                "mix_weight": self.mix_weight, "union": self.union}
+                "mix_weight": self.mix_weight, "union": self.union, "syntax": self.syntax}
 
 
 class SearchRequest(SearchOptions):
@@ -184,7 +189,11 @@ class SearchRequest(SearchOptions):
 
 
 class BatchSearchRequest(SearchOptions):
-    queries: list[QueryText] = Field(min_length=1, max_length=MAX_BATCH_QUERIES, description="query texts")
+    # Each text is checked on its own (blank, too long): a bad one is an entry of the answer's
+    # `errors`, the others are answered.
+    queries: list[str] = Field(min_length=1, max_length=MAX_BATCH_QUERIES,
+                               description=f"query texts; one that is blank or over {MAX_QUERY_CHARS} characters is "
+                                           "not searched and answered in `errors`")
 
 
 class PassageSpanModel(BaseModel):
@@ -250,6 +259,11 @@ class SearchStatsModel(BaseModel):
         default=None, description="exact: every matching document scored; ivf: the matches' lists probed; "
                                   "all: every document matches")
     mode: Optional[str] = Field(default=None, description="lexical or hybrid (absent: dense)")
+    syntax: Optional[str] = Field(default=None, description="lexical and hybrid: how the query was read (plain or "
+                                                            "simple)")
+    ignored: Optional[list[str]] = Field(
+        default=None, description="syntax simple: what was read as text instead of as syntax (an unclosed quote, an "
+                                  "operator before another), one line each; absent when nothing was")
     hybrid: Optional[dict[str, Any]] = Field(
         default=None, description="hybrid: the fusion parameters used (fusion, rrf_k, mix_weight, lexical_k, union) "
                                   "and rerank_count, with which a router re-fuses the pools of several partitions")
@@ -257,12 +271,21 @@ class SearchStatsModel(BaseModel):
 
 class SearchResponse(BaseModel):
     query: str
+    index: Optional[int] = Field(default=None, description="batch: the query's position in the request")
     results: list[SearchHit]
     stats: SearchStatsModel
 
 
+class QueryError(BaseModel):
+    index: int = Field(description="the query's position in the request")
+    error: str = Field(description="invalid_query, or the code the query would have had alone")
+    message: str
+
+
 class BatchSearchResponse(BaseModel):
-    responses: list[SearchResponse]
+    responses: list[SearchResponse] = Field(description="the answered queries, in request order (see `index`)")
+    errors: list[QueryError] = Field(default_factory=list, description="one per query that could not be searched; "
+                                                                       "the others are answered")
 
 
 class DocumentResponse(BaseModel):

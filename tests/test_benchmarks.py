@@ -366,3 +366,16 @@ def test_bench_explain(sample_index: Path, results: Path, capsys) -> None:
     explained = payload["configs"]["search + explain"]
     assert payload["ratio"] > 0 and explained["explain_p50"][0] > 0
     assert not any(payload["configs"]["search"]["explain_p50"])  # no explain stage when it is not asked for
+
+
+def test_bench_lexical(results: Path, capsys, tmp_path: Path) -> None:
+    """espn's lexical side against bm25s on the sample corpus (the SciFact run is the same code)."""
+    pytest.importorskip("bm25s")
+    from benchmarks import bench_lexical
+
+    beir = _sample_beir(tmp_path)
+    shutil.copy(common.ROOT / "espn" / "data" / "sample_corpus.jsonl", beir / "corpus.jsonl")
+    assert bench_lexical.main(["--data", str(beir), "--splits", "test"]) == 0
+    payload = _check(results, "lexical_vs_bm25s", capsys, png=False)
+    rows = payload["nDCG@10"]
+    assert len(rows) == 4 and all(0.0 < row["test"] <= 1.0 for row in rows.values())

@@ -19,7 +19,7 @@ from espn.errors import InvalidParameterError
 from espn.hybrid import fuse
 from espn.lexical import TextIndexMissingError
 from espn.segments import open_view
-from espn.text import QuerySyntaxError, parse_query
+from espn.text import parse_query
 from espn.text.config import TextConfig
 from espn_indexing.text_index import add_text_index
 
@@ -43,7 +43,7 @@ def test_index_has_a_checksummed_text_index(sample_index: Path) -> None:
                                             "ascii_fold": False, "max_token_chars": 40}
     text_files = [name for name in manifest["files"] if name.startswith("text/")]
     assert "text/meta.json" in text_files and len(text_files) > 3
-    assert manifest["hybrid"]["fusion"] == "mix"
+    assert manifest["hybrid"]["fusion"] == "zscore" and manifest["hybrid"]["mix_weight"] == 0.8
 
 
 def test_lexical_mode_is_the_text_index_ranking(searcher: Searcher) -> None:
@@ -74,8 +74,8 @@ def test_hybrid_scores_lexical_only_documents_with_maxsim_and_fuses_the_pool(sea
                  searcher.hybrid_params(mode="hybrid"))
     assert fused.doc.tolist() == list(range(len(hits)))
     assert [h.score for h in hits] == pytest.approx(fused.score.tolist(), abs=1e-6)
-    assert union.stats.mode == "hybrid" and union.stats.hybrid["fusion"] == "mix"
-    for fusion in ("rrf", "mix"):
+    assert union.stats.mode == "hybrid" and union.stats.hybrid["fusion"] == "zscore"
+    for fusion in ("rrf", "mix", "zscore"):
         (top,) = searcher.search([QUERY], k=5, mode="hybrid", fusion=fusion)
         assert len(top.hits) == 5 and np.all(np.diff([h.score for h in top.hits]) <= 0)
 
@@ -97,22 +97,30 @@ def test_filters_restrict_both_sides_exactly(searcher: Searcher, mode: str) -> N
 
 def test_required_and_excluded_words_hold_on_both_sides(searcher: Searcher) -> None:
     for mode in ("lexical", "hybrid"):
-        (result,) = searcher.search(["red shadow +moon -eclipse"], k=20, mode=mode)
+        (result,) = searcher.search(["red shadow +moon -eclipse"], k=20, mode=mode, syntax="simple")
         assert result.hits
         for hit in result.hits:
             title, text = searcher.docs.get(searcher.ids.internal(hit.doc_id))
             terms = set(searcher.text.analyze(f"{title} {text}"))
             assert "moon" in terms and "eclips" not in terms, (mode, hit.doc_id)
-    (phrase,) = searcher.search(['"lunar eclipse"'], k=10, mode="lexical")
+    (phrase,) = searcher.search(['"lunar eclipse"'], k=10, mode="lexical", syntax="simple")
     assert phrase.hits and all("lunar eclipse" in " ".join(searcher.docs.get(searcher.ids.internal(h.doc_id))).lower()
                                for h in phrase.hits)
 
 
-def test_bad_syntax_names_the_spot(searcher: Searcher) -> None:
-    with pytest.raises(QuerySyntaxError, match="unclosed quote at position 5"):
-        searcher.search(['moon "red', "fine"], mode="hybrid")
+def test_syntax_is_lenient_and_says_what_it_ignored(searcher: Searcher) -> None:
+    plain, simple = (searcher.search(['moon "red', "+-eclipse"], k=5, mode="hybrid", syntax=syntax)
+                     for syntax in ("plain", "simple"))
+    assert all(r.hits and r.stats.syntax == "plain" and r.stats.ignored == [] for r in plain)
+    assert [r.stats.ignored for r in simple] == [["unclosed quote at position 5: read as text"],
+                                                 ["operator '+' at position 0 before another operator: read as text"]]
+    # Plain: the dense side reads the text as typed (the same encoding as a dense search of it).
+    assert searcher.dense_queries(['-moon "red'], mode="hybrid") == ['-moon "red']
+    assert searcher.dense_queries(['-moon "red'], mode="hybrid", syntax="simple") == ['red']
     with pytest.raises(InvalidParameterError, match="mode must be one of"):
         searcher.search(["moon"], mode="sparse")
+    with pytest.raises(InvalidParameterError, match="syntax must be one of"):
+        searcher.search(["moon"], mode="hybrid", syntax="lucene")
 
 
 def test_explain_shows_lexical_matches_beside_maxsim(searcher: Searcher) -> None:
@@ -171,11 +179,11 @@ def test_cli_search_modes_write_trec_runs(sample_index: Path, tmp_path: Path, ca
     assert [line.split()[2] for line in lines if line.startswith("q0 ")] == _ids(expected)
     explained = [json.loads(line) for line in (tmp_path / "hybrid.trec.explain.jsonl").read_text().splitlines()]
     assert explained and all("lexical_matches" in line and "dense_score" in line for line in explained)
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"_id": "b", "text": 'a "b'}) + "\n")
-    capsys.readouterr()
-    assert cli_main(["search", str(sample_index), "--queries", str(tmp_path / "bad.jsonl"), "--out",
-                     str(tmp_path / "x"), "--mode", "hybrid"]) == 1
-    assert "unclosed quote at position 2" in capsys.readouterr().err.strip().splitlines()[-1]
+    (tmp_path / "quoted.jsonl").write_text(json.dumps({"_id": "b", "text": 'moon "red'}) + "\n")
+    for syntax in ("plain", "simple"):
+        assert cli_main(["search", str(sample_index), "--queries", str(tmp_path / "quoted.jsonl"), "--out",
+                         str(tmp_path / syntax), "--mode", "hybrid", "--query-syntax", syntax]) == 0
+        assert {line.split()[0] for line in (tmp_path / syntax).read_text().splitlines()} == {"b"}
 
 
 def test_calibrate_fits_the_mix_weight_into_the_manifest(sample_index: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from espn.errors import InvalidParameterError
 from espn.hybrid import HybridParams, fuse
-from espn.text import QuerySyntaxError, TextConfig, parse_query
+from espn.text import TextConfig, parse_query
 from espn.text import engine as text_engine
 from espn.text.engine import TextDocument, TextIndex, TextWriter, build_text_index, engine_files
 
@@ -89,17 +89,31 @@ def test_analyzer_stems_and_drops_stop_words(small: tuple[TextIndex, list[TextDo
 
 
 def test_query_syntax() -> None:
-    parsed = parse_query('tides "full moon" +ocean -storm CTLA - 4 +"sea level"')
+    parsed = parse_query('tides "full moon" +ocean -storm CTLA - 4 +"sea level"', "simple")
     assert [(c.occur, c.text, c.phrase) for c in parsed.clauses] == [
         ("should", "tides", False), ("should", "full moon", True), ("must", "ocean", False),
         ("must_not", "storm", False), ("should", "CTLA", False), ("should", "4", False), ("must", "sea level", True)]
-    assert parsed.dense_text() == "tides full moon ocean CTLA 4 sea level"
-    for query, position, what in (('tides "full moon', 6, "unclosed quote"), ('a ""', 2, "empty phrase"),
-                                  ("+-moon", 1, "operator"), ("-moon -sun", 0, "only excludes")):
-        with pytest.raises(QuerySyntaxError, match=what) as caught:
-            parse_query(query)
-        assert caught.value.position == position and f"position {position}" in str(caught.value)
-        assert isinstance(caught.value, InvalidParameterError)
+    assert parsed.dense_text() == "tides full moon ocean CTLA 4 sea level" and parsed.ignored == ()
+    # Lenient: what the syntax cannot read is read as text, and said so; nothing raises.
+    for query, clauses, what in (('tides "full moon', ["tides", "full", "moon"], "unclosed quote at position 6"),
+                                 ('a ""', ["a"], "empty phrase at position 2"),
+                                 ("+-moon", ["moon"], "operator '+' at position 0")):
+        parsed = parse_query(query, "simple")
+        assert [c.text for c in parsed.clauses] == clauses and len(parsed.ignored) == 1 and what in parsed.ignored[0]
+    only = parse_query("-moon -sun", "simple")
+    assert [c.occur for c in only.clauses] == ["must_not"] * 2 and only.dense_text() == "-moon -sun"
+
+
+def test_plain_text_has_no_operators() -> None:
+    query = 'closed linear operators", SIAM J. -moon +sun AND (x OR y) NOT z: "a'
+    parsed = parse_query(query)
+    assert parsed.syntax == "plain" and parsed.ignored == () and not parsed.constrained
+    assert all(c.occur == "should" and not c.phrase for c in parsed.clauses)
+    assert [query[c.start:c.end] for c in parsed.clauses] == query.split()
+    assert parsed.dense_text() == query  # the dense side reads it as typed
+    assert parse_query(" \t ").clauses == ()
+    with pytest.raises(InvalidParameterError, match="syntax must be one of plain, simple"):
+        parse_query("moon", "lucene")
 
 
 def test_phrases_required_and_excluded(tmp_path: Path) -> None:
@@ -109,22 +123,23 @@ def test_phrases_required_and_excluded(tmp_path: Path) -> None:
     index = TextIndex(tmp_path / "t", TextConfig())
 
     def found(query: str) -> list[int]:
-        return sorted(index.search(parse_query(query), 10).doc_numbers.tolist())
+        return sorted(index.search(parse_query(query, "simple"), 10).doc_numbers.tolist())
 
     assert found('"full moon"') == [0]
     assert found("full moon") == [0, 1, 2]
     assert found("moon +ocean") == [0, 2, 3]  # ocean required, moon only adds to the score
-    assert index.search(parse_query("moon +ocean"), 10).doc_numbers[-1] == 3
+    assert index.search(parse_query("moon +ocean", "simple"), 10).doc_numbers[-1] == 3
+    assert sorted(index.search(parse_query('"full moon" +ocean -storm'), 10).doc_numbers.tolist()) == [0, 1, 2, 3]
     assert found("+moon +ocean") == [0, 2]
     assert found("ocean -moon") == [3]
     assert found('ocean -"full moon"') == [2, 3]
     assert found('"moon rises over the ocean"') == [0]  # stop words leave their positions
     assert found("the of") == []  # only stop words: nothing to look for
-    assert index.satisfying(parse_query("whatever +ocean -storm"), np.arange(4)).tolist() == [True, False, False, True]
-    scores = index.term_scores(parse_query('ocean "full moon" zebra'), 0)
+    assert index.satisfying(parse_query("whatever +ocean -storm", "simple"), np.arange(4)).tolist() == [True, False, False, True]
+    scores = index.term_scores(parse_query('ocean "full moon" zebra', "simple"), 0)
     assert [(c.terms, c.query_start) for c, _ in scores] == [("ocean", 0), ("full moon", 6)]
-    assert sum(s for _, s in scores) == pytest.approx(float(index.search(parse_query('ocean "full moon"'), 1).scores[0]),
-                                                      rel=1e-5)
+    assert sum(s for _, s in scores) == pytest.approx(
+        float(index.search(parse_query('ocean "full moon"', "simple"), 1).scores[0]), rel=1e-5)
     spans = index.highlights(parse_query("moon"), "", docs[0].text)
     assert [docs[0].text[a:b] for a, b in spans] == ["moon"]
 
@@ -215,8 +230,22 @@ def _reference_fuse(docs: list[int], dense: list[float | None], lexical: list[fl
         low, high = min(present, default=0.0), max(present, default=0.0)
         return {i: (1.0 if high == low else (s - low) / (high - low)) for i, s in enumerate(scores) if s is not None}
 
+    def standardised(scores: list[float | None]) -> dict[int, float]:
+        present = [s for s in scores if s is not None]
+        if not present:
+            return {}
+        mean = sum(present) / len(present)
+        sd = (sum((s - mean) ** 2 for s in present) / len(present)) ** 0.5
+        z = {i: ((s - mean) / sd if sd > 0 else 0.0) for i, s in enumerate(scores) if s is not None}
+        lowest = min(z.values())
+        return {i: z.get(i, lowest) for i in range(len(scores))}
+
     out = []
-    if params.fusion == "rrf":
+    if params.fusion == "zscore":
+        zd, zl = standardised(dense), standardised(lexical)
+        for i, doc in enumerate(docs):
+            out.append((doc, params.mix_weight * zd.get(i, 0.0) + (1 - params.mix_weight) * zl.get(i, 0.0)))
+    elif params.fusion == "rrf":
         rd, rl = ranks(dense), ranks(lexical)
         for i, doc in enumerate(docs):
             out.append((doc, (1 / (params.rrf_k + rd[i]) if i in rd else 0) + (1 / (params.rrf_k + rl[i]) if i in rl else 0)))
@@ -228,7 +257,9 @@ def _reference_fuse(docs: list[int], dense: list[float | None], lexical: list[fl
 
 
 @pytest.mark.parametrize("params", [HybridParams(fusion="rrf"), HybridParams(fusion="rrf", rrf_k=5),
-                                    HybridParams(fusion="mix", mix_weight=0.3), HybridParams(fusion="mix", mix_weight=1.0)])
+                                    HybridParams(fusion="mix", mix_weight=0.3), HybridParams(fusion="mix", mix_weight=1.0),
+                                    HybridParams(fusion="zscore", mix_weight=0.8),
+                                    HybridParams(fusion="zscore", mix_weight=0.3)])
 def test_fusion_equals_python_reference(params: HybridParams) -> None:
     rng = np.random.default_rng(7)
     for _ in range(20):

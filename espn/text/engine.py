@@ -249,11 +249,22 @@ class TextIndex:
                 continue
             if len(terms) == 1:
                 sub = tantivy.Query.term_query(self._schema, FIELD_BODY, terms[0])
-            else:  # the engine's parser keeps the positions stop words leave empty
-                words = clause.text.replace("\\", " ").replace('"', " ")
-                sub = self._index.parse_query(f'"{words}"', [FIELD_BODY])
+            else:
+                sub = self._phrase(clause.text, terms)
             out.append(EngineClause(clause.occur, " ".join(terms), clause.start, clause.end, sub))
         return out
+
+    def _phrase(self, words: str, terms: list[str]) -> Any:
+        """The phrase query of `words` (simple syntax only). The engine's parser keeps the
+        positions stop words leave empty; should it refuse the text, every term is required."""
+        import tantivy
+
+        quoted = words.replace("\\", " ").replace('"', " ")
+        try:
+            return self._index.parse_query(f'"{quoted}"', [FIELD_BODY])
+        except ValueError:
+            return tantivy.Query.boolean_query(
+                [(tantivy.Occur.Must, tantivy.Query.term_query(self._schema, FIELD_BODY, t)) for t in terms])
 
     def compile(self, query: LexicalQuery, constraints_only: bool = False) -> Any | None:
         """The engine query of a parsed query (None when no clause leaves a term to look for)."""

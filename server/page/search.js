@@ -30,6 +30,7 @@ function requestBody() {
     explain: $("explain").checked,
     mode: $("mode").value,
   };
+  if ($("syntax").checked) body.syntax = "simple";
   for (const name of ["nprobe", "rerank_count"]) {
     const value = optionalInt(name);
     if (value !== null) body[name] = value;
@@ -76,7 +77,8 @@ async function search(body) {
       return;
     }
     render(payload, body.query);
-    $("status").textContent = `${payload.results.length} results`;
+    const ignored = payload.stats && payload.stats.ignored ? ` (read as text: ${payload.stats.ignored.join("; ")})` : "";
+    $("status").textContent = `${payload.results.length} results${ignored}`;
   } catch (err) {
     showError(`request failed: ${err.message}`);
     $("status").textContent = "";

@@ -17,10 +17,12 @@ from ..errors import ApiError
 from ..middleware import LOG_EXTRA_KEY
 from ..schemas import (
     BatchSearchRequest,
+    MAX_QUERY_CHARS,
     BatchSearchResponse,
     ErrorResponse,
     ExplanationModel,
     LexicalMatchModel,
+    QueryError,
     SearchHit,
     SearchOptions,
     SearchRequest,
@@ -40,10 +42,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
     413: {"model": ErrorResponse, "description": "request body too large"},
     415: {"model": ErrorResponse, "description": "the body is not application/json"},
-    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds, an invalid filter, a "
-                                                 "lexical or hybrid query whose syntax is wrong (invalid_query: the "
-                                                 "message names the position), mode lexical or hybrid on an index "
-                                                 "without a full-text index, or a request over the work budget "
+    422: {"model": ErrorResponse, "description": "a field or search parameter out of bounds, an invalid filter, "
+                                                 "mode lexical or hybrid on an index without a full-text index, or "
+                                                 "a request over the work budget "
                                                  "(over_budget: queries x max(k, rerank_count, prefetch_k) above "
                                                  "ESPN_MAX_REQUEST_WORK, or an estimated response above "
                                                  "ESPN_MAX_RESPONSE_BYTES)"},
@@ -64,26 +65,75 @@ async def search(body: SearchRequest, request: Request, state: AppState = Depend
 async def search_batch(
     body: BatchSearchRequest, request: Request, state: AppState = Depends(get_state)
 ) -> BatchSearchResponse:
+    """One query's failure is that query's: a blank or too long text, or one the search
+    refuses, is an entry of `errors`; every other query is answered."""
     limit = state.settings.max_batch_queries
     if len(body.queries) > limit:
         raise ApiError(422, f"queries: at most {limit} queries per batch, got {len(body.queries)}",
                        code="invalid_request")
-    return BatchSearchResponse(responses=await _search(state, request, body.queries, body))
+    errors = [QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {problem}")
+              for i, problem in enumerate(map(_text_problem, body.queries)) if problem is not None]
+    failed = {e.index for e in errors}
+    rows = [i for i in range(len(body.queries)) if i not in failed]
+    answered: list[tuple[int, SearchResponse]] = []
+    if rows:
+        try:
+            answered = list(zip(rows, await _search(state, request, [body.queries[i] for i in rows], body,
+                                                    isolate=True)))
+        except _QueriesRefused:  # some query's fault: searched alone, each answers for itself
+            answered, refused = await _search_alone(state, request, body, rows)
+            errors += refused
+    for i, response in answered:
+        response.index = i
+    return BatchSearchResponse(responses=[r for _, r in answered], errors=sorted(errors, key=lambda e: e.index))
+
+
+def _text_problem(query: str) -> Optional[str]:
+    """Why a batch's query text cannot be searched (None: it can), as /v1/search's schema says it."""
+    if len(query) > MAX_QUERY_CHARS:
+        return f"{len(query)} characters; at most {MAX_QUERY_CHARS}"
+    if not any(ch.isprintable() and not ch.isspace() for ch in query):
+        return "no text (only whitespace or control characters)"
+    return None
+
+
+async def _search_alone(state: AppState, request: Request, body: BatchSearchRequest,
+                        rows: list[int]) -> tuple[list[tuple[int, SearchResponse]], list[QueryError]]:
+    answered, errors = [], []
+    for i in rows:
+        try:
+            (response,) = await _search(state, request, [body.queries[i]], body, isolate=True)
+        except _QueriesRefused as refused:
+            errors.append(QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {refused.cause}"))
+            continue
+        answered.append((i, response))
+    return answered, errors
+
+
+class _QueriesRefused(Exception):
+    """The search refused a batch of queries (InvalidParameterError) after the request's own checks passed."""
+
+    def __init__(self, cause: ValueError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 async def _search(
-    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False
+    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False,
+    isolate: bool = False,
 ) -> list[SearchResponse]:
+    """isolate: a refusal by the search itself (after the request's checks) is raised as
+    _QueriesRefused, so a batch can tell it from a refusal of the request."""
     batcher = state.require_batcher()
     # The request holds the generation it started on (refreshed first: a write answered before
     # this request began is visible); a newer one swapped in meanwhile leaves it open until then.
     with state.lease() as searcher:
-        return await _search_with(state, request, searcher, batcher, queries, options, explain)
+        return await _search_with(state, request, searcher, batcher, queries, options, explain, isolate)
 
 
 async def _search_with(
     state: AppState, request: Request, searcher: "Searcher", batcher: "MicroBatcher[QueryResult]",
-    queries: Sequence[str], options: SearchOptions, explain: bool,
+    queries: Sequence[str], options: SearchOptions, explain: bool, isolate: bool,
 ) -> list[SearchResponse]:
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
     # Bounds and budget before the request queues: a refused request costs nothing.
@@ -92,7 +142,9 @@ async def _search_with(
     params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
     hybrid = searcher.hybrid_params(**modes)
     if hybrid.mode != "dense":
-        _check_lexical(searcher, hybrid.mode, queries)
+        from espn.lexical import require_text  # as the searcher has: loaded already
+
+        require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
     if explain and hybrid.mode != "lexical":
         from espn.explain import can_explain  # the searcher has loaded torch already
 
@@ -108,7 +160,12 @@ async def _search_with(
         kwargs["filter"] = canonical_filter(options.filter)
     if explain:
         kwargs["explain"] = True
-    batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
+    try:
+        batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
+    except ValueError as exc:  # InvalidParameterError of the search itself: a query's, not the request's
+        if not isolate:
+            raise
+        raise _QueriesRefused(exc) from exc
     documents: Optional[dict[str, Document]] = None
     if options.return_text:
         wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
@@ -124,23 +181,6 @@ async def _search_with(
     batch_sizes = sorted({item.batch_size for item in batched})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
     return responses
-
-
-def _check_lexical(searcher: "Searcher", mode: str, queries: Sequence[str]) -> None:
-    """A lexical or hybrid request needs a full-text index and queries in its syntax: both are
-    checked before the request queues (a 422 naming the query and the position)."""
-    from espn.lexical import require_text
-    from espn.text import QuerySyntaxError, parse_query
-
-    require_text(searcher.text, mode)
-    for i, query in enumerate(queries):
-        try:
-            parse_query(query)
-        except QuerySyntaxError as exc:
-            where = "" if len(queries) == 1 else f"queries[{i}]: "
-            raise ApiError(422, f"{where}{exc}", code="invalid_query") from None
-
-
 
 
 def _documents(state: AppState, doc_ids: Sequence[str]) -> dict[str, "Document"]:
@@ -191,5 +231,7 @@ def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Opti
     if stats.matched is not None:  # set only when filtered: exclude_unset keeps other answers as they were
         model.matched, model.filter_path = stats.matched, stats.filter_path
     if stats.mode != "dense":
-        model.mode, model.hybrid = stats.mode, stats.hybrid
+        model.mode, model.hybrid, model.syntax = stats.mode, stats.hybrid, stats.syntax
+        if stats.ignored:
+            model.ignored = list(stats.ignored)
     return SearchResponse(query=query, results=hits, stats=model)
