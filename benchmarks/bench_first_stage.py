@@ -151,7 +151,7 @@ def candidate_sets(searcher: Any, queries: Any, texts: Sequence[str], setting: d
     return [np.unique(np.concatenate([p[i] for p in parts])) for i in range(len(queries))]
 
 
-SETTINGS_TRAIN = ([{"kind": "centroids", "probe": p, "candidates": c} for p in (2, 4, 8, 16) for c in (64, 128, 256, 512)]
+SETTINGS_TRAIN: list[dict[str, Any]] = ([{"kind": "centroids", "probe": p, "candidates": c} for p in (2, 4, 8, 16) for c in (64, 128, 256, 512)]
                   + [{"kind": "ivf", "rerank": r} for r in (100, 256, 1000)]
                   + [{"kind": "text", "lexical_k": r} for r in (100, 256, 1000)]
                   + [{"kind": "union", "probe": 4, "candidates": 128, "rerank": 100},
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=SCIFACT, help="BEIR SciFact directory")
     p.add_argument("--baseline-index", type=Path, default=None, help="today's default MiniLM index, for its p50")
     p.add_argument("--latency-queries", type=int, default=100)
+    p.add_argument("--train-limit", type=int, default=300, help="train queries used for tuning (the first N judged)")
     p.add_argument("--quick", action="store_true", help="the bundled sample corpus, a few settings")
     args = p.parse_args(argv)
     from espn import Searcher
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         data = ROOT / "espn" / "data"
         corpus, queries_file = data / "sample_corpus.jsonl", data / "sample_queries.jsonl"
         qrels = {"train": read_qrels(data / "sample_qrels.tsv"), "test": read_qrels(data / "sample_qrels.tsv")}
-        settings = [{"kind": "centroids", "probe": 4, "candidates": 32}, {"kind": "ivf", "rerank": 32},
+        settings: list[dict[str, Any]] = [{"kind": "centroids", "probe": 4, "candidates": 32}, {"kind": "ivf", "rerank": 32},
                     {"kind": "text", "lexical_k": 32}]
         args.latency_queries = min(args.latency_queries, 5)
     else:
@@ -199,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": info, "index": str(index), "splits": {}}
     with Searcher.open(index, reader="posix", verify="none", with_encoder=False) as searcher:
         doc_ids = searcher.ids.external(np.arange(searcher.num_documents))
+        if searcher.centroids is None:
+            raise SystemExit(f"{index} has no centroid index (built before first stages existed? remove it)")
         stage_ram = searcher.centroids.nbytes
         for split in ("train", "test"):
             rows = np.array([i for i, q in enumerate(all_ids) if q in qrels[split]])
+            if split == "train":
+                rows = rows[: args.train_limit]
             queries = QueryEmbeddings(stored["cls"][rows], stored["bow"][rows], stored["mask"][rows])
             qids = [all_ids[i] for i in rows]
             started = time.perf_counter()
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         test_rows = np.array([i for i, q in enumerate(all_ids) if q in qrels["test"]])[: args.latency_queries]
         q = QueryEmbeddings(stored["cls"][test_rows], stored["bow"][test_rows], stored["mask"][test_rows])
         default = searcher.first_stage
-        served = [("centroids (default)", {}),
+        served: list[tuple[str, dict[str, Any]]] = [("centroids (default)", {}),
                   ("ivf, rerank 100", {"first_stage": "ivf", "rerank_count": 100}),
                   ("ivf, rerank 1000", {"first_stage": "ivf", "rerank_count": 1000}),
                   ("union", {"first_stage": "union", "rerank_count": 100})]

@@ -83,9 +83,11 @@ class FirstStageConfig:
     def replace(self, kind: str | None = None, probe: int | None = None,
                 candidates: int | None = None) -> "FirstStageConfig":
         """A copy with the given non-None per-call overrides, validated."""
-        given = {key: value for key, value in (("kind", kind), ("probe", probe), ("candidates", candidates))
-                 if value is not None}
-        return dataclasses.replace(self, **given).validate() if given else self
+        if kind is None and probe is None and candidates is None:
+            return self
+        return dataclasses.replace(self, kind=self.kind if kind is None else kind,
+                                   probe=self.probe if probe is None else probe,
+                                   candidates=self.candidates if candidates is None else candidates).validate()
 
     @property
     def uses_centroids(self) -> bool:

@@ -187,10 +187,14 @@ class Searcher:
         if self.view is None or not self.view.segments:
             return base
         shared = self.view.shared
-        extra = [shared.attached(f"first-stage:{name}", lambda seg=seg: self._segment_postings(base, seg.info.first,
-                                                                                               seg.info.stop),
-                                 lambda _: None)
-                 for name, seg in self.view.segments.items()]
+        extra: list[Postings] = []
+        for name, segment in self.view.segments.items():
+            first, stop = segment.info.first, segment.info.stop
+
+            def make(first: int = first, stop: int = stop) -> Postings:
+                return self._segment_postings(base, first, stop)
+
+            extra.append(shared.attached(f"first-stage:{name}", make, lambda _: None))
         return base.with_parts(extra)
 
     def _segment_postings(self, base: TokenCentroids, first: int, stop: int, block: int = 4096) -> Postings:
