@@ -31,6 +31,9 @@ class TokenMatch:
     vector:       the document's BOW vector it matched, in record order (-1: the document has none)
     spans:        where that vector came from in the passage (several for a pooled word;
                   empty when the encoder cannot say)
+    kind:         "text" (a token of the query), or for a ColBERT checkpoint's vectors that come
+                  from no query text, "special" ([CLS], [SEP]), "marker" (the query marker) or
+                  "expansion" (a [MASK] padding token); `token` is then the token's name
     """
 
     token: str
@@ -40,6 +43,7 @@ class TokenMatch:
     contribution: float
     vector: int
     spans: tuple[PassageSpan, ...]
+    kind: str = "text"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from espn.encoders import ENCODER_SPECS
 from espn.first_stage import FIRST_STAGE_KINDS
 
 __all__ = ["register"]
@@ -26,7 +27,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
     p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
-    p.add_argument("--encoder", default="minilm", help="minilm (default), hf:PATH or colberter:PATH")
+    p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
     p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
     p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
     p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")
