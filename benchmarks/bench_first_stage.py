@@ -93,6 +93,46 @@ def encode_collection(work: Path, corpus: Path, queries: Sequence[tuple[str, str
     return emb
 
 
+def select_documents(corpus: Path, qrels: dict[str, dict], docs: int) -> list[dict[str, Any]]:
+    """Every judged document and then the corpus in order until `docs` in all (0: the whole
+    corpus), in corpus order: a slice a loaded 2-core machine can encode in minutes."""
+    rows = read_jsonl(corpus)
+    if not docs or docs >= len(rows):
+        return rows
+    judged = {doc for split in qrels.values() for rel in split.values() for doc in rel}
+    keep = np.array([row["_id"] in judged for row in rows])
+    extra = np.flatnonzero(~keep)[: max(0, docs - int(keep.sum()))]
+    keep[extra] = True
+    return [row for row, kept in zip(rows, keep) if kept]
+
+
+def build_colbert(work: Path, docs: list[dict[str, Any]], queries: Sequence[tuple[str, str]]) -> Path:
+    """MiniLM written as a PyLate checkpoint (benchmarks.make_colbert_checkpoint), the documents
+    indexed with `--encoder colbert:` (fp16, unpooled: the model's own MaxSim; the first stage is
+    the build's default for a model without a trained CLS), the queries encoded into an .npz."""
+    from benchmarks.make_colbert_checkpoint import write_checkpoint
+    from espn import Searcher
+    from espn_indexing.build import BuildConfig, build_index
+
+    index = work / "index"
+    if (index / "manifest.json").is_file() and (work / "queries.npz").is_file():
+        return index
+    checkpoint = work / "minilm-colbert"
+    if not (checkpoint / "modules.json").is_file():
+        write_checkpoint(checkpoint)
+    corpus = work / "corpus.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    started = time.perf_counter()
+    build_index(BuildConfig(corpus=corpus, out=index, encoder=f"colbert:{checkpoint}", pool_factor=1,
+                            bow_dtype="float16", loader_workers=0, progress=False, device="cpu", force=True))
+    print(f"indexed {len(docs)} documents in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    with Searcher.open(index, verify="none") as searcher:
+        q = searcher.encode([text for _, text in queries])
+    np.savez(work / "queries.npz", ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
+    return index
+
+
 def exhaustive_scores(searcher: Any, queries: Any, block: int = 1024) -> np.ndarray:
     """[Q, N] float32: the score (w = 0: MaxSim) of every (query, document), from the records."""
     n = searcher.num_documents
@@ -166,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-queries", type=int, default=100)
     p.add_argument("--train-limit", type=int, default=300, help="train queries used for tuning (the first N judged)")
     p.add_argument("--quick", action="store_true", help="the bundled sample corpus, a few settings")
+    p.add_argument("--model", choices=("colbert", "tokens"), default="colbert",
+                   help="colbert: MiniLM as a PyLate checkpoint through `colbert:`; tokens: MiniLM's token "
+                        "vectors through a seeded projection, as precomputed shards")
+    p.add_argument("--docs", type=int, default=0, help="index the judged documents plus the first others up to "
+                   "this many (0: the whole corpus)")
     args = p.parse_args(argv)
     from espn import Searcher
     from espn.corpus import read_qrels, read_queries
@@ -190,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     judged = [(qid, texts[qid]) for split in ("train", "test") for qid in qrels[split] if qid in texts]
     judged = list(dict(judged).items())
     args.work.mkdir(parents=True, exist_ok=True)
-    emb = encode_collection(args.work, corpus, judged, None)
-    index = args.work / "index"
-    if not (index / "manifest.json").is_file():
-        build_from_embeddings(emb, index, corpus=args.work / "corpus.jsonl", first_stage="centroids", force=True)
+    if args.model == "colbert":
+        index = build_colbert(args.work, select_documents(corpus, qrels, args.docs), judged)
+    else:
+        emb = encode_collection(args.work, corpus, judged, None)
+        index = args.work / "index"
+        if not (index / "manifest.json").is_file():
+            build_from_embeddings(emb, index, corpus=args.work / "corpus.jsonl", first_stage="centroids", force=True)
     stored = np.load(args.work / "queries.npz")
     all_ids = [str(q) for q in stored["ids"]]
     info = machine()

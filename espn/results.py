@@ -115,8 +115,9 @@ class SearchStats:
     waves:      prefetch waves the batch started; waves_skipped: those the cost model skipped
     matched:    documents the search's filter admits (None: no filter)
     filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
-                in coarse order) or "all" (every document matches: searched unfiltered); None
-                without a filter
+                in coarse order), "centroids" (the centroid first stage kept only matching
+                documents, espn.first_stage) or "all" (every document matches: searched
+                unfiltered); None without a filter
     mode:       dense, lexical or hybrid (see espn.hybrid)
     hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
                 (the router re-fuses partitions' pools with them)

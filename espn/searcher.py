@@ -730,7 +730,7 @@ class Searcher:
             stage_ms=stage_ms, hit_rate=1.0, bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
             prefetched=0, missed=len(per_query[i]), engine=self.reader.engine,
             matched=None if filtered is None else filtered.matches,
-            filter_path=None if filtered is None else "exact"))
+            filter_path=None if filtered is None else "all" if filtered.matches >= self._live_count else "centroids"))
             for i, hits in enumerate(out)]
 
     def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring,
