@@ -112,23 +112,29 @@ def build_colbert(work: Path, docs: list[dict[str, Any]], queries: Sequence[tupl
     the build's default for a model without a trained CLS), the queries encoded into an .npz."""
     from benchmarks.make_colbert_checkpoint import write_checkpoint
     from espn import Searcher
+    from espn.encoders import QueryEmbeddings
     from espn_indexing.build import BuildConfig, build_index
 
     index = work / "index"
-    if (index / "manifest.json").is_file() and (work / "queries.npz").is_file():
+    if not (index / "manifest.json").is_file():
+        checkpoint = work / "minilm-colbert"
+        if not (checkpoint / "modules.json").is_file():
+            write_checkpoint(checkpoint)
+        corpus = work / "corpus.jsonl"
+        with open(corpus, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+        started = time.perf_counter()
+        build_index(BuildConfig(corpus=corpus, out=index, encoder=f"colbert:{checkpoint}", pool_factor=1,
+                                bow_dtype="float16", loader_workers=0, progress=False, device="cpu", force=True))
+        print(f"indexed {len(docs)} documents in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    if (work / "queries.npz").is_file():
         return index
-    checkpoint = work / "minilm-colbert"
-    if not (checkpoint / "modules.json").is_file():
-        write_checkpoint(checkpoint)
-    corpus = work / "corpus.jsonl"
-    with open(corpus, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(d) + "\n" for d in docs)
-    started = time.perf_counter()
-    build_index(BuildConfig(corpus=corpus, out=index, encoder=f"colbert:{checkpoint}", pool_factor=1,
-                            bow_dtype="float16", loader_workers=0, progress=False, device="cpu", force=True))
-    print(f"indexed {len(docs)} documents in {time.perf_counter() - started:.0f}s", file=sys.stderr)
     with Searcher.open(index, verify="none") as searcher:
-        q = searcher.encode([text for _, text in queries])
+        parts = [searcher.encode([text for _, text in queries[a : a + 256]]) for a in range(0, len(queries), 256)]
+    width = max(p.bow.shape[1] for p in parts)
+    q = QueryEmbeddings(np.concatenate([p.cls for p in parts]),
+                        np.concatenate([np.pad(p.bow, ((0, 0), (0, width - p.bow.shape[1]), (0, 0))) for p in parts]),
+                        np.concatenate([np.pad(p.mask, ((0, 0), (0, width - p.mask.shape[1]))) for p in parts]))
     np.savez(work / "queries.npz", ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
     return index
 
