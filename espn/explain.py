@@ -139,6 +139,7 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
         passages = [passage_text(title, text) for title, text in stored]
         doc_spans = encoder.vector_spans(passages)
         query_spans = encoder.vector_spans(list(queries), is_query=True)
+        query_labels = encoder.vector_labels(list(queries), is_query=True)
         pool_factor = int(searcher.manifest["store"].get("pool_factor", 1))
         if pool_factor > 1:
             doc_spans = pooled_spans(encoder, passages, doc_spans, pool_factor)
@@ -162,18 +163,21 @@ def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbedd
                         "differently); its matches carry no spans", hit.doc_id, n_vectors, len(spans))
             spans = [[] for _ in range(n_vectors)]
         q_spans = query_spans[i] if len(query_spans[i]) == len(columns) else [[(0, 0)]] * len(columns)
+        labels = (query_labels[i] if query_labels is not None and len(query_labels[i]) == len(columns)
+                  else [("text", "")] * len(columns))
         query = queries[i]
         matches = tuple(
             TokenMatch(
-                token=query[q_span[0][0]: q_span[0][1]] if q_span else "",
+                token=query[q_span[0][0]: q_span[0][1]] if q_span else label,
                 query_start=q_span[0][0] if q_span else 0,
                 query_end=q_span[0][1] if q_span else 0,
                 similarity=similarity,
                 contribution=similarity * scale,
                 vector=vector,
                 spans=passage_spans(title, text, spans[vector]) if vector >= 0 else (),
+                kind=kind,
             )
-            for q_span, similarity, vector in zip(q_spans, similarities, vector_ids)
+            for q_span, (kind, label), similarity, vector in zip(q_spans, labels, similarities, vector_ids)
         )
         bow = float(hit.bow_score)  # type: ignore[arg-type]  # targets have one
         cls = float(hit.cls_score)  # type: ignore[arg-type]  # a re-ranked hit has both

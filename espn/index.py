@@ -70,9 +70,10 @@ def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
 
 def _index_files(directory: Path) -> list[str]:
     names = [name for name in FILES if (directory / name).exists()]
-    # metadata/: per-field columns (espn.metadata); text/: the full-text index (espn.text), whose
+    # metadata/: per-field columns (espn.metadata); first_stage/: the token centroid index
+    # (espn.first_stage); text/: the full-text index (espn.text), whose
     # engine lock files (dot files) are not part of the index
-    for folder in ("encoder", "metadata", "text"):
+    for folder in ("encoder", "metadata", "text", "first_stage"):
         if (directory / folder).is_dir():
             names += sorted(str(p.relative_to(directory)) for p in (directory / folder).rglob("*")
                             if p.is_file() and not p.name.startswith("."))

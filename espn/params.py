@@ -7,6 +7,7 @@ import math
 from typing import Any, Mapping
 
 from .errors import InvalidParameterError
+from .first_stage import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
 
 __all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K"]
 
@@ -29,6 +30,10 @@ class SearchParams:
     prefetch_waves: most prefetch waves per search (None: one after every segment
                    but the last; 1: the paper's single prefetch after δ clusters)
     prefetch:      False runs the sequential reference path (same results, no thread)
+    first_stage:   candidate generator: "ivf" (the CLS vector's IVF), "centroids" (the
+                   token-level centroid index) or "union" (both); None: the manifest's
+    first_stage_probe: centroids each query token visits (None: the manifest's)
+    first_stage_candidates: documents the centroid stage hands to MaxSim (None: the manifest's)
     """
 
     k: int = 10
@@ -38,6 +43,9 @@ class SearchParams:
     rerank_count: int = 100
     prefetch_waves: int | None = None
     prefetch: bool = True
+    first_stage: str | None = None
+    first_stage_probe: int | None = None
+    first_stage_candidates: int | None = None
 
     def replace(self, **overrides: Any) -> "SearchParams":
         """A copy with the given non-None overrides, validated."""
@@ -62,6 +70,13 @@ class SearchParams:
             _check_int("prefetch_waves", self.prefetch_waves, 1, 1000)
         if not isinstance(self.prefetch, bool):
             raise InvalidParameterError(f"prefetch must be true or false, got {self.prefetch!r}")
+        if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:
+            raise InvalidParameterError(f"first_stage must be one of {', '.join(FIRST_STAGE_KINDS)}, "
+                                        f"got {self.first_stage!r}")
+        if self.first_stage_probe is not None:
+            _check_int("first_stage_probe", self.first_stage_probe, 1, MAX_PROBE)
+        if self.first_stage_candidates is not None:
+            _check_int("first_stage_candidates", self.first_stage_candidates, 1, MAX_CANDIDATES)
         del num_documents  # k above the corpus size is allowed: fewer hits come back
         return self
 

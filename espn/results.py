@@ -31,6 +31,9 @@ class TokenMatch:
     vector:       the document's BOW vector it matched, in record order (-1: the document has none)
     spans:        where that vector came from in the passage (several for a pooled word;
                   empty when the encoder cannot say)
+    kind:         "text" (a token of the query), or for a ColBERT checkpoint's vectors that come
+                  from no query text, "special" ([CLS], [SEP]), "marker" (the query marker) or
+                  "expansion" (a [MASK] padding token); `token` is then the token's name
     """
 
     token: str
@@ -40,6 +43,7 @@ class TokenMatch:
     contribution: float
     vector: int
     spans: tuple[PassageSpan, ...]
+    kind: str = "text"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +115,9 @@ class SearchStats:
     waves:      prefetch waves the batch started; waves_skipped: those the cost model skipped
     matched:    documents the search's filter admits (None: no filter)
     filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
-                in coarse order) or "all" (every document matches: searched unfiltered); None
-                without a filter
+                in coarse order), "centroids" (the centroid first stage kept only matching
+                documents, espn.first_stage) or "all" (every document matches: searched
+                unfiltered); None without a filter
     mode:       dense, lexical or hybrid (see espn.hybrid)
     hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
                 (the router re-fuses partitions' pools with them)

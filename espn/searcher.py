@@ -39,6 +39,7 @@ from .errors import InvalidParameterError
 from .explain import can_explain, explain_results
 from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
+from .first_stage import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
 from .hybrid import HybridParams
 from .index import DocStore, IdMap, IndexDirectory
 from .lexical import open_text_index
@@ -144,6 +145,13 @@ class Searcher:
         if self.text is not None:
             self._owned.append(self.text.close)
         self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
+        #: The candidate generator (espn.first_stage): the IVF over CLS vectors, or for models
+        #: without a trained CLS vector the token-level centroid index (None: not built).
+        self.first_stage = FirstStageConfig.from_manifest(self.manifest.get("first_stage"))
+        self.centroids = self._open_centroids() if (self.index.path / "first_stage").is_dir() else None
+        if self.first_stage.uses_centroids and self.centroids is None:
+            raise InvalidParameterError(f"{index.path}: the manifest's first stage is {self.first_stage.kind!r} "
+                                        f"but the index has no first_stage/ (rebuild it)")
         # Fast tokenizers refuse concurrent calls that change padding ("Already borrowed").
         self._tokenizer_lock = threading.Lock()
 
@@ -171,6 +179,35 @@ class Searcher:
         reader = make()
         self._owned.append(reader.close)
         return reader
+
+    def _open_centroids(self) -> TokenCentroids:
+        """The base's centroid index (shared by every generation over the base) plus the postings
+        of each delta segment, computed once per segment from its records (segments never change)."""
+        base: TokenCentroids = self._shared("first-stage", lambda: TokenCentroids.open(self.index.path), lambda _: None)
+        if self.view is None or not self.view.segments:
+            return base
+        shared = self.view.shared
+        extra: list[Postings] = []
+        for name, segment in self.view.segments.items():
+            first, stop = segment.info.first, segment.info.stop
+
+            def make(first: int = first, stop: int = stop) -> Postings:
+                return self._segment_postings(base, first, stop)
+
+            extra.append(shared.attached(f"first-stage:{name}", make, lambda _: None))
+        return base.with_parts(extra)
+
+    def _segment_postings(self, base: TokenCentroids, first: int, stop: int, block: int = 4096) -> Postings:
+        """centroid -> doc CSR of a delta's documents (first .. stop-1) against the base's centroids."""
+        numbers = np.arange(first, stop, dtype=np.int64)
+        numbers = numbers[self.records[numbers]["n_bow"] > 0]  # holes of merged deltas hold nothing
+        pairs = [assign_documents(base.centroids, batch.vectors.float().cpu().numpy(), batch.offsets, part)
+                 for part in np.array_split(numbers, max(1, -(-len(numbers) // block)))
+                 for batch in [self.reader.read(part)] if len(part)]
+        if not pairs:
+            return postings_from_pairs(np.zeros(0, np.int64), np.zeros(0, np.int64), len(base.centroids))
+        return postings_from_pairs(np.concatenate([c for c, _ in pairs]), np.concatenate([d for _, d in pairs]),
+                                   len(base.centroids))
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
@@ -443,6 +480,9 @@ class Searcher:
         that make the head are not read or scored again.
         pools: filled with one Scored per query: the head and the extra documents, exact CLS
         and MaxSim (`espn.modes` fuses them)."""
+        stage = self.first_stage.replace(params.first_stage, params.first_stage_probe, params.first_stage_candidates)
+        if stage.uses_centroids:
+            return self._search_centroids(q, params, stage, timer, allowed, filtered, extra, pools)
         batch, n_docs = len(q), self.num_documents
         ann = self.ann
         restricted = filtered if filtered is not None and filtered.matches < self._live_count else None
@@ -641,6 +681,65 @@ class Searcher:
             for i, hits in enumerate(out)
         ]
 
+    def _search_centroids(self, q: QueryEmbeddings, params: SearchParams, stage: FirstStageConfig, timer: _Timer,
+                          allowed: np.ndarray | None, filtered: FilteredDocs | None,
+                          extra: "Future[tuple[Sequence[np.ndarray], RecordBatch | None]] | None",
+                          pools: list[Scored] | None) -> list[QueryResult]:
+        """The centroid first stage (espn.first_stage), then exact MaxSim of every candidate read
+        from the records; "union" adds the IVF's top `rerank_count`. Same contract as `_search`."""
+        if self.centroids is None:
+            raise InvalidParameterError(f"first_stage {stage.kind!r} needs a centroid index, and this index has "
+                                        f"none (build it with `espn index --first-stage centroids`)")
+        batch, n_docs = len(q), self.num_documents
+        mask = self.live
+        if allowed is not None:
+            mask = allowed if mask is None else allowed & mask
+        if filtered is not None and filtered.matches < self._live_count:
+            mask = filtered.mask if mask is None else filtered.mask & mask
+        xq = np.ascontiguousarray(q.cls, dtype=np.float32)
+        queries = QueryScoring.from_arrays(xq, q.bow, q.mask)
+        depth = max(stage.candidates, params.k)
+        per_query = self.centroids.candidates(np.asarray(q.bow, dtype=np.float32), np.asarray(q.mask, dtype=bool),
+                                              stage.probe, depth, mask)
+        timer.lap("first_stage")
+        if stage.kind == "union" and params.rerank_count > 0:
+            selector = None if mask is None else (self._live_selector if mask is self.live else bitmap_selector(mask))
+            coarse_scores, lists = coarse_assign(self.ann, xq, params.nprobe)
+            _, labels = search_preassigned(self.ann, xq, params.rerank_count, lists, coarse_scores, selector)
+            per_query = [np.union1d(docs, found[found >= 0]) for docs, found in zip(per_query, labels)]
+            timer.lap("ann")
+        if extra is not None:  # hybrid's lexical documents: scored with the rest (read again: one read)
+            extra_docs, extra_records = extra.result()
+            if extra_records is not None:
+                extra_records.release()
+            per_query = [np.union1d(docs, np.asarray(more, dtype=np.int64))
+                         for docs, more in zip(per_query, list(extra_docs) + [np.zeros(0, np.int64)] * batch)]
+        keys = np.concatenate([i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(per_query)])
+        docs = np.unique(keys % n_docs)
+        scores = np.zeros((2, len(keys)), dtype=np.float32)
+        bytes_read = ios = 0
+        if len(keys):
+            with self.reader.submit(docs).records() as records:
+                timer.lap("miss_read")
+                bytes_read, ios = records.bytes_read, records.ios
+                scores = self._score_pairs(queries, records, keys, n_docs)
+        timer.lap("maxsim")
+        bounds = np.cumsum([0] + [len(d) for d in per_query])
+        out = []
+        for i, found in enumerate(per_query):
+            cls_scores, bow_scores = scores[0, bounds[i]:bounds[i + 1]], scores[1, bounds[i]:bounds[i + 1]]
+            out.append(self._aggregate(np.zeros(len(found), np.float32), found, found, cls_scores, bow_scores, params.k))
+            if pools is not None:
+                pools.append((np.asarray(found, dtype=np.int64), cls_scores, bow_scores))
+        timer.lap("aggregate")
+        stage_ms = timer.total()
+        return [QueryResult(hits=hits, stats=SearchStats(
+            stage_ms=stage_ms, hit_rate=1.0, bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
+            prefetched=0, missed=len(per_query[i]), engine=self.reader.engine,
+            matched=None if filtered is None else filtered.matches,
+            filter_path=None if filtered is None else "all" if filtered.matches >= self._live_count else "centroids"))
+            for i, hits in enumerate(out)]
+
     def _start_early_wave(self, keys: np.ndarray, n_docs: int, queries: QueryScoring,
                           records: RecordBatch | None = None) -> "_Wave":
         """Read and re-rank a wave on a worker while the ANN goes on (the GPU path); the worker
@@ -688,6 +787,37 @@ class Searcher:
         return hits
 
     # -- reference -------------------------------------------------------------------
+    def score_documents(self, queries: QueryEmbeddings, doc_numbers: np.ndarray) -> np.ndarray:
+        """[2, B, n] float32: exact CLS and MaxSim of every query against documents `doc_numbers` [n]."""
+        numbers = np.asarray(doc_numbers, dtype=np.int64)
+        n_docs, batch = self.num_documents, len(queries)
+        if len(numbers) == 0:
+            return np.zeros((2, batch, 0), dtype=np.float32)
+        tensors = QueryScoring.from_arrays(np.ascontiguousarray(queries.cls, dtype=np.float32), queries.bow, queries.mask)
+        keys = (np.arange(batch, dtype=np.int64)[:, None] * n_docs + numbers).ravel()
+        with self.reader.submit(np.unique(numbers)).records() as records:
+            return self._score_pairs(tensors, records, keys, n_docs).reshape(2, batch, len(numbers))
+
+    def search_maxsim_exhaustive(self, queries: QueryEmbeddings, k: int, block: int = 4096) -> list[list[Hit]]:
+        """Brute-force MaxSim reference: every live document read and scored, the top k kept
+        (score `w·cls + (1−w)·bow` as every search's). What a first stage is measured against."""
+        batch = len(queries)
+        best = [(np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)) for _ in range(batch)]
+        for start in range(0, self.num_documents, block):
+            numbers = np.arange(start, min(start + block, self.num_documents), dtype=np.int64)
+            if self.live is not None:
+                numbers = numbers[self.live[numbers]]
+            if len(numbers) == 0:
+                continue
+            scored = self.score_documents(queries, numbers)
+            for i in range(batch):
+                docs = np.concatenate([best[i][0], numbers])
+                cls, bow = np.concatenate([best[i][1], scored[0, i]]), np.concatenate([best[i][2], scored[1, i]])
+                combined = self.weight * cls + (1 - self.weight) * bow
+                keep = np.argsort(-combined, kind="stable")[:k]
+                best[i] = (docs[keep], cls[keep], bow[keep])
+        return [self._aggregate(np.zeros(len(d), np.float32), d, d, c, b, k) for d, c, b in best]
+
     def search_exhaustive(self, queries: QueryEmbeddings, k: int, rerank_count: int = 1000,
                           block: int = 65536, allowed: np.ndarray | None = None) -> list[list[Hit]]:
         """Brute-force reference: exact CLS over every document (or the `allowed` [N] bool ones),

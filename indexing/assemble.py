@@ -28,6 +28,7 @@ from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 from espn.text.config import TextConfig
 
 from .chunks import Chunk, chunk_path, read_chunk
+from .first_stage import build_first_stage, first_stage_kind
 from .text_index import DEFAULT_HYBRID, build_for_directory
 from .workdir import WorkDir
 
@@ -160,6 +161,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     faiss.write_index(index, str(staging / "ann.faiss"))
     del cls_tmp
     (staging / "cls.tmp.npy").unlink()
+    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config))
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
@@ -180,6 +182,8 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     }
     if metadata_section is not None:
         manifest["metadata"] = metadata_section
+    if first_stage is not None:
+        manifest["first_stage"] = first_stage
     if job.get("text_index") is not None:
         manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
         manifest["hybrid"] = DEFAULT_HYBRID.to_json()

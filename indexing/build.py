@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
+from espn.first_stage import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
 from espn.store.format import STORAGE_TYPES
 from espn.text.config import TextConfig
@@ -95,6 +96,7 @@ class BuildConfig:
     device: str | None = None
     progress: bool = True
     text_index: TextConfig | None = dataclasses.field(default_factory=TextConfig)  # None: no full-text index
+    first_stage: str | None = None  # None: centroids for encoders without a trained CLS vector, else ivf
 
     def validate(self) -> "BuildConfig":
         if not Path(self.corpus).is_file():
@@ -114,6 +116,9 @@ class BuildConfig:
             raise InvalidParameterError(f"--bow-dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.bow_dtype!r}")
         if self.ann not in ("flat", "pq"):
             raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
+        if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:
+            raise InvalidParameterError(f"--first-stage must be one of {', '.join(FIRST_STAGE_KINDS)}, "
+                                        f"got {self.first_stage!r}")
         if self.loader_workers not in (0, 1):
             raise InvalidParameterError("--loader-workers must be 0 or 1 (one tokenising process keeps up with the model)")
         return self
@@ -140,6 +145,7 @@ class BuildConfig:
             "bow_pooling": self.bow_pooling,
             "w": self.score_weight,
             "text_index": None if self.text_index is None else self.text_index.validate().to_json(),
+            "first_stage": self.first_stage,
         }
 
 
@@ -227,8 +233,12 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
                           ann: str = "flat", pq_m: int = 32, chunk_size: int = 1024, corpus: Path | None = None,
                           force: bool = False, score_weight: float | None = None,
                           pool_factor: int = 1, bow_dtype: str = "float16",
-                          text_index: TextConfig | None = TextConfig()) -> dict[str, Any]:
-    """An index from precomputed embedding shards (any multi-vector model), no encoder run."""
+                          text_index: TextConfig | None = TextConfig(),
+                          first_stage: str | None = None) -> dict[str, Any]:
+    """An index from precomputed embedding shards (any multi-vector model), no encoder run.
+
+    first_stage: "ivf", "centroids" or "union" (espn.first_stage); None: the IVF alone (the
+    shards' CLS vectors are taken to be trained ones unless told)."""
     from espn.encoders.precomputed import PrecomputedEncoder
 
     from .precomputed import import_embeddings
@@ -250,6 +260,7 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
             "pq_m": pq_m, "encoder_config": encoder_config, "pool_factor": pool_factor, "bow_dtype": bow_dtype,
             # passages come only with a corpus: without one there is no text to index
             "text_index": None if corpus is None or text_index is None else text_index.validate().to_json(),
+            "first_stage": first_stage,
         })
         chunks = -(-totals["documents"] // chunk_size)
         write_json_atomic(work.marker(0, 1), {"shard": 0, "num_shards": 1, "documents": totals["documents"],

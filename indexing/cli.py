@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from espn.encoders import ENCODER_SPECS
+from espn.first_stage import FIRST_STAGE_KINDS
+
 __all__ = ["register"]
 
 
@@ -24,7 +27,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
     p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
-    p.add_argument("--encoder", default="minilm", help="minilm (default), hf:PATH or colberter:PATH")
+    p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
     p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
     p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
     p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")
@@ -44,6 +47,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--partitions", type=int, default=1, help="write S index partitions OUT/part-0.. sharing one encoder")
     p.add_argument("--score-weight", type=float, help="w in w·cls + (1-w)·bow (default: the model's, else 0.3; "
                    "`espn calibrate` fits it)")
+    p.add_argument("--first-stage", choices=FIRST_STAGE_KINDS, default=None,
+                   help="candidate generator: ivf (the CLS vector), centroids (token-level centroid index) or "
+                        "union (default: centroids for models without a trained CLS vector, else ivf)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--force", action="store_true", help="replace an existing index at --out")
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
@@ -65,6 +71,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("corpus", type=Path, help="BEIR corpus.jsonl[.gz] or id<TAB>text TSV; an id that exists is replaced")
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
+    p.add_argument("--first-stage", choices=FIRST_STAGE_KINDS, default=None,
+                   help="candidate generator: ivf (the CLS vector), centroids (token-level centroid index) or "
+                        "union (default: centroids for models without a trained CLS vector, else ivf)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--wait", type=float, default=60.0,
                    help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
@@ -157,7 +166,8 @@ def cmd_index(args: argparse.Namespace) -> int:
                                          corpus=args.corpus, force=args.force, score_weight=args.score_weight,
                                          pool_factor=1 if args.pool_factor is None else args.pool_factor,
                                          bow_dtype=args.bow_dtype or "float16",
-                                         text_index=None if args.no_text_index else _text_config(args))
+                                         text_index=None if args.no_text_index else _text_config(args),
+                                         first_stage=args.first_stage)
     else:
         if args.corpus is None:
             from espn.cli import UsageError
@@ -170,7 +180,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
-            text_index=None if args.no_text_index else _text_config(args),
+            text_index=None if args.no_text_index else _text_config(args), first_stage=args.first_stage,
         )
         with keeping_partial(args.out):
             manifest = build_index(config)

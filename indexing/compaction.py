@@ -58,6 +58,7 @@ from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
 from . import live
+from .first_stage import build_first_stage
 from .text_index import install_text_index
 from .text_side import SwapSource, TextSide
 from .assemble import default_search_params
@@ -410,12 +411,19 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     del ids
     faiss.write_index(ann, str(out / "ann.faiss"))
     shutil.copytree(base.file("encoder"), out / "encoder")
+    previous_stage = base.manifest.get("first_stage")
+    # The centroid index is retrained on the kept documents, as a fresh build would.
+    first_stage = build_first_stage(out, np.load(out / "records.npy", mmap_mode="r"), layout,
+                                    previous_stage["kind"], previous=previous_stage) if previous_stage else None
     manifest = {key: value for key, value in base.manifest.items() if key != "files"}
     manifest["created"] = live._now()
     manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
     manifest["store"] = {**store, "file_bytes": file_bytes}
     manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
     manifest.pop("metadata", None)
+    manifest.pop("first_stage", None)
+    if first_stage is not None:
+        manifest["first_stage"] = first_stage
     if columns is not None:
         manifest["metadata"] = columns
     carried = int(base.manifest.get("compacted", {}).get("added_since_fit", 0))

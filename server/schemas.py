@@ -210,6 +210,8 @@ class TokenMatchModel(BaseModel):
     contribution: float = Field(description="its share of bow_score; the contributions sum to bow_score")
     vector: int = Field(description="the matched document vector, in record order (-1: none)")
     spans: list[PassageSpanModel] = Field(description="where the matched vector came from in the passage")
+    kind: str = Field("text", description='"text" (query text), or a vector from no text (ColBERT checkpoints): '
+                      '"special" ([CLS], [SEP]), "marker" (the query marker), "expansion" ([MASK] padding)')
 
 
 class ExplanationModel(BaseModel):

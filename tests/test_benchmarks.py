@@ -379,3 +379,17 @@ def test_bench_lexical(results: Path, capsys, tmp_path: Path) -> None:
     payload = _check(results, "lexical_vs_bm25s", capsys, png=False)
     rows = payload["nDCG@10"]
     assert len(rows) == 4 and all(0.0 < row["test"] <= 1.0 for row in rows.values())
+
+
+def test_bench_first_stage(results: Path, capsys, tmp_path: Path) -> None:
+    """The bundled sample corpus through the precomputed token model: every first stage's row,
+    the exhaustive reference at ratio 1, and the served searches' latencies."""
+    from benchmarks import bench_first_stage
+
+    assert bench_first_stage.main(["--quick", "--model", "tokens", "--work", str(tmp_path / "work")]) == 0
+    payload = _check(results, "first_stage_quick", capsys, png=False)
+    rows = payload["splits"]["test"]["rows"]
+    assert rows[0]["setting"] == {"kind": "exhaustive"} and rows[0]["recall@10"] == 1.0
+    assert {r["setting"]["kind"] for r in rows} == {"exhaustive", "centroids", "ivf", "text"}
+    assert set(payload["latency_p50_ms"]) >= {"centroids (default)", "exhaustive MaxSim"}
+    assert payload["first_stage_ram_bytes"] > 0

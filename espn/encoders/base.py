@@ -86,6 +86,9 @@ class Encoder(abc.ABC):
     bow_reduction: str = "mean"
     #: The learned score weight, if the model has one (ColBERTer); None = calibrate.
     learned_weight: float | None = None
+    #: Whether the model trained its CLS vector for retrieval (ColBERTer, the HF sentence
+    #: encoders). ColBERT checkpoints have none: their CLS vector is a mean of token vectors.
+    has_trained_cls: bool = True
 
     # -- tokenisation: runs in DataLoader worker processes -------------------------
     @abc.abstractmethod
@@ -112,6 +115,12 @@ class Encoder(abc.ABC):
         pooling), so that entry j describes stored vector j. Runs only when asked for.
         """
         raise NotImplementedError(f"the {self.kind or type(self).__name__} encoder cannot map its vectors to text")
+
+    def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]] | None:
+        """(kind, token) for each BOW vector, in the order of `vector_spans`, where the encoder keeps
+        vectors that come from no text: kind "text", "special" ([CLS], [SEP]), "marker" or
+        "expansion" (a query's mask padding). None: every vector is text (the default)."""
+        return None
 
     def encode_documents(self, texts: Sequence[str]) -> DocumentEmbeddings:
         return self.embed_documents(self.tokenize(texts, is_query=False))

@@ -76,6 +76,7 @@ def _export(model: torch.nn.Module, out: Any) -> None:
     wrapped = _HiddenStates(model).eval()
     # A padded batch of two, so the trace takes the general (masked) attention path.
     ids = torch.tensor([[101, 7592, 2088, 102], [101, 7592, 102, 0]], dtype=torch.int64)
+    ids = ids % int(getattr(model.config, "vocab_size", 30522))  # ids the model has (a small vocabulary)
     mask = (ids != 0).to(torch.int64)
     axes = {0: "batch", 1: "tokens"}
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():

@@ -1,0 +1,598 @@
+"""ColBERT checkpoints (colbert-ai and PyLate formats), encoded exactly as their reference code does.
+
+Two formats are read from a local directory (never from a hub):
+
+- **colbert-ai** (`colbert-ir/colbertv2.0`, `answerdotai/answerai-colbert-small-v1`,
+  `mixedbread-ai/mxbai-colbert-large-v1`): `config.json` with `architectures: ["HF_ColBERT"]`,
+  the backbone's weights under its prefix (`bert.`, ...) plus a root `linear.weight`
+  (hidden -> dim, no bias), settings in `artifact.metadata` (flat, or nested under `config`),
+  colbert-ai's defaults for what it lacks.
+- **PyLate / sentence-transformers** (`lightonai/GTE-ModernColBERT-v1`, anything trained with
+  PyLate): `modules.json` naming a Transformer and one or more Dense modules (activation,
+  bias and PyLate's `use_residual` as each Dense `config.json` says),
+  `config_sentence_transformers.json` for the prefixes, lengths and expansion settings,
+  `sentence_bert_config.json` for `do_lower_case`.
+
+The recipe (colbert-ai's QueryTokenizer/DocTokenizer and `ColBERT.query/doc`, PyLate's
+`ColBERT.tokenize/encode`, which agree): the text is tokenised to `length - 1` tokens
+(truncation keeps `[SEP]`), the marker token id is inserted right after `[CLS]`; a query with
+expansion is padded to `query_length` with the mask token, attended or not as the checkpoint
+says, and keeps every position; without expansion a query keeps its real tokens. A document
+keeps its real tokens except the skiplist (punctuation) ones, `[CLS]`, marker and `[SEP]`
+included. The backbone's last hidden state goes through the Dense chain and is L2-normalised.
+The score of a document is the model's MaxSim: the sum over the query vectors of the best dot
+product (`bow_reduction = "sum"`, no CLS mixing). These models have no trained CLS vector
+(`has_trained_cls = False`); the CLS vector stored for the first stage is the normalised mean
+of the text's vectors.
+
+Settings the checkpoint lacks or gets wrong can be given in the spec:
+`colbert:PATH?query_length=32&attend_to_expansion_tokens=1` (see `SETTING_NAMES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import shutil
+import string
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import parse_qsl
+
+import numpy as np
+import torch
+
+from ..errors import InvalidParameterError
+from ..index import sha256_file
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+
+__all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
+
+log = logging.getLogger(__name__)
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+#: Files never needed to encode (other frameworks' weights, training state, exports).
+_NOT_COPIED = ("*.onnx", "onnx", "openvino", "*.msgpack", "*.h5", "*.ot", "optimizer.pt", "scheduler.pt",
+               "training_args.bin", "rng_state*.pth", ".git", "*.md", "runs", "checkpoint-*")
+
+#: colbert-ai's ColBERTConfig defaults (colbert/infra/config/settings.py) for what artifact.metadata lacks.
+COLBERT_AI_DEFAULTS: dict[str, Any] = {
+    "query_maxlen": 32, "doc_maxlen": 220, "query_token_id": "[unused0]", "doc_token_id": "[unused1]",
+    "mask_punctuation": True, "attend_to_mask_tokens": False, "dim": 128,
+}
+#: PyLate's ColBERT defaults (pylate/models/colbert.py) for what config_sentence_transformers.json lacks.
+PYLATE_DEFAULTS: dict[str, Any] = {
+    "query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": 32, "document_length": 180,
+    "do_query_expansion": True, "attend_to_expansion_tokens": False,
+}
+#: Settings a spec may give (`colbert:PATH?name=value&...`); booleans as 1/0/true/false,
+#: skiplist_words comma-separated (empty: none), prefixes URL-encoded ("%5BQ%5D+" is "[Q] ").
+SETTING_NAMES = ("query_prefix", "document_prefix", "query_length", "document_length", "do_query_expansion",
+                 "attend_to_expansion_tokens", "skiplist_words", "do_lower_case")
+#: Dense activations by the dotted name sentence-transformers writes.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Tanh": torch.tanh,
+    "torch.nn.modules.activation.ReLU": torch.relu,
+    "torch.nn.modules.activation.GELU": torch.nn.functional.gelu,
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+    "torch.nn.modules.activation.SiLU": torch.nn.functional.silu,
+}
+_DENSE_TYPES = ("pylate.models.Dense.Dense", "pylate.models.Dense", "sentence_transformers.models.Dense",
+                "sentence_transformers.models.Dense.Dense")
+_TRANSFORMER_TYPES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Transformer.Transformer")
+
+
+def checkpoint_format(path: str | Path) -> str | None:
+    """"colbert-ai" or "pylate" when `path` holds a ColBERT checkpoint of that format, else None."""
+    path = Path(path)
+    config = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    if "HF_ColBERT" in (config.get("architectures") or []) or (path / "artifact.metadata").is_file():
+        return "colbert-ai"
+    if (path / "modules.json").is_file():
+        modules = _read_json(path / "modules.json")
+        if any(str(m.get("type", "")).split(".")[-1] == "Dense" for m in modules if isinstance(m, dict)):
+            return "pylate"
+    if (path / "config_sentence_transformers.json").is_file():
+        st = _read_json(path / "config_sentence_transformers.json")
+        if any(key in st for key in ("query_prefix", "document_prefix", "do_query_expansion", "query_length")):
+            return "pylate"
+    return None
+
+
+def parse_spec(location: str) -> tuple[str, dict[str, Any]]:
+    """"PATH?name=value&..." -> (PATH, settings); names must be in SETTING_NAMES."""
+    path, _, query = location.partition("?")
+    overrides: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in SETTING_NAMES:
+            raise InvalidParameterError(f"--encoder colbert: unknown setting {name!r}; known: {', '.join(SETTING_NAMES)}")
+        overrides[name] = value
+    return path, overrides
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise InvalidParameterError(f"{name} must be a boolean (1/0/true/false), got {value!r}")
+
+
+def _as_length(name: str, value: Any) -> int:
+    try:
+        length = int(value)
+    except (TypeError, ValueError):
+        raise InvalidParameterError(f"{name} must be an integer, got {value!r}") from None
+    if length < 3:
+        raise InvalidParameterError(f"{name} must be >= 3 ([CLS], marker, [SEP]), got {length}")
+    return length
+
+
+@dataclasses.dataclass(frozen=True)
+class ColBERTSettings:
+    """How texts become token ids, as the checkpoint's reference code does it.
+
+    skiplist_rule: how skiplist words become ids: "encode" (colbert-ai: the first id of
+    `tokenizer.encode(word)`) or "token" (PyLate: `convert_tokens_to_ids(word)`, the unknown
+    token's id for a word not in the vocabulary, as PyLate does).
+    """
+
+    format: str
+    query_prefix: str
+    document_prefix: str
+    query_length: int
+    document_length: int
+    do_query_expansion: bool
+    attend_to_expansion_tokens: bool
+    skiplist_words: tuple[str, ...]
+    skiplist_rule: str
+    do_lower_case: bool = False
+    strip: bool = False
+
+    @classmethod
+    def resolve(cls, format: str, found: Mapping[str, Any], overrides: Mapping[str, Any]) -> "ColBERTSettings":
+        """The checkpoint's settings (`found`, in PyLate's names) with the user's `overrides` on top."""
+        merged = {**found, **overrides}
+        words = merged.get("skiplist_words", list(string.punctuation))
+        if isinstance(words, str):
+            words = [w for w in words.split(",") if w]
+        expansion = _as_bool("do_query_expansion", merged.get("do_query_expansion", True))
+        return cls(
+            format=format,
+            query_prefix=str(merged.get("query_prefix", "")),
+            document_prefix=str(merged.get("document_prefix", "")),
+            query_length=_as_length("query_length", merged.get("query_length", 32)),
+            document_length=_as_length("document_length", merged.get("document_length", 180)),
+            do_query_expansion=expansion,
+            # PyLate: "If we do not do query expansion, we do not attend to the expansion tokens".
+            attend_to_expansion_tokens=expansion and _as_bool("attend_to_expansion_tokens",
+                                                              merged.get("attend_to_expansion_tokens", False)),
+            skiplist_words=tuple(str(w) for w in words),
+            skiplist_rule="encode" if format == "colbert-ai" else "token",
+            do_lower_case=_as_bool("do_lower_case", merged.get("do_lower_case", False)),
+            strip=format == "pylate",  # sentence-transformers strips each text before tokenising
+        )
+
+
+@dataclasses.dataclass
+class DenseLayer:
+    """One projection: y = activation(x Wᵀ + b) (+ x, or + x Rᵀ, with PyLate's use_residual)."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None
+    activation: str
+    residual: torch.Tensor | None = None  # [out, in] when use_residual and in != out
+    use_residual: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
+        if self.use_residual:
+            y = y + (x if self.residual is None else torch.nn.functional.linear(x, self.residual))
+        return y
+
+    def to(self, device: str) -> "DenseLayer":
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return DenseLayer(self.weight.to(device), move(self.bias), self.activation, move(self.residual),
+                          self.use_residual)
+
+
+def _load_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `directory`'s model.safetensors or pytorch_model.bin (read without pickle code)."""
+    for name in _WEIGHT_FILES:
+        path = directory / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise InvalidParameterError(f"{directory}: no model.safetensors or pytorch_model.bin")
+
+
+def _refuse_remote_code(directory: Path) -> None:
+    config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else None
+    if config is None:
+        raise InvalidParameterError(f"{directory}: config.json missing; not a Hugging Face model directory")
+    if config.get("auto_map"):
+        raise InvalidParameterError(
+            f"{directory}: the backbone needs remote code (config.json auto_map {sorted(config['auto_map'])}); "
+            "espn loads only architectures transformers ships (BERT, ModernBERT, XLM-RoBERTa, ...)")
+
+
+def _read_colbert_ai(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
+    """colbert-ai: (settings in PyLate's names, [linear], backbone directory)."""
+    metadata: dict[str, Any] = {}
+    if (path / "artifact.metadata").is_file():
+        metadata = _read_json(path / "artifact.metadata")
+        if isinstance(metadata.get("config"), dict):  # older checkpoints nest it
+            metadata = metadata["config"]
+    meta = {**COLBERT_AI_DEFAULTS, **{k: v for k, v in metadata.items() if v is not None}}
+    if not _as_bool("mask_punctuation", meta["mask_punctuation"]):
+        skiplist: list[str] = []
+    else:
+        skiplist = list(string.punctuation)
+    found = {
+        "query_prefix": meta["query_token_id"], "document_prefix": meta["doc_token_id"],
+        "query_length": meta["query_maxlen"], "document_length": meta["doc_maxlen"],
+        "do_query_expansion": True, "attend_to_expansion_tokens": meta["attend_to_mask_tokens"],
+        "skiplist_words": skiplist,
+    }
+    state = _load_state(path)
+    if "linear.weight" not in state:
+        raise InvalidParameterError(f"{path}: a colbert-ai checkpoint without the root linear.weight projection")
+    linear = state["linear.weight"].float()
+    if "dim" in metadata and int(metadata["dim"]) != linear.shape[0]:
+        raise InvalidParameterError(f"{path}: artifact.metadata dim {metadata['dim']} != linear.weight's {linear.shape[0]}")
+    return found, [DenseLayer(linear, None, "torch.nn.modules.linear.Identity")], path
+
+
+def _read_dense(directory: Path) -> DenseLayer:
+    config = _read_json(directory / "config.json")
+    activation = str(config.get("activation_function", "torch.nn.modules.linear.Identity"))
+    if activation not in _ACTIVATIONS:
+        raise InvalidParameterError(f"{directory}: Dense activation {activation!r} is not supported; "
+                                    f"supported: {', '.join(sorted(_ACTIVATIONS))}")
+    state = {k.removeprefix("linear.") if k.startswith("linear.") else k: v.float()
+             for k, v in _load_state(directory).items()}
+    weight = state.get("weight")
+    if weight is None or tuple(weight.shape) != (int(config["out_features"]), int(config["in_features"])):
+        raise InvalidParameterError(f"{directory}: Dense weight missing or not [out_features, in_features]")
+    use_residual = bool(config.get("use_residual", False))
+    residual = state.get("residual.weight")
+    if use_residual and weight.shape[0] != weight.shape[1] and residual is None:
+        raise InvalidParameterError(f"{directory}: use_residual with in != out but no residual.weight")
+    return DenseLayer(weight, state.get("bias") if config.get("bias", True) else None, activation,
+                      residual if use_residual else None, use_residual)
+
+
+def _read_pylate(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
+    """PyLate: (settings, Dense chain, Transformer directory)."""
+    modules = sorted(_read_json(path / "modules.json"), key=lambda m: int(m.get("idx", 0)))
+    backbone: Path | None = None
+    chain: list[DenseLayer] = []
+    for module in modules:
+        kind, where = str(module.get("type", "")), path / str(module.get("path", ""))
+        if kind in _TRANSFORMER_TYPES and backbone is None and not chain:
+            backbone = where
+        elif kind in _DENSE_TYPES and backbone is not None:
+            chain.append(_read_dense(where))
+        else:
+            raise InvalidParameterError(f"{path}: modules.json module {kind!r} at {module.get('path')!r} is not "
+                                        "a ColBERT Transformer -> Dense chain espn can run")
+    if backbone is None or not chain:
+        raise InvalidParameterError(f"{path}: modules.json needs a Transformer then at least one Dense module")
+    found = dict(PYLATE_DEFAULTS)
+    if (path / "config_sentence_transformers.json").is_file():
+        st = _read_json(path / "config_sentence_transformers.json")
+        found.update({k: st[k] for k in ("query_prefix", "document_prefix", "query_length", "document_length",
+                                         "do_query_expansion", "attend_to_expansion_tokens", "skiplist_words")
+                      if st.get(k) is not None})
+    for source in (backbone / "sentence_bert_config.json", path / "sentence_bert_config.json"):
+        if source.is_file():
+            found["do_lower_case"] = bool(_read_json(source).get("do_lower_case", False))
+            break
+    return found, chain, backbone
+
+
+def _insert_after_cls(values: torch.Tensor, fill: int) -> torch.Tensor:
+    """[B, T] -> [B, T + 1] with `fill` at column 1 (PyLate's insert_prefix_token, colbert-ai's _insert_prefix_token)."""
+    column = torch.full((values.shape[0], 1), fill, dtype=values.dtype)
+    return torch.cat([values[:, :1], column, values[:, 1:]], dim=1)
+
+
+class ColBERTEncoder(Encoder):
+    """A ColBERT checkpoint's query and document token vectors, scored by MaxSim (sum)."""
+
+    kind = "colbert"
+    bow_reduction = "sum"
+    learned_weight = 0.0
+    has_trained_cls = False
+
+    def __init__(self, checkpoint_dir: str | Path, overrides: Mapping[str, Any] | None = None,
+                 device: str | None = None, name: str | None = None, query_backend: str = "auto",
+                 weights_sha256: str | None = None) -> None:
+        """overrides: settings by SETTING_NAMES over the checkpoint's; query_backend: "auto"
+        (ONNX Runtime on a CPU where it is installed and the backbone exports), "onnx" or "torch"."""
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        if not self.checkpoint_dir.is_dir():
+            raise InvalidParameterError(f"colbert: {self.checkpoint_dir} is not a directory (espn loads checkpoints "
+                                        "from a local directory only)")
+        fmt = checkpoint_format(self.checkpoint_dir)
+        if fmt is None:
+            raise InvalidParameterError(f"colbert: {self.checkpoint_dir} holds neither a colbert-ai checkpoint "
+                                        "(config.json HF_ColBERT, artifact.metadata) nor a PyLate one (modules.json with Dense)")
+        unknown = sorted(set(overrides or {}) - set(SETTING_NAMES))
+        if unknown:
+            raise InvalidParameterError(f"colbert: unknown settings {unknown}; known: {', '.join(SETTING_NAMES)}")
+        reader = _read_colbert_ai if fmt == "colbert-ai" else _read_pylate
+        found, chain, backbone_dir = reader(self.checkpoint_dir)
+        _refuse_remote_code(backbone_dir)
+        self.settings = ColBERTSettings.resolve(fmt, found, overrides or {})
+        self.name = name or self.checkpoint_dir.name
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.backbone_dir = backbone_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(backbone_dir))
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report lists linear.weight as unexpected: it is ours
+        try:
+            model, info = AutoModel.from_pretrained(str(backbone_dir), output_loading_info=True, dtype=torch.float32)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        missing = [key for key in info.get("missing_keys", ()) if not key.startswith("pooler.")]
+        if missing:
+            raise InvalidParameterError(f"colbert: {backbone_dir}: backbone weights missing ({', '.join(missing[:3])}"
+                                        f"{', ...' if len(missing) > 3 else ''}); is the weight prefix the backbone's?")
+        self.model = model.to(self.device).eval()
+        self._forward_keys = set(inspect.signature(self.model.forward).parameters)
+        hidden = int(self.model.config.hidden_size)
+        if chain[0].weight.shape[1] != hidden:
+            raise InvalidParameterError(f"colbert: the projection takes {chain[0].weight.shape[1]}-d input, "
+                                        f"the backbone gives {hidden}")
+        self.chain = [layer.to(self.device) for layer in chain]
+        self.d_bow = int(chain[-1].weight.shape[0])
+        self.d_cls = self.d_bow
+        self._resolve_ids()
+        if query_backend not in ("auto", "onnx", "torch"):
+            raise InvalidParameterError(f"query_backend must be auto, onnx or torch, got {query_backend!r}")
+        self.query_backend = query_backend
+        self._weights_sha256 = weights_sha256
+        self._graph: Any = None
+        self._graph_lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, location: str | Path, device: str | None = None) -> "ColBERTEncoder":
+        """From a spec's location, "PATH" or "PATH?name=value&..."."""
+        path, overrides = parse_spec(str(location))
+        return cls(Path(path), overrides, device=device)
+
+    def _resolve_ids(self) -> None:
+        """Marker, mask and skiplist ids, refusing what the tokenizer cannot honour."""
+        s, tok = self.settings, self.tokenizer
+        self.prefix_ids: dict[bool, int | None] = {}
+        for is_query, prefix, name in ((True, s.query_prefix, "query_prefix"), (False, s.document_prefix, "document_prefix")):
+            if not prefix:
+                self.prefix_ids[is_query] = None
+                continue
+            token_id = tok.convert_tokens_to_ids(prefix)
+            if token_id is None or (token_id == tok.unk_token_id and prefix != tok.unk_token):
+                raise InvalidParameterError(f"colbert: {name} {prefix!r} is not a token of the tokenizer in "
+                                            f"{self.backbone_dir}; pass the checkpoint's marker: colbert:PATH?{name}=...")
+            self.prefix_ids[is_query] = int(token_id)
+        self.mask_id = tok.mask_token_id
+        if s.do_query_expansion and self.mask_id is None:
+            raise InvalidParameterError(f"colbert: query expansion needs a mask token and {self.backbone_dir}'s "
+                                        "tokenizer has none; pass colbert:PATH?do_query_expansion=0")
+        if tok.pad_token_id is None:  # PyLate pads with the mask token (or EOS) where there is no pad token
+            tok.pad_token = tok.mask_token if tok.mask_token is not None else tok.eos_token
+        if s.skiplist_rule == "encode":
+            ids = {tok.encode(word, add_special_tokens=False)[0] for word in s.skiplist_words
+                   if tok.encode(word, add_special_tokens=False)}
+        else:
+            ids = {tok.convert_tokens_to_ids(word) for word in s.skiplist_words}
+        self.skiplist_ids = torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.int64)
+
+    # -- tokenisation ----------------------------------------------------------------
+    def _prepare(self, texts: Sequence[str]) -> tuple[list[str], list[int]]:
+        """Texts as the reference tokenises them (stripped, lowercased) and each one's leading cut."""
+        out, shifts = [], []
+        for text in texts:
+            cut = len(text) - len(text.lstrip()) if self.settings.strip else 0
+            text = text.strip() if self.settings.strip else text
+            out.append(text.lower() if self.settings.do_lower_case else text)
+            shifts.append(cut)
+        return out, shifts
+
+    def _encode(self, texts: Sequence[str], is_query: bool, offsets: bool = False) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask (+ token_type_ids), keep [B, T] bool (the positions that become
+        vectors) and text [B, T] bool (positions holding text), as the reference builds them."""
+        s = self.settings
+        prefix_id = self.prefix_ids[is_query]
+        length = s.query_length if is_query else s.document_length
+        expand = is_query and s.do_query_expansion
+        prepared, _ = self._prepare(texts)
+        encoded = self.tokenizer(prepared, padding="max_length" if expand else "longest", truncation="longest_first",
+                                 max_length=length - 1 if prefix_id is not None else length, return_tensors="pt",
+                                 return_special_tokens_mask=True, return_offsets_mapping=offsets)
+        out = {key: encoded[key] for key in ("input_ids", "attention_mask", "token_type_ids", "offset_mapping")
+               if key in encoded}
+        text = (encoded["attention_mask"].bool() & ~encoded["special_tokens_mask"].bool())
+        real = encoded["attention_mask"].bool()
+        if prefix_id is not None:
+            out["input_ids"] = _insert_after_cls(out["input_ids"], prefix_id)
+            out["attention_mask"] = _insert_after_cls(out["attention_mask"], 1)
+            if "token_type_ids" in out:
+                out["token_type_ids"] = _insert_after_cls(out["token_type_ids"], 0)
+            if offsets:
+                out["offset_mapping"] = torch.cat([out["offset_mapping"][:, :1], torch.zeros_like(
+                    out["offset_mapping"][:, :1]), out["offset_mapping"][:, 1:]], dim=1)
+            text, real = _insert_after_cls(text, False), _insert_after_cls(real, True)
+        if expand:
+            out["input_ids"][~real] = int(self.mask_id)  # type: ignore[arg-type]  # checked in _resolve_ids
+            if s.attend_to_expansion_tokens:
+                out["attention_mask"].fill_(1)
+            keep = torch.ones_like(real)
+        elif is_query:
+            keep = real
+        else:
+            keep = real & ~torch.isin(out["input_ids"], self.skiplist_ids)
+        out["keep"], out["text"] = keep, text
+        out["expansion"] = ~real if expand else torch.zeros_like(real)
+        return out
+
+    def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
+        return self._encode(texts, is_query)
+
+    def vector_spans(self, texts: Sequence[str], is_query: bool = False) -> list[VectorSpans]:
+        """One entry per vector in stored order: the token's characters, or no span for [CLS],
+        the marker, [SEP] and query expansion tokens (see `vector_labels`)."""
+        encoded = self._encode(texts, is_query, offsets=True)
+        _, shifts = self._prepare(texts)
+        out: list[VectorSpans] = []
+        for row, shift in enumerate(shifts):
+            keep, text, offsets = encoded["keep"][row], encoded["text"][row], encoded["offset_mapping"][row]
+            out.append([[(int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)] if text[p] else []
+                        for p in torch.flatnonzero(keep).tolist()])
+        return out
+
+    def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]]:
+        """(kind, token) per vector in stored order; kind: "text", "special" ([CLS], [SEP]),
+        "marker" (the query or document marker) or "expansion" (a query's mask padding)."""
+        encoded = self._encode(texts, is_query)
+        marker = self.prefix_ids[is_query] is not None
+        out = []
+        for row in range(len(texts)):
+            tokens = self.tokenizer.convert_ids_to_tokens(encoded["input_ids"][row].tolist())
+            text, expansion = encoded["text"][row].tolist(), encoded["expansion"][row].tolist()
+            labels = []
+            for p in torch.flatnonzero(encoded["keep"][row]).tolist():
+                kind = ("text" if text[p] else "expansion" if expansion[p] else "marker" if marker and p == 1
+                        else "special")
+                labels.append((kind, str(tokens[p])))
+            out.append(labels)
+        return out
+
+    # -- model -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _vectors(self, tokens: Mapping[str, Any], graph: Any = None) -> torch.Tensor:
+        """[B, T, d_bow] L2-normalised token vectors (every position; `keep` says which count)."""
+        inputs = {key: tokens[key].to(self.device) for key in ("input_ids", "attention_mask", "token_type_ids")
+                  if key in tokens and key in self._forward_keys}
+        if graph is not None:
+            hidden = graph.hidden_states(inputs["input_ids"].cpu(), inputs["attention_mask"].cpu()).to(self.device)
+        else:
+            with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
+                hidden = self.model(**inputs).last_hidden_state.float()
+        for layer in self.chain:
+            hidden = layer(hidden)
+        return torch.nn.functional.normalize(hidden, p=2, dim=-1)
+
+    @staticmethod
+    def _mean_cls(sums: torch.Tensor) -> np.ndarray:
+        return torch.nn.functional.normalize(sums, p=2, dim=-1).cpu().numpy()
+
+    def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
+        vectors = self._vectors(tokens)
+        keep = tokens["keep"].to(self.device)
+        cls = self._mean_cls((vectors * keep[..., None]).sum(1))
+        return DocumentEmbeddings(cls=cls, bow=vectors[keep].cpu().numpy(),
+                                  counts=keep.sum(1).to(torch.int32).cpu().numpy())
+
+    def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
+        vectors = self._vectors(tokens, self._query_graph())
+        keep = tokens["keep"].to(self.device)
+        bow = vectors * keep[..., None]
+        return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
+
+    # -- ONNX queries ----------------------------------------------------------------
+    def _query_graph(self) -> Any:
+        if self._graph is None:
+            with self._graph_lock:
+                if self._graph is None:
+                    self._graph = self._make_graph() or False
+        return self._graph or None
+
+    def _make_graph(self) -> Any:
+        """The backbone on ONNX Runtime, checked against torch on a probe batch (all positions)."""
+        from .onnx import GRAPH_TOLERANCE, OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
+
+        if self.query_backend == "torch" or (self.query_backend == "auto" and not self.device.startswith("cpu")):
+            return None
+        reason = onnx_unavailable_reason()
+        if reason is None and "token_type_ids" not in self._forward_keys:
+            reason = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
+        if reason is not None:
+            if self.query_backend == "onnx":
+                raise InvalidParameterError(f"query_backend='onnx': {reason}")
+            log.info("queries are encoded with torch: %s", reason)
+            return None
+        weights = next((self.backbone_dir / f for f in _WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
+        sha = self._weights_sha256 or (sha256_file(weights) if weights else self.name)
+        try:
+            graph = OnnxEncoderGraph(self.model, sha, torch.get_num_threads(), default_cache_dir())
+            probe = self._encode(["a probe of the exported graph", "two"], is_query=True)
+            with torch.inference_mode():
+                expected = self.model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"],
+                                      token_type_ids=torch.zeros_like(probe["input_ids"])).last_hidden_state
+            got = graph.hidden_states(probe["input_ids"], probe["attention_mask"])
+            difference = float((got - expected).abs()[probe["keep"]].max())
+        except Exception:
+            if self.query_backend == "onnx":
+                raise
+            log.warning("could not build the ONNX graph of %s; queries are encoded with torch", self.name, exc_info=True)
+            return None
+        if difference > GRAPH_TOLERANCE:
+            log.warning("the ONNX graph of %s differs from torch by %.2g; queries are encoded with torch",
+                        self.name, difference)
+            return None
+        return graph
+
+    # -- persistence -----------------------------------------------------------------
+    def _weights_file(self) -> Path | None:
+        return next((self.backbone_dir / f for f in _WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
+
+    def config(self) -> dict[str, Any]:
+        weights = self._weights_file()
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "format": self.settings.format,
+            "d_cls": self.d_cls,
+            "d_bow": self.d_bow,
+            "settings": dataclasses.asdict(self.settings),
+            "bow_reduction": self.bow_reduction,
+            "cls": "mean of the token vectors",
+            "weights_sha256": self._weights_sha256 or (sha256_file(weights) if weights else None),
+        }
+
+    def save(self, directory: Path) -> None:
+        """Copy the checkpoint (tokenizer, configs, weights; not other frameworks' files) into `model/`."""
+        shutil.copytree(self.checkpoint_dir, Path(directory) / "model", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*_NOT_COPIED))
+
+    @classmethod
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "ColBERTEncoder":
+        """The saved checkpoint with the settings the index was built with (not today's defaults)."""
+        settings = dict(config.get("settings") or {})
+        overrides = {key: settings[key] for key in SETTING_NAMES if key in settings}
+        if "skiplist_words" in overrides:
+            overrides["skiplist_words"] = list(overrides["skiplist_words"])
+        return cls(Path(directory) / "model", overrides, device=device, name=config.get("name"),
+                   weights_sha256=config.get("weights_sha256"))

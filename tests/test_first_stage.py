@@ -1,0 +1,200 @@
+"""The token-level centroid first stage (espn/first_stage.py) for models without a trained CLS.
+
+A seeded synthetic collection whose token vectors mean something (each document draws its
+tokens around a few topic directions; queries draw theirs from one document's topics) is
+imported as precomputed embeddings with pure MaxSim scoring (w = 0), real FAISS, real files.
+The reference is `Searcher.search_maxsim_exhaustive`, which reads and scores every document.
+The live-index test uses the offline MiniLM encoder on 48 sample documents.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from espn import Searcher
+from espn.encoders import QueryEmbeddings
+from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids
+from espn.index import read_manifest
+from espn.segments import read_current
+from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
+from espn_indexing.live import LiveIndex, NewDocument
+
+D = 32
+N_DOCS = 1500
+N_TOPICS = 60
+SAMPLE_CORPUS = Path(__file__).parents[1] / "espn/data/sample_corpus.jsonl"
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def collection() -> dict:
+    """Words (50 per topic) around 60 topic directions; a document's tokens are words of its 3
+    topics plus a little context noise; a query's 12 tokens are words of one document."""
+    rng = np.random.default_rng(7)
+    topics = _unit(rng.standard_normal((N_TOPICS, D)))
+    words = _unit(np.repeat(topics, 50, axis=0) + 0.8 * _unit(rng.standard_normal((N_TOPICS * 50, D))))
+    doc_topics = rng.integers(0, N_TOPICS, size=(N_DOCS, 3))
+    counts = rng.integers(8, 40, size=N_DOCS)
+    owner = np.repeat(np.arange(N_DOCS), counts)
+    word = doc_topics[owner, rng.integers(0, 3, size=len(owner))] * 50 + rng.integers(0, 50, size=len(owner))
+    bow = _unit(words[word] + 0.1 * _unit(rng.standard_normal((len(owner), D))))
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    cls = _unit(np.add.reduceat(bow, firsts))
+    q_docs = rng.choice(N_DOCS, size=24, replace=False)
+    picks = firsts[q_docs][:, None] + (rng.random((24, 12)) * counts[q_docs][:, None]).astype(np.int64)
+    q_bow = _unit(words[word[picks]] + 0.2 * _unit(rng.standard_normal((24, 12, D))))
+    queries = QueryEmbeddings(_unit(q_bow.mean(1)), q_bow, np.ones((24, 12), dtype=bool))
+    return {"cls": cls, "bow": bow, "counts": counts, "queries": queries}
+
+
+@pytest.fixture(scope="module")
+def built(collection: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = tmp_path_factory.mktemp("shards") / "emb"
+    for folder in ("cls", "bow", "counts"):
+        (source / folder).mkdir(parents=True)
+    (source / "embeddings.json").write_text(json.dumps({"format": "espn-precomputed", "version": 1, "d_cls": D,
+                                                        "d_bow": D, "bow_reduction": "sum", "score_weight": 0.0}))
+    np.save(source / "cls" / "0.npy", collection["cls"].astype(np.float16))
+    np.save(source / "bow" / "0.npy", collection["bow"].astype(np.float16))
+    np.save(source / "counts" / "0.npy", collection["counts"])
+    out = tmp_path_factory.mktemp("index") / "index"
+    build_from_embeddings(source, out, nlist=32, chunk_size=512, first_stage="centroids", text_index=None)
+    return out
+
+
+@pytest.fixture
+def index(built: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "index"
+    shutil.copytree(built, copy)
+    return copy
+
+
+def _ranking(hits: list) -> list[str]:
+    return [hit.doc_id for hit in hits]
+
+
+def test_the_build_writes_a_memory_mapped_checksummed_centroid_index(built: Path) -> None:
+    manifest = read_manifest(built)
+    stage = manifest["first_stage"]
+    assert stage["kind"] == "centroids" and stage["centroids"] >= 64
+    assert f"{FIRST_STAGE_DIR}/centroids.npy" in manifest["files"] and f"{FIRST_STAGE_DIR}/docs.npy" in manifest["files"]
+    centroids = TokenCentroids.open(built)
+    assert isinstance(centroids.parts[0].docs, np.memmap) or not centroids.parts[0].docs.flags.owndata
+    # every document is in the lists of its tokens' centroids: the CSR holds each document
+    assert np.array_equal(np.unique(centroids.parts[0].docs), np.arange(N_DOCS))
+
+
+def test_candidates_hold_the_exhaustive_top10(built: Path, collection: dict) -> None:
+    queries = collection["queries"]
+    with Searcher.open(built, with_encoder=False) as searcher:
+        stage = searcher.first_stage
+        exhaustive = searcher.search_maxsim_exhaustive(queries, k=10)
+        found = searcher.centroids.candidates(queries.bow, queries.mask, stage.probe, stage.candidates)  # type: ignore[union-attr]
+        assert all(10 <= len(docs) <= stage.candidates < N_DOCS // 4 for docs in found)
+        for hits, docs in zip(exhaustive, found):
+            assert {int(h.doc_id) for h in hits} <= set(docs.tolist())
+        # a single probe and a short list cannot hold them all: the depth is what finds them
+        narrow = searcher.centroids.candidates(queries.bow, queries.mask, 1, 10)  # type: ignore[union-attr]
+        assert any({int(h.doc_id) for h in hits} != set(docs.tolist()) for hits, docs in zip(exhaustive, narrow))
+
+
+def test_search_returns_the_exhaustive_ranking_and_scores(built: Path, collection: dict) -> None:
+    queries = collection["queries"]
+    with Searcher.open(built, with_encoder=False) as searcher:
+        assert searcher.weight == 0.0 and searcher.bow_reduction == "sum"
+        exhaustive = searcher.search_maxsim_exhaustive(queries, k=10)
+        results = searcher.search_embeddings(queries, k=10)
+        for result, reference in zip(results, exhaustive):
+            assert _ranking(result.hits) == _ranking(reference)
+            np.testing.assert_allclose([h.score for h in result.hits], [h.score for h in reference], rtol=1e-5)
+            # pure MaxSim: the score is the bow score, sum over the query's 12 vectors (not a cosine)
+            assert all(h.score == h.bow_score for h in result.hits) and result.hits[0].score > 1.5
+        # the CLS-IVF first stage of the same index finds less of it (the pooled vector is the
+        # weak candidate generator this stage replaces)
+        ivf = searcher.search_embeddings(queries, k=10, first_stage="ivf", nprobe=2, rerank_count=50)
+        overlap = np.mean([len(set(_ranking(a.hits)) & set(_ranking(b))) / 10 for a, b in zip(ivf, exhaustive)])
+        assert overlap < 1.0
+        with pytest.raises(InvalidParameterError, match="first_stage must be one of"):
+            searcher.search_embeddings(queries, k=10, first_stage="bm25")
+        with pytest.raises(InvalidParameterError, match="first_stage_probe"):
+            searcher.search_embeddings(queries, k=10, first_stage_probe=0)
+
+
+def test_deleted_documents_never_come_back_and_the_index_survives_reopening(index: Path, collection: dict) -> None:
+    queries = collection["queries"]
+    with Searcher.open(index, with_encoder=False) as searcher:
+        before = searcher.search_maxsim_exhaustive(queries, k=10)
+    doomed = sorted({h.doc_id for hits in before for h in hits[:3]})
+    with LiveIndex.open(index) as writer:
+        writer.delete(doomed)
+    with Searcher.open(index, with_encoder=False) as searcher:
+        exhaustive = searcher.search_maxsim_exhaustive(queries, k=10)
+        # every candidate the stage may return (deep probe, long list) is live
+        results = searcher.search_embeddings(queries, k=50, first_stage_probe=64, first_stage_candidates=2000)
+        returned = {h.doc_id for r in results for h in r.hits}
+        assert returned and not returned & set(doomed)
+        found = searcher.centroids.candidates(queries.bow, queries.mask, 64, 2000, searcher.live)  # type: ignore[union-attr]
+        assert not set(np.concatenate(found).tolist()) & {int(d) for d in doomed}
+        default = searcher.search_embeddings(queries, k=10)
+        assert [_ranking(r.hits) for r in default] == [_ranking(h) for h in exhaustive]
+    # a restart: the same generation, the same answers
+    with Searcher.open(index, with_encoder=False, verify="full") as reopened:
+        again = reopened.search_embeddings(queries, k=10)
+        assert [_ranking(r.hits) for r in again] == [_ranking(r.hits) for r in default]
+
+
+def test_a_damaged_centroid_index_is_refused(index: Path) -> None:
+    docs = index / FIRST_STAGE_DIR / "docs.npy"
+    data = bytearray(docs.read_bytes())
+    data[-1] ^= 0xFF
+    docs.write_bytes(bytes(data))
+    with pytest.raises(IndexCorruptError, match="checksum"):
+        Searcher.open(index, with_encoder=False, verify="full")
+
+
+@pytest.fixture(scope="module")
+def minilm_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 sample passages with the offline MiniLM encoder and a centroid first stage."""
+    out = tmp_path_factory.mktemp("minilm") / "index"
+    docs = [json.loads(line) for line in SAMPLE_CORPUS.open()][:48]
+    corpus = out.with_suffix(".jsonl")
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu", fit_sample=16,
+                            first_stage="centroids", score_weight=0.0, text_index=None))
+    return out
+
+
+def test_live_writes_are_found_deleted_ones_are_not_and_compaction_rebuilds(minilm_index: Path, tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(minilm_index, index)
+    query = "a purple elephant dancing on the moon"
+    new = NewDocument("new-elephant", "A purple elephant is dancing on the moon tonight, under the stars.", "Elephants")
+    with LiveIndex.open(index) as writer:
+        writer.upsert([new])
+        with Searcher.open(index) as searcher:
+            assert searcher.first_stage.kind == "centroids"
+            hits = searcher.search([query], k=5)[0].hits
+            assert hits[0].doc_id == "new-elephant"
+            assert _ranking(hits) == _ranking(searcher.search_maxsim_exhaustive(searcher.encode([query]), k=5)[0])
+            runner_up = hits[1].doc_id
+        writer.delete(["new-elephant", runner_up])
+        with Searcher.open(index) as searcher:
+            ids = _ranking(searcher.search([query], k=48, first_stage_candidates=100)[0].hits)
+            assert "new-elephant" not in ids and runner_up not in ids and len(ids) == 47
+        writer.upsert([NewDocument("new-elephant", new.text, new.title)])
+        writer.compact()
+    manifest = read_manifest(index / read_current(index).base)
+    assert manifest["first_stage"]["kind"] == "centroids" and manifest["counts"]["documents"] == 48
+    with Searcher.open(index) as compacted:
+        assert compacted.live is None and len(compacted.centroids.parts) == 1  # type: ignore[union-attr]
+        hits = compacted.search([query], k=5)[0].hits
+        assert hits[0].doc_id == "new-elephant" and runner_up not in _ranking(hits)
