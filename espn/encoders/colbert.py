@@ -469,7 +469,7 @@ class ColBERTEncoder(Encoder):
         for row, shift in enumerate(shifts):
             keep, text, offsets = encoded["keep"][row], encoded["text"][row], encoded["offset_mapping"][row]
             out.append([[(int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)] if text[p] else []
-                        for p in torch.flatnonzero(keep).tolist()])
+                        for p in torch.nonzero(keep).flatten().tolist()])
         return out
 
     def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]]:
@@ -482,7 +482,7 @@ class ColBERTEncoder(Encoder):
             tokens = self.tokenizer.convert_ids_to_tokens(encoded["input_ids"][row].tolist())
             text, expansion = encoded["text"][row].tolist(), encoded["expansion"][row].tolist()
             labels = []
-            for p in torch.flatnonzero(encoded["keep"][row]).tolist():
+            for p in torch.nonzero(encoded["keep"][row]).flatten().tolist():
                 kind = ("text" if text[p] else "expansion" if expansion[p] else "marker" if marker and p == 1
                         else "special")
                 labels.append((kind, str(tokens[p])))
