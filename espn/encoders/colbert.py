@@ -392,10 +392,10 @@ class ColBERTEncoder(Encoder):
                 self.prefix_ids[is_query] = None
                 continue
             token_id = tok.convert_tokens_to_ids(prefix)
-            if token_id is None or (token_id == tok.unk_token_id and prefix != tok.unk_token):
+            if not isinstance(token_id, int) or (token_id == tok.unk_token_id and prefix != tok.unk_token):
                 raise InvalidParameterError(f"colbert: {name} {prefix!r} is not a token of the tokenizer in "
                                             f"{self.backbone_dir}; pass the checkpoint's marker: colbert:PATH?{name}=...")
-            self.prefix_ids[is_query] = int(token_id)
+            self.prefix_ids[is_query] = token_id
         self.mask_id = tok.mask_token_id
         if s.do_query_expansion and self.mask_id is None:
             raise InvalidParameterError(f"colbert: query expansion needs a mask token and {self.backbone_dir}'s "
