@@ -58,13 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, required=True, help="scratch directory for the other settings' indexes")
     p.add_argument("--queries", type=Path, default=SCIFACT / "queries.jsonl")
     p.add_argument("--qrels", type=Path, default=SCIFACT / "qrels" / "test.tsv")
+    p.add_argument("--limit", type=int, default=None, help="the first N judged queries only")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="pool:dtype list, 1:float16 first")
     args = p.parse_args(argv)
     qrels = read_qrels(args.qrels)
     rows = [(qid, text) for qid, text in read_queries(args.queries) if qid in qrels]
+    rows = rows[: args.limit] if args.limit else rows
     qids, texts = [q for q, _ in rows], [t for _, t in rows]
     encoded = export_chunks(args.index, args.work / "encoded.partial")
     runs, table = {}, []
-    for setting in SETTINGS:
+    for setting in args.settings.split(","):
         factor, dtype = setting.split(":")
         if setting == "1:float16":
             path = args.index
