@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
+from espn.encoders.colbert import checkpoint_format
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.first_stage import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
@@ -41,8 +42,15 @@ DEFAULT_BOW_DTYPE = "int8"
 
 def default_pool_factor(encoder: str) -> int:
     """The pool factor `espn index` uses unless told: ColBERTer's vectors are already one per
-    whole word with stop words gated out (and pooling them further was not measured), so 1."""
-    return 1 if encoder.partition(":")[0] == "colberter" else DEFAULT_POOL_FACTOR
+    whole word with stop words gated out (and pooling them further was not measured), so 1;
+    a ColBERT checkpoint's scores should be its reference's (PyLate's default is no pooling;
+    docs/guides/colbert-models.md gives what pooling costs), so 1."""
+    kind, _, location = encoder.partition(":")
+    if kind in ("colberter", "colbert"):
+        return 1
+    if kind == "hf" and location and checkpoint_format(location.partition("?")[0]) is not None:
+        return 1  # encoder_from_spec loads it as colbert:
+    return DEFAULT_POOL_FACTOR
 
 
 class BuildError(EspnError):

@@ -392,10 +392,10 @@ class ColBERTEncoder(Encoder):
                 self.prefix_ids[is_query] = None
                 continue
             token_id = tok.convert_tokens_to_ids(prefix)
-            if token_id is None or (token_id == tok.unk_token_id and prefix != tok.unk_token):
+            if not isinstance(token_id, int) or (token_id == tok.unk_token_id and prefix != tok.unk_token):
                 raise InvalidParameterError(f"colbert: {name} {prefix!r} is not a token of the tokenizer in "
                                             f"{self.backbone_dir}; pass the checkpoint's marker: colbert:PATH?{name}=...")
-            self.prefix_ids[is_query] = int(token_id)
+            self.prefix_ids[is_query] = token_id
         self.mask_id = tok.mask_token_id
         if s.do_query_expansion and self.mask_id is None:
             raise InvalidParameterError(f"colbert: query expansion needs a mask token and {self.backbone_dir}'s "
@@ -469,7 +469,7 @@ class ColBERTEncoder(Encoder):
         for row, shift in enumerate(shifts):
             keep, text, offsets = encoded["keep"][row], encoded["text"][row], encoded["offset_mapping"][row]
             out.append([[(int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)] if text[p] else []
-                        for p in torch.flatnonzero(keep).tolist()])
+                        for p in torch.nonzero(keep).flatten().tolist()])
         return out
 
     def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]]:
@@ -482,7 +482,7 @@ class ColBERTEncoder(Encoder):
             tokens = self.tokenizer.convert_ids_to_tokens(encoded["input_ids"][row].tolist())
             text, expansion = encoded["text"][row].tolist(), encoded["expansion"][row].tolist()
             labels = []
-            for p in torch.flatnonzero(encoded["keep"][row]).tolist():
+            for p in torch.nonzero(encoded["keep"][row]).flatten().tolist():
                 kind = ("text" if text[p] else "expansion" if expansion[p] else "marker" if marker and p == 1
                         else "special")
                 labels.append((kind, str(tokens[p])))
