@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
+from espn.first_stage import MAX_CANDIDATES, MAX_PROBE
 from espn.ids import decode_doc_id, id_problem
 
 __all__ = [
@@ -130,6 +131,13 @@ class SearchOptions(BaseModel):
     prefetch_waves: Optional[Annotated[int, Field(ge=1, le=1000), _INTEGRAL]] = Field(
         None, description="most prefetch waves (1 = one prefetch)")
     prefetch: Optional[bool] = Field(None, description="false: read candidates after the ANN (faster on small CPUs)")
+    first_stage: Optional[Literal["ivf", "centroids", "union"]] = Field(
+        None, description="candidate generator: ivf (the CLS vector's IVF), centroids (token-level centroids, the "
+                          "default of ColBERT/PyLate indexes) or union (both); centroids needs an index built with them")
+    first_stage_probe: Optional[Annotated[int, Field(ge=1, le=MAX_PROBE), _INTEGRAL]] = Field(
+        None, description="centroids each query token visits (first_stage centroids or union)")
+    first_stage_candidates: Optional[Annotated[int, Field(ge=1, le=MAX_CANDIDATES), _INTEGRAL]] = Field(
+        None, description="documents the centroid stage hands to MaxSim")
     return_text: bool = Field(False, description="include each hit's title and text")
     filter: Optional[dict[str, Any]] = Field(
         None, description='metadata filter every hit satisfies, e.g. {"topic": "oceans", "year": {"gte": 2000}}; '
@@ -161,6 +169,9 @@ class SearchOptions(BaseModel):
             "rerank_count": self.rerank_count,
             "prefetch_waves": self.prefetch_waves,
             "prefetch": self.prefetch,
+            "first_stage": self.first_stage,
+            "first_stage_probe": self.first_stage_probe,
+            "first_stage_candidates": self.first_stage_candidates,
             **self.mode_kwargs(),
         }
 

@@ -337,6 +337,19 @@ def test_prefetch_switches_keep_the_ranking(client: httpx.Client) -> None:
     assert client.post("/v1/search", json={"query": query, "prefetch": "no"}).status_code == 422
 
 
+def test_first_stage_parameters_over_http(client: httpx.Client, searcher) -> None:
+    """The first-stage switches reach the library: ivf is this index's own stage (same ranking as the
+    default); centroids on an index built without them is the library's 422 naming the parameter."""
+    query = QUERIES[2]
+    default = client.post("/v1/search", json={"query": query, "k": 10}).json()
+    ivf = client.post("/v1/search", json={"query": query, "k": 10, "first_stage": "ivf"}).json()
+    _assert_same_ranking(ivf["results"], default["results"])
+    refused = client.post("/v1/search", json={"query": query, "first_stage": "centroids"})
+    assert refused.status_code == 422 and "first_stage" in refused.json()["message"]
+    assert client.post("/v1/search", json={"query": query, "first_stage": "pq"}).status_code == 422
+    assert client.post("/v1/search", json={"query": query, "first_stage_probe": 0}).status_code == 422
+
+
 def test_batch_equals_single_requests(client: httpx.Client) -> None:
     batch = client.post("/v1/search/batch", json={"queries": QUERIES, "k": 7})
     assert batch.status_code == 200, batch.text
