@@ -530,39 +530,17 @@ class ColBERTEncoder(Encoder):
         return self._graph or None
 
     def _make_graph(self) -> Any:
-        """The backbone on ONNX Runtime, checked against torch on a probe batch (all positions)."""
-        from .onnx import GRAPH_TOLERANCE, OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
+        """The backbone on ONNX Runtime, checked against torch on a probe batch (all kept positions)."""
+        from .onnx import checked_query_graph
 
-        if self.query_backend == "torch" or (self.query_backend == "auto" and not self.device.startswith("cpu")):
-            return None
-        reason = onnx_unavailable_reason()
-        if reason is None and "token_type_ids" not in self._forward_keys:
-            reason = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
-        if reason is not None:
-            if self.query_backend == "onnx":
-                raise InvalidParameterError(f"query_backend='onnx': {reason}")
-            log.info("queries are encoded with torch: %s", reason)
-            return None
-        weights = next((self.backbone_dir / f for f in _WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
-        sha = self._weights_sha256 or (sha256_file(weights) if weights else self.name)
-        try:
-            graph = OnnxEncoderGraph(self.model, sha, torch.get_num_threads(), default_cache_dir())
-            probe = self._encode(["a probe of the exported graph", "two"], is_query=True)
-            with torch.inference_mode():
-                expected = self.model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"],
-                                      token_type_ids=torch.zeros_like(probe["input_ids"])).last_hidden_state
-            got = graph.hidden_states(probe["input_ids"], probe["attention_mask"])
-            difference = float((got - expected).abs()[probe["keep"]].max())
-        except Exception:
-            if self.query_backend == "onnx":
-                raise
-            log.warning("could not build the ONNX graph of %s; queries are encoded with torch", self.name, exc_info=True)
-            return None
-        if difference > GRAPH_TOLERANCE:
-            log.warning("the ONNX graph of %s differs from torch by %.2g; queries are encoded with torch",
-                        self.name, difference)
-            return None
-        return graph
+        refusal = None
+        if "token_type_ids" not in self._forward_keys:
+            refusal = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
+        weights = self._weights_file()
+        probe = self._encode(["a probe of the exported graph", "two"], is_query=True) if refusal is None else {}
+        return checked_query_graph(self.model, self.name, self.query_backend, self.device,
+                                   self._weights_sha256 or (sha256_file(weights) if weights else self.name),
+                                   torch.get_num_threads(), None, probe, refusal)
 
     # -- persistence -----------------------------------------------------------------
     def _weights_file(self) -> Path | None:

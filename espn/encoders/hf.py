@@ -226,35 +226,13 @@ class HFEncoder(Encoder):
         return self._graph or None
 
     def _make_graph(self) -> Any:
-        from .onnx import GRAPH_TOLERANCE, OnnxEncoderGraph, default_cache_dir, onnx_unavailable_reason
+        from .onnx import checked_query_graph
 
-        if self.query_backend == "torch" or (self.query_backend == "auto" and not self.device.startswith("cpu")):
-            return None
-        reason = onnx_unavailable_reason()
-        if reason is not None:
-            if self.query_backend == "onnx":
-                raise InvalidParameterError(f"query_backend='onnx': {reason}")
-            log.info("queries are encoded with torch: %s", reason)
-            return None
         weights = self._weights_file()
-        sha = self._weights_sha256 or (sha256_file(weights) if weights else self.name)
-        threads = self._threads or torch.get_num_threads()
-        try:
-            graph = OnnxEncoderGraph(self.model, sha, threads, self._cache_dir or default_cache_dir())
-            probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
-            difference = graph.max_difference(self.model, probe["input_ids"], probe["attention_mask"])
-        except Exception:
-            if self.query_backend == "onnx":
-                raise
-            log.warning("could not build the ONNX graph of %s; queries are encoded with torch", self.name, exc_info=True)
-            return None
-        if difference > GRAPH_TOLERANCE:
-            log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
-                        self.name, difference, GRAPH_TOLERANCE)
-            return None
-        log.info("queries are encoded with ONNX Runtime (%d threads, graph %s)", graph.threads,
-                 "cached" if graph.cached else "in memory")
-        return graph
+        probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
+        return checked_query_graph(self.model, self.name, self.query_backend, self.device,
+                                   self._weights_sha256 or (sha256_file(weights) if weights else self.name),
+                                   self._threads or torch.get_num_threads(), self._cache_dir, probe)
 
     def describe(self) -> str:
         """How queries are encoded: the backend and its threads."""

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["OnnxEncoderGraph", "onnx_unavailable_reason", "default_cache_dir", "GRAPH_TOLERANCE"]
+from ..errors import InvalidParameterError
+
+__all__ = ["OnnxEncoderGraph", "checked_query_graph", "onnx_unavailable_reason", "default_cache_dir", "GRAPH_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +158,46 @@ class OnnxEncoderGraph:
         (hidden,) = self._session.run(None, feeds)
         return torch.from_numpy(hidden)
 
-    def max_difference(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> float:
-        """Largest |graph - torch| over the unmasked hidden-state elements of one batch."""
+    def max_difference(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       positions: torch.Tensor | None = None) -> float:
+        """Largest |graph - torch| over the hidden states of one batch at `positions` [B, T] bool
+        (default: the unmasked ones; ColBERT queries also keep their unattended expansion tokens)."""
         with torch.inference_mode():
             expected = model(input_ids=input_ids, attention_mask=attention_mask,
                              token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
         got = self.hidden_states(input_ids, attention_mask)
-        valid = attention_mask.bool()
+        valid = attention_mask.bool() if positions is None else positions.bool()
         return float((got - expected.float()).abs()[valid].max())
+
+
+def checked_query_graph(model: torch.nn.Module, name: str, query_backend: str, device: str, weights_sha256: str,
+                        threads: int, cache_dir: Path | None, probe: Any, refusal: str | None = None,
+                        ) -> OnnxEncoderGraph | None:
+    """The encoder's backbone on ONNX Runtime for queries, checked against torch on `probe` (a
+    tokenised batch: input_ids, attention_mask and optionally `keep`, the positions compared);
+    None where queries run on torch: a GPU, `query_backend="torch"`, ONNX unavailable, `refusal`
+    (why this backbone cannot be exported), a failed export or a graph that differs. With
+    `query_backend="onnx"` each of these raises instead of falling back."""
+    if query_backend == "torch" or (query_backend == "auto" and not device.startswith("cpu")):
+        return None
+    reason = onnx_unavailable_reason() or refusal
+    if reason is not None:
+        if query_backend == "onnx":
+            raise InvalidParameterError(f"query_backend='onnx': {reason}")
+        log.info("queries are encoded with torch: %s", reason)
+        return None
+    try:
+        graph = OnnxEncoderGraph(model, weights_sha256, threads, cache_dir or default_cache_dir())
+        difference = graph.max_difference(model, probe["input_ids"], probe["attention_mask"], probe.get("keep"))
+    except Exception:
+        if query_backend == "onnx":
+            raise
+        log.warning("could not build the ONNX graph of %s; queries are encoded with torch", name, exc_info=True)
+        return None
+    if difference > GRAPH_TOLERANCE:
+        log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
+                    name, difference, GRAPH_TOLERANCE)
+        return None
+    log.info("queries are encoded with ONNX Runtime (%d threads, graph %s)", graph.threads,
+             "cached" if graph.cached else "in memory")
+    return graph
