@@ -456,3 +456,42 @@ def test_pylate_own_encode_gives_the_same_vectors(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         difference = float(proc.stdout.strip().rsplit(" ", 1)[-1])
         assert difference < 1e-5
+
+
+def test_a_written_colbert_index_filtered_hybrid_explained_after_a_restart(colbert_index: Path, tmp_path: Path) -> None:
+    """Where the features meet: a ColBERT index takes an upsert (with metadata) and a delete, is
+    reopened, and its centroid first stage under a filter, explained and in hybrid mode, returns the
+    exhaustive MaxSim ranking of the allowed documents: never the deleted or the filtered-out."""
+    import shutil
+
+    from espn_indexing.live import LiveIndex, NewDocument
+
+    index = tmp_path / "index"
+    shutil.copytree(colbert_index, index)
+    text = "A purple elephant is dancing on the moon tonight."
+    with LiveIndex.open(index) as writer:
+        writer.upsert([NewDocument("new-1", text, metadata={"topic": "astronomy", "year": 2026})])
+        writer.delete(["s0001"])  # an astronomy passage: the filter alone would let it through
+    astronomy = {"topic": "astronomy"}
+    with Searcher.open(index) as searcher:  # a restart: everything comes from disk
+        assert searcher.first_stage.kind == "centroids"
+        n = searcher.num_documents
+        everything = {"first_stage_probe": 64, "first_stage_candidates": n}  # the stage hands MaxSim every match
+        dense = searcher.search([text], k=5, filter=astronomy, explain=True, **everything)[0]
+        default = searcher.search([text], k=5, filter=astronomy)[0]
+        hybrid = searcher.search([text], k=5, filter=astronomy, mode="hybrid")[0]
+        ids = searcher.ids.external(np.arange(n))
+        live = searcher.live if searcher.live is not None else np.ones(n, dtype=bool)
+        allowed = np.array([bool(ok) and searcher.document(doc_id).metadata.get("topic") == "astronomy"
+                            for doc_id, ok in zip(ids, live)])
+        reference = searcher.search_exhaustive(searcher.encode([text]), k=5, rerank_count=n, allowed=allowed)[0]
+    assert "s0001" in ids and not live[list(ids).index("s0001")] and allowed.sum() >= 5
+    assert [h.doc_id for h in dense.hits] == [h.doc_id for h in reference]
+    np.testing.assert_allclose([h.score for h in dense.hits], [h.score for h in reference], rtol=1e-4)
+    assert dense.hits[0].doc_id == "new-1"  # its own text: every token finds itself
+    for hit in dense.hits:  # the explanation adds up to the MaxSim it explains
+        assert abs(sum(m.contribution for m in hit.explanation.matches) - hit.bow_score) < 1e-3
+    allowed_ids = {doc_id for doc_id, ok in zip(ids, allowed) if ok} - {"s0001"}
+    for result in (default, hybrid):
+        assert result.hits and {h.doc_id for h in result.hits} <= allowed_ids
+    assert hybrid.hits[0].doc_id == "new-1" and hybrid.hits[0].lexical_score is not None
