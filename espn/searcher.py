@@ -733,8 +733,9 @@ class Searcher:
                 pools.append((np.asarray(found, dtype=np.int64), cls_scores, bow_scores))
         timer.lap("aggregate")
         stage_ms = timer.total()
+        # No prefetcher runs beside this stage (every candidate is read after it): hit rate 0.
         return [QueryResult(hits=hits, stats=SearchStats(
-            stage_ms=stage_ms, hit_rate=1.0, bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
+            stage_ms=stage_ms, hit_rate=0.0, bytes_read=_share(bytes_read, i, batch), ios=_share(ios, i, batch),
             prefetched=0, missed=len(per_query[i]), engine=self.reader.engine,
             matched=None if filtered is None else filtered.matches,
             filter_path=None if filtered is None else "all" if filtered.matches >= self._live_count else "centroids"))
