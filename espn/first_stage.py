@@ -32,10 +32,10 @@ import numpy as np
 
 from .errors import IndexCorruptError, InvalidParameterError
 from .mapped import map_npy
+from .params import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
 
 __all__ = [
     "FIRST_STAGE_DIR",
-    "FIRST_STAGE_KINDS",
     "FirstStageConfig",
     "TokenCentroids",
     "Postings",
@@ -49,11 +49,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FIRST_STAGE_DIR = "first_stage"
-#: ivf: the CLS (pooled) vector in the IVF (today's pipeline); centroids: the token-level
-#: centroid index; union: both, their candidates re-ranked together.
-FIRST_STAGE_KINDS = ("ivf", "centroids", "union")
-MAX_PROBE = 1024
-MAX_CANDIDATES = 10_000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,13 +7,18 @@ import math
 from typing import Any, Mapping
 
 from .errors import InvalidParameterError
-from .first_stage import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
 
-__all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K"]
+__all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS", "MAX_PROBE", "MAX_CANDIDATES"]
 
 MAX_K = 10_000
 MAX_RERANK = 10_000
 MAX_PREFETCH_K = 10_000
+#: The candidate generators (espn.first_stage), here so that checking a request's parameters does
+#: not load FAISS. ivf: the CLS (pooled) vector in the IVF (today's pipeline); centroids: the
+#: token-level centroid index; union: both, their candidates re-ranked together.
+FIRST_STAGE_KINDS = ("ivf", "centroids", "union")
+MAX_PROBE = 1024  # centroids a query token visits
+MAX_CANDIDATES = 10_000  # documents the centroid stage hands to MaxSim
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.encoders.colbert import checkpoint_format
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
-from espn.first_stage import FIRST_STAGE_KINDS
+from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
 from espn.store.format import STORAGE_TYPES
 from espn.text.config import TextConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from espn.encoders import ENCODER_SPECS
-from espn.first_stage import FIRST_STAGE_KINDS
+from espn.params import FIRST_STAGE_KINDS
 
 __all__ = ["register"]
 

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from espn.errors import InvalidParameterError
-from espn.first_stage import FIRST_STAGE_KINDS, FirstStageConfig, build_token_centroids, wants_token_first_stage
+from espn.first_stage import FirstStageConfig, build_token_centroids, wants_token_first_stage
+from espn.params import FIRST_STAGE_KINDS
 from espn.store import open_reader
 from espn.store.format import StoreLayout
 

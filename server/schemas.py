@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
-from espn.first_stage import MAX_CANDIDATES, MAX_PROBE
+from espn.params import MAX_CANDIDATES, MAX_PROBE
 from espn.ids import decode_doc_id, id_problem
 
 __all__ = [
