@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Mapping
 
 from .errors import InvalidParameterError
 
-__all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS", "MAX_PROBE", "MAX_CANDIDATES"]
+__all__ = ["SearchParams", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS", "MAX_PROBE", "MAX_CANDIDATES",
+           "NO_TEXT_PATTERN", "has_text"]
 
 MAX_K = 10_000
 MAX_RERANK = 10_000
@@ -19,6 +21,19 @@ MAX_PREFETCH_K = 10_000
 FIRST_STAGE_KINDS = ("ivf", "centroids", "union")
 MAX_PROBE = 1024  # centroids a query token visits
 MAX_CANDIDATES = 10_000  # documents the centroid stage hands to MaxSim
+
+# A query with nothing to search: only whitespace, control characters and invisible format
+# characters (zero-width spaces, joiners, marks, BOM). One definition for the library, the
+# server's batch checks and the HTTP schema, written as a pattern both Python and JSON Schema
+# read (no \s or \p{..}, which differ between the two).
+_NOT_TEXT = r"\x00-\x20\x7f-\xa0\xad\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064\u3000\ufeff"
+NO_TEXT_PATTERN = f"^[{_NOT_TEXT}]*$"
+_NO_TEXT = re.compile(NO_TEXT_PATTERN)
+
+
+def has_text(query: str) -> bool:
+    """True when `query` holds a character to search (see NO_TEXT_PATTERN)."""
+    return _NO_TEXT.fullmatch(query) is None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from .lexical import open_text_index
 from .maxsim import QueryScoring, score_records
 from .metadata import MetadataColumns
 from .modes import search_modes
-from .params import SearchParams
+from .params import SearchParams, has_text
 from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
 from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
@@ -378,7 +378,7 @@ class Searcher:
             raise InvalidParameterError(f"a batch holds at most {MAX_BATCH} queries, got {len(queries)}")
         for i, query in enumerate(queries):
             which = f"query {i}" if len(queries) > 1 else "the query"
-            if not isinstance(query, str) or not any(ch.isprintable() and not ch.isspace() for ch in query):
+            if not isinstance(query, str) or not has_text(query):
                 raise InvalidParameterError(f"{which} must be a non-empty string (it has no text: only "
                                             "whitespace or control characters)")
             if len(query) > MAX_QUERY_CHARS:

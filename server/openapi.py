@@ -7,6 +7,8 @@ them would admit requests the server refuses; this adds them:
 - `/v1/search/batch`: `queries` holds at most ESPN_MAX_BATCH_QUERIES;
 - `/v1/documents/batch`: `upsert` and `delete` hold at most ESPN_MAX_BATCH_WRITES each;
 - `nprobe` is at most the index's nlist;
+- `first_stage` names only the candidate generators the index holds (centroids and union need
+  its token-centroid index);
 - `filter` names only the index's metadata fields, each with the operators and values its
   type takes (espn.filters), so an unknown field or a wrong type is outside the schema.
 
@@ -78,6 +80,8 @@ def _add_limits(document: dict[str, Any], app: FastAPI) -> None:
     for name in ("SearchRequest", "BatchSearchRequest"):
         properties = schemas[name]["properties"]
         _nullable(properties["nprobe"])["maximum"] = searcher.nlist
+        if searcher.centroids is None:
+            _nullable(properties["first_stage"])["enum"] = ["ivf"]
         properties["filter"]["anyOf"] = [_FILTER_REF, {"type": "null"}]
 
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
-from espn.params import MAX_CANDIDATES, MAX_PROBE
+from espn.params import MAX_CANDIDATES, MAX_PROBE, NO_TEXT_PATTERN, has_text
 from espn.ids import decode_doc_id, id_problem
 
 __all__ = [
@@ -105,8 +105,15 @@ def _integral(value: Any) -> Any:
 
 _INTEGRAL = BeforeValidator(_integral)  # after the bounds in Annotated[...]: the schema keeps minimum/maximum
 Integer = Annotated[int, _INTEGRAL]
-QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS, json_schema_extra=NOT_BLANK),
-                      AfterValidator(_non_blank)]
+def _has_text(value: str) -> str:
+    if not has_text(value):
+        raise ValueError("must contain a character to search (not only whitespace or control characters)")
+    return value
+
+
+# A query: what the search accepts (espn.params.has_text), stated in the schema as well.
+QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS,
+                                 json_schema_extra={"not": {"pattern": NO_TEXT_PATTERN}}), AfterValidator(_has_text)]
 WriteId = Annotated[str, Field(min_length=1, max_length=MAX_WRITE_ID_CHARS,
                                json_schema_extra={"pattern": WRITE_ID_PATTERN}), AfterValidator(check_write_id)]
 DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
@@ -153,8 +160,9 @@ class SearchOptions(BaseModel):
     fusion: Optional[Literal["rrf", "mix", "zscore"]] = Field(
         None, description="hybrid: reciprocal rank fusion, the min-max normalised mix of the two scores, or the "
                           "z-score normalised mix (default: the index's)")
-    lexical_k: Optional[int] = Field(None, ge=1, le=MAX_LEXICAL_K, description="hybrid: candidates from the lexical side")
-    rrf_k: Optional[int] = Field(None, ge=1, le=100_000, description="hybrid: the RRF constant")
+    lexical_k: Optional[Annotated[int, Field(ge=1, le=MAX_LEXICAL_K), _INTEGRAL]] = Field(
+        None, description="hybrid: candidates from the lexical side")
+    rrf_k: Optional[Annotated[int, Field(ge=1, le=100_000), _INTEGRAL]] = Field(None, description="hybrid: the RRF constant")
     mix_weight: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                         description="hybrid: the dense side's weight in the mix (default: calibrated)")
     union: Optional[bool] = Field(None, description="hybrid: MaxSim-score what only the lexical side found")

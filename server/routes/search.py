@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from fastapi import APIRouter, Depends, Request
 
 from espn.filters import canonical_filter
+from espn.params import has_text
 
 from ..batching import BatchedResult
 from ..budget import check_budget
@@ -76,7 +77,10 @@ async def search_batch(
     failed = {e.index for e in errors}
     rows = [i for i in range(len(body.queries)) if i not in failed]
     answered: list[tuple[int, SearchResponse]] = []
-    if rows:
+    if not rows:  # no text to search: the request's own parameters are still checked
+        with state.lease() as searcher:
+            await _checked_kwargs(state, searcher, 0, body, explain=False)
+    else:
         try:
             answered = list(zip(rows, await _search(state, request, [body.queries[i] for i in rows], body,
                                                     isolate=True)))
@@ -92,7 +96,7 @@ def _text_problem(query: str) -> Optional[str]:
     """Why a batch's query text cannot be searched (None: it can), as /v1/search's schema says it."""
     if len(query) > MAX_QUERY_CHARS:
         return f"{len(query)} characters; at most {MAX_QUERY_CHARS}"
-    if not any(ch.isprintable() and not ch.isspace() for ch in query):
+    if not has_text(query):
         return "no text (only whitespace or control characters)"
     return None
 
@@ -136,30 +140,7 @@ async def _search_with(
     queries: Sequence[str], options: SearchOptions, explain: bool, isolate: bool,
 ) -> list[SearchResponse]:
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
-    # Bounds and budget before the request queues: a refused request costs nothing.
-    kwargs = options.search_kwargs()
-    modes = options.mode_kwargs()
-    params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
-    hybrid = searcher.hybrid_params(**modes)
-    if hybrid.mode != "dense":
-        from espn.lexical import require_text  # as the searcher has: loaded already
-
-        require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
-    if explain and hybrid.mode != "lexical":
-        from espn.explain import can_explain  # the searcher has loaded torch already
-
-        can_explain(searcher.encoder)
-    settings = state.settings
-    check_budget(params, len(queries), searcher.num_documents, state.text_bytes, options.return_text,
-                 max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
-    if options.filter is not None:
-        # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
-        # cache off the event loop; the batch key carries its canonical text, so requests with
-        # the same filter share a batch and different filters never do.
-        await asyncio.to_thread(searcher.filtered_docs, options.filter)
-        kwargs["filter"] = canonical_filter(options.filter)
-    if explain:
-        kwargs["explain"] = True
+    kwargs = await _checked_kwargs(state, searcher, len(queries), options, explain)
     try:
         batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
     except ValueError as exc:  # InvalidParameterError of the search itself: a query's, not the request's
@@ -181,6 +162,37 @@ async def _search_with(
     batch_sizes = sorted({item.batch_size for item in batched})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
     return responses
+
+
+async def _checked_kwargs(state: AppState, searcher: "Searcher", n_queries: int, options: SearchOptions,
+                          explain: bool) -> dict[str, Any]:
+    """The request's own checks (bounds, mode, explain, budget, filter), before it queues: a refused
+    request costs nothing and is a 422 of the whole request, whatever its queries hold. Returns
+    the batcher's keyword arguments."""
+    kwargs = options.search_kwargs()
+    modes = options.mode_kwargs()
+    params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
+    hybrid = searcher.hybrid_params(**modes)
+    if hybrid.mode != "dense":
+        from espn.lexical import require_text  # as the searcher has: loaded already
+
+        require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
+    if explain and hybrid.mode != "lexical":
+        from espn.explain import can_explain  # the searcher has loaded torch already
+
+        can_explain(searcher.encoder)
+    settings = state.settings
+    check_budget(params, n_queries, searcher.num_documents, state.text_bytes, options.return_text,
+                 max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
+    if options.filter is not None:
+        # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
+        # cache off the event loop; the batch key carries its canonical text, so requests with
+        # the same filter share a batch and different filters never do.
+        await asyncio.to_thread(searcher.filtered_docs, options.filter)
+        kwargs["filter"] = canonical_filter(options.filter)
+    if explain:
+        kwargs["explain"] = True
+    return kwargs
 
 
 def _documents(state: AppState, doc_ids: Sequence[str]) -> dict[str, "Document"]:
