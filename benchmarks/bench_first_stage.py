@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             exhaustive = rerank_metrics(everything, full, qids, doc_ids, qrels[split], top)
             rows_out = [{"setting": {"kind": "exhaustive"}, **exhaustive}]
             for setting in settings:
+                if "text" in setting["kind"] and searcher.text is None:  # e.g. an index assembled from chunks
+                    print(f"{split} {setting}: skipped, the index has no full-text side", file=sys.stderr)
+                    continue
                 found = candidate_sets(searcher, queries, [texts[q] for q in qids], setting)
                 rows_out.append({"setting": setting, **rerank_metrics(found, full, qids, doc_ids, qrels[split], top)})
                 print(f"{split} {setting}: {rows_out[-1]}", file=sys.stderr)
