@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,11 +29,10 @@ from espn.cli import build_parser
 
 from .app import build_app
 from .settings import ServerSettings
-from .settings_doc import write_readme
+from .settings_doc import replace_blocks, write_readme
 
 __all__ = ["cli_reference", "openapi_document", "http_reference", "write_pages"]
 
-_MARKER = re.compile(r"<!-- generated:(\w+) -->\n.*?<!-- /generated -->", re.S)
 #: argparse wraps --help to the terminal's width: a fixed width keeps the page the same everywhere.
 _HELP_COLUMNS = "100"
 
@@ -158,19 +156,7 @@ def write_pages(docs: Path, check: bool = False) -> list[Path]:
     document = openapi_document()
     pages = {docs / "reference" / "cli.md": {"cli": cli_reference()},
              docs / "reference" / "http-api.md": {"operations": http_reference(document)}}
-    changed = []
-    for path, blocks in pages.items():
-        text = path.read_text(encoding="utf-8")
-        found = {m.group(1) for m in _MARKER.finditer(text)}
-        missing = sorted(set(blocks) - found)
-        if missing:
-            raise ValueError(f"{path}: no <!-- generated:{missing[0]} --> ... <!-- /generated --> block")
-        updated = _MARKER.sub(lambda m: f"<!-- generated:{m.group(1)} -->\n{blocks[m.group(1)].rstrip()}\n"
-                                        "<!-- /generated -->", text)
-        if updated != text:
-            changed.append(path)
-            if not check:
-                path.write_text(updated, encoding="utf-8")
+    changed = [path for path, blocks in pages.items() if replace_blocks(path, blocks, "generated", check)]
     settings = docs / "reference" / "settings.md"  # its own markers and writer (settings_doc)
     if write_readme(settings, check=check):
         changed.append(settings)

@@ -21,13 +21,13 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-__all__ = ["Setting", "settings_of", "markdown_table", "write_readme", "FLAG_NAMES", "ENV_ONLY", "POSITIONAL"]
+__all__ = ["Setting", "settings_of", "markdown_table", "replace_blocks", "write_readme", "FLAG_NAMES", "ENV_ONLY", "POSITIONAL"]
 
 #: Flags whose spelling is not `--field-name` (a true-by-default switch is turned off with --no-...).
 FLAG_NAMES = {
@@ -40,7 +40,6 @@ ENV_ONLY = frozenset({"api_key"})
 #: Given as the command's positional argument (INDEX), not as a flag.
 POSITIONAL = frozenset({"index"})
 
-_MARKER = re.compile(r"<!-- settings-table:(\w+) -->\n.*?<!-- /settings-table -->", re.S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,19 +197,23 @@ def _tables() -> dict[str, str]:
     return {"serve": markdown_table(ServerSettings), "route": markdown_table(RouterSettings)}
 
 
-def write_readme(path: Path, check: bool = False) -> bool:
-    """Replace each `<!-- settings-table:NAME -->` ... `<!-- /settings-table -->` block; True if it changed."""
+def replace_blocks(path: Path, blocks: Mapping[str, str], tag: str, check: bool = False) -> bool:
+    """Replace each `<!-- TAG:NAME -->` ... `<!-- /TAG -->` block of `path` with `blocks[NAME]`
+    (every NAME must have its block); rewrite the file unless `check`. True if it changed."""
     text = path.read_text(encoding="utf-8")
-    tables = _tables()
-    found = {match.group(1) for match in _MARKER.finditer(text)}
-    missing = sorted(set(tables) - found)
+    marker = re.compile(rf"<!-- {tag}:(\w+) -->\n.*?<!-- /{tag} -->", re.S)
+    missing = sorted(set(blocks) - {match.group(1) for match in marker.finditer(text)})
     if missing:
-        raise ValueError(f"{path}: no <!-- settings-table:{missing[0]} --> ... <!-- /settings-table --> block")
-    updated = _MARKER.sub(lambda m: f"<!-- settings-table:{m.group(1)} -->\n{tables[m.group(1)]}"
-                                    "<!-- /settings-table -->", text)
+        raise ValueError(f"{path}: no <!-- {tag}:{missing[0]} --> ... <!-- /{tag} --> block")
+    updated = marker.sub(lambda m: f"<!-- {tag}:{m.group(1)} -->\n{blocks[m.group(1)].rstrip()}\n<!-- /{tag} -->", text)
     if updated != text and not check:
         path.write_text(updated, encoding="utf-8")
     return updated != text
+
+
+def write_readme(path: Path, check: bool = False) -> bool:
+    """Replace each `<!-- settings-table:NAME -->` ... `<!-- /settings-table -->` block; True if it changed."""
+    return replace_blocks(path, _tables(), "settings-table", check)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
