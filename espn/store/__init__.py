@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, RecordBatch, plan_extents
+from .reader import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, RecordBatch, plan_extents
 from .engines import ENGINE_ORDER, ENGINES
 from .format import (RECORD_DTYPE, STORAGE_DTYPE, STORAGE_TYPES, RecordWriter, StoreLayout, dequantize_int8, place_records,
                      quantize_int8, record_nbytes, split_records)

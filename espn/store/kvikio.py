@@ -98,7 +98,7 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .reader import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
 from .engines.base import CANARY, LEDGER, ReturnGuard, StoreClosedError
 from .format import StoreLayout
 

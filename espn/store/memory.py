@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError
-from .base import Reader
+from .reader import Reader
 from .format import StoreLayout
 
 __all__ = ["MemoryReader"]

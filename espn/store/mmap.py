@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Reader, plan_extents
+from .reader import Reader, plan_extents
 from .format import StoreLayout
 
 __all__ = ["MmapReader"]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .reader import DEFAULT_MAX_EXTENT_BYTES, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
 from .engines import EngineRead, IoLimits, ReadEngine, StoreClosedError, open_engine
 from .engines.threads import read_fully
 from .format import StoreLayout
