@@ -98,9 +98,13 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
-from .reader import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .buffers import BufferPool
 from .engines.base import CANARY, LEDGER, ReturnGuard, StoreClosedError
+from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import StoreLayout
+from .pending import Fetch
+from .reader import Reader
+from .records import Buffer
 
 __all__ = [
     "KvikioReader",
@@ -297,7 +301,7 @@ class DeviceBufferPool:
         if self._guard.quarantined:
             for buf in self._guard.reclaim():
                 self._keep(buf)
-        size = BufferPool._size_class(nbytes)
+        size = BufferPool.size_class(nbytes)
         wait: tuple[torch.Tensor, _Event | None] | None = None
         with self._lock:
             self._prune_retiring()
