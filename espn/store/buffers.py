@@ -1,16 +1,22 @@
-"""The host read buffers: page-aligned anonymous mappings, pooled and guarded against reuse
-while a read may still target them."""
+"""The read buffers, pooled and guarded against reuse while a read may still target them:
+page-aligned host mappings (`BufferPool`) and the kvikio reader's device tensors
+(`DeviceBufferPool`, reused once the CUDA event of their parse has completed)."""
 
 from __future__ import annotations
 
 import mmap
 import threading
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from .engines.base import CANARY, ReturnGuard
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES"]
+
+#: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
+DEFAULT_DEVICE_POOL_BYTES = 256 << 20
 
 
 def _mmap_span(buf: mmap.mmap) -> tuple[int, int]:
@@ -111,3 +117,133 @@ class BufferPool:
                     self._guard.forget(buf)
             self._free.clear()
             self._retained = 0
+
+
+# -- device buffers --------------------------------------------------------------------------
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+def _record_event(device: torch.device) -> _Event:
+    """A CUDA event on the current stream of `device` (the stream the parse was queued on)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _allocate_device(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _tensor_span(buf: torch.Tensor) -> tuple[int, int]:
+    return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+
+
+def _tensor_fill(buf: torch.Tensor) -> None:
+    buf.fill_(CANARY)
+
+
+def _tensor_intact(buf: torch.Tensor) -> bool:
+    return bool((buf == CANARY).all())
+
+
+class DeviceBufferPool:
+    """Device byte buffers owned by one reader, reused across reads, guarded by events.
+
+    Buffers come in power-of-two size classes (>= 64 KiB). `release(buf)` records an event
+    on the caller's current stream, after the kernels that parse the buffer; `acquire`
+    hands a buffer out again only once its event has completed, so kvikio never writes
+    into memory a queued kernel may still read. When no free buffer of the class is
+    ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
+    waits for the oldest event of the class (the only host wait the pool ever does).
+    A buffer released beyond the cap is freed once its event has completed; one that a
+    read still targets is quarantined (`engines.base.ReturnGuard`).
+    """
+
+    def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:
+        self.device = device
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[tuple[torch.Tensor, _Event | None]]] = {}
+        self._retiring: list[tuple[torch.Tensor, _Event | None]] = []  # beyond the cap, freed once their event is done
+        self._held = 0  # bytes allocated by the pool, in use, free, retiring or quarantined
+        self._lock = threading.Lock()
+        self._guard = ReturnGuard("device read buffer", _tensor_span, _tensor_fill, _tensor_intact)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        if self._guard.quarantined:
+            for buf in self._guard.reclaim():
+                self._keep(buf)
+        size = BufferPool.size_class(nbytes)
+        wait: tuple[torch.Tensor, _Event | None] | None = None
+        with self._lock:
+            self._prune_retiring()
+            free = self._free.get(size, [])
+            for i, (buf, event) in enumerate(free):
+                if event is None or event.query():
+                    del free[i]
+                    self._guard.handing_out(buf)
+                    return buf
+            if free and self._held + size > self.retain_bytes:
+                wait = free.pop(0)  # the oldest: its parse was queued first
+            else:
+                self._held += size
+        if wait is not None:
+            buf, event = wait
+            if event is not None:
+                event.synchronize()
+            self._guard.handing_out(buf)
+            return buf
+        return _allocate_device(size, self.device)
+
+    def release(self, buf: torch.Tensor, in_flight: bool = False) -> None:
+        """Give `buf` back after the kernels that parse it were queued on the current stream.
+        in_flight: the caller knows a read may still target it (quarantined, no error)."""
+        if self._guard.give_back(buf, known_in_flight=in_flight):
+            self._keep(buf)
+
+    def _keep(self, buf: torch.Tensor) -> None:
+        event = _record_event(self.device)  # after the parse (and the canary, if any)
+        size = buf.numel()
+        with self._lock:
+            if self._held <= self.retain_bytes:
+                self._free.setdefault(size, []).append((buf, event))
+            else:
+                self._retiring.append((buf, event))
+
+    def _prune_retiring(self) -> None:
+        """Under the lock: free the buffers beyond the cap whose parse has run."""
+        keep: list[tuple[torch.Tensor, _Event | None]] = []
+        for buf, event in self._retiring:
+            if event is None or event.query():
+                self._held -= buf.numel()
+                self._guard.forget(buf)
+            else:
+                keep.append((buf, event))
+        self._retiring = keep
+
+    def check(self) -> None:
+        """Check that no free buffer changed since it came back (canary policy; tests)."""
+        with self._lock:
+            free = [b for bufs in self._free.values() for b, _ in bufs]
+        self._guard.check(free)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"free": sum(len(b) for b in self._free.values()), "retiring": len(self._retiring),
+                    "held_bytes": self._held, "quarantined": self._guard.quarantined}
+
+    def clear(self) -> None:
+        """Drop every free buffer, once the kernels that parse it have run."""
+        with self._lock:
+            pending = [pair for bufs in self._free.values() for pair in bufs] + self._retiring
+            self._free.clear()
+            self._retiring = []
+            self._held = 0
+        for buf, event in pending:
+            if event is not None and not event.query():
+                event.synchronize()
+            self._guard.forget(buf)
