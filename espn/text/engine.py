@@ -42,6 +42,7 @@ __all__ = ["TextDocument", "LexicalHits", "TextIndex", "TextWriter", "build_text
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class EngineClause:
     """One clause as the engine runs it: `terms` are the analysed words (space-joined for a
