@@ -24,9 +24,9 @@ from typing import Any, Callable, NoReturn, Sequence, cast
 
 import numpy as np
 
-from .errors import EspnError, InvalidParameterError
-from .params import SearchParams
-from .results import Hit
+from ..errors import EspnError, InvalidParameterError
+from ..params import SearchParams
+from ..results import Hit
 
 __all__ = ["main", "add_reader_options", "reader_options", "configure_logging", "CliParser", "UsageError",
            "COMMANDS_GROUP"]
