@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import parse_qsl
 
 import torch
+from safetensors.torch import load_file
 
 from ..errors import InvalidParameterError
 
@@ -181,8 +182,6 @@ def _load_state(directory: Path) -> dict[str, torch.Tensor]:
         path = directory / name
         if path.is_file():
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
                 return load_file(str(path))
             return torch.load(path, map_location="cpu", weights_only=True)
     raise InvalidParameterError(f"{directory}: no model.safetensors or pytorch_model.bin")
