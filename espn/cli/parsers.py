@@ -22,10 +22,9 @@ __all__ = ["register_search", "register_calibrate", "register_verify", "add_sear
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the library's command `args.command`; its exit status."""
-    from . import calibrate, search, verify  # entry point: the commands load now, after logging is configured
+    from .commands import COMMANDS  # entry point: the commands load now, after logging is configured
 
-    commands = {"search": search.cmd_search, "calibrate": calibrate.cmd_calibrate, "verify": verify.cmd_verify}
-    return commands[args.command](args)
+    return COMMANDS[args.command](args)
 
 
 def register_search(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", readers: list[str]) -> None:
