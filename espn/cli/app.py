@@ -32,6 +32,7 @@ _PLUGIN_ORDER = ("indexing", "server")
 
 log = logging.getLogger("espn")
 
+
 def register_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Every subcommand, in the order `espn --help` lists them: the library's own, then the
     entry points' (the build job, the server)."""

@@ -55,6 +55,7 @@ __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format
 
 log = logging.getLogger(__name__)
 
+
 def _insert_after_cls(values: torch.Tensor, fill: int) -> torch.Tensor:
     """[B, T] -> [B, T + 1] with `fill` at column 1 (PyLate's insert_prefix_token, colbert-ai's _insert_prefix_token)."""
     column = torch.full((values.shape[0], 1), fill, dtype=values.dtype)

@@ -19,6 +19,7 @@ from .records import Buffer, ReadBatch, RecordBatch
 
 __all__ = ["Fetch", "DeferredFetch", "PendingRead", "ReadSource", "complete_parts", "hand_over_parts"]
 
+
 class ReadSource(Protocol):
     """What a PendingRead needs of its reader (`espn.store.reader.Reader` provides it)."""
 
