@@ -124,6 +124,7 @@ INSTALL_COMMAND = 'pip install "espn[kvikio]"'
 
 
 def _import_kvikio() -> ModuleType:
+    # An optional extra (pip install "espn[kvikio]"), needing libcuda: imported only when asked for.
     import kvikio
     import kvikio.defaults
 
