@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
-from espn.encoders.colbert import checkpoint_format
+from espn.encoders.colbert_checkpoint import checkpoint_format
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic

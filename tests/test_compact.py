@@ -15,7 +15,7 @@ import torch
 from helpers import run_espn
 from server_fixtures import running_server
 
-import espn.store.kvikio as kvikio_module
+import espn.store.buffers as buffers_module
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import read_manifest
 from espn.pooling import pool_documents, pool_vectors
@@ -156,7 +156,7 @@ def test_kvikio_device_buffers_decode_on_the_device(compact_store, fake_kvikio: 
             pass
 
     monkeypatch.setattr(KvikioReader, "_is_cuda_device", lambda self: True)
-    monkeypatch.setattr(kvikio_module, "_record_event", lambda device: Done())
+    monkeypatch.setattr(buffers_module, "_record_event", lambda device: Done())
     docs = np.arange(len(records))[::7]
     with open_reader("kvikio", path, records, layout) as reader:
         assert reader.device_buffers

@@ -33,7 +33,7 @@ import pytest
 from test_store import LAYOUTS, Store, assert_batch_equal, direct_io_supported, random_counts, write_store
 
 from espn.store import PosixReader
-from espn.store.base import BufferPool
+from espn.store.buffers import BufferPool
 from espn.store.engines import (ENGINES, FaultInjector, IoLimits, OwnershipError, ReadError, StoreClosedError,
                                 inject_faults, open_engine)
 from espn.store.engines import uring as uring_module

@@ -27,6 +27,7 @@ import torch
 from fakes import kvikio_api
 from test_store import LAYOUTS, Store, assert_batch_equal, random_counts, write_store
 
+import espn.store.buffers as buffers_module
 import espn.store.kvikio as kvikio_module
 from espn.errors import IndexCorruptError
 from espn.store import KvikioReader, default_reader_name, open_reader
@@ -77,7 +78,7 @@ def device_branch(monkeypatch: pytest.MonkeyPatch) -> list[FakeCudaEvent]:
         return events[-1]
 
     monkeypatch.setattr(KvikioReader, "_is_cuda_device", lambda self: True)
-    monkeypatch.setattr(kvikio_module, "_record_event", record)
+    monkeypatch.setattr(buffers_module, "_record_event", record)
     return events
 
 

@@ -33,279 +33,27 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
 import shutil
-import string
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
-from urllib.parse import parse_qsl
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+from transformers import AutoModel, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .colbert_checkpoint import (NOT_COPIED, SETTING_NAMES, WEIGHT_FILES, ColBERTSettings, DenseLayer, checkpoint_format,
+                                 parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
+from .onnx import checked_query_graph
 
 __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
 
 log = logging.getLogger(__name__)
-
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-#: Files never needed to encode (other frameworks' weights, training state, exports).
-_NOT_COPIED = ("*.onnx", "onnx", "openvino", "*.msgpack", "*.h5", "*.ot", "optimizer.pt", "scheduler.pt",
-               "training_args.bin", "rng_state*.pth", ".git", "*.md", "runs", "checkpoint-*")
-
-#: colbert-ai's ColBERTConfig defaults (colbert/infra/config/settings.py) for what artifact.metadata lacks.
-COLBERT_AI_DEFAULTS: dict[str, Any] = {
-    "query_maxlen": 32, "doc_maxlen": 220, "query_token_id": "[unused0]", "doc_token_id": "[unused1]",
-    "mask_punctuation": True, "attend_to_mask_tokens": False, "dim": 128,
-}
-#: PyLate's ColBERT defaults (pylate/models/colbert.py) for what config_sentence_transformers.json lacks.
-PYLATE_DEFAULTS: dict[str, Any] = {
-    "query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": 32, "document_length": 180,
-    "do_query_expansion": True, "attend_to_expansion_tokens": False,
-}
-#: Settings a spec may give (`colbert:PATH?name=value&...`); booleans as 1/0/true/false,
-#: skiplist_words comma-separated (empty: none), prefixes URL-encoded ("%5BQ%5D+" is "[Q] ").
-SETTING_NAMES = ("query_prefix", "document_prefix", "query_length", "document_length", "do_query_expansion",
-                 "attend_to_expansion_tokens", "skiplist_words", "do_lower_case")
-#: Dense activations by the dotted name sentence-transformers writes.
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "torch.nn.modules.linear.Identity": lambda x: x,
-    "torch.nn.modules.activation.Tanh": torch.tanh,
-    "torch.nn.modules.activation.ReLU": torch.relu,
-    "torch.nn.modules.activation.GELU": torch.nn.functional.gelu,
-    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
-    "torch.nn.modules.activation.SiLU": torch.nn.functional.silu,
-}
-_DENSE_TYPES = ("pylate.models.Dense.Dense", "pylate.models.Dense", "sentence_transformers.models.Dense",
-                "sentence_transformers.models.Dense.Dense")
-_TRANSFORMER_TYPES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Transformer.Transformer")
-
-
-def checkpoint_format(path: str | Path) -> str | None:
-    """"colbert-ai" or "pylate" when `path` holds a ColBERT checkpoint of that format, else None."""
-    path = Path(path)
-    config = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
-    if "HF_ColBERT" in (config.get("architectures") or []) or (path / "artifact.metadata").is_file():
-        return "colbert-ai"
-    if (path / "modules.json").is_file():
-        modules = _read_json(path / "modules.json")
-        if any(str(m.get("type", "")).split(".")[-1] == "Dense" for m in modules if isinstance(m, dict)):
-            return "pylate"
-    if (path / "config_sentence_transformers.json").is_file():
-        st = _read_json(path / "config_sentence_transformers.json")
-        if any(key in st for key in ("query_prefix", "document_prefix", "do_query_expansion", "query_length")):
-            return "pylate"
-    return None
-
-
-def parse_spec(location: str) -> tuple[str, dict[str, Any]]:
-    """"PATH?name=value&..." -> (PATH, settings); names must be in SETTING_NAMES."""
-    path, _, query = location.partition("?")
-    overrides: dict[str, Any] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
-        if name not in SETTING_NAMES:
-            raise InvalidParameterError(f"--encoder colbert: unknown setting {name!r}; known: {', '.join(SETTING_NAMES)}")
-        overrides[name] = value
-    return path, overrides
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise InvalidParameterError(f"{name} must be a boolean (1/0/true/false), got {value!r}")
-
-
-def _as_length(name: str, value: Any) -> int:
-    try:
-        length = int(value)
-    except (TypeError, ValueError):
-        raise InvalidParameterError(f"{name} must be an integer, got {value!r}") from None
-    if length < 3:
-        raise InvalidParameterError(f"{name} must be >= 3 ([CLS], marker, [SEP]), got {length}")
-    return length
-
-
-@dataclasses.dataclass(frozen=True)
-class ColBERTSettings:
-    """How texts become token ids, as the checkpoint's reference code does it.
-
-    skiplist_rule: how skiplist words become ids: "encode" (colbert-ai: the first id of
-    `tokenizer.encode(word)`) or "token" (PyLate: `convert_tokens_to_ids(word)`, the unknown
-    token's id for a word not in the vocabulary, as PyLate does).
-    """
-
-    format: str
-    query_prefix: str
-    document_prefix: str
-    query_length: int
-    document_length: int
-    do_query_expansion: bool
-    attend_to_expansion_tokens: bool
-    skiplist_words: tuple[str, ...]
-    skiplist_rule: str
-    do_lower_case: bool = False
-    strip: bool = False
-
-    @classmethod
-    def resolve(cls, format: str, found: Mapping[str, Any], overrides: Mapping[str, Any]) -> "ColBERTSettings":
-        """The checkpoint's settings (`found`, in PyLate's names) with the user's `overrides` on top."""
-        merged = {**found, **overrides}
-        words = merged.get("skiplist_words", list(string.punctuation))
-        if isinstance(words, str):
-            words = [w for w in words.split(",") if w]
-        expansion = _as_bool("do_query_expansion", merged.get("do_query_expansion", True))
-        return cls(
-            format=format,
-            query_prefix=str(merged.get("query_prefix", "")),
-            document_prefix=str(merged.get("document_prefix", "")),
-            query_length=_as_length("query_length", merged.get("query_length", 32)),
-            document_length=_as_length("document_length", merged.get("document_length", 180)),
-            do_query_expansion=expansion,
-            # PyLate: "If we do not do query expansion, we do not attend to the expansion tokens".
-            attend_to_expansion_tokens=expansion and _as_bool("attend_to_expansion_tokens",
-                                                              merged.get("attend_to_expansion_tokens", False)),
-            skiplist_words=tuple(str(w) for w in words),
-            skiplist_rule="encode" if format == "colbert-ai" else "token",
-            do_lower_case=_as_bool("do_lower_case", merged.get("do_lower_case", False)),
-            strip=format == "pylate",  # sentence-transformers strips each text before tokenising
-        )
-
-
-@dataclasses.dataclass
-class DenseLayer:
-    """One projection: y = activation(x Wᵀ + b) (+ x, or + x Rᵀ, with PyLate's use_residual)."""
-
-    weight: torch.Tensor  # [out, in]
-    bias: torch.Tensor | None
-    activation: str
-    residual: torch.Tensor | None = None  # [out, in] when use_residual and in != out
-    use_residual: bool = False
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
-        if self.use_residual:
-            y = y + (x if self.residual is None else torch.nn.functional.linear(x, self.residual))
-        return y
-
-    def to(self, device: str) -> "DenseLayer":
-        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return DenseLayer(self.weight.to(device), move(self.bias), self.activation, move(self.residual),
-                          self.use_residual)
-
-
-def _load_state(directory: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `directory`'s model.safetensors or pytorch_model.bin (read without pickle code)."""
-    for name in _WEIGHT_FILES:
-        path = directory / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise InvalidParameterError(f"{directory}: no model.safetensors or pytorch_model.bin")
-
-
-def _refuse_remote_code(directory: Path) -> None:
-    config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else None
-    if config is None:
-        raise InvalidParameterError(f"{directory}: config.json missing; not a Hugging Face model directory")
-    if config.get("auto_map"):
-        raise InvalidParameterError(
-            f"{directory}: the backbone needs remote code (config.json auto_map {sorted(config['auto_map'])}); "
-            "espn loads only architectures transformers ships (BERT, ModernBERT, XLM-RoBERTa, ...)")
-
-
-def _read_colbert_ai(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
-    """colbert-ai: (settings in PyLate's names, [linear], backbone directory)."""
-    metadata: dict[str, Any] = {}
-    if (path / "artifact.metadata").is_file():
-        metadata = _read_json(path / "artifact.metadata")
-        if isinstance(metadata.get("config"), dict):  # older checkpoints nest it
-            metadata = metadata["config"]
-    meta = {**COLBERT_AI_DEFAULTS, **{k: v for k, v in metadata.items() if v is not None}}
-    if not _as_bool("mask_punctuation", meta["mask_punctuation"]):
-        skiplist: list[str] = []
-    else:
-        skiplist = list(string.punctuation)
-    found = {
-        "query_prefix": meta["query_token_id"], "document_prefix": meta["doc_token_id"],
-        "query_length": meta["query_maxlen"], "document_length": meta["doc_maxlen"],
-        "do_query_expansion": True, "attend_to_expansion_tokens": meta["attend_to_mask_tokens"],
-        "skiplist_words": skiplist,
-    }
-    state = _load_state(path)
-    if "linear.weight" not in state:
-        raise InvalidParameterError(f"{path}: a colbert-ai checkpoint without the root linear.weight projection")
-    linear = state["linear.weight"].float()
-    if "dim" in metadata and int(metadata["dim"]) != linear.shape[0]:
-        raise InvalidParameterError(f"{path}: artifact.metadata dim {metadata['dim']} != linear.weight's {linear.shape[0]}")
-    return found, [DenseLayer(linear, None, "torch.nn.modules.linear.Identity")], path
-
-
-def _read_dense(directory: Path) -> DenseLayer:
-    config = _read_json(directory / "config.json")
-    activation = str(config.get("activation_function", "torch.nn.modules.linear.Identity"))
-    if activation not in _ACTIVATIONS:
-        raise InvalidParameterError(f"{directory}: Dense activation {activation!r} is not supported; "
-                                    f"supported: {', '.join(sorted(_ACTIVATIONS))}")
-    state = {k.removeprefix("linear.") if k.startswith("linear.") else k: v.float()
-             for k, v in _load_state(directory).items()}
-    weight = state.get("weight")
-    if weight is None or tuple(weight.shape) != (int(config["out_features"]), int(config["in_features"])):
-        raise InvalidParameterError(f"{directory}: Dense weight missing or not [out_features, in_features]")
-    use_residual = bool(config.get("use_residual", False))
-    residual = state.get("residual.weight")
-    if use_residual and weight.shape[0] != weight.shape[1] and residual is None:
-        raise InvalidParameterError(f"{directory}: use_residual with in != out but no residual.weight")
-    return DenseLayer(weight, state.get("bias") if config.get("bias", True) else None, activation,
-                      residual if use_residual else None, use_residual)
-
-
-def _read_pylate(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
-    """PyLate: (settings, Dense chain, Transformer directory)."""
-    modules = sorted(_read_json(path / "modules.json"), key=lambda m: int(m.get("idx", 0)))
-    backbone: Path | None = None
-    chain: list[DenseLayer] = []
-    for module in modules:
-        kind, where = str(module.get("type", "")), path / str(module.get("path", ""))
-        if kind in _TRANSFORMER_TYPES and backbone is None and not chain:
-            backbone = where
-        elif kind in _DENSE_TYPES and backbone is not None:
-            chain.append(_read_dense(where))
-        else:
-            raise InvalidParameterError(f"{path}: modules.json module {kind!r} at {module.get('path')!r} is not "
-                                        "a ColBERT Transformer -> Dense chain espn can run")
-    if backbone is None or not chain:
-        raise InvalidParameterError(f"{path}: modules.json needs a Transformer then at least one Dense module")
-    found = dict(PYLATE_DEFAULTS)
-    if (path / "config_sentence_transformers.json").is_file():
-        st = _read_json(path / "config_sentence_transformers.json")
-        found.update({k: st[k] for k in ("query_prefix", "document_prefix", "query_length", "document_length",
-                                         "do_query_expansion", "attend_to_expansion_tokens", "skiplist_words")
-                      if st.get(k) is not None})
-    for source in (backbone / "sentence_bert_config.json", path / "sentence_bert_config.json"):
-        if source.is_file():
-            found["do_lower_case"] = bool(_read_json(source).get("do_lower_case", False))
-            break
-    return found, chain, backbone
 
 
 def _insert_after_cls(values: torch.Tensor, fill: int) -> torch.Tensor:
@@ -327,9 +75,6 @@ class ColBERTEncoder(Encoder):
                  weights_sha256: str | None = None) -> None:
         """overrides: settings by SETTING_NAMES over the checkpoint's; query_backend: "auto"
         (ONNX Runtime on a CPU where it is installed and the backbone exports), "onnx" or "torch"."""
-        from transformers import AutoModel, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
         self.checkpoint_dir = Path(checkpoint_dir)
         if not self.checkpoint_dir.is_dir():
@@ -342,9 +87,9 @@ class ColBERTEncoder(Encoder):
         unknown = sorted(set(overrides or {}) - set(SETTING_NAMES))
         if unknown:
             raise InvalidParameterError(f"colbert: unknown settings {unknown}; known: {', '.join(SETTING_NAMES)}")
-        reader = _read_colbert_ai if fmt == "colbert-ai" else _read_pylate
+        reader = read_colbert_ai if fmt == "colbert-ai" else read_pylate
         found, chain, backbone_dir = reader(self.checkpoint_dir)
-        _refuse_remote_code(backbone_dir)
+        refuse_remote_code(backbone_dir)
         self.settings = ColBERTSettings.resolve(fmt, found, overrides or {})
         self.name = name or self.checkpoint_dir.name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -531,8 +276,6 @@ class ColBERTEncoder(Encoder):
 
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all kept positions)."""
-        from .onnx import checked_query_graph
-
         refusal = None
         if "token_type_ids" not in self._forward_keys:
             refusal = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
@@ -544,7 +287,7 @@ class ColBERTEncoder(Encoder):
 
     # -- persistence -----------------------------------------------------------------
     def _weights_file(self) -> Path | None:
-        return next((self.backbone_dir / f for f in _WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
+        return next((self.backbone_dir / f for f in WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
 
     def config(self) -> dict[str, Any]:
         weights = self._weights_file()
@@ -563,7 +306,7 @@ class ColBERTEncoder(Encoder):
     def save(self, directory: Path) -> None:
         """Copy the checkpoint (tokenizer, configs, weights; not other frameworks' files) into `model/`."""
         shutil.copytree(self.checkpoint_dir, Path(directory) / "model", dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(*_NOT_COPIED))
+                        ignore=shutil.ignore_patterns(*NOT_COPIED))
 
     @classmethod
     def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "ColBERTEncoder":

@@ -15,14 +15,17 @@ import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, PendingRead, ReadBatch, Reader, RecordBatch, plan_extents
 from .engines import ENGINE_ORDER, ENGINES
+from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import (RECORD_DTYPE, STORAGE_DTYPE, STORAGE_TYPES, RecordWriter, StoreLayout, dequantize_int8, place_records,
                      quantize_int8, record_nbytes, split_records)
 from .kvikio import KvikioReader
 from .memory import MemoryReader
 from .mmap import MmapReader
+from .pending import PendingRead
 from .posix import PosixReader
+from .reader import Reader
+from .records import ReadBatch, RecordBatch
 
 __all__ = [
     "RECORD_DTYPE",

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
+from ..pooling import pool_documents
 
 __all__ = [
     "RECORD_DTYPE",
@@ -225,8 +226,6 @@ class RecordWriter:
             raise ValueError(f"{len(cls)} CLS rows and {len(bow)} BOW rows do not match counts (n={len(counts)}, "
                              f"sum={int(counts.sum())})")
         if lay.pool_factor > 1:
-            from ..pooling import pool_documents  # scipy loads only where pooling is asked for
-
             bow, counts = pool_documents(bow, counts, lay.pool_factor)
         lengths = np.asarray(record_nbytes(counts, lay))
         offsets, end = place_records(lengths, lay.block_size, self.position)

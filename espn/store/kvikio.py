@@ -84,7 +84,6 @@ kvikio needs libcuda at read time (importing it does not), so it is an optional 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -92,15 +91,21 @@ import time
 import weakref
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, Buffer, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
-from .engines.base import CANARY, LEDGER, ReturnGuard, StoreClosedError
+from .buffers import BufferPool, DeviceBufferPool
+from .engines.base import LEDGER, StoreClosedError
+from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import StoreLayout
+from .kvikio_config import (DEFAULT_BOUNCE_BUFFER_SIZE, DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_TASK_SIZE,
+                            KvikioConfig)
+from .pending import Fetch
+from .reader import Reader
+from .records import Buffer
 
 __all__ = [
     "KvikioReader",
@@ -117,22 +122,9 @@ logger = logging.getLogger(__name__)
 
 INSTALL_COMMAND = 'pip install "espn[kvikio]"'
 
-#: kvikio thread-pool size: extents in flight at once (kvikio's own default is 1).
-DEFAULT_NTHREADS = 16
-#: Reads of at least this many bytes go to the thread pool (cuFile / GDS); smaller ones take
-#: kvikio's synchronous POSIX shortcut in the caller's thread. One 4 KiB block is at it.
-DEFAULT_GDS_THRESHOLD = 4096
-#: kvikio splits one read into tasks of this size; = the extent cap, so one task per extent.
-DEFAULT_TASK_SIZE = DEFAULT_MAX_EXTENT_BYTES
-#: Pinned host bounce buffer per thread in compatibility mode; one task fits in one.
-DEFAULT_BOUNCE_BUFFER_SIZE = DEFAULT_MAX_EXTENT_BYTES
-#: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
-DEFAULT_DEVICE_POOL_BYTES = 256 << 20
-
-_COMPAT_MODES = ("on", "off", "auto")
-
 
 def _import_kvikio() -> ModuleType:
+    # An optional extra (pip install "espn[kvikio]"), needing libcuda: imported only when asked for.
     import kvikio
     import kvikio.defaults
 
@@ -157,47 +149,6 @@ def _unavailable_reason() -> str | None:
             f"on a GPU machine install the extra with: {INSTALL_COMMAND}"
         )
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class KvikioConfig:
-    """The process-wide kvikio settings a reader asks for (None: leave kvikio's value)."""
-
-    nthreads: int = DEFAULT_NTHREADS
-    gds_threshold: int = DEFAULT_GDS_THRESHOLD
-    task_size: int = DEFAULT_TASK_SIZE
-    bounce_buffer_size: int | None = DEFAULT_BOUNCE_BUFFER_SIZE
-    compat_mode: str | None = None
-
-    def __post_init__(self) -> None:
-        def check(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
-            if value is None and optional:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
-                bound = f"in [{low}, {high}]" if high else f">= {low}"
-                raise InvalidParameterError(f"{name} must be an integer {bound}, got {value!r}")
-
-        check("nthreads", self.nthreads, 1, 1024)
-        check("gds_threshold", self.gds_threshold, 0)
-        check("task_size", self.task_size, 4096)
-        check("bounce_buffer_size", self.bounce_buffer_size, 4096, optional=True)
-        if self.compat_mode is not None and self.compat_mode not in _COMPAT_MODES:
-            raise InvalidParameterError(
-                f"compat_mode must be one of {', '.join(_COMPAT_MODES)} or None, got {self.compat_mode!r}"
-            )
-
-    def settings(self, kvikio: ModuleType) -> dict[str, Any]:
-        """The `kvikio.defaults.set` dictionary (keys as kvikio 26.x names them)."""
-        out: dict[str, Any] = {
-            "num_threads": self.nthreads,
-            "gds_threshold": self.gds_threshold,
-            "task_size": self.task_size,
-        }
-        if self.bounce_buffer_size is not None:
-            out["bounce_buffer_size"] = self.bounce_buffer_size
-        if self.compat_mode is not None:
-            out["compat_mode"] = getattr(kvikio.CompatMode, self.compat_mode.upper())
-        return out
 
 
 _config_lock = threading.Lock()
@@ -239,145 +190,17 @@ def _reader_closed() -> None:
             _applied.clear()
 
 
-# -- device buffers --------------------------------------------------------------------------
-
-
-class _Event(Protocol):
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-def _record_event(device: torch.device) -> _Event:
-    """A CUDA event on the current stream of `device` (the stream the parse was queued on)."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def _allocate_device(nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _tensor_span(buf: torch.Tensor) -> tuple[int, int]:
-    return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
-
-
-def _tensor_fill(buf: torch.Tensor) -> None:
-    buf.fill_(CANARY)
-
-
-def _tensor_intact(buf: torch.Tensor) -> bool:
-    return bool((buf == CANARY).all())
-
-
-class DeviceBufferPool:
-    """Device byte buffers owned by one reader, reused across reads, guarded by events.
-
-    Buffers come in power-of-two size classes (>= 64 KiB). `release(buf)` records an event
-    on the caller's current stream, after the kernels that parse the buffer; `acquire`
-    hands a buffer out again only once its event has completed, so kvikio never writes
-    into memory a queued kernel may still read. When no free buffer of the class is
-    ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
-    waits for the oldest event of the class (the only host wait the pool ever does).
-    A buffer released beyond the cap is freed once its event has completed; one that a
-    read still targets is quarantined (`engines.base.ReturnGuard`).
-    """
-
-    def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:
-        self.device = device
-        self.retain_bytes = retain_bytes
-        self._free: dict[int, list[tuple[torch.Tensor, _Event | None]]] = {}
-        self._retiring: list[tuple[torch.Tensor, _Event | None]] = []  # beyond the cap, freed once their event is done
-        self._held = 0  # bytes allocated by the pool, in use, free, retiring or quarantined
-        self._lock = threading.Lock()
-        self._guard = ReturnGuard("device read buffer", _tensor_span, _tensor_fill, _tensor_intact)
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        if self._guard.quarantined:
-            for buf in self._guard.reclaim():
-                self._keep(buf)
-        size = BufferPool._size_class(nbytes)
-        wait: tuple[torch.Tensor, _Event | None] | None = None
-        with self._lock:
-            self._prune_retiring()
-            free = self._free.get(size, [])
-            for i, (buf, event) in enumerate(free):
-                if event is None or event.query():
-                    del free[i]
-                    self._guard.handing_out(buf)
-                    return buf
-            if free and self._held + size > self.retain_bytes:
-                wait = free.pop(0)  # the oldest: its parse was queued first
-            else:
-                self._held += size
-        if wait is not None:
-            buf, event = wait
-            if event is not None:
-                event.synchronize()
-            self._guard.handing_out(buf)
-            return buf
-        return _allocate_device(size, self.device)
-
-    def release(self, buf: torch.Tensor, in_flight: bool = False) -> None:
-        """Give `buf` back after the kernels that parse it were queued on the current stream.
-        in_flight: the caller knows a read may still target it (quarantined, no error)."""
-        if self._guard.give_back(buf, known_in_flight=in_flight):
-            self._keep(buf)
-
-    def _keep(self, buf: torch.Tensor) -> None:
-        event = _record_event(self.device)  # after the parse (and the canary, if any)
-        size = buf.numel()
-        with self._lock:
-            if self._held <= self.retain_bytes:
-                self._free.setdefault(size, []).append((buf, event))
-            else:
-                self._retiring.append((buf, event))
-
-    def _prune_retiring(self) -> None:
-        """Under the lock: free the buffers beyond the cap whose parse has run."""
-        keep: list[tuple[torch.Tensor, _Event | None]] = []
-        for buf, event in self._retiring:
-            if event is None or event.query():
-                self._held -= buf.numel()
-                self._guard.forget(buf)
-            else:
-                keep.append((buf, event))
-        self._retiring = keep
-
-    def check(self) -> None:
-        """Check that no free buffer changed since it came back (canary policy; tests)."""
-        with self._lock:
-            free = [b for bufs in self._free.values() for b, _ in bufs]
-        self._guard.check(free)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"free": sum(len(b) for b in self._free.values()), "retiring": len(self._retiring),
-                    "held_bytes": self._held, "quarantined": self._guard.quarantined}
-
-    def clear(self) -> None:
-        """Drop every free buffer, once the kernels that parse it have run."""
-        with self._lock:
-            pending = [pair for bufs in self._free.values() for pair in bufs] + self._retiring
-            self._free.clear()
-            self._retiring = []
-            self._held = 0
-        for buf, event in pending:
-            if event is not None and not event.query():
-                event.synchronize()
-            self._guard.forget(buf)
-
-
 # -- the reader ------------------------------------------------------------------------------
 
 
 class _KvikioFetch(Fetch):
     """The futures of one wave; `complete()` may run on any thread, once or many times."""
 
-    def __init__(self, reader: "KvikioReader", plan: ExtentPlan, buffer: Any, array: Buffer,
-                 futures: list[Any], nbytes: int, claim: int) -> None:
-        self._reader = reader
+    def __init__(self, plan: ExtentPlan, buffer: Any, array: Buffer, futures: list[Any], nbytes: int, claim: int,
+                 wait_all: Callable[[list[Any]], BaseException | None],
+                 give_back: Callable[[Any, bool], None]) -> None:
+        self._wait_all = wait_all  # the reader's: waits for every future, translating its error
+        self._give_back = give_back  # the reader's: the buffer back to its pool
         self._plan = plan
         self._buffer = buffer  # what goes back to the pool
         self._array = array  # the 1-D uint8 view the base parses
@@ -400,7 +223,7 @@ class _KvikioFetch(Fetch):
     def _wait(self) -> None:
         """Under the lock: wait for every future once, keeping the first error."""
         if not self._done:
-            self._error = self._reader._wait_all(self._futures)
+            self._error = self._wait_all(self._futures)
             self._done = True
             self.drained  # noqa: B018 - settles the claim
 
@@ -427,7 +250,7 @@ class _KvikioFetch(Fetch):
             try:
                 self._wait()  # never hand back a buffer kvikio may still write into
             finally:
-                self._reader._give_back(self._buffer, in_flight=not self.drained)
+                self._give_back(self._buffer, not self.drained)
 
 
 class KvikioReader(Reader):
@@ -570,12 +393,12 @@ class KvikioReader(Reader):
                     LEDGER.settle(claim)
                 self._give_back(buffer, in_flight=not drained)
             raise
-        return _KvikioFetch(self, plan, buffer, array, futures, int(sizes.sum()), claim)
+        return _KvikioFetch(plan, buffer, array, futures, int(sizes.sum()), claim, self._wait_all, self._give_back)
 
     @staticmethod
     def _span(array: Buffer) -> tuple[int, int]:
         if isinstance(array, torch.Tensor):
-            return _tensor_span(array)
+            return int(array.data_ptr()), int(array.numel() * array.element_size())
         return int(array.__array_interface__["data"][0]), int(array.nbytes)
 
     def _wait_all(self, futures: list[Any]) -> BaseException | None:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError
-from .base import Reader
 from .format import StoreLayout
+from .reader import Reader
 
 __all__ = ["MemoryReader"]
 

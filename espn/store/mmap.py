@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Reader, plan_extents
+from .extents import plan_extents
 from .format import StoreLayout
+from .reader import Reader
 
 __all__ = ["MmapReader"]
 

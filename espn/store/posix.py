@@ -32,10 +32,13 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
-from .base import DEFAULT_MAX_EXTENT_BYTES, BufferPool, ExtentPlan, Fetch, Reader, plan_extents
+from .buffers import BufferPool
 from .engines import EngineRead, IoLimits, ReadEngine, StoreClosedError, open_engine
 from .engines.threads import read_fully
+from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import StoreLayout
+from .pending import Fetch
+from .reader import Reader
 
 __all__ = ["PosixReader", "DEFAULT_IO_DEPTH"]
 

@@ -34,11 +34,11 @@ import sys
 
 import numpy as np
 
-from . import base as _base
-from .base import TRANSIENT_ERRNOS, IoLimits
-from .native import WITHDRAWN, KernelQueue, NativeEngine, QueueBroken, probe_read
-from . import uring as _uring
-from .uring import _syscall
+from .base import TRANSIENT_ERRNOS, IoLimits, current_faults
+from .kernel_queue import KernelQueue
+from .native import NativeEngine, probe_read
+from .submission import WITHDRAWN, QueueBroken
+from .uring_abi import libc_syscall, syscall
 
 __all__ = ["AioEngine", "IOCB_DTYPE", "IO_EVENT_DTYPE"]
 
@@ -70,12 +70,12 @@ def _numbers() -> tuple[int, int, int, int]:
 def io_setup(nr_events: int) -> int:
     """A new AIO context able to hold `nr_events` requests in flight."""
     ctx = ctypes.c_ulong(0)
-    _syscall(_numbers()[0], nr_events, ctypes.addressof(ctx))
+    syscall(_numbers()[0], nr_events, ctypes.addressof(ctx))
     return int(ctx.value)
 
 
 def io_destroy(ctx: int) -> None:
-    _syscall(_numbers()[1], ctx)
+    syscall(_numbers()[1], ctx)
 
 
 class _Context(KernelQueue):
@@ -87,7 +87,7 @@ class _Context(KernelQueue):
         self.ctx = io_setup(capacity)
         super().__init__(capacity, limits)
         _, _, self._nr_submit, self._nr_getevents = _numbers()
-        self._sys = _uring._libc_syscall()
+        self._sys = libc_syscall()
         self._events = np.zeros(capacity, dtype=IO_EVENT_DTYPE)
         self._events_address = self._events.ctypes.data
         self._timespec = np.zeros(2, dtype=np.int64)  # struct timespec for io_getevents
@@ -118,7 +118,7 @@ class _Context(KernelQueue):
 
     def _io_submit(self, count: int, address: int) -> int:
         """io_submit(2): iocbs taken, or -errno."""
-        faults = _base._faults
+        faults = current_faults()
         if faults is not None:
             err = faults.syscall("io_submit")
             if err:
@@ -128,7 +128,7 @@ class _Context(KernelQueue):
 
     def _io_getevents(self, min_complete: int, timeout: float | None) -> int:
         """io_getevents(2) into self._events: events reaped, or -errno."""
-        faults = _base._faults
+        faults = current_faults()
         if faults is not None:
             err = faults.syscall("io_getevents")
             if err:

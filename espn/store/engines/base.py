@@ -29,7 +29,7 @@ then may it return to a pool, be reused or be freed. Every path keeps it:
 
 It is enforced in one place, the ledger: every read claims the address range of its
 buffer in `LEDGER` when it starts and settles the claim only once it is drained. The
-pools (`espn.store.base.BufferPool`, `espn.store.kvikio.DeviceBufferPool`) ask the ledger
+pools (`espn.store.buffers.BufferPool`, `espn.store.kvikio.DeviceBufferPool`) ask the ledger
 through one `ReturnGuard` whenever a buffer comes back: a buffer still claimed is never
 reused. Under the strict policy (the test suite's) that is an `OwnershipError`; in
 production it is logged and the buffer is quarantined until its claims settle. With the

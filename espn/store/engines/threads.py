@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from . import base as _base
 from .base import (LEDGER, TRANSIENT_ERRNOS, EngineRead, IoLimits, ReadEngine, ReadError, StoreClosedError,
-                   buffer_span, check_extents, describe_fd, realign)
+                   buffer_span, check_extents, current_faults, describe_fd, realign)
 
 __all__ = ["ThreadsEngine", "read_fully"]
 
@@ -46,7 +45,7 @@ def read_fully(fd: int, view: memoryview, file_offset: int, limits: IoLimits | N
     while got < want:
         if cancelled is not None and cancelled.is_set():
             raise ReadError(errno.ECANCELED, describe_fd(fd), file_offset + got, "(cancelled)")
-        faults = _base._faults
+        faults = current_faults()
         try:
             if faults is not None:
                 err = faults.syscall("preadv")

@@ -67,95 +67,20 @@ from typing import Any
 
 import numpy as np
 
-from . import base as _base
-from .base import TRANSIENT_ERRNOS, EngineUnavailable, InvalidParameterError, IoLimits
-from .native import WITHDRAWN, KernelQueue, NativeEngine, QueueBroken, probe_read
+from .base import TRANSIENT_ERRNOS, EngineUnavailable, InvalidParameterError, IoLimits, current_faults
+from .kernel_queue import KernelQueue
+from .native import NativeEngine, probe_read
+from .submission import WITHDRAWN, QueueBroken
+from .uring_abi import (ARCHES, CQE_DTYPE, IORING_ASYNC_CANCEL_ANY, IORING_ENTER_EXT_ARG, IORING_ENTER_GETEVENTS,
+                        IORING_FEAT_EXT_ARG, IORING_FEAT_SINGLE_MMAP, IORING_OFF_CQ_RING, IORING_OFF_SQES,
+                        IORING_OFF_SQ_RING, IORING_OP_ASYNC_CANCEL, IORING_OP_READ, IORING_REGISTER_PROBE,
+                        IORING_SETUP_SINGLE_ISSUER, IO_URING_OP_SUPPORTED, NR_ENTER, NR_REGISTER, PARAMS_DTYPE,
+                        SETUP_FLAGS, SQE_DTYPE, io_uring_enter, io_uring_setup, libc_syscall, round_up_pow2, syscall)
 
 __all__ = ["UringEngine", "SQE_DTYPE", "CQE_DTYPE", "PARAMS_DTYPE", "io_uring_setup", "io_uring_enter",
            "ring_index_access", "find_c_compiler"]
 
 logger = logging.getLogger(__name__)
-
-# Syscall numbers: the generic table, the same on x86_64 and aarch64.
-_NR_SETUP, _NR_ENTER, _NR_REGISTER = 425, 426, 427
-_ARCHES = {"x86_64", "amd64", "aarch64", "arm64"}
-
-IORING_OFF_SQ_RING = 0
-IORING_OFF_CQ_RING = 0x8000000
-IORING_OFF_SQES = 0x10000000
-IORING_OP_ASYNC_CANCEL = 14
-IORING_OP_READ = 22  # Linux 5.6
-IORING_ENTER_GETEVENTS = 1
-IORING_ENTER_EXT_ARG = 1 << 3  # 5.11: a timeout for the wait
-IORING_FEAT_SINGLE_MMAP = 1
-IORING_FEAT_EXT_ARG = 1 << 8
-IORING_ASYNC_CANCEL_ANY = 1 << 2  # 5.19: cancel every request of the ring
-IORING_REGISTER_PROBE = 8
-IO_URING_OP_SUPPORTED = 1
-IORING_SETUP_SUBMIT_ALL = 1 << 7  # 5.18: do not stop the batch at a request that fails to prepare
-IORING_SETUP_COOP_TASKRUN = 1 << 8  # 5.19: no IPI to interrupt us for completions
-IORING_SETUP_SINGLE_ISSUER = 1 << 12  # 6.0: one thread submits (ours do)
-IORING_SETUP_DEFER_TASKRUN = 1 << 13  # 6.1: completions are posted when we ask, on our thread
-#: Setup flags, best first; a kernel that does not know one answers EINVAL.
-_SETUP_FLAGS = (
-    IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
-    IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN,
-    0,
-)
-
-_u1, _u2, _u4, _u8, _i4 = np.uint8, np.uint16, np.uint32, np.uint64, np.int32
-_SQ_OFFSETS = np.dtype([("head", _u4), ("tail", _u4), ("ring_mask", _u4), ("ring_entries", _u4), ("flags", _u4),
-                        ("dropped", _u4), ("array", _u4), ("resv1", _u4), ("user_addr", _u8)])
-_CQ_OFFSETS = np.dtype([("head", _u4), ("tail", _u4), ("ring_mask", _u4), ("ring_entries", _u4), ("overflow", _u4),
-                        ("cqes", _u4), ("flags", _u4), ("resv1", _u4), ("user_addr", _u8)])
-#: struct io_uring_params (120 bytes)
-PARAMS_DTYPE = np.dtype([("sq_entries", _u4), ("cq_entries", _u4), ("flags", _u4), ("sq_thread_cpu", _u4),
-                         ("sq_thread_idle", _u4), ("features", _u4), ("wq_fd", _u4), ("resv", _u4, (3,)),
-                         ("sq_off", _SQ_OFFSETS), ("cq_off", _CQ_OFFSETS)])
-#: struct io_uring_sqe (64 bytes)
-SQE_DTYPE = np.dtype([("opcode", _u1), ("flags", _u1), ("ioprio", _u2), ("fd", _i4), ("off", _u8), ("addr", _u8),
-                      ("len", _u4), ("rw_flags", _u4), ("user_data", _u8), ("buf_index", _u2), ("personality", _u2),
-                      ("splice_fd_in", _i4), ("addr3", _u8), ("pad2", _u8)])
-#: struct io_uring_cqe (16 bytes; rings without IORING_SETUP_CQE32)
-CQE_DTYPE = np.dtype([("user_data", _u8), ("res", _i4), ("flags", _u4)])
-assert PARAMS_DTYPE.itemsize == 120 and SQE_DTYPE.itemsize == 64 and CQE_DTYPE.itemsize == 16
-
-
-@functools.lru_cache(maxsize=None)
-def _libc_syscall() -> Any:
-    """libc's syscall(2), seven long arguments (extra ones are ignored by the kernel)."""
-    fn = ctypes.CDLL(None, use_errno=True).syscall
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long] * 7
-    return fn
-
-
-def _syscall(nr: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0, e: int = 0, f: int = 0) -> int:
-    """The raw syscall; OSError with its errno on failure (the GIL is released meanwhile)."""
-    ret = _libc_syscall()(nr, a, b, c, d, e, f)
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(ret)
-
-
-def io_uring_setup(entries: int, params: np.ndarray) -> int:
-    """A new ring's fd; `params` ([1] PARAMS_DTYPE) is read and filled in by the kernel."""
-    return _syscall(_NR_SETUP, entries, params.ctypes.data)
-
-
-def io_uring_enter(fd: int, to_submit: int, min_complete: int, flags: int) -> int:
-    """Submit `to_submit` SQEs and (with GETEVENTS) wait for `min_complete` CQEs; retries EINTR."""
-    while True:
-        try:
-            return _syscall(_NR_ENTER, fd, to_submit, min_complete, flags, 0, 8)
-        except InterruptedError:
-            continue  # only returned when nothing was submitted: the call can be repeated
-
-
-def _round_up_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
 
 # -- ring indices: acquire / release ----------------------------------------------------------
 
@@ -254,16 +179,16 @@ class _Ring(KernelQueue):
     engine_name = "io_uring"
 
     def __init__(self, capacity: int, limits: IoLimits | None = None, atomics: str = "plain") -> None:
-        entries = _round_up_pow2(max(capacity, 2))
+        entries = round_up_pow2(max(capacity, 2))
         params = np.zeros(1, dtype=PARAMS_DTYPE)
-        for flags in _SETUP_FLAGS:
+        for flags in SETUP_FLAGS:
             params[:] = 0
             params["flags"] = flags
             try:
                 fd = io_uring_setup(entries, params)
                 break
             except OSError as exc:
-                if exc.errno != errno.EINVAL or flags == _SETUP_FLAGS[-1]:
+                if exc.errno != errno.EINVAL or flags == SETUP_FLAGS[-1]:
                     raise
         super().__init__(min(capacity, entries), limits)
         self.fd = fd
@@ -318,7 +243,7 @@ class _Ring(KernelQueue):
         self._tail = self._sq_tail.view[0]
         self._staged = 0
         self._wait_failures = 0  # transient failures of waits in a row
-        self._sys = _libc_syscall()
+        self._sys = libc_syscall()
         # The wait's timeout: struct io_uring_getevents_arg {sigmask, sigmask_sz + pad, ts}
         # pointing at a struct __kernel_timespec; used where the kernel has EXT_ARG.
         self._ext_arg = bool(self.features & IORING_FEAT_EXT_ARG)
@@ -405,7 +330,7 @@ class _Ring(KernelQueue):
 
     def _enter(self, to_submit: int, min_complete: int, flags: int, timeout: float | None = None) -> int:
         """`io_uring_enter` inlined (the hot path: one call per refill): its result, or -errno."""
-        faults = _base._faults
+        faults = current_faults()
         if faults is not None:
             err = faults.syscall("io_uring_enter")
             if err:
@@ -416,10 +341,10 @@ class _Ring(KernelQueue):
                 self._timespec[0] = seconds
                 self._timespec[1] = int((timeout - seconds) * 1e9)
                 self._timeout = timeout
-            ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags | IORING_ENTER_EXT_ARG,
+            ret = self._sys(NR_ENTER, self.fd, to_submit, min_complete, flags | IORING_ENTER_EXT_ARG,
                             self._getevents_address, 24)
         else:
-            ret = self._sys(_NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 8)
+            ret = self._sys(NR_ENTER, self.fd, to_submit, min_complete, flags, 0, 8)
         return int(ret) if ret >= 0 else -ctypes.get_errno()
 
     def _withdraw(self, err: int) -> tuple[np.ndarray, np.ndarray]:
@@ -497,7 +422,7 @@ def _read_supported(fd: int) -> bool | None:
     """IORING_REGISTER_PROBE: does this kernel know IORING_OP_READ? None if it cannot say."""
     probe = np.zeros(16 + 256 * 8, dtype=np.uint8)  # struct io_uring_probe + 256 io_uring_probe_op
     try:
-        _syscall(_NR_REGISTER, fd, IORING_REGISTER_PROBE, probe.ctypes.data, 256)
+        syscall(NR_REGISTER, fd, IORING_REGISTER_PROBE, probe.ctypes.data, 256)
     except OSError:
         return None
     last_op = int(probe[0])
@@ -526,7 +451,7 @@ def probe() -> str | None:
     """Why io_uring cannot run here, or None; tried once per process (clear with cache_clear)."""
     if not sys.platform.startswith("linux"):
         return "io_uring is Linux only"
-    if platform.machine().lower() not in _ARCHES:
+    if platform.machine().lower() not in ARCHES:
         return f"no io_uring syscall numbers for {platform.machine()!r} (known: x86_64, aarch64)"
     try:
         fd = io_uring_setup(2, np.zeros(1, dtype=PARAMS_DTYPE))

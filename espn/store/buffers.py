@@ -1,0 +1,249 @@
+"""The read buffers, pooled and guarded against reuse while a read may still target them:
+page-aligned host mappings (`BufferPool`) and the kvikio reader's device tensors
+(`DeviceBufferPool`, reused once the CUDA event of their parse has completed)."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .engines.base import CANARY, ReturnGuard
+
+__all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES"]
+
+#: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
+DEFAULT_DEVICE_POOL_BYTES = 256 << 20
+
+
+def _mmap_span(buf: mmap.mmap) -> tuple[int, int]:
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]), len(buf)
+
+
+def _mmap_fill(buf: mmap.mmap) -> None:
+    np.frombuffer(buf, dtype=np.uint8).fill(CANARY)
+
+
+def _mmap_intact(buf: mmap.mmap) -> bool:
+    return bool((np.frombuffer(buf, dtype=np.uint8) == CANARY).all())
+
+
+class BufferPool:
+    """Page-aligned anonymous buffers, reused across reads.
+
+    A fresh mapping costs a page fault per 4 KiB on first touch; reusing buffers keeps that
+    off the read path. Buffers are kept in power-of-two size classes up to `retain_bytes`
+    in total; beyond that a released buffer is dropped.
+
+    Every buffer that comes back passes the ownership check (`engines.base.ReturnGuard`):
+    one that a read in flight still targets is quarantined, never reused, until the read
+    drains (an OwnershipError under the strict policy, unless the caller said so).
+    """
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self, retain_bytes: int = 64 << 20) -> None:
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._retained = 0
+        self._in_use = 0
+        self._lock = threading.Lock()
+        self._guard = ReturnGuard("host read buffer", _mmap_span, _mmap_fill, _mmap_intact)
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(BufferPool.MIN_BYTES, 1 << (max(1, nbytes) - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> mmap.mmap:
+        if self._guard.quarantined:
+            for buf in self._guard.reclaim():
+                self._keep(buf)
+        size = self.size_class(nbytes)
+        with self._lock:
+            self._in_use += 1
+            free = self._free.get(size)
+            if free:
+                self._retained -= size
+                buf = free.pop()
+            else:
+                buf = None
+        if buf is None:
+            return mmap.mmap(-1, size)
+        try:
+            self._guard.handing_out(buf)
+        except BaseException:
+            with self._lock:
+                self._in_use -= 1
+            raise
+        return buf
+
+    def release(self, buf: mmap.mmap, in_flight: bool = False) -> None:
+        """Give `buf` back. in_flight: the caller knows reads may still target it (a failure
+        it could not drain): it is quarantined until they have drained, without an error."""
+        with self._lock:
+            self._in_use -= 1
+        if self._guard.give_back(buf, known_in_flight=in_flight):
+            self._keep(buf)
+
+    def _keep(self, buf: mmap.mmap) -> None:
+        size = len(buf)
+        with self._lock:
+            if size == self.size_class(size) and self._retained + size <= self.retain_bytes:
+                self._free.setdefault(size, []).append(buf)
+                self._retained += size
+                return
+        self._guard.forget(buf)
+
+    def check(self) -> None:
+        """Check that no free buffer changed since it came back (canary policy; tests)."""
+        with self._lock:
+            free = [b for bufs in self._free.values() for b in bufs]
+        self._guard.check(free)
+
+    def stats(self) -> dict[str, int]:
+        """free buffers, bytes they hold, buffers handed out and not back, quarantined ones."""
+        with self._lock:
+            free = sum(len(b) for b in self._free.values())
+            retained, in_use = self._retained, self._in_use
+        return {"free": free, "retained_bytes": retained, "in_use": in_use, "quarantined": self._guard.quarantined}
+
+    def clear(self) -> None:
+        with self._lock:
+            for bufs in self._free.values():
+                for buf in bufs:
+                    self._guard.forget(buf)
+            self._free.clear()
+            self._retained = 0
+
+
+# -- device buffers --------------------------------------------------------------------------
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+def _record_event(device: torch.device) -> _Event:
+    """A CUDA event on the current stream of `device` (the stream the parse was queued on)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _allocate_device(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _tensor_span(buf: torch.Tensor) -> tuple[int, int]:
+    return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+
+
+def _tensor_fill(buf: torch.Tensor) -> None:
+    buf.fill_(CANARY)
+
+
+def _tensor_intact(buf: torch.Tensor) -> bool:
+    return bool((buf == CANARY).all())
+
+
+class DeviceBufferPool:
+    """Device byte buffers owned by one reader, reused across reads, guarded by events.
+
+    Buffers come in power-of-two size classes (>= 64 KiB). `release(buf)` records an event
+    on the caller's current stream, after the kernels that parse the buffer; `acquire`
+    hands a buffer out again only once its event has completed, so kvikio never writes
+    into memory a queued kernel may still read. When no free buffer of the class is
+    ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
+    waits for the oldest event of the class (the only host wait the pool ever does).
+    A buffer released beyond the cap is freed once its event has completed; one that a
+    read still targets is quarantined (`engines.base.ReturnGuard`).
+    """
+
+    def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:
+        self.device = device
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[tuple[torch.Tensor, _Event | None]]] = {}
+        self._retiring: list[tuple[torch.Tensor, _Event | None]] = []  # beyond the cap, freed once their event is done
+        self._held = 0  # bytes allocated by the pool, in use, free, retiring or quarantined
+        self._lock = threading.Lock()
+        self._guard = ReturnGuard("device read buffer", _tensor_span, _tensor_fill, _tensor_intact)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        if self._guard.quarantined:
+            for buf in self._guard.reclaim():
+                self._keep(buf)
+        size = BufferPool.size_class(nbytes)
+        wait: tuple[torch.Tensor, _Event | None] | None = None
+        with self._lock:
+            self._prune_retiring()
+            free = self._free.get(size, [])
+            for i, (buf, event) in enumerate(free):
+                if event is None or event.query():
+                    del free[i]
+                    self._guard.handing_out(buf)
+                    return buf
+            if free and self._held + size > self.retain_bytes:
+                wait = free.pop(0)  # the oldest: its parse was queued first
+            else:
+                self._held += size
+        if wait is not None:
+            buf, event = wait
+            if event is not None:
+                event.synchronize()
+            self._guard.handing_out(buf)
+            return buf
+        return _allocate_device(size, self.device)
+
+    def release(self, buf: torch.Tensor, in_flight: bool = False) -> None:
+        """Give `buf` back after the kernels that parse it were queued on the current stream.
+        in_flight: the caller knows a read may still target it (quarantined, no error)."""
+        if self._guard.give_back(buf, known_in_flight=in_flight):
+            self._keep(buf)
+
+    def _keep(self, buf: torch.Tensor) -> None:
+        event = _record_event(self.device)  # after the parse (and the canary, if any)
+        size = buf.numel()
+        with self._lock:
+            if self._held <= self.retain_bytes:
+                self._free.setdefault(size, []).append((buf, event))
+            else:
+                self._retiring.append((buf, event))
+
+    def _prune_retiring(self) -> None:
+        """Under the lock: free the buffers beyond the cap whose parse has run."""
+        keep: list[tuple[torch.Tensor, _Event | None]] = []
+        for buf, event in self._retiring:
+            if event is None or event.query():
+                self._held -= buf.numel()
+                self._guard.forget(buf)
+            else:
+                keep.append((buf, event))
+        self._retiring = keep
+
+    def check(self) -> None:
+        """Check that no free buffer changed since it came back (canary policy; tests)."""
+        with self._lock:
+            free = [b for bufs in self._free.values() for b, _ in bufs]
+        self._guard.check(free)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"free": sum(len(b) for b in self._free.values()), "retiring": len(self._retiring),
+                    "held_bytes": self._held, "quarantined": self._guard.quarantined}
+
+    def clear(self) -> None:
+        """Drop every free buffer, once the kernels that parse it have run."""
+        with self._lock:
+            pending = [pair for bufs in self._free.values() for pair in bufs] + self._retiring
+            self._free.clear()
+            self._retiring = []
+            self._held = 0
+        for buf, event in pending:
+            if event is not None and not event.query():
+                event.synchronize()
+            self._guard.forget(buf)
