@@ -21,7 +21,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     from espn import Searcher
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.writer import LiveIndex, NewDocument
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", type=Path, required=True)

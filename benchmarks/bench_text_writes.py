@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     set_omp_env()
 
     from espn.index import read_manifest
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.writer import LiveIndex, NewDocument
 
     if read_manifest(args.index).get("text") is None:
         raise SystemExit(f"{args.index} has no full-text index: build it with one (the default)")

@@ -59,7 +59,7 @@ def _search_latency(index: Path, queries: list[str], repeats: int) -> dict[str, 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from espn_indexing.encode import encode_corpus
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.writer import LiveIndex, NewDocument
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-updates-"))
     index = work / "index"

@@ -28,8 +28,8 @@ from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 from espn.text.config import TextConfig
 
 from .chunks import Chunk, chunk_path, read_chunk
-from .first_stage import build_first_stage, first_stage_kind
-from .text_index import DEFAULT_HYBRID, build_for_directory
+from espn.first_stage_build import build_first_stage, first_stage_kind
+from espn.text.directory import DEFAULT_HYBRID, build_for_directory
 from .workdir import WorkDir
 
 __all__ = ["assemble", "publish", "default_search_params"]

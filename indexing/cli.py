@@ -148,7 +148,7 @@ def _text_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_text_index(args: argparse.Namespace) -> int:
-    from .text_index import add_text_index
+    from espn.text.directory import add_text_index
 
     section = add_text_index(args.index, _text_config(args), force=args.force)
     print(f"{args.index}: full-text index of {section['documents']} passages added ({section['build_s']:.1f}s)")
@@ -206,7 +206,7 @@ def _print_write(index: Path, what: str, result: Any) -> None:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from .live import LiveIndex
+    from espn.live.writer import LiveIndex
 
     # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
     with LiveIndex(args.index) as writer:
@@ -220,7 +220,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     from espn.errors import InvalidParameterError
     from espn.cli import UsageError
 
-    from .live import LiveIndex, iter_ids_file
+    from espn.live.writer import LiveIndex, iter_ids_file
 
     if not args.ids and args.ids_file is None:
         raise UsageError("give ids to delete, or --ids-file FILE")
@@ -236,7 +236,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from .live import LiveIndex
+    from espn.live.writer import LiveIndex
 
     # From a snapshot: writes go on meanwhile and wait only for the swap.
     with LiveIndex(args.index) as writer:
@@ -247,7 +247,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .snapshot import snapshot
+    from espn.live.snapshot import snapshot
 
     result = snapshot(args.index, args.dest)
     print(f"{args.dest}: generation {result.generation} of {args.index} ({result.files} files; "
@@ -256,8 +256,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from .object_store import is_store_url, restore_from_store
-    from .snapshot import restore
+    from espn.live.replication.object_store import is_store_url, restore_from_store
+    from espn.live.snapshot import restore
 
     if is_store_url(args.snapshot):
         number = restore_from_store(args.snapshot, args.dest, args.generation)
@@ -274,7 +274,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_publish(args: argparse.Namespace) -> int:
     from espn.errors import InvalidParameterError
 
-    from .object_store import publish
+    from espn.live.replication.object_store import publish
 
     if args.keep is not None and args.keep < 1:
         raise InvalidParameterError(f"--keep must be at least 1 (the newest generation), got {args.keep}")
@@ -282,7 +282,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     print(f"{args.url}: generation {result.generation} of {args.index} published ({result.uploaded} files uploaded, "
           f"{result.uploaded_bytes / 1e6:.1f} MB; {result.already_there} already stored)")
     if args.keep is not None:
-        from .object_store import apply_retention
+        from espn.live.replication.object_store import apply_retention
 
         kept = apply_retention(args.url, args.keep, args.min_age_s)
         print(f"{args.url}: {kept.records_deleted} older generations and {kept.blobs_deleted} files "
@@ -293,7 +293,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
-    from .live import live_stats
+    from espn.live.writer import live_stats
 
     print(json.dumps(live_stats(args.index), indent=2))
     return 0

@@ -60,7 +60,7 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
 
 def _read_only(settings: ServerSettings) -> bool:
     """Without `espn serve` (which decides it once): read-only when the index cannot be written."""
-    from espn_indexing.live import read_only_reason
+    from espn.live.writer import read_only_reason
 
     reason = read_only_reason(settings.index)
     if reason is not None:
@@ -184,11 +184,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     if settings.follow is not None:
-        from espn_indexing.object_store import Follower
+        from espn.live.replication.object_store import Follower
 
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     if settings.publish is not None:
-        from espn_indexing.object_store import Publisher
+        from espn.live.replication.object_store import Publisher
 
         state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s,
                                     settings.publish_keep).start()

@@ -17,8 +17,8 @@ from .settings import ServerSettings
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
     from espn import Searcher
     from espn.lease import LiveSearcher
-    from espn_indexing.object_store import Follower, Publisher
-    from espn_indexing.commit import GroupCommit
+    from espn.live.replication.object_store import Follower, Publisher
+    from espn.live.commit import GroupCommit
 
     from .batching import MicroBatcher
 

@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-import espn_indexing.live as live
-import espn_indexing.object_store as object_store
+import espn.live.writer as live
+import espn.live.replication.object_store as object_store
 from espn.cli import main
 
 step, _, count = os.environ["ESPN_TEST_CRASH_AT"].partition(":")

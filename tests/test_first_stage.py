@@ -23,7 +23,7 @@ from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids
 from espn.index import read_manifest
 from espn.segments import read_current
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
-from espn_indexing.live import LiveIndex, NewDocument
+from espn.live.writer import LiveIndex, NewDocument
 
 D = 32
 N_DOCS = 1500

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from server_fixtures import running_server, s3_server
 
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.object_store import publish
+from espn.live.writer import LiveIndex, NewDocument
+from espn.live.replication.object_store import publish
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

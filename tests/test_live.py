@@ -25,7 +25,7 @@ from espn.encoders import Encoder, load_encoder
 from espn.errors import DocumentNotFoundError, InvalidParameterError
 from espn.index import read_manifest
 from espn.segments import open_view, read_current
-from espn_indexing.live import IndexLockedError, LiveIndex, NewDocument
+from espn.live.writer import IndexLockedError, LiveIndex, NewDocument
 
 QUERIES = ["how does the sun produce energy", "purple elephant dancing on the moon", "cooking pasta with tomatoes",
            "lunar eclipse red moon", "search engines rank documents"]
@@ -89,7 +89,7 @@ def test_a_second_writer_is_refused(index: Path) -> None:
         with pytest.raises(IndexLockedError, match="one writer at a time"):
             LiveIndex.open(index)
         # Another process is refused too (flock is per open file description).
-        proc = subprocess.run([sys.executable, "-c", f"from espn_indexing.live import LiveIndex; LiveIndex.open({str(index)!r})"],
+        proc = subprocess.run([sys.executable, "-c", f"from espn.live.writer import LiveIndex; LiveIndex.open({str(index)!r})"],
                               capture_output=True, text=True)
         assert proc.returncode != 0 and "IndexLockedError" in proc.stderr
     LiveIndex.open(index).close()  # released
@@ -235,8 +235,8 @@ def test_searches_during_writes_never_fail_nor_see_half_a_batch(index: Path, enc
 
 CRASHER = textwrap.dedent("""
     import os, signal, sys
-    import espn_indexing.live as live
-    from espn_indexing.compaction import Plan, run_compaction
+    import espn.live.writer as live
+    from espn.live.compaction import Plan, run_compaction
     step = sys.argv[2]
     def checkpoint(name):
         if name == step:
@@ -248,7 +248,7 @@ CRASHER = textwrap.dedent("""
     elif sys.argv[3] == "rewrite":
         writer.compact()
     elif sys.argv[3] == "group":
-        from espn_indexing.commit import GroupCommit
+        from espn.live.commit import GroupCommit
         commit = GroupCommit(writer)
         futures = [commit.submit([live.NewDocument("crash-new", "a document written while the writer was killed"),
                                   live.NewDocument("s0005", "a replacement written while the writer was killed")]),
@@ -380,7 +380,7 @@ def test_filters_follow_writes_and_compaction(index: Path, encoder: Encoder) -> 
 
 def test_a_group_publishes_writes_in_order_as_one_generation(index: Path, encoder: Encoder) -> None:
     """Writes published together apply as if one after the other; a failing write fails alone."""
-    from espn_indexing.live import check_write
+    from espn.live.writer import check_write
 
     writer = LiveIndex(index, encoder=encoder)
     writes = [([NewDocument("g-1", "first version of g-1")], []),
@@ -431,7 +431,7 @@ def test_a_delete_writes_a_tombstone_of_a_few_bytes(index: Path) -> None:
 def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encoder) -> None:
     """A base rewrite works from a snapshot without the writer lock: writes published while it
     runs (adds, replacements, deletes of old and of new documents) are carried onto the new base."""
-    import espn_indexing.live as live
+    import espn.live.writer as live
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("before", "written before the compaction about coral reefs")])
@@ -469,7 +469,7 @@ def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encod
 
 
 def test_a_merge_keeps_doc_numbers_and_rankings(index: Path, encoder: Encoder) -> None:
-    from espn_indexing.compaction import CompactionPolicy, run_compaction
+    from espn.live.compaction import CompactionPolicy, run_compaction
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         for i in range(5):
@@ -543,7 +543,7 @@ def test_recovery_tolerates_a_staging_directory_its_owner_removes_meanwhile(inde
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A compaction (in another worker) removes its staging directory without the writer lock;
     a writer's recovery that listed it a moment before must not fail the write (ENOENT)."""
-    from espn_indexing import live
+    from espn.live import writer as live
 
     other = LiveIndex(index, encoder=encoder)
     staging = live.Staging(other, "compact", 0.0)

@@ -29,9 +29,9 @@ from server_fixtures import running_server, s3_server
 from espn import Searcher
 from espn.errors import IndexCorruptError
 from espn.segments import read_current
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.object_store import Follower, Publisher, publish, restore_from_store
-from espn_indexing.snapshot import restore, snapshot
+from espn.live.writer import LiveIndex, NewDocument
+from espn.live.replication.object_store import Follower, Publisher, publish, restore_from_store
+from espn.live.snapshot import restore, snapshot
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

@@ -29,8 +29,8 @@ from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, B
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
 
 if TYPE_CHECKING:
-    from espn_indexing.commit import GroupCommit
-    from espn_indexing.live import NewDocument, WriteResult
+    from espn.live.commit import GroupCommit
+    from espn.live.writer import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ def _writer(state: AppState) -> "GroupCommit":
     with _writer_lock:
         if state.writer is None:
             from espn.metadata import MetadataLimits
-            from espn_indexing.commit import GroupCommit
-            from espn_indexing.live import LiveIndex, WriteLimits
+            from espn.live.commit import GroupCommit
+            from espn.live.writer import LiveIndex, WriteLimits
 
             settings = state.settings
             limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
@@ -133,9 +133,9 @@ def _maybe_compact(state: AppState) -> None:
     this one is one log line."""
     from espn.errors import EspnError
     from espn.segments import read_current
-    from espn_indexing.commit import lower_priority
-    from espn_indexing.compaction import CompactionPolicy, CompactionRunningError
-    from espn_indexing.live import LiveIndex
+    from espn.live.commit import lower_priority
+    from espn.live.compaction import CompactionPolicy, CompactionRunningError
+    from espn.live.writer import LiveIndex
 
     settings = state.settings
     policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
@@ -191,7 +191,7 @@ async def put_document(
                       AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    from espn_indexing.live import NewDocument
+    from espn.live.writer import NewDocument
 
     result = await _apply(state, [NewDocument(path_doc_id(request), body.text, body.title, body.metadata)], [])
     if result.replaced:
@@ -220,7 +220,7 @@ async def delete_document(
     responses=_WRITE_ERRORS,
 )
 async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_state)) -> WriteResponse:
-    from espn_indexing.live import NewDocument
+    from espn.live.writer import NewDocument
 
     limit = state.settings.max_batch_writes
     if max(len(body.upsert), len(body.delete)) > limit:

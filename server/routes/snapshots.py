@@ -61,7 +61,7 @@ def _directory(state: AppState) -> Path:
                         415: {"model": ErrorResponse, "description": "the body is not application/json"},
                         507: {"model": ErrorResponse, "description": "the disk is full (nothing was kept)"}})
 async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState = Depends(get_state)) -> SnapshotInfo:
-    from espn_indexing.snapshot import snapshot
+    from espn.live.snapshot import snapshot
 
     directory = _directory(state)
     name = (body.name if body is not None else None) or time.strftime("snapshot-%Y%m%dT%H%M%SZ", time.gmtime())

@@ -28,9 +28,9 @@ from espn.segments import LIVE_DIR
 from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, TextWriter
 
-from .encode import EncodedDocuments
-from .live import Staging
-from .text_index import passages
+from espn_indexing.encode import EncodedDocuments
+from .writer import Staging
+from espn.text.directory import passages
 
 __all__ = ["TextSide", "SwapSource", "text_config_of"]
 
@@ -120,7 +120,7 @@ class TextSide:
         known = {path.split("/", 1)[1]: entry for path, entry in ((previous or {}).get("files") or {}).items()}
         files = writer.publish(live_dir / name, known)
         self._builds_on = live_dir / name
-        from . import live
+        from . import writer as live
 
         live._checkpoint("text-published")
         return {"directory": name, "files": {f"{name}/{f}": e for f, e in files.items()}}

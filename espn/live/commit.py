@@ -37,9 +37,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from espn.errors import EspnError, WriteFailedError, storage_full
 
-from . import live
-from .encode import EncodedDocuments
-from .live import LiveIndex, NewDocument, WriteRequest, WriteResult
+from . import writer as live
+from espn_indexing.encode import EncodedDocuments
+from .writer import LiveIndex, NewDocument, WriteRequest, WriteResult
 
 __all__ = ["GroupCommit", "lower_priority"]
 

@@ -40,7 +40,7 @@ from espn.index import fsync_path, sha256_file
 from espn.layout import check_generation_layout, check_index_path, inside_index
 from espn.segments import Generation, held_generation, read_current
 
-from .snapshot import new_directory, write_generation_record
+from ..snapshot import new_directory, write_generation_record
 
 __all__ = ["ObjectStoreUrl", "PublishResult", "Publisher", "Follower", "Retention", "publish", "restore_from_store",
            "apply_retention", "is_store_url"]
@@ -711,7 +711,7 @@ class Follower:
 
     def poll_once(self) -> int | None:
         """Fetch and commit the newest published generation if it is newer; its number, or None."""
-        from espn_indexing.live import IndexLockedError, LiveIndex
+        from ..writer import IndexLockedError, LiveIndex
 
         client = self._client = self._client or _client()
         name = _latest_name(client, self.where)

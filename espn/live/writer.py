@@ -70,9 +70,9 @@ from espn.segments import (
 )
 from espn.store.format import RecordWriter, StoreLayout
 
-from .chunks import finished_chunks, read_chunk
-from .encode import EncodedDocuments, encode_corpus, encode_documents
-from .scan import scan_corpus
+from espn_indexing.chunks import finished_chunks, read_chunk
+from espn_indexing.encode import EncodedDocuments, encode_corpus, encode_documents
+from espn_indexing.scan import scan_corpus
 
 __all__ = ["LiveIndex", "NewDocument", "WriteRequest", "WriteResult", "WriteLimits", "SideIndex", "IndexLockedError",
            "check_write", "live_stats", "iter_ids_file", "read_only_reason", "MAX_ID_BYTES", "MAX_TEXT_CHARS", "Staging"]

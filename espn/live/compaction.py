@@ -57,12 +57,12 @@ from espn.segments import (
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
-from . import live
-from .first_stage import build_first_stage
-from .text_index import install_text_index
+from . import writer as live
+from espn.first_stage_build import build_first_stage
+from espn.text.directory import install_text_index
 from .text_side import SwapSource, TextSide
-from .assemble import default_search_params
-from .live import LiveIndex, Staging, file_entry, fsync_tree
+from espn_indexing.assemble import default_search_params
+from .writer import LiveIndex, Staging, file_entry, fsync_tree
 
 __all__ = ["Plan", "CompactionPolicy", "CompactionRunningError", "run_compaction"]
 

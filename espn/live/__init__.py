@@ -1,0 +1,1 @@
+"""Writing a live index: the writer, staging and recovery, group commit, compaction, snapshots, replication."""
