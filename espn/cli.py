@@ -24,7 +24,8 @@ from typing import Any, Callable, NoReturn, Sequence, cast
 
 import numpy as np
 
-from .errors import EspnError, InvalidParameterError
+from .errors import EspnError, InvalidParameterError, UsageError
+from .live import commands as live_commands
 from .params import SearchParams
 from .results import Hit
 
@@ -39,10 +40,6 @@ IO_ENGINES = ("auto", "io_uring", "aio", "threads")
 log = logging.getLogger("espn")
 #: Loggers of this project (the library, the build job, the server): INFO by default.
 OWN_LOGGERS = ("espn", "espn_indexing", "espn_server")
-
-
-class UsageError(Exception):
-    """The command line itself is wrong (a missing or conflicting flag): exit status 2, as argparse gives."""
 
 
 class CliParser(argparse.ArgumentParser):
@@ -232,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every file of an index against its manifest checksums")
     p.add_argument("index", type=Path)
     p.set_defaults(handler=cmd_verify)
+    live_commands.register(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
 
     # The plugins' register(sub) take the plain argparse type; the parsers they add are CliParsers.
     _register_plugins(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
