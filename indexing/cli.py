@@ -10,6 +10,7 @@ from espn.encoders import ENCODER_SPECS
 from espn.errors import UsageError
 from espn.live.commands import add_wait_option, print_write
 from espn.params import FIRST_STAGE_KINDS
+from espn.text.config import STEMMER_LANGUAGES, TextConfig
 
 __all__ = ["register"]
 
@@ -95,8 +96,6 @@ def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
-    from espn.text.config import STEMMER_LANGUAGES
-
     p.add_argument("--text-language", default="english", choices=STEMMER_LANGUAGES,
                    help="the full-text index's stemmer and stop-word language (default english)")
     p.add_argument("--text-no-stemmer", action="store_true", help="index words unstemmed")
@@ -105,8 +104,6 @@ def _text_options(p: argparse.ArgumentParser) -> None:
 
 
 def _text_config(args: argparse.Namespace) -> Any:
-    from espn.text.config import TextConfig
-
     return TextConfig(language=args.text_language, stemmer=not args.text_no_stemmer,
                       stop_words=not args.text_no_stop_words, ascii_fold=args.text_ascii_fold).validate()
 
