@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from espn.evaluation import evaluate
     from espn.text import TextConfig, parse_query
     from espn.text.engine import TextIndex, build_text_index
-    from espn_indexing.text_index import passages
+    from espn.text.directory import passages
 
     ids = np.load(args.index / "ids.npy", mmap_mode="r")
     qrels = read_qrels(qrels_path) if qrels_path is not None and qrels_path.is_file() else None

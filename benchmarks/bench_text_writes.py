@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     set_omp_env()
 
     from espn.index import read_manifest
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.checks import NewDocument
+    from espn.live.live_index import LiveIndex
 
     if read_manifest(args.index).get("text") is None:
         raise SystemExit(f"{args.index} has no full-text index: build it with one (the default)")

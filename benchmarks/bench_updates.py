@@ -6,7 +6,7 @@
 INDEX is never modified: the script works on a copy (in --work, default a temporary
 directory). On that copy, in order:
 
-1. add: `LiveIndex.add_corpus` of `--add-docs` corpus documents under new ids (one
+1. add: `espn_indexing.bulk.add_corpus` of `--add-docs` corpus documents under new ids (one
    generation), against the build's encode stage alone (`encode_corpus`, the same
    documents, same process, same loader settings): docs/s of each and their ratio.
 2. delete: `--deletes` single-id deletes, one generation each: median and p99 ms.
@@ -58,8 +58,10 @@ def _search_latency(index: Path, queries: list[str], repeats: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from espn_indexing.bulk import add_corpus
     from espn_indexing.encode import encode_corpus
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.checks import NewDocument
+    from espn.live.live_index import LiveIndex
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-updates-"))
     index = work / "index"
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(scratch)
     states: list[tuple[str, dict[str, Any]]] = [("0 deltas", _search_latency(index, queries, args.repeats))]
     started = time.perf_counter()
-    writer.add_corpus(adds, loader_workers=args.loader_workers)
+    add_corpus(writer, adds, loader_workers=args.loader_workers)
     add_s = time.perf_counter() - started
     out["add"] = {"docs_per_s": args.add_docs / add_s, "encode_only_docs_per_s": args.add_docs / encode_s,
                   "ratio": encode_s / add_s, "seconds": add_s}
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     base = out["search"]["0 deltas"]["ms"]["p50"]
     print(machine_line(out["machine"]))
     print(markdown_table(["measure", "value"], [
-        ["add (LiveIndex.add_corpus), docs/s", f"{out['add']['docs_per_s']:.1f}"],
+        ["add (espn add: add_corpus), docs/s", f"{out['add']['docs_per_s']:.1f}"],
         ["build encode stage alone, docs/s", f"{out['add']['encode_only_docs_per_s']:.1f}"],
         ["add / encode-only throughput", f"{out['add']['ratio']:.2f}"],
         ["delete of one id, median ms (p99)", f"{out['delete_ms']['p50']:.1f} ({out['delete_ms']['p99']:.1f})"],

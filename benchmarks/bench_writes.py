@@ -161,7 +161,7 @@ def deletes(large: Path, work: Path, count: int) -> dict[str, Any]:
     import numpy as np
 
     from espn.index import IdMap, IndexDirectory
-    from espn_indexing.live import LiveIndex
+    from espn.live.live_index import LiveIndex
 
     copy = work / "large"
     shutil.rmtree(copy, ignore_errors=True)
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def compaction_window(base: str, index: Path, args: argparse.Namespace, documents: list, queries: list) -> dict:
     """Writers for --seconds without compaction, then for --seconds with base rewrites back to back."""
-    from espn_indexing.live import LiveIndex
+    from espn.live.live_index import LiveIndex
 
     writers = Load(base, "write", args.writers, documents, queries, "compaction").start()
     time.sleep(min(2.0, args.seconds / 4))

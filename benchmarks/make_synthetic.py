@@ -111,7 +111,7 @@ class TextMixer:
     two documents its CLS vector mixes), so the text and the vectors tell the same story."""
 
     def __init__(self, source: Path, docs: np.ndarray) -> None:
-        from espn_indexing.text_index import passages
+        from espn.text.directory import passages
 
         wanted = set(docs.tolist())
         self.titles: list[str] = []

@@ -19,7 +19,7 @@ from .ids import id_problem, quote_id
 from .metadata import check_metadata
 
 __all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
-           "PASSAGE_JOINER"]
+           "passage_line", "PASSAGE_JOINER"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,12 @@ PASSAGE_JOINER = ". "
 def passage_text(title: str, text: str) -> str:
     """Title and text joined, the way BEIR baselines encode a passage."""
     return f"{title}{PASSAGE_JOINER}{text}" if title else text
+
+
+def passage_line(title: str, text: str, metadata: dict | None) -> str:
+    """A document's line of docs.jsonl: title, text and (when it has any) metadata, as JSON."""
+    return json.dumps({"title": title, "text": text, **({"metadata": metadata} if metadata else {})},
+                      ensure_ascii=False)
 
 
 @dataclasses.dataclass(frozen=True)

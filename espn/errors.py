@@ -21,7 +21,13 @@ __all__ = [
     "ObjectStoreError",
     "StorageFullError",
     "storage_full",
+    "UsageError",
 ]
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (a missing or conflicting flag): exit status 2, as argparse gives.
+    Here, not in espn.cli, so that commands registered into it (espn.live.commands) can raise it."""
 
 
 class EspnError(Exception):

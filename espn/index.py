@@ -7,15 +7,14 @@ file descriptor (`espn.mapped`).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from .errors import DocumentNotFoundError, IndexCorruptError
+from .files import fsync_path, sha256_file, write_json_atomic  # their home is espn.files; here for old importers
 from .mapped import map_npy
 from .results import Document
 
@@ -41,31 +40,6 @@ FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.np
 #: Below this total size `verify="auto"` hashes every file on open; above it only sizes
 #: and the small files (hashing tens of GB at every start would take minutes).
 FULL_VERIFY_LIMIT = 2 << 30
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
-    """sha256 of the file, or of its bytes [start, stop) (a live index's appended ranges)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = None if stop is None else stop - start
-        while left is None or left > 0:
-            block = f.read(1 << 22 if left is None else min(1 << 22, left))
-            if not block:
-                break
-            digest.update(block)
-            if left is not None:
-                left -= len(block)
-    return digest.hexdigest()
 
 
 def _index_files(directory: Path) -> list[str]:
@@ -99,16 +73,6 @@ def update_manifest(directory: Path, **sections: Any) -> dict[str, Any]:
     manifest.update(sections)
     write_json_atomic(Path(directory) / MANIFEST, manifest)
     return manifest
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

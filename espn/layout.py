@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import IndexCorruptError
-from .segments import LIVE_DIR, Generation
+from .generations import LIVE_DIR, Generation
 
 __all__ = ["check_index_path", "check_generation_layout", "inside_index"]
 

@@ -18,7 +18,7 @@ import numpy as np
 from .errors import InvalidParameterError
 from .explain import passage_spans
 from .results import LexicalMatch
-from .segments import LIVE_DIR
+from .generations import LIVE_DIR
 from .text.config import TextConfig
 from .text.query import LexicalQuery
 

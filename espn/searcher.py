@@ -49,7 +49,8 @@ from .modes import search_modes
 from .params import SearchParams, has_text
 from .prefetch import PrefetchModel, ScanProgress, segment_codes
 from .results import Document, Hit, QueryResult, SearchStats
-from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
+from .generations import current_token
+from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, open_view
 from .store import PendingRead, RecordBatch, Reader, open_reader
 from .store.format import StoreLayout
 from .text.query import parse_query

@@ -8,7 +8,6 @@ arrays sized by the corpus are numpy memmaps.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
@@ -22,37 +21,21 @@ from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 
 from espn.text.config import TextConfig
 
+from espn.first_stage_build import build_first_stage, first_stage_kind
+from espn.text.directory import DEFAULT_HYBRID, build_for_directory
+
 from .chunks import Chunk, chunk_path, read_chunk
-from .first_stage import build_first_stage, first_stage_kind
-from .text_index import DEFAULT_HYBRID, build_for_directory
 from .workdir import WorkDir
 
 __all__ = ["assemble", "publish", "default_search_params"]
 
 log = logging.getLogger(__name__)
-
-
-def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
-    """Defaults stored in the manifest (tuned on SciFact train queries; see docs/benchmarks/effectiveness.md).
-
-    nprobe scans about max(4000 documents, 5% of the corpus): on SciFact that is 96 of
-    128 lists, within 0.1% nDCG@10 of an exhaustive search; on MS MARCO (8192 lists)
-    about 410 lists.
-    """
-    per_list = max(1.0, num_documents / nlist)
-    budget = max(4000.0, 0.05 * num_documents)
-    return {
-        "k": 10,
-        "nprobe": int(min(nlist, max(1, math.ceil(budget / per_list)))),
-        "prefetch_step": 0.3,
-        "prefetch_k": None,  # follow rerank_count
-        "rerank_count": 100,
-    }
 
 
 def _chunk_list(work: WorkDir) -> list[int]:

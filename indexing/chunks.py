@@ -9,12 +9,13 @@ name, then `os.replace`), so a crash leaves either a whole chunk or none.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+
+from espn.corpus import passage_line
 
 __all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "unpack_strings",
            "passage_line"]
@@ -41,12 +42,6 @@ class Chunk:
         texts = unpack_strings(self.docs_blob, self.docs_offsets)
         blob, offsets = pack_strings([t for t, k in zip(texts, keep) if k])
         return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets)
-
-
-def passage_line(title: str, text: str, metadata: dict | None) -> str:
-    """A document's line of docs.jsonl: title, text and (when it has any) metadata, as JSON."""
-    return json.dumps({"title": title, "text": text, **({"metadata": metadata} if metadata else {})},
-                      ensure_ascii=False)
 
 
 def chunk_path(work_dir: Path, index: int) -> Path:

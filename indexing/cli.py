@@ -1,4 +1,4 @@
-"""`espn index` and `espn index-merge`: registered into the `espn` command by entry point."""
+"""`espn index`, `text-index`, `add` and `index-merge`: registered into the `espn` command by entry point."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from espn.encoders import ENCODER_SPECS
+from espn.errors import UsageError
+from espn.live.commands import add_wait_option, print_write
 from espn.params import FIRST_STAGE_KINDS
+from espn.text.config import STEMMER_LANGUAGES, TextConfig
 
 __all__ = ["register"]
 
@@ -23,7 +26,23 @@ def _shard(value: str) -> tuple[int, int]:
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Add `index` and `index-merge` to the `espn` subcommands."""
+    """Add `index`, `text-index`, `add` and `index-merge` to the `espn` subcommands (the commands
+    that act on a live index are the library's: espn.live.commands)."""
+    _add_index(sub)
+    p = sub.add_parser("text-index", help="add a full-text index (for lexical and hybrid search) to an existing index")
+    p.add_argument("index", type=Path)
+    p.add_argument("--force", action="store_true", help="rebuild it when the index has one")
+    _text_options(p)
+    p.set_defaults(handler=cmd_text_index)
+    _add_add(sub)
+    p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(handler=cmd_index_merge)
+
+
+def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
     p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
@@ -60,12 +79,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     _text_options(p)
     p.set_defaults(handler=cmd_index)
 
-    p = sub.add_parser("text-index", help="add a full-text index (for lexical and hybrid search) to an existing index")
-    p.add_argument("index", type=Path)
-    p.add_argument("--force", action="store_true", help="rebuild it when the index has one")
-    _text_options(p)
-    p.set_defaults(handler=cmd_text_index)
 
+def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("add", help="add or replace documents of a live index (upsert by id) from a corpus file")
     p.add_argument("index", type=Path)
     p.add_argument("corpus", type=Path, help="BEIR corpus.jsonl[.gz] or id<TAB>text TSV; an id that exists is replaced")
@@ -75,64 +90,12 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                    help="candidate generator: ivf (the CLS vector), centroids (token-level centroid index) or "
                         "union (default: centroids for models without a trained CLS vector, else ivf)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
-    p.add_argument("--wait", type=float, default=60.0,
-                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
+    add_wait_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_add)
 
-    p = sub.add_parser("delete", help="delete documents of a live index by external id")
-    p.add_argument("index", type=Path)
-    p.add_argument("ids", nargs="*", help="external document ids")
-    p.add_argument("--ids-file", type=Path, help="a file of ids, one per line")
-    p.add_argument("--wait", type=float, default=60.0,
-                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
-    p.set_defaults(handler=cmd_delete)
-
-    p = sub.add_parser("compact", help="merge a live index's segments into one, dropping deleted documents")
-    p.add_argument("index", type=Path)
-    p.add_argument("--wait", type=float, default=60.0,
-                   help="seconds to wait for the writer lock, which other writers hold while they publish (default 60)")
-    p.set_defaults(handler=cmd_compact)
-
-    p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
-    p.add_argument("index", type=Path)
-    p.set_defaults(handler=cmd_stats)
-
-    p = sub.add_parser("snapshot", help="copy the current generation of an index (served and written or not) "
-                                        "to a new directory: a consistent, servable point-in-time copy")
-    p.add_argument("index", type=Path)
-    p.add_argument("dest", type=Path, help="a new directory (hard links for immutable files where the filesystem allows)")
-    p.set_defaults(handler=cmd_snapshot)
-
-    p = sub.add_parser("restore", help="a servable index directory from a snapshot or from object storage "
-                                       "(s3://BUCKET/PREFIX), every byte verified")
-    p.add_argument("snapshot", help="a snapshot directory, or s3://BUCKET/PREFIX where `espn publish` wrote")
-    p.add_argument("dest", type=Path, help="a new directory")
-    p.add_argument("--generation", type=int, default=None, help="from object storage: this generation (default: "
-                                                                "the newest published)")
-    p.set_defaults(handler=cmd_restore)
-
-    p = sub.add_parser("publish", help="upload the current generation of an index to object storage "
-                                       "(s3://BUCKET/PREFIX; credentials from the AWS_* environment): its files "
-                                       "not stored yet, then its record")
-    p.add_argument("index", type=Path)
-    p.add_argument("url", help="s3://BUCKET/PREFIX (AWS_ENDPOINT_URL for MinIO, Ceph, GCS)")
-    p.add_argument("--keep", type=int, default=None, metavar="N",
-                   help="then keep only the newest N generations there (and the files they need); default: keep all")
-    p.add_argument("--min-age-s", type=float, default=3600.0,
-                   help="with --keep: never delete a stored file younger than this (a publish in progress; default 3600)")
-    p.set_defaults(handler=cmd_publish)
-
-    p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--partitions", type=int, default=1)
-    p.add_argument("--force", action="store_true")
-    p.set_defaults(handler=cmd_index_merge)
-
 
 def _text_options(p: argparse.ArgumentParser) -> None:
-    from espn.text.config import STEMMER_LANGUAGES
-
     p.add_argument("--text-language", default="english", choices=STEMMER_LANGUAGES,
                    help="the full-text index's stemmer and stop-word language (default english)")
     p.add_argument("--text-no-stemmer", action="store_true", help="index words unstemmed")
@@ -141,14 +104,12 @@ def _text_options(p: argparse.ArgumentParser) -> None:
 
 
 def _text_config(args: argparse.Namespace) -> Any:
-    from espn.text.config import TextConfig
-
     return TextConfig(language=args.text_language, stemmer=not args.text_no_stemmer,
                       stop_words=not args.text_no_stop_words, ascii_fold=args.text_ascii_fold).validate()
 
 
 def cmd_text_index(args: argparse.Namespace) -> int:
-    from .text_index import add_text_index
+    from espn.text.directory import add_text_index
 
     section = add_text_index(args.index, _text_config(args), force=args.force)
     print(f"{args.index}: full-text index of {section['documents']} passages added ({section['build_s']:.1f}s)")
@@ -170,8 +131,6 @@ def cmd_index(args: argparse.Namespace) -> int:
                                          first_stage=args.first_stage)
     else:
         if args.corpus is None:
-            from espn.cli import UsageError
-
             raise UsageError("give a CORPUS file or --embeddings DIR")
         config = BuildConfig(
             corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
@@ -201,99 +160,14 @@ def cmd_index_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_write(index: Path, what: str, result: Any) -> None:
-    print(f"{index}: {what}; generation {result.generation} published")
-
-
 def cmd_add(args: argparse.Namespace) -> int:
-    from .live import LiveIndex
+    from espn.live.live_index import LiveIndex  # FAISS loads after logging is configured (-v)
+
+    from .bulk import add_corpus
 
     # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
     with LiveIndex(args.index) as writer:
-        result = writer.add_corpus(args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
-                                   progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait)
-    _print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
-    return 0
-
-
-def cmd_delete(args: argparse.Namespace) -> int:
-    from espn.errors import InvalidParameterError
-    from espn.cli import UsageError
-
-    from .live import LiveIndex, iter_ids_file
-
-    if not args.ids and args.ids_file is None:
-        raise UsageError("give ids to delete, or --ids-file FILE")
-    ids = list(args.ids)
-    if args.ids_file is not None:
-        ids += list(iter_ids_file(args.ids_file))
-    if not ids:
-        raise InvalidParameterError(f"--ids-file {args.ids_file}: no ids in it")
-    with LiveIndex(args.index) as writer:
-        result = writer.apply(deletes=ids, wait_s=args.wait)
-    _print_write(args.index, f"{len(result.deleted)} deleted", result)
-    return 0
-
-
-def cmd_compact(args: argparse.Namespace) -> int:
-    from .live import LiveIndex
-
-    # From a snapshot: writes go on meanwhile and wait only for the swap.
-    with LiveIndex(args.index) as writer:
-        result = writer.compact(wait_s=args.wait)
-        live_documents = writer.current().live_documents
-    _print_write(args.index, f"compacted ({live_documents} live documents)", result)
-    return 0
-
-
-def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .snapshot import snapshot
-
-    result = snapshot(args.index, args.dest)
-    print(f"{args.dest}: generation {result.generation} of {args.index} ({result.files} files; "
-          f"{result.linked_bytes / 1e6:.1f} MB linked, {result.copied_bytes / 1e6:.1f} MB copied)")
-    return 0
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
-    from .object_store import is_store_url, restore_from_store
-    from .snapshot import restore
-
-    if is_store_url(args.snapshot):
-        number = restore_from_store(args.snapshot, args.dest, args.generation)
-    else:
-        if args.generation is not None:
-            from espn.cli import UsageError
-
-            raise UsageError("--generation is for object storage; a snapshot holds one generation")
-        number = restore(Path(args.snapshot), args.dest).generation
-    print(f"{args.dest}: generation {number} restored from {args.snapshot} and verified")
-    return 0
-
-
-def cmd_publish(args: argparse.Namespace) -> int:
-    from espn.errors import InvalidParameterError
-
-    from .object_store import publish
-
-    if args.keep is not None and args.keep < 1:
-        raise InvalidParameterError(f"--keep must be at least 1 (the newest generation), got {args.keep}")
-    result = publish(args.index, args.url)
-    print(f"{args.url}: generation {result.generation} of {args.index} published ({result.uploaded} files uploaded, "
-          f"{result.uploaded_bytes / 1e6:.1f} MB; {result.already_there} already stored)")
-    if args.keep is not None:
-        from .object_store import apply_retention
-
-        kept = apply_retention(args.url, args.keep, args.min_age_s)
-        print(f"{args.url}: {kept.records_deleted} older generations and {kept.blobs_deleted} files "
-              f"({kept.bytes_deleted / 1e6:.1f} MB) deleted; the newest {args.keep} kept")
-    return 0
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    import json
-
-    from .live import live_stats
-
-    print(json.dumps(live_stats(args.index), indent=2))
+        result = add_corpus(writer, args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
+                            progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait)
+    print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
     return 0

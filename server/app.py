@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from espn.live.replication.follower import Follower
+from espn.live.replication.publisher import Publisher
+from espn.live.status import read_only_reason
+
 from . import connections
 from .batching import MicroBatcher
 from .deps import AppState, declare_api_key
@@ -60,8 +64,6 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
 
 def _read_only(settings: ServerSettings) -> bool:
     """Without `espn serve` (which decides it once): read-only when the index cannot be written."""
-    from espn_indexing.live import read_only_reason
-
     reason = read_only_reason(settings.index)
     if reason is not None:
         logger.warning("serving read-only: %s; writes get 409", reason)
@@ -184,12 +186,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     if settings.follow is not None:
-        from espn_indexing.object_store import Follower
-
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     if settings.publish is not None:
-        from espn_indexing.object_store import Publisher
-
         state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s,
                                     settings.publish_keep).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
@@ -205,8 +203,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             await asyncio.to_thread(state.follower.stop)
         await batcher.close()
         executor.shutdown(wait=True)
-        if state.writer is not None:  # what was accepted is published before the index closes
-            await asyncio.to_thread(state.writer.close)
+        if state.writes is not None:  # what was accepted is published before the index closes
+            await asyncio.to_thread(state.writes.close)
         if state.publisher is not None:  # ... and uploaded, when the store answers
             await asyncio.to_thread(state.publisher.stop)
         state.require_live().close()

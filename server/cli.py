@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from espn.live.status import read_only_reason
+
 from .settings import ENV_PREFIX, ServerSettings
 
 __all__ = ["add_serve_arguments", "run_serve", "register", "is_loopback"]
@@ -173,7 +175,7 @@ def run_serve(args: argparse.Namespace) -> int:
     follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
     if follow and index and not Path(index).exists():  # a new follower starts from the newest generation
         from espn.errors import EspnError
-        from espn_indexing.object_store import restore_from_store
+        from espn.live.replication.restore import restore_from_store  # FAISS: after logging is set up
 
         try:
             restore_from_store(follow, Path(index))
@@ -204,8 +206,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if settings.follow is not None:  # a follower's index changes only by what it fetches
         settings = settings.model_copy(update={"read_only": True})
     if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
-        from espn_indexing.live import read_only_reason
-
         reason = read_only_reason(settings.index)
         settings = settings.model_copy(update={"read_only": reason is not None})
         if reason is not None:

@@ -5,24 +5,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .errors import ServiceUnavailableError
+from espn.live.replication.follower import Follower
+from espn.live.replication.publisher import Publisher
+
+from .errors import ApiError, ServiceUnavailableError
 from .metrics import ServerMetrics
 from .settings import ServerSettings
+from .writes import WriteService
 
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
     from espn import Searcher
     from espn.lease import LiveSearcher
-    from espn_indexing.object_store import Follower, Publisher
-    from espn_indexing.commit import GroupCommit
 
     from .batching import MicroBatcher
 
-__all__ = ["AppState", "get_state", "declare_api_key"]
+__all__ = ["AppState", "get_state", "get_writes", "declare_api_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,9 @@ class AppState:
     ready: bool = False
     status: str = "starting"  # starting | warming | ready | draining
     read_only: bool = False
-    writer: Optional["GroupCommit"] = None  # made at the first write (server/routes/documents.py)
-    compacting: bool = False
-    follower: Optional["Follower"] = None  # --follow: fetches what the writer publishes to object storage
-    publisher: Optional["Publisher"] = None  # --publish: uploads each generation to object storage
+    writes: Optional[WriteService] = None  # made at the first write (get_writes)
+    follower: Optional[Follower] = None  # --follow: fetches what the writer publishes to object storage
+    publisher: Optional[Publisher] = None  # --publish: uploads each generation to object storage
 
     def replication(self) -> Optional[dict[str, Any]]:
         """A follower's or a publishing writer's status (same lag and staleness keys), or None."""
@@ -72,6 +74,25 @@ class AppState:
 
 def get_state(request: Request) -> AppState:
     return request.app.state.espn
+
+
+_writes_lock = threading.Lock()
+
+
+def get_writes(state: AppState) -> WriteService:
+    """This worker's write service, made at the first write; a 503 while the index is not open, a
+    409 on a follower or a read-only index. Routes call it once their request is checked."""
+    live = state.require_live()
+    if state.settings.follow is not None:
+        raise ApiError(409, f"this server follows {state.settings.follow} (a read replica); send writes to the "
+                       "server that publishes there", code="read_only")
+    if state.read_only:
+        raise ApiError(409, f"this server serves {state.settings.index} read-only (--read-only, or the index is "
+                       "on a read-only mount); writes are refused", code="read_only")
+    with _writes_lock:
+        if state.writes is None:
+            state.writes = WriteService(state.settings, live)
+        return state.writes
 
 
 _bearer = HTTPBearer(auto_error=False, description="the value of ESPN_API_KEY")

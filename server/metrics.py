@@ -115,7 +115,7 @@ class ServerMetrics:
         )
 
     def set_replication(self, status: Mapping[str, Any]) -> None:
-        """A follower's status (object_store.Follower.status) as gauges."""
+        """A follower's status (espn.live.replication.follower.Follower.status) as gauges."""
         self.replication_lag.set(status["lag_generations"])
         self.replication_lag_seconds.set(status["lag_seconds"])
         self.replication_stale.set(1 if status["stale"] else 0)

@@ -1,7 +1,7 @@
 """`espn serve` that kills itself with SIGKILL the N-th time the live-index writer reaches a step.
 
-ESPN_TEST_CRASH_AT=step:N (steps are the `_checkpoint` names of espn_indexing.live,
-espn_indexing.compaction and espn_indexing.object_store). Run with --workers 1, so the
+ESPN_TEST_CRASH_AT=step:N (steps are the `checkpoint` names of espn.live's writer, compaction
+and replication, all through the one hook of espn.files). Run with --workers 1, so the
 server is this process. Used by tests/test_live_restart.py and tests/test_replication.py:
 the real `espn serve` with one test hook set.
 """
@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-import espn_indexing.live as live
-import espn_indexing.object_store as object_store
+import espn.files as live
+import espn.files as object_store
 from espn.cli import main
 
 step, _, count = os.environ["ESPN_TEST_CRASH_AT"].partition(":")

@@ -414,7 +414,8 @@ def test_explain_labels_markers_and_expansion_tokens(colbert_index: Path) -> Non
 def test_live_writes_encode_with_the_same_recipe(colbert_index: Path, tmp_path: Path, pylate_dir: Path) -> None:
     import shutil
 
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.checks import NewDocument
+    from espn.live.live_index import LiveIndex
 
     index = tmp_path / "index"
     shutil.copytree(colbert_index, index)
@@ -464,7 +465,8 @@ def test_a_written_colbert_index_filtered_hybrid_explained_after_a_restart(colbe
     exhaustive MaxSim ranking of the allowed documents: never the deleted or the filtered-out."""
     import shutil
 
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.checks import NewDocument
+    from espn.live.live_index import LiveIndex
 
     index = tmp_path / "index"
     shutil.copytree(colbert_index, index)

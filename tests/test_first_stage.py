@@ -21,9 +21,10 @@ from espn.encoders import QueryEmbeddings
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids
 from espn.index import read_manifest
-from espn.segments import read_current
+from espn.generations import read_current
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
-from espn_indexing.live import LiveIndex, NewDocument
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
 
 D = 32
 N_DOCS = 1500

@@ -12,8 +12,9 @@ import httpx
 import pytest
 from server_fixtures import running_server, s3_server
 
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.object_store import publish
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
+from espn.live.replication.publisher import publish
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

@@ -21,7 +21,7 @@ from espn.lexical import TextIndexMissingError
 from espn.segments import open_view
 from espn.text import parse_query
 from espn.text.config import TextConfig
-from espn_indexing.text_index import add_text_index
+from espn.text.directory import add_text_index
 
 QUERY = "why does the moon turn red during a lunar eclipse"
 
@@ -212,7 +212,8 @@ def test_deleted_documents_never_leak_through_the_text_side(sample_index: Path, 
             assert top[0] not in [h.doc_id for h in filtered.hits]
     # The text side is kept live: an added document is found by its words, a replaced one by
     # its new words only, and a compaction (a new base, renumbered) keeps all of it.
-    from espn_indexing.live import LiveIndex, NewDocument
+    from espn.live.checks import NewDocument
+    from espn.live.live_index import LiveIndex
 
     with LiveIndex.open(live) as writer:
         writer.upsert([NewDocument("eclipse-new", "A lunar eclipse seen from the zyxolith observatory")])

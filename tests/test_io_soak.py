@@ -27,7 +27,7 @@ from espn.encoders import QueryEmbeddings
 from espn.store import PosixReader
 from espn.store.engines import ENGINES, FaultInjector, StoreClosedError, inject_faults
 from espn.store.engines.base import LEDGER, TRANSIENT_ERRNOS
-from espn_indexing.live import LiveIndex
+from espn.live.live_index import LiveIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 AVAILABLE = [name for name, cls in ENGINES.items() if cls.unavailable_reason() is None]

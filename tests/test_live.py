@@ -24,8 +24,11 @@ from espn import Searcher
 from espn.encoders import Encoder, load_encoder
 from espn.errors import DocumentNotFoundError, InvalidParameterError
 from espn.index import read_manifest
-from espn.segments import open_view, read_current
-from espn_indexing.live import IndexLockedError, LiveIndex, NewDocument
+from espn.generations import read_current
+from espn.segments import open_view
+from espn.errors import IndexLockedError
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
 
 QUERIES = ["how does the sun produce energy", "purple elephant dancing on the moon", "cooking pasta with tomatoes",
            "lunar eclipse red moon", "search engines rank documents"]
@@ -89,7 +92,7 @@ def test_a_second_writer_is_refused(index: Path) -> None:
         with pytest.raises(IndexLockedError, match="one writer at a time"):
             LiveIndex.open(index)
         # Another process is refused too (flock is per open file description).
-        proc = subprocess.run([sys.executable, "-c", f"from espn_indexing.live import LiveIndex; LiveIndex.open({str(index)!r})"],
+        proc = subprocess.run([sys.executable, "-c", f"from espn.live.live_index import LiveIndex; LiveIndex.open({str(index)!r})"],
                               capture_output=True, text=True)
         assert proc.returncode != 0 and "IndexLockedError" in proc.stderr
     LiveIndex.open(index).close()  # released
@@ -235,28 +238,30 @@ def test_searches_during_writes_never_fail_nor_see_half_a_batch(index: Path, enc
 
 CRASHER = textwrap.dedent("""
     import os, signal, sys
-    import espn_indexing.live as live
-    from espn_indexing.compaction import Plan, run_compaction
+    import espn.files as files
+    from espn.live.checks import NewDocument
+    from espn.live.compaction import Plan, run_compaction
+    from espn.live.live_index import LiveIndex
     step = sys.argv[2]
     def checkpoint(name):
         if name == step:
             os.kill(os.getpid(), signal.SIGKILL)
-    live._checkpoint = checkpoint
-    writer = live.LiveIndex(sys.argv[1])
+    files._checkpoint = checkpoint
+    writer = LiveIndex(sys.argv[1])
     if sys.argv[3] == "merge":
         run_compaction(writer, Plan("merge", tuple(s.name for s in writer.current().segments)))
     elif sys.argv[3] == "rewrite":
         writer.compact()
     elif sys.argv[3] == "group":
-        from espn_indexing.commit import GroupCommit
+        from espn.live.commit import GroupCommit
         commit = GroupCommit(writer)
-        futures = [commit.submit([live.NewDocument("crash-new", "a document written while the writer was killed"),
-                                  live.NewDocument("s0005", "a replacement written while the writer was killed")]),
+        futures = [commit.submit([NewDocument("crash-new", "a document written while the writer was killed"),
+                                  NewDocument("s0005", "a replacement written while the writer was killed")]),
                    commit.submit(deletes=["s0006"])]
         [f.result() for f in futures]
     else:
-        writer.apply([live.NewDocument("crash-new", "a document written while the writer was killed"),
-                      live.NewDocument("s0005", "a replacement written while the writer was killed")],
+        writer.apply([NewDocument("crash-new", "a document written while the writer was killed"),
+                      NewDocument("s0005", "a replacement written while the writer was killed")],
                      ["s0006"])
 """)
 
@@ -380,7 +385,7 @@ def test_filters_follow_writes_and_compaction(index: Path, encoder: Encoder) -> 
 
 def test_a_group_publishes_writes_in_order_as_one_generation(index: Path, encoder: Encoder) -> None:
     """Writes published together apply as if one after the other; a failing write fails alone."""
-    from espn_indexing.live import check_write
+    from espn.live.checks import check_write
 
     writer = LiveIndex(index, encoder=encoder)
     writes = [([NewDocument("g-1", "first version of g-1")], []),
@@ -431,7 +436,7 @@ def test_a_delete_writes_a_tombstone_of_a_few_bytes(index: Path) -> None:
 def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encoder) -> None:
     """A base rewrite works from a snapshot without the writer lock: writes published while it
     runs (adds, replacements, deletes of old and of new documents) are carried onto the new base."""
-    import espn_indexing.live as live
+    import espn.files as live
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("before", "written before the compaction about coral reefs")])
@@ -469,7 +474,7 @@ def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encod
 
 
 def test_a_merge_keeps_doc_numbers_and_rankings(index: Path, encoder: Encoder) -> None:
-    from espn_indexing.compaction import CompactionPolicy, run_compaction
+    from espn.live.compaction import CompactionPolicy, run_compaction
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         for i in range(5):
@@ -543,7 +548,7 @@ def test_recovery_tolerates_a_staging_directory_its_owner_removes_meanwhile(inde
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A compaction (in another worker) removes its staging directory without the writer lock;
     a writer's recovery that listed it a moment before must not fail the write (ENOENT)."""
-    from espn_indexing import live
+    from espn.live import staging as live
 
     other = LiveIndex(index, encoder=encoder)
     staging = live.Staging(other, "compact", 0.0)

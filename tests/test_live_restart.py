@@ -22,7 +22,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from espn.segments import open_view, read_current
+from espn.generations import read_current
+from espn.segments import open_view
 from helpers import run_espn
 from server_fixtures import ServerProcess, running_server
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from helpers import run_threads
 
-from espn.segments import read_current
+from espn.generations import read_current
 from server_fixtures import running_server
 
 API_KEY = "live-index-test-key-0123456789"

@@ -14,9 +14,11 @@ import pytest
 from espn import Searcher
 from espn.cli import main as cli_main
 from espn.errors import DocumentNotFoundError, IndexCorruptError, InvalidParameterError
-from espn.segments import read_current
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.object_store import publish, restore_from_store
+from espn.generations import read_current
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
+from espn.live.replication.publisher import publish
+from espn.live.replication.restore import restore_from_store
 
 pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -121,7 +123,7 @@ def test_retention_keeps_the_newest_generations_and_what_they_need(sample_index:
     young = cli_main(["publish", str(index), URL, "--keep", "1"])
     assert young == 0 and len(store.list_objects_v2(Bucket=BUCKET, Prefix="indexes/sample/generations/")["Contents"]) == 1
     blobs_before = store.list_objects_v2(Bucket=BUCKET, Prefix="indexes/sample/blobs/")["KeyCount"]
-    from espn_indexing.object_store import apply_retention
+    from espn.live.replication.retention import apply_retention
 
     dropped = apply_retention(URL, keep=1, min_age_s=0)
     assert dropped.records_deleted == 0 and dropped.blobs_deleted >= 2  # older generations' text-index meta.json
@@ -139,7 +141,7 @@ def test_retention_keeps_the_newest_generations_and_what_they_need(sample_index:
 
 def test_the_writers_publisher_uploads_each_generation_once_and_keeps_writing_while_the_store_is_away(
         sample_index: Path, tmp_path: Path, store, monkeypatch: pytest.MonkeyPatch) -> None:
-    from espn_indexing.object_store import Publisher
+    from espn.live.replication.publisher import Publisher
 
     index = tmp_path / "index"
     shutil.copytree(sample_index, index)

@@ -28,10 +28,13 @@ from server_fixtures import running_server, s3_server
 
 from espn import Searcher
 from espn.errors import IndexCorruptError
-from espn.segments import read_current
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.object_store import Follower, Publisher, publish, restore_from_store
-from espn_indexing.snapshot import restore, snapshot
+from espn.generations import read_current
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
+from espn.live.replication.follower import Follower
+from espn.live.replication.publisher import Publisher, publish
+from espn.live.replication.restore import restore_from_store
+from espn.live.snapshot import restore, snapshot
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

@@ -12,9 +12,11 @@ import pytest
 from espn import Searcher
 from espn.cli import main as cli_main
 from espn.errors import DocumentNotFoundError, IndexCorruptError, InvalidParameterError
-from espn.segments import open_view, read_current
-from espn_indexing.live import LiveIndex, NewDocument
-from espn_indexing.snapshot import restore, snapshot
+from espn.generations import read_current
+from espn.segments import open_view
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
+from espn.live.snapshot import restore, snapshot
 
 
 @pytest.fixture
@@ -224,7 +226,7 @@ def test_a_name_being_taken_is_refused_and_a_crashed_copy_does_not_block_it(inde
     """The claim is an flock: a live claim (another thread here) refuses the name at once; a
     `.partial` nobody holds (what a killed process leaves) is removed and the name taken."""
     from espn.errors import ConflictError
-    from espn_indexing.snapshot import new_directory
+    from espn.live.snapshot import new_directory
 
     dest = tmp_path / "snap"
     entered, release = threading.Event(), threading.Event()

@@ -22,7 +22,7 @@ from espn.errors import StorageFullError
 from espn.segments import open_view
 from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, TextWriter, build_text_index
-from espn_indexing.snapshot import restore, snapshot
+from espn.live.snapshot import restore, snapshot
 from server_fixtures import running_server
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Sequence, cast
 
 from ..errors import EspnError
 from ..store import READERS
+from ..live import commands as live_commands
 from .parsers import register_calibrate, register_search, register_verify
 from .common import COMMANDS_GROUP, CliParser, UsageError, configure_logging, one_line
 
@@ -40,6 +41,7 @@ def register_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     register_search(sub, readers)
     register_calibrate(sub, readers)
     register_verify(sub)
+    live_commands.register(sub)
     _register_plugins(sub)
 
 

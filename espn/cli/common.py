@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, UsageError
 
 __all__ = ["UsageError", "CliParser", "configure_logging", "one_line", "add_reader_options", "reader_options",
            "check_output_file", "OWN_LOGGERS", "IO_ENGINES", "COMMANDS_GROUP"]
@@ -20,10 +20,6 @@ COMMANDS_GROUP = "espn.commands"
 IO_ENGINES = ("auto", "io_uring", "aio", "threads")
 #: Loggers of this project (the library, the build job, the server): INFO by default.
 OWN_LOGGERS = ("espn", "espn_indexing", "espn_server")
-
-
-class UsageError(Exception):
-    """The command line itself is wrong (a missing or conflicting flag): exit status 2, as argparse gives."""
 
 
 class CliParser(argparse.ArgumentParser):

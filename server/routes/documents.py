@@ -1,7 +1,8 @@
 """/v1/documents: a passage by its external id; writes to a live index (PUT, DELETE, batch).
 
 A write is checked (ids, text, metadata limits: a 422 before anything is queued) and handed
-to this worker's group committer (`espn_indexing.commit.GroupCommit`): writes that arrive
+to this worker's write service (server/writes.py, through `deps.get_writes`), whose group
+committer (espn.live.commit.GroupCommit) takes it: writes that arrive
 while a generation is being published are encoded together and published as the next
 generation, under the index's writer lock, which the workers take in turn. This worker
 swaps to the new generation before it answers; other workers look at live/CURRENT (one
@@ -17,20 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AfterValidator
 
-from ..deps import AppState, get_state
+from ..deps import AppState, get_state, get_writes
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
 from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
-
-if TYPE_CHECKING:
-    from espn_indexing.commit import GroupCommit
-    from espn_indexing.live import NewDocument, WriteResult
+from ..writes import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -91,84 +88,7 @@ async def get_document(
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text, metadata=document.metadata)
 
 
-_writer_lock = threading.Lock()
-
-
-def _writer(state: AppState) -> "GroupCommit":
-    """This worker's group committer, made at the first write (its encoder loads in its thread)."""
-    if state.settings.follow is not None:
-        raise ApiError(409, f"this server follows {state.settings.follow} (a read replica); send writes to the "
-                       "server that publishes there", code="read_only")
-    if state.read_only:
-        raise ApiError(409, f"this server serves {state.settings.index} read-only (--read-only, or the index is "
-                       "on a read-only mount); writes are refused", code="read_only")
-    with _writer_lock:
-        if state.writer is None:
-            from espn.metadata import MetadataLimits
-            from espn_indexing.commit import GroupCommit
-            from espn_indexing.live import LiveIndex, WriteLimits
-
-            settings = state.settings
-            limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
-                                                settings.max_index_fields))
-            live = state.require_live()
-            state.writer = GroupCommit(LiveIndex(settings.index, limits=limits), wait_s=settings.write_wait_s,
-                                       nice=settings.write_nice, max_queued=settings.write_queue,
-                                       on_publish=lambda generation: live.refresh())
-        return state.writer
-
-
-async def _apply(state: AppState, upserts: Sequence["NewDocument"], deletes: Sequence[str]) -> "WriteResult":
-    state.require_live()
-    future = _writer(state).submit(upserts, deletes)  # a bad write is refused here, before it is queued
-    result = await asyncio.wrap_future(future)
-    _maybe_compact(state)
-    return result
-
-
-def _maybe_compact(state: AppState) -> None:
-    """Past the policy's thresholds, compact in a background thread of this worker: a merge of
-    small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
-    only for the swap. One compaction per index at a time: when another worker's is running,
-    this one is one log line."""
-    from espn.errors import EspnError
-    from espn.segments import read_current
-    from espn_indexing.commit import lower_priority
-    from espn_indexing.compaction import CompactionPolicy, CompactionRunningError
-    from espn_indexing.live import LiveIndex
-
-    settings = state.settings
-    policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
-                              settings.compact_base_ratio, settings.compact_deleted_fraction)
-    if state.compacting or not policy.due(read_current(settings.index)):
-        return
-    state.compacting = True
-    writer = state.writer
-    assert writer is not None
-
-    def swap(run: Callable[[], int]) -> int:
-        """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
-        return writer.run_exclusive(run).result()
-
-    def run() -> None:
-        lower_priority(settings.write_nice)  # the work before the swap takes what searches leave
-        compactor = LiveIndex(settings.index, limits=writer.index.limits)
-        try:
-            compactor.maintain(policy, wait_s=settings.write_wait_s, swap=swap)
-        except CompactionRunningError:
-            logger.info("compaction not started: another one is running on this index")
-        except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
-            logger.warning("compaction did not run: %s", exc)
-        except Exception:  # a bug: its traceback is worth having
-            logger.exception("compaction failed")
-        finally:
-            compactor.close()  # its side indexes' writers (a text engine's) go with it
-            state.compacting = False
-
-    threading.Thread(target=run, name="espn-compact", daemon=True).start()
-
-
-def _response(result: "WriteResult") -> WriteResponse:
+def _response(result: WriteResult) -> WriteResponse:
     return WriteResponse(generation=result.generation, created=result.created, replaced=result.replaced,
                          deleted=result.deleted)
 
@@ -191,9 +111,7 @@ async def put_document(
                       AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    from espn_indexing.live import NewDocument
-
-    result = await _apply(state, [NewDocument(path_doc_id(request), body.text, body.title, body.metadata)], [])
+    result = await get_writes(state).apply([NewDocument(path_doc_id(request), body.text, body.title, body.metadata)], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -210,7 +128,7 @@ async def delete_document(
     doc_id: StoredId,
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    return _response(await _apply(state, [], [path_doc_id(request)]))
+    return _response(await get_writes(state).apply([], [path_doc_id(request)]))
 
 
 @router.post(
@@ -220,11 +138,9 @@ async def delete_document(
     responses=_WRITE_ERRORS,
 )
 async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_state)) -> WriteResponse:
-    from espn_indexing.live import NewDocument
-
     limit = state.settings.max_batch_writes
     if max(len(body.upsert), len(body.delete)) > limit:
         raise ApiError(422, f"at most {limit} upserts and {limit} deletes per batch (ESPN_MAX_BATCH_WRITES)",
                        code="invalid_request")
     upserts = [NewDocument(d.id, d.text, d.title, d.metadata) for d in body.upsert]
-    return _response(await _apply(state, upserts, body.delete))
+    return _response(await get_writes(state).apply(upserts, body.delete))

@@ -2,7 +2,7 @@
 
 Snapshots go under `--snapshot-dir` only (a caller names a snapshot, never a path), each a
 consistent copy of the generation served when it started, taken while searches and writes
-go on (espn_indexing.snapshot). Off unless the directory is configured.
+go on (espn.live.snapshot). Off unless the directory is configured.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
+
+from espn.generations import read_current
+from espn.live.snapshot import snapshot
 
 from ..deps import AppState, get_state
 from ..errors import ApiError
@@ -61,8 +64,6 @@ def _directory(state: AppState) -> Path:
                         415: {"model": ErrorResponse, "description": "the body is not application/json"},
                         507: {"model": ErrorResponse, "description": "the disk is full (nothing was kept)"}})
 async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState = Depends(get_state)) -> SnapshotInfo:
-    from espn_indexing.snapshot import snapshot
-
     directory = _directory(state)
     name = (body.name if body is not None else None) or time.strftime("snapshot-%Y%m%dT%H%M%SZ", time.gmtime())
     # The library claims the name before it copies anything (a second request for it gets a
@@ -76,8 +77,6 @@ async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState 
 @router.get("", response_model=SnapshotList, response_model_exclude_none=True, summary="The snapshots under --snapshot-dir",
             responses={404: {"model": ErrorResponse, "description": "--snapshot-dir is not set"}})
 async def list_snapshots(state: AppState = Depends(get_state)) -> Any:
-    from espn.segments import read_current
-
     directory = _directory(state)
     found = []
     for path in sorted(directory.glob("*")) if directory.is_dir() else []:

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from espn.errors import ConflictError, IndexCorruptError, InvalidParameterError, storage_full
-from espn.index import fsync_path, sha256_file, write_json_atomic
+from espn.files import fsync_path, sha256_file, write_json_atomic
 from espn.layout import check_generation_layout
-from espn.segments import CURRENT, LIVE_DIR, Generation, held_generation, open_view
+from espn.generations import CURRENT, LIVE_DIR, Generation, held_generation
+from espn.segments import open_view
 
 __all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "verify_copy", "write_generation_record"]
 

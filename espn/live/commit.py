@@ -7,7 +7,7 @@ never enters the queue) and queues it. Two threads then carry the queue:
 - the *encoder* takes everything queued and encodes all its documents in one batched call,
   in memory, at a lowered CPU priority (`nice`), so searches keep the cores they need and
   encoding takes what they leave;
-- the *publisher* publishes each encoded group through `LiveIndex.publish` (which takes
+- the *publisher* publishes each encoded group through `IndexWriter.publish` (which takes
   the writer lock for the publish only), runs `on_publish` (a server swaps its Searcher to
   the new generation there), then answers every write of the group. It runs at normal
   priority: it holds the writer lock, and a starved lock holder would hold up every
@@ -36,10 +36,11 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 from espn.errors import EspnError, WriteFailedError, storage_full
+from espn.files import checkpoint
 
-from . import live
-from .encode import EncodedDocuments
-from .live import LiveIndex, NewDocument, WriteRequest, WriteResult
+from .checks import NewDocument, WriteRequest, WriteResult
+from .encoding import EncodedDocuments
+from .writer import IndexWriter
 
 __all__ = ["GroupCommit", "lower_priority"]
 
@@ -77,7 +78,7 @@ class GroupCommit:
     the group are answered.
     """
 
-    def __init__(self, index: LiveIndex, *, wait_s: float = 10.0, nice: int = 10, max_queued: int = 10_000,
+    def __init__(self, index: IndexWriter, *, wait_s: float = 10.0, nice: int = 10, max_queued: int = 10_000,
                  batch_size: int = 32, on_publish: Callable[[int], None] | None = None) -> None:
         self.index = index
         self.wait_s, self.nice, self.max_queued, self.batch_size = wait_s, nice, max_queued, batch_size
@@ -148,10 +149,10 @@ class GroupCommit:
                     return
                 group, self._queue, self._queued_items = self._queue, [], 0
                 self._encoding = True
-            live._checkpoint("queued")
+            checkpoint("queued")
             try:
                 encoded = self._encode(group)
-                live._checkpoint("encoded")
+                checkpoint("encoded")
             except BaseException as exc:
                 self._fail(group, exc)
                 encoded = None

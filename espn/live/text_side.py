@@ -1,4 +1,4 @@
-"""The full-text index kept live: a `live.SideIndex` that moves with every generation.
+"""The full-text index kept live: a `SideIndex` (espn.live.side_index) that moves with every generation.
 
 Each write applies its adds (title and text, at their doc numbers) and its tombstones
 (deleted and replaced doc numbers) to a Tantivy work directory restored from the previous
@@ -23,18 +23,21 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from espn.files import checkpoint
 from espn.index import read_manifest
-from espn.segments import LIVE_DIR
+from espn.generations import LIVE_DIR, read_current
 from espn.text.config import TextConfig
+from espn.text.directory import install_text_index, passages
 from espn.text.engine import TextDocument, TextWriter
 
-from .encode import EncodedDocuments
-from .live import Staging
-from .text_index import passages
+from .encoding import EncodedDocuments
+from .side_index import SideIndex, SwapSource
+from .staging import Staging
 
-__all__ = ["TextSide", "SwapSource", "text_config_of"]
+__all__ = ["TextSide", "text_config_of", "own_side_indexes"]
 
 log = logging.getLogger(__name__)
+
 
 def text_config_of(base: Path) -> TextConfig | None:
     """The analyzer of the base's full-text index, None when the base has none (or lists none of its files)."""
@@ -45,13 +48,10 @@ def text_config_of(base: Path) -> TextConfig | None:
     return TextConfig.from_json(section.get("analyzer", {}))
 
 
-class SwapSource:
-    """What a base rewrite's swap hands the side indexes: the new base directory (with its own
-    `text/`), the carried-over segments ({first doc number: segment directory}) and the doc
-    numbers deleted since the snapshot, in the new numbering."""
-
-    def __init__(self, base: Path, carried: Mapping[int, Path], deleted: np.ndarray) -> None:
-        self.base, self.carried, self.deleted = Path(base), dict(carried), np.asarray(deleted, dtype=np.int64)
+def own_side_indexes(root: Path) -> list[SideIndex]:
+    """The side indexes the index at `root` has: its full-text index, when its base has one."""
+    config = text_config_of(root / read_current(root).base)
+    return [] if config is None else [TextSide(config)]
 
 
 class TextSide:
@@ -74,6 +74,9 @@ class TextSide:
                  documents: EncodedDocuments | None, tombstones: np.ndarray) -> Mapping[str, Any]:
         adds = [] if documents is None else [_document(first + i, line) for i, line in enumerate(documents.lines)]
         return self._publish(live_dir, number, self._published_dir(live_dir, previous), previous, adds, tombstones)
+
+    def on_rewrite(self, base: Path) -> None:
+        install_text_index(base, self.config)
 
     def on_swap(self, live_dir: Path, number: int, previous: Mapping[str, Any] | None, renumber: Any,
                 source: SwapSource | None = None) -> Mapping[str, Any]:
@@ -120,9 +123,7 @@ class TextSide:
         known = {path.split("/", 1)[1]: entry for path, entry in ((previous or {}).get("files") or {}).items()}
         files = writer.publish(live_dir / name, known)
         self._builds_on = live_dir / name
-        from . import live
-
-        live._checkpoint("text-published")
+        checkpoint("text-published")
         return {"directory": name, "files": {f"{name}/{f}": e for f, e in files.items()}}
 
 
@@ -133,8 +134,6 @@ def _document(number: int, line: bytes) -> TextDocument:
 
 def _base_of(live_dir: Path) -> Path:
     """The current base directory (the writer calls us under its lock, before the new record)."""
-    from espn.segments import read_current
-
     root = live_dir.parent
     assert live_dir.name == LIVE_DIR
     return root / read_current(root).base

@@ -1,0 +1,128 @@
+"""Filesystem, lock, clock and crash-point helpers shared by every writer of an index.
+
+The lowest module of the project: it imports nothing from espn, so the index directory
+(espn.index), the build job and the live writer (espn.live) can all use it. A write is
+made durable the same way everywhere: data written beside its target, fsynced, renamed
+into place, then the directory fsynced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
+           "lock_is_free", "remove_path", "utc_now", "checkpoint"]
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file under `directory`, then the directories themselves (bottom up)."""
+    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):
+        fsync_path(path)
+    fsync_path(directory)
+
+
+def sha256_file(path: Path, start: int = 0, stop: int | None = None) -> str:
+    """sha256 of the file, or of its bytes [start, stop) (a live index's appended ranges)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = None if stop is None else stop - start
+        while left is None or left > 0:
+            block = f.read(1 << 22 if left is None else min(1 << 22, left))
+            if not block:
+                break
+            digest.update(block)
+            if left is not None:
+                left -= len(block)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest's or generation's entry for a file: {"bytes", "sha256"}."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """`obj` as JSON at `path`: written beside it, fsynced, renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def flock_within(fd: int, wait_s: float, longest_pause_s: float = 0.01) -> bool:
+    """Take an exclusive flock on `fd`, polling for up to `wait_s` (flock itself cannot time
+    out); False when another holder kept it that long."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, longest_pause_s)
+
+
+def lock_is_free(path: Path, unlink: bool = False) -> bool:
+    """True when no one holds a lock on `path` (a file or a directory; the lock is taken and
+    dropped at once; with `unlink`, the file is removed while the lock is held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if unlink:
+            path.unlink()
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a tree; gone already is fine (a staging directory's owner removes it
+    itself, without the writer lock, between a listing of its parent and this call)."""
+    try:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def utc_now() -> str:
+    """The time a generation or a base records: UTC, to the second, ISO 8601."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+#: Test hook: called with a step name at each point a crash test kills the writer
+#: (tests/test_live.py and tests/crash_serve.py replace it).
+_checkpoint: Callable[[str], None] = lambda step: None
+
+
+def checkpoint(step: str) -> None:
+    """A named crash point of a writer (live writes, compaction, replication): a no-op unless
+    a test set the hook."""
+    _checkpoint(step)

@@ -1,0 +1,25 @@
+"""Writing a live index: the writer, staging and recovery, group commit, compaction, snapshots,
+replication to object storage (espn.live.replication).
+
+Import from the modules (`from espn.live.live_index import LiveIndex`, `from espn.live.checks
+import NewDocument`): this package imports nothing itself, so `espn.cli` can register the
+live-index commands (espn.live.commands) without loading FAISS before logging is set up.
+
+  checks.py        what a write is (NewDocument, WriteRequest, WriteResult, WriteLimits) and check_write
+  encoding.py      documents encoded in memory (EncodedDocuments), shared with the offline build
+  resolve.py       a group of writes resolved in order against the current generation
+  segment_files.py the files one publish writes: a delta segment, a tombstone file
+  side_index.py    the protocol of an index kept beside the vectors (SideIndex), injected into the writer
+  staging.py       staging directories, crash recovery, garbage collection of live/
+  status.py        live_stats, read_only_reason (no lock)
+  writer.py        IndexWriter: the writer lock, encode, publish, commit
+  text_side.py     the full-text index as a SideIndex
+  merging.py       merging consecutive delta segments; the side indexes' part of a swap
+  rewrite.py       a compaction's base rewrite and its carry-over swap
+  compaction.py    Plan, CompactionPolicy, run_compaction (takes a writer; the writer never imports it)
+  live_index.py    LiveIndex: IndexWriter + the index's own side indexes + compaction
+  commit.py        GroupCommit: writes that arrive together are published together
+  snapshot.py      snapshots and restores of one generation
+  replication/     object storage: publish, follow, restore, retention
+  commands.py      `espn delete | compact | stats | snapshot | restore | publish`
+"""

@@ -1,0 +1,1 @@
+"""Replication to object storage (S3-compatible): publish, follow, restore, retention."""

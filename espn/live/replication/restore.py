@@ -1,0 +1,117 @@
+"""A servable index directory from a generation on object storage (`espn restore s3://...`), and
+the fetch of one stored piece that a follower shares."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.files import fsync_path, sha256_file
+from espn.layout import inside_index
+from espn.segments import open_view
+
+from ..snapshot import new_directory, write_generation_record
+from .store import CHUNK_BYTES, ObjectStoreUrl, Piece, latest_name, make_client, naming_failures, read_record
+
+__all__ = ["restore_from_store", "fetch_piece"]
+
+log = logging.getLogger(__name__)
+
+
+def restore_from_store(url: str, dest: Path, generation: int | None = None) -> int:
+    """A servable index directory at `dest` (new) from a generation on object storage (the newest
+    by default), every byte verified; returns the generation's number.
+
+    The record is checked against the index layout before anything is fetched (a bad one
+    writes nothing); each piece lands beside its target and is renamed into place only once
+    its size and sha256 match. IndexCorruptError for a bad record or blob, ObjectStoreError
+    for a missing one or a store that does not answer, both naming the object.
+    """
+    where, dest = ObjectStoreUrl.parse(url), Path(dest)
+    client = make_client()
+    name = f"gen-{generation:06d}.json" if generation is not None else latest_name(client, where)
+    checked = read_record(client, where, name) if name is not None else None
+    if checked is None:
+        missing = where.url(f"generations/{name}" if name is not None else "LATEST")
+        raise InvalidParameterError(f"{url}: no published generation there ({missing} does not exist)")
+    published, pieces = checked
+    what = where.url(f"generations/{name}")
+    with new_directory(dest, "a restore") as staging:
+        staging.mkdir(exist_ok=True)
+        for piece in sorted(pieces, key=lambda p: p.start):  # a file's ranges in order: each appends to the last
+            fetch_piece(client, where, staging, piece, what)
+        for path in {piece.path for piece in pieces}:
+            fsync_path(staging / path)
+        write_generation_record(staging, published)
+        open_view(staging, verify="full").close()
+    log.info("%s: generation %d restored from %s", dest, published.number, url)
+    return published.number
+
+
+def fetch_piece(client: Any, where: ObjectStoreUrl, root: Path, piece: Piece, what: str) -> int:
+    """Make `root / piece.path` hold the piece's bytes; the bytes fetched (0: already there).
+
+    The blob lands in a scratch file beside its target and is renamed into place (or, for a
+    range of embeddings.bin, appended past the file's end) only after its size and sha256
+    match: an existing file is never overwritten by unverified bytes."""
+    target = inside_index(root, piece.path, what)
+    if target.exists():
+        size = target.stat().st_size
+        if piece.appended and size >= piece.stop:
+            return 0  # fetched with an earlier generation (what lies past the published end is truncated on recovery)
+        if not piece.appended and size == piece.size and (not piece.path.endswith("manifest.json")
+                                                          or sha256_file(target) == piece.sha256):
+            return 0  # immutable once written: the same path is the same bytes
+        if piece.appended and piece.start > size:
+            raise IndexCorruptError(f"{what}: piece {piece.path!r} bytes {piece.start}-{piece.stop} start past the end "
+                                    f"of the local {size}-byte file; the generation is not fetched")
+    elif piece.appended and piece.start != 0:
+        raise IndexCorruptError(f"{what}: piece {piece.path!r} bytes {piece.start}-{piece.stop}: the file's first "
+                                "bytes are in no earlier piece; the generation is not fetched")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f"{target.name}.{piece.sha256[:16]}.fetch.tmp")
+    try:
+        _download(client, where, piece, scratch, what)
+        if piece.appended and target.exists():
+            _append_from(scratch, target, piece)
+        else:
+            os.replace(scratch, target)
+    finally:
+        scratch.unlink(missing_ok=True)
+    return piece.size
+
+
+def _download(client: Any, where: ObjectStoreUrl, piece: Piece, scratch: Path, what: str) -> None:
+    """The piece's blob into `scratch` (fsynced), or IndexCorruptError if its size or sha256 is not the record's."""
+    blob = f"blobs/{piece.sha256}"
+    digest, size = hashlib.sha256(), 0
+    with naming_failures(f"{what}: piece {piece.path!r}: fetching {where.url(blob)}"), open(scratch, "wb") as f:
+        body = client.get_object(Bucket=where.bucket, Key=where.key(blob))["Body"]
+        for chunk in body.iter_chunks(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+            if size > piece.size:
+                break  # longer than the record says: corrupt, and no need to read the rest
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    if size != piece.size or digest.hexdigest() != piece.sha256:
+        raise IndexCorruptError(f"{what}: piece {piece.path!r}: blob {where.url(blob)} does not match its sha256 "
+                                f"or its {piece.size} bytes (corrupted in the store); nothing was renamed into place")
+
+
+def _append_from(scratch: Path, target: Path, piece: Piece) -> None:
+    """The bytes of a verified range past `target`'s end appended to it (what it holds already is never rewritten)."""
+    with open(scratch, "rb") as src, open(target, "r+b") as dst:
+        have = os.fstat(dst.fileno()).st_size
+        offset, left = have - piece.start, piece.stop - have
+        while left > 0:
+            done = os.copy_file_range(src.fileno(), dst.fileno(), left, offset, have)
+            if done == 0:
+                raise IndexCorruptError(f"{scratch}: ended before byte {piece.stop - piece.start}")
+            offset, have, left = offset + done, have + done, left - done
+        os.fsync(dst.fileno())

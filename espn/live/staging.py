@@ -1,0 +1,166 @@
+"""Staging directories, crash recovery and garbage collection of a live index's `live/` directory.
+
+Everything here runs under the writer lock, except the work inside a `Staging` directory
+(an `espn add`'s encoding, a compaction), which its owner's flock protects instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import ContextManager, Iterator, Protocol
+
+from espn.files import fsync_path, remove_path
+from espn.files import lock_is_free as _unused  # a module name of its own: tests replace it
+from espn.index import FILES
+from espn.metadata import DIRECTORY as METADATA_DIR
+from espn.generations import LIVE_DIR, Generation, read_current, read_generation
+
+__all__ = ["Staging", "recover", "collect_garbage", "NUMBERED"]
+
+log = logging.getLogger(__name__)
+
+#: Names of the numbered files and directories of live/: gen-000012.json, seg-000012, text-000012...
+NUMBERED = re.compile(r"^([a-z]+)-(\d{6})(?:\.[a-z]+)?$")
+
+
+class _Lockable(Protocol):
+    """What a Staging needs of the writer: its live/ directory and its lock."""
+
+    @property
+    def live_dir(self) -> Path: ...
+
+    def locked(self, wait_s: float = 0.0) -> ContextManager[object]: ...
+
+
+class _HeldLock:
+    """The writer lock as its holder sees it: held already (Staging.under_lock)."""
+
+    def __init__(self, live_dir: Path) -> None:
+        self.live_dir = live_dir
+
+    @contextlib.contextmanager
+    def locked(self, wait_s: float = 0.0) -> Iterator[None]:
+        yield
+
+
+class Staging:
+    """A work directory under live/ that survives the writers' crash recovery while its owner
+    lives: the owner holds an `flock` on it, and `recover` removes a staging directory only
+    when it can take that lock (its owner died). For `espn add`'s encoding and compaction,
+    which run without the writer lock; it is made under that lock (briefly), so that no
+    recovery sees it before it is locked."""
+
+    PREFIXES = ("stage-",)
+
+    def __init__(self, writer: _Lockable, kind: str, wait_s: float) -> None:
+        with writer.locked(wait_s):
+            self._make(writer.live_dir, kind)
+
+    @classmethod
+    def under_lock(cls, live_dir: Path, kind: str) -> "Staging":
+        """For a caller that holds the writer lock already (a side index, in a publish)."""
+        return cls(_HeldLock(live_dir), kind, 0.0)
+
+    def _make(self, live_dir: Path, kind: str) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=f"stage-{kind}-", dir=live_dir))
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def recover(root: Path) -> None:
+    """Undo what a crashed writer left unpublished (under the writer lock): staging
+    directories, files of unpublished generations, and records appended past the
+    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept."""
+    current = read_current(root)
+    live_dir = root / LIVE_DIR
+    for path in live_dir.iterdir():
+        name = path.name
+        match = NUMBERED.match(name)
+        if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number):
+            remove_path(path)
+        elif name.startswith(Staging.PREFIXES) and _unused(path):
+            remove_path(path)
+    embeddings = root / current.base / "embeddings.bin"
+    if embeddings.stat().st_size > current.embeddings_bytes:
+        with open(embeddings, "r+b") as f:
+            f.truncate(current.embeddings_bytes)
+            os.fsync(f.fileno())
+    collect_garbage(root)
+
+
+def collect_garbage(root: Path) -> list[str]:
+    """Remove the files of generations no reader holds (their shared lock); returns what went.
+    Under the writer lock."""
+    current = read_current(root)
+    live_dir = root / LIVE_DIR
+    kept = _held_generations(live_dir, current)
+    if kept is None:
+        return []
+    referenced = set().union(*(g.referenced() for g in kept))
+    root_in_use = "." in referenced or not _unused(root / "manifest.json")
+    removed = []
+    for path in live_dir.iterdir():
+        match = NUMBERED.match(path.name)
+        if match is None or match[1] == "gen" or int(match[2]) > current.number:
+            continue
+        if f"{LIVE_DIR}/{path.name}" not in referenced:
+            remove_path(path)
+            removed.append(f"{LIVE_DIR}/{path.name}")
+    if not root_in_use:
+        removed += _remove_first_base(root)
+    if removed:
+        fsync_path(live_dir)
+        log.info("removed %s", ", ".join(removed))
+    return removed
+
+
+def _held_generations(live_dir: Path, current: Generation) -> list[Generation] | None:
+    """The current generation and the older ones a reader holds (the others' records are
+    unlinked); None when one cannot be read (keep every file until it goes)."""
+    kept: list[Generation] = [current]
+    for path in sorted(live_dir.glob("gen-*.json")):
+        match = NUMBERED.match(path.name)
+        if match is None or int(match[2]) >= current.number:
+            continue
+        # Unlinked under the exclusive lock, so a reader locking it afterwards finds it gone
+        # and opens the current one instead.
+        if not _unused(path, unlink=True):
+            try:
+                kept.append(read_generation(path))
+            except Exception:  # noqa: BLE001 - unreadable: keep what it may need, collect it later
+                log.warning("cannot read %s; keeping every file until it goes", path)
+                return None
+    return kept
+
+
+def _remove_first_base(root: Path) -> list[str]:
+    """The root's own index files, once no generation or reader needs the first base."""
+    removed = []
+    for file in FILES:
+        if (root / file).exists():
+            (root / file).unlink()
+            removed.append(file)
+    if (root / METADATA_DIR).is_dir():  # the first base's columns
+        shutil.rmtree(root / METADATA_DIR)
+        removed.append(METADATA_DIR)
+    return removed
+

@@ -1,0 +1,91 @@
+"""The write service: this worker's writes to the live index, for the routes of /v1/documents.
+
+It holds the group committer (espn.live.commit.GroupCommit over an espn.live LiveIndex),
+made at the first write (its encoder loads in its thread), and starts a compaction in a
+background thread once the policy asks for one. Routes get it through `deps.get_writes`
+and know nothing of the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Callable, Sequence
+
+from espn.errors import EspnError
+from espn.lease import LiveSearcher
+from espn.live.checks import NewDocument, WriteLimits, WriteResult
+from espn.live.commit import GroupCommit, lower_priority
+from espn.live.compaction import CompactionPolicy, CompactionRunningError
+from espn.live.live_index import LiveIndex
+from espn.metadata import MetadataLimits
+from espn.generations import read_current
+
+from .settings import ServerSettings
+
+__all__ = ["WriteService", "NewDocument", "WriteResult"]
+
+logger = logging.getLogger(__name__)
+
+
+class WriteService:
+    """Checks, queues and publishes writes (GroupCommit), and compacts past the policy's thresholds."""
+
+    def __init__(self, settings: ServerSettings, live: LiveSearcher) -> None:
+        self.settings = settings
+        self.limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
+                                                 settings.max_index_fields))
+        self.policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
+                                       settings.compact_base_ratio, settings.compact_deleted_fraction)
+
+        def serve_it(generation: int) -> None:  # this worker searches the new generation before it answers
+            live.refresh()
+
+        self.committer = GroupCommit(LiveIndex(settings.index, limits=self.limits), wait_s=settings.write_wait_s,
+                                     nice=settings.write_nice, max_queued=settings.write_queue, on_publish=serve_it)
+        self._compacting = False
+
+    def submit(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> "concurrent.futures.Future[WriteResult]":
+        """Queue one write; a bad one is refused here (InvalidParameterError), before it is queued."""
+        return self.committer.submit(upserts, deletes)
+
+    async def apply(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteResult:
+        """One write, answered once the generation holding it is durable and this worker serves it."""
+        result = await asyncio.wrap_future(self.submit(upserts, deletes))
+        self.maybe_compact()
+        return result
+
+    def maybe_compact(self) -> None:
+        """Past the policy's thresholds, compact in a background thread of this worker: a merge of
+        small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
+        only for the swap. One compaction per index at a time: when another worker's is running,
+        this one is one log line."""
+        if self._compacting or not self.policy.due(read_current(self.settings.index)):
+            return
+        self._compacting = True
+        threading.Thread(target=self._compact, name="espn-compact", daemon=True).start()
+
+    def _swap(self, run: Callable[[], int]) -> int:
+        """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
+        return self.committer.run_exclusive(run).result()
+
+    def _compact(self) -> None:
+        lower_priority(self.settings.write_nice)  # the work before the swap takes what searches leave
+        compactor = LiveIndex(self.settings.index, limits=self.limits)
+        try:
+            compactor.maintain(self.policy, wait_s=self.settings.write_wait_s, swap=self._swap)
+        except CompactionRunningError:
+            logger.info("compaction not started: another one is running on this index")
+        except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
+            logger.warning("compaction did not run: %s", exc)
+        except Exception:  # a bug: its traceback is worth having
+            logger.exception("compaction failed")
+        finally:
+            compactor.close()  # its side indexes' writers (a text engine's) go with it
+            self._compacting = False
+
+    def close(self) -> None:
+        """Publish what was accepted, then stop the committer's threads."""
+        self.committer.close()
