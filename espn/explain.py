@@ -26,7 +26,7 @@ from .pooling import pool_vectors
 from .results import Explanation, PassageSpan, QueryResult, TokenMatch
 
 if TYPE_CHECKING:
-    from .searcher import Searcher
+    from .search.searcher import Searcher
 
 __all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
 

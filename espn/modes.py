@@ -27,7 +27,7 @@ from .results import Hit, QueryResult, SearchStats
 from .text.query import LexicalQuery, parse_query
 
 if TYPE_CHECKING:
-    from .searcher import Searcher, _Timer
+    from .search.searcher import Searcher, _Timer
     from .store import RecordBatch
     from .text.engine import LexicalHits, TextIndex
 

@@ -33,26 +33,26 @@ import faiss
 import numpy as np
 import torch
 
-from .ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
-from .encoders import Encoder, QueryEmbeddings, load_encoder
-from .errors import InvalidParameterError
-from .explain import can_explain, explain_results
-from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
-from .filters import FilterCache, canonical_filter, compile_filter, parse_filter
-from .first_stage import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
-from .hybrid import HybridParams
-from .index import DocStore, IdMap, IndexDirectory
-from .lexical import open_text_index
-from .maxsim import QueryScoring, score_records
-from .metadata import MetadataColumns
-from .modes import search_modes
-from .params import SearchParams, has_text
-from .prefetch import PrefetchModel, ScanProgress, segment_codes
-from .results import Document, Hit, QueryResult, SearchStats
-from .segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
-from .store import PendingRead, RecordBatch, Reader, open_reader
-from .store.format import StoreLayout
-from .text.query import parse_query
+from ..ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
+from ..encoders import Encoder, QueryEmbeddings, load_encoder
+from ..errors import InvalidParameterError
+from ..explain import can_explain, explain_results
+from ..filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
+from ..filters import FilterCache, canonical_filter, compile_filter, parse_filter
+from ..first_stage import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
+from ..hybrid import HybridParams
+from ..index import DocStore, IdMap, IndexDirectory
+from ..lexical import open_text_index
+from ..maxsim import QueryScoring, score_records
+from ..metadata import MetadataColumns
+from ..modes import search_modes
+from ..params import SearchParams, has_text
+from ..prefetch import PrefetchModel, ScanProgress, segment_codes
+from ..results import Document, Hit, QueryResult, SearchStats
+from ..segments import LiveView, SegmentedDocStore, SegmentedIdMap, current_token, open_view
+from ..store import PendingRead, RecordBatch, Reader, open_reader
+from ..store.format import StoreLayout
+from ..text.query import parse_query
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
 
@@ -454,7 +454,7 @@ class Searcher:
 
         An index of precomputed embeddings has no tokenizer: a zero query warms it instead.
         """
-        from .encoders.precomputed import PrecomputedEncoder
+        from ..encoders.precomputed import PrecomputedEncoder
 
         if self.encoder is not None and not isinstance(self.encoder, PrecomputedEncoder):
             self.search(["warm up"], k=1)
