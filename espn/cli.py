@@ -123,7 +123,7 @@ def _add_search_params(p: argparse.ArgumentParser, readers: list[str]) -> None:
 
 
 def _add_mode_params(p: argparse.ArgumentParser) -> None:
-    from espn.hybrid import FUSIONS, MODES
+    from espn.search.hybrid import FUSIONS, MODES
     from espn.text.query import SYNTAXES
 
     g = p.add_argument_group("search mode (lexical and hybrid need the index's full-text index)")
@@ -259,7 +259,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Everything that can be checked without the index is checked before it loads.
     from espn.filters import canonical_filter
 
-    from espn.hybrid import HybridParams
+    from espn.search.hybrid import HybridParams
 
     overrides = _search_overrides(args)
     SearchParams().replace(k=args.k, **overrides).validate(nlist=1 << 30, num_documents=0)  # nlist: below
@@ -293,7 +293,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     if searcher.hybrid_params(**modes).mode != "dense":
-        from espn.lexical import require_text
+        from espn.search.lexical import require_text
 
         require_text(searcher.text, modes["mode"] or searcher.hybrid_defaults.mode)  # the run's, not a query's
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
@@ -439,9 +439,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any, args: argparse.Namespace) -> int:
     """Fit the mix weight: one hybrid search per query returns its whole fusion pool with both
-    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.hybrid.fuse`)."""
+    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.search.hybrid.fuse`)."""
     from espn.evaluation import evaluate, strictly_decreasing
-    from espn.hybrid import fuse
+    from espn.search.hybrid import fuse
     from espn.index import update_manifest
     from espn.params import MAX_K
 

@@ -36,16 +36,16 @@ import torch
 from ..ann import bitmap_selector, coarse_assign, list_sizes, load_ivf, merge_topk, search_preassigned, segment_bounds
 from ..encoders import Encoder, QueryEmbeddings, load_encoder
 from ..errors import InvalidParameterError
-from ..explain import can_explain, explain_results
-from ..filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
+from .explain import can_explain, explain_results
+from .filtered import FilteredDocs, matches_per_list, probe_matching, subset_ivf
 from ..filters import FilterCache, canonical_filter, compile_filter, parse_filter
 from ..first_stage import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
-from ..hybrid import HybridParams
+from .hybrid import HybridParams
 from ..index import DocStore, IdMap, IndexDirectory
-from ..lexical import open_text_index
+from .lexical import open_text_index
 from ..maxsim import QueryScoring, score_records
 from ..metadata import MetadataColumns
-from ..modes import search_modes
+from .modes import search_modes
 from ..params import SearchParams, has_text
 from ..prefetch import PrefetchModel, ScanProgress, segment_codes
 from ..results import Document, Hit, QueryResult, SearchStats
@@ -320,7 +320,7 @@ class Searcher:
         lexical matches; computed after the search, for the returned hits only, and timed as
         stage "explain". False costs nothing.
         mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
-        union tune hybrid search (`espn.hybrid.HybridParams`). syntax: how the lexical side
+        union tune hybrid search (`espn.search.hybrid.HybridParams`). syntax: how the lexical side
         reads the queries, "plain" text (default: never an operator, never an error) or
         "simple" (phrases, +required, -excluded; lenient, see `espn.text.query`).
         embeddings: these queries already encoded by `encode` (the server encodes concurrent
@@ -472,14 +472,14 @@ class Searcher:
         FAISS, so excluded documents are never read, re-ranked or counted against k.
         filtered: a compiled filter (`filtered_docs`), ANDed with `allowed`: the search runs
         over its sub-index, probing lists until it has scanned as many matches as the
-        unfiltered search scans codes (`espn.filtered`).
+        unfiltered search scans codes (`espn.search.filtered`).
         extra: a future of (per query, doc numbers to score besides the re-ranked head; those
         documents read already, or None to read them): hybrid search's lexical side, still
         running when the scan starts. As soon as it is done a worker scores them while the
         scan goes on (the scan takes one core, so this is work the other core hides); those
         that make the head are not read or scored again.
         pools: filled with one Scored per query: the head and the extra documents, exact CLS
-        and MaxSim (`espn.modes` fuses them)."""
+        and MaxSim (`espn.search.modes` fuses them)."""
         stage = self.first_stage.replace(params.first_stage, params.first_stage_probe, params.first_stage_candidates)
         if stage.uses_centroids:
             return self._search_centroids(q, params, stage, timer, allowed, filtered, extra, pools)

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from .corpus import PASSAGE_JOINER, passage_text
-from .encoders import Encoder, QueryEmbeddings
-from .encoders.base import VectorSpans
-from .errors import InvalidParameterError
-from .maxsim import record_vectors
-from .pooling import pool_vectors
-from .results import Explanation, PassageSpan, QueryResult, TokenMatch
+from ..corpus import PASSAGE_JOINER, passage_text
+from ..encoders import Encoder, QueryEmbeddings
+from ..encoders.base import VectorSpans
+from ..errors import InvalidParameterError
+from ..maxsim import record_vectors
+from ..pooling import pool_vectors
+from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
 
 if TYPE_CHECKING:
-    from .search.searcher import Searcher
+    from .searcher import Searcher
 
 __all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
 

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 from .explain import passage_spans
-from .results import LexicalMatch
-from .segments import LIVE_DIR
-from .text.config import TextConfig
-from .text.query import LexicalQuery
+from ..results import LexicalMatch
+from ..segments import LIVE_DIR
+from ..text.config import TextConfig
+from ..text.query import LexicalQuery
 
 if TYPE_CHECKING:
-    from .segments import LiveView
-    from .text.engine import LexicalHits, TextIndex
+    from ..segments import LiveView
+    from ..text.engine import LexicalHits, TextIndex
 
 __all__ = ["TextIndexMissingError", "open_text_index", "search_batch", "lexical_matches"]
 
@@ -40,7 +40,7 @@ def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: "LiveVie
     section = manifest.get("text")
     if section is None:
         return None
-    from .text.engine import TextIndex
+    from ..text.engine import TextIndex
 
     if "text/meta.json" not in manifest.get("files", {}):
         # A base compacted by a live writer that does not build text indexes yet carries the

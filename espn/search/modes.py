@@ -5,7 +5,7 @@ encoded (the engine releases the GIL), so it costs the critical path only what i
 it after encoding. With `union`, what only BM25 found goes into `Searcher._search` as
 extra documents: their reads start with the ANN scan and they share its MaxSim call. The
 pool of each query (re-ranked head + lexical top `lexical_k`) is then fused by
-`espn.hybrid.fuse`. Filters and the live index's deletions restrict both sides through one
+`espn.search.hybrid.fuse`. Filters and the live index's deletions restrict both sides through one
 bitmap; required (+) and excluded (-) clauses hold for every hit, on both sides.
 """
 
@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .encoders import QueryEmbeddings
+from ..encoders import QueryEmbeddings
 from .explain import explain_results
 from .filtered import FilteredDocs
 from .hybrid import HybridParams, fuse
 from .lexical import lexical_matches, require_text, search_batch
-from .params import SearchParams
-from .results import Hit, QueryResult, SearchStats
-from .text.query import LexicalQuery, parse_query
+from ..params import SearchParams
+from ..results import Hit, QueryResult, SearchStats
+from ..text.query import LexicalQuery, parse_query
 
 if TYPE_CHECKING:
-    from .search.searcher import Searcher, _Timer
-    from .store import RecordBatch
-    from .text.engine import LexicalHits, TextIndex
+    from .searcher import Searcher, _Timer
+    from ..store import RecordBatch
+    from ..text.engine import LexicalHits, TextIndex
 
 __all__ = ["search_modes"]
 
