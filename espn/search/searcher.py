@@ -75,17 +75,18 @@ class Searcher:
         try:
             self.context = open_context(index, view, encoder, self._resources, reader_name, reader_options or {},
                                         self.device, prefetch_threads, early, self.min_hidden_ms)
-        except BaseException:
+            self.defaults = SearchParams.from_manifest(self.manifest["search_defaults"]).validate(
+                self.nlist, self.num_documents)
+            #: The hybrid defaults (mode, fusion), from the manifest.
+            self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
+        except BaseException:  # what this generation opened for itself closes with it
             self._resources.close()
             raise
-        self.defaults = SearchParams.from_manifest(self.manifest["search_defaults"]).validate(
-            self.nlist, self.num_documents)
-        #: The hybrid defaults (mode, fusion), from the manifest.
-        self.hybrid_defaults = HybridParams.from_manifest(self.manifest.get("hybrid"))
         self._token = token
-        self._reopen: dict[str, Any] = dict(reader_name=reader_name, device=device, prefetch_threads=prefetch_threads,
-                            early_rerank=early_rerank, reader_options=reader_options,
-                            min_hidden_ms=min_hidden_ms, filter_cache_bytes=filter_cache_bytes)
+        #: What `refresh` opens the next generation with.
+        self._reopen: dict[str, Any] = dict(
+            reader_name=reader_name, device=device, prefetch_threads=prefetch_threads, early_rerank=early_rerank,
+            reader_options=reader_options, min_hidden_ms=min_hidden_ms, filter_cache_bytes=filter_cache_bytes)
 
     @classmethod
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
