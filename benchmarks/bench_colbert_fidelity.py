@@ -35,7 +35,7 @@ SETTINGS = ("1:float16", "1:int8", "2:float16", "2:int8")
 def exhaustive_run(index: Path, qids: list[str], texts: list[str], k: int = 10,
                    batch: int = 16) -> tuple[dict[str, list[tuple[str, float]]], float]:
     """Top-k (doc id, score) per query, every document scored by MaxSim; and the index's MiB of records."""
-    from espn.searcher import Searcher
+    from espn.search.searcher import Searcher
 
     run: dict[str, list[tuple[str, float]]] = {}
     with Searcher.open(index) as searcher:

@@ -179,7 +179,7 @@ def p50_ms(search: Callable[[int], Any], n: int) -> float:
 def candidate_sets(searcher: Any, queries: Any, texts: Sequence[str], setting: dict[str, Any]) -> list[np.ndarray]:
     """One first stage's candidates per query (doc numbers)."""
     from espn.ann import coarse_assign, search_preassigned
-    from espn.lexical import search_batch
+    from espn.search.lexical import search_batch
     from espn.text.query import parse_query
 
     kind = setting["kind"]

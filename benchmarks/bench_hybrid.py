@@ -20,7 +20,7 @@ Effectiveness: for each split the queries are searched once in dense mode (nDCG@
 `espn search` gives it) and once in hybrid mode per candidate setting (with and without
 `union`), asking for the whole fusion pool with both sides' scores. Lexical-only, RRF
 and the mix at every weight on a 0.05 grid are then fused from those pools with
-`espn.hybrid.fuse`, the function the Searcher itself calls, so they equal what a search
+`espn.search.hybrid.fuse`, the function the Searcher itself calls, so they equal what a search
 with those parameters returns. The default is chosen on train; test is reported with it.
 
 Generalise: the same pools on every collection `collections` writes (see
@@ -78,7 +78,7 @@ def _pools(searcher: Any, queries: list[tuple[str, str]], union: bool, batch: in
 
 
 def _fused_run(pools: dict[str, tuple], params: Any, k: int = 10) -> dict[str, dict[str, float]]:
-    from espn.hybrid import fuse
+    from espn.search.hybrid import fuse
 
     ranked = {}
     for qid, (docs, dense, lexical) in pools.items():

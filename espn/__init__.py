@@ -17,7 +17,7 @@ from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
 
 if TYPE_CHECKING:
-    from .searcher import Searcher
+    from .search.searcher import Searcher
 
 __all__ = [
     "Searcher",
@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "Searcher":
-        from .searcher import Searcher
+        from .search.searcher import Searcher
 
         return Searcher
     raise AttributeError(f"module 'espn' has no attribute {name!r}")

@@ -162,11 +162,15 @@ class TokenCentroids:
     """The centroid first stage of one generation: centroids [C, d] float32 and one Postings per
     segment (the base's memory-mapped, each delta's computed from its records)."""
 
-    def __init__(self, centroids: np.ndarray, parts: Sequence[Postings]) -> None:
+    def __init__(self, centroids: np.ndarray, parts: Sequence[Postings],
+                 quantizer: faiss.IndexFlatIP | None = None) -> None:
+        """quantizer: a flat index over `centroids` already built (shared, not rebuilt)."""
         self.centroids = centroids
         self.parts = list(parts)
-        self._quantizer = faiss.IndexFlatIP(centroids.shape[1])
-        self._quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
+        if quantizer is None:
+            quantizer = faiss.IndexFlatIP(centroids.shape[1])
+            quantizer.add(np.ascontiguousarray(centroids, dtype=np.float32))
+        self._quantizer = quantizer
 
     @classmethod
     def open(cls, index_path: Path) -> "TokenCentroids":
@@ -184,9 +188,7 @@ class TokenCentroids:
 
     def with_parts(self, extra: Sequence[Postings]) -> "TokenCentroids":
         """The same centroids with more segments' postings (a live generation's deltas)."""
-        view = TokenCentroids.__new__(TokenCentroids)
-        view.centroids, view.parts, view._quantizer = self.centroids, self.parts[:1] + list(extra), self._quantizer
-        return view
+        return TokenCentroids(self.centroids, self.parts[:1] + list(extra), self._quantizer)
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, Iterator
 
 if TYPE_CHECKING:
-    from .searcher import Searcher
+    from .search.searcher import Searcher
 
 __all__ = ["Shared", "LiveSearcher"]
 

@@ -118,7 +118,7 @@ class SearchStats:
                 in coarse order), "centroids" (the centroid first stage kept only matching
                 documents, espn.first_stage) or "all" (every document matches: searched
                 unfiltered); None without a filter
-    mode:       dense, lexical or hybrid (see espn.hybrid)
+    mode:       dense, lexical or hybrid (see espn.search.hybrid)
     hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count
                 (the router re-fuses partitions' pools with them)
     syntax:     lexical and hybrid: how the query was read ("plain" or "simple")

@@ -130,7 +130,7 @@ def _fork_workers() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(_subprocess, "spawn"):
         logger.warning("cannot fork uvicorn workers here; each worker imports torch on its own")
         return False
-    import espn.searcher  # noqa: F401  torch, faiss, numpy, the encoders
+    import espn.search.searcher  # noqa: F401  torch, faiss, numpy, the encoders
     import transformers.modeling_utils  # noqa: F401  torch._dynamo & co, imported by every HF model
 
     from . import app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)

@@ -20,7 +20,7 @@ search cannot merge fused scores (RRF ranks and min-max normalisations are per l
 the router asks every partition for its whole fusion pool (`k` = 1000; a partition returns
 at most rerank_count + lexical_k hits) with both sides' scores, rebuilds the pool one index
 would form (the top rerank_count by dense score, the top lexical_k by BM25) and fuses it
-with `espn.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
+with `espn.search.hybrid.fuse`, the Searcher's own function, under the parameters the partitions
 report. What remains different from one index is BM25's corpus statistics (document
 frequencies, average length), which each partition computes over its own documents: with
 documents spread by a hash of their ids they differ by sampling noise only. Measured on 2
@@ -180,7 +180,7 @@ def fuse_hits(per_shard: Sequence[Sequence[SearchHit]], k: int, hybrid: dict[str
     """
     import numpy as np
 
-    from espn.hybrid import HybridParams, fuse
+    from espn.search.hybrid import HybridParams, fuse
 
     seen: dict[str, SearchHit] = {}
     for hits in per_shard:

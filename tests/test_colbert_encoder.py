@@ -28,7 +28,7 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 from espn.encoders import encoder_from_spec
 from espn.encoders.colbert import ColBERTEncoder, checkpoint_format
 from espn.errors import InvalidParameterError
-from espn.searcher import Searcher
+from espn.search.searcher import Searcher
 from helpers import run_espn
 
 SAMPLE = Path(__file__).parents[1] / "espn" / "data" / "sample_corpus.jsonl"

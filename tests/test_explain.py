@@ -18,7 +18,7 @@ from helpers import run_espn
 
 from espn.corpus import passage_text
 from espn.errors import InvalidParameterError
-from espn.explain import can_explain, passage_spans
+from espn.search.explain import can_explain, passage_spans
 from espn.maxsim import record_vectors
 from espn.pooling import pool_vectors
 from espn.results import PassageSpan
@@ -113,7 +113,7 @@ def test_best_matches_against_brute_force() -> None:
     """Synthetic: documents of 0..9 vectors, pairs in chunks smaller than their number."""
     import torch
 
-    from espn.explain import best_matches
+    from espn.search.explain import best_matches
 
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, 10, size=12)

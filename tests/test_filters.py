@@ -17,7 +17,7 @@ import pytest
 from espn import Searcher
 from espn.ann import build_ivf, coarse_assign, IVFConfig, search_preassigned
 from espn.errors import CorpusError
-from espn.filtered import probe_matching, subset_ivf
+from espn.search.filtered import probe_matching, subset_ivf
 from espn.filters import FilterCache, FilterError, canonical_filter, parse_filter
 from espn.metadata import MetadataColumns, MetadataWriter
 from espn_indexing.scan import scan_corpus

@@ -16,8 +16,8 @@ from helpers import run_espn
 from espn import Searcher
 from espn.cli import main as cli_main
 from espn.errors import InvalidParameterError
-from espn.hybrid import fuse
-from espn.lexical import TextIndexMissingError
+from espn.search.hybrid import fuse
+from espn.search.lexical import TextIndexMissingError
 from espn.segments import open_view
 from espn.text import parse_query
 from espn.text.config import TextConfig

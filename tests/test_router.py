@@ -234,7 +234,7 @@ def test_fuse_hits_equals_fusing_the_whole_pool() -> None:
     index would hold (same scores on both sides), for both fusions."""
     import numpy as np
 
-    from espn.hybrid import HybridParams, fuse
+    from espn.search.hybrid import HybridParams, fuse
 
     rng = np.random.default_rng(5)
     n = 60

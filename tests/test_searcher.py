@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from espn import InvalidParameterError, Searcher
-from espn.searcher import _Timer
+from espn.search.context import Timer as _Timer
 
 QUERIES = [
     "How do volcanoes form?", "What causes tides in the ocean?", "best way to store vegetables",

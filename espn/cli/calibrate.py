@@ -14,7 +14,7 @@ from .. import Searcher
 from ..corpus import read_qrels, read_queries
 from ..errors import InvalidParameterError
 from ..evaluation import evaluate, strictly_decreasing
-from ..hybrid import fuse
+from ..search.hybrid import fuse
 from ..index import update_manifest
 from ..params import MAX_K
 from .common import reader_options
@@ -58,7 +58,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _calibrate_hybrid(searcher: Any, queries: list[tuple[str, str]], qrels: Any, args: argparse.Namespace) -> int:
     """Fit the mix weight: one hybrid search per query returns its whole fusion pool with both
-    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.hybrid.fuse`)."""
+    sides' scores, then every weight on a 0.05 grid is fused from those (`espn.search.hybrid.fuse`)."""
     hybrid = searcher.hybrid_params(mode="hybrid", fusion="mix")
     depth = min(MAX_K, searcher.defaults.rerank_count + hybrid.lexical_k)
     pools: dict[str, tuple[list[str], np.ndarray, np.ndarray]] = {}

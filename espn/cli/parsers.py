@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from ..evaluation import DEFAULT_MEASURES
-from ..hybrid import FUSIONS, MODES
+from ..search.hybrid import FUSIONS, MODES
 from ..text.query import SYNTAXES
 from .common import add_reader_options
 

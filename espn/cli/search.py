@@ -23,8 +23,8 @@ from ..encoders.precomputed import load_query_embeddings
 from ..errors import InvalidParameterError
 from ..evaluation import evaluate, strictly_decreasing, write_run
 from ..filters import canonical_filter
-from ..hybrid import HybridParams
-from ..lexical import require_text
+from ..search.hybrid import HybridParams
+from ..search.lexical import require_text
 from ..params import SearchParams
 from ..results import Hit
 from .common import UsageError, check_output_file, one_line, reader_options

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.hybrid import HybridParams
+from espn.search.hybrid import HybridParams
 from espn.index import read_manifest, sha256_file, write_json_atomic
 from espn.generations import read_current
 from espn.text.config import TextConfig

@@ -174,11 +174,11 @@ async def _checked_kwargs(state: AppState, searcher: "Searcher", n_queries: int,
     params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
     hybrid = searcher.hybrid_params(**modes)
     if hybrid.mode != "dense":
-        from espn.lexical import require_text  # as the searcher has: loaded already
+        from espn.search.lexical import require_text  # as the searcher has: loaded already
 
         require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
     if explain and hybrid.mode != "lexical":
-        from espn.explain import can_explain  # the searcher has loaded torch already
+        from espn.search.explain import can_explain  # the searcher has loaded torch already
 
         can_explain(searcher.encoder)
     settings = state.settings

@@ -1,41 +1,42 @@
-"""Lexical and hybrid searches of a Searcher (dense searches stay in `Searcher._search`).
+"""Lexical and hybrid searches over a SearchContext (dense searches: `espn.search.dense`).
 
 Hybrid, per batch: the lexical search starts on a worker thread before the queries are
 encoded (the engine releases the GIL), so it costs the critical path only what is left of
-it after encoding. With `union`, what only BM25 found goes into `Searcher._search` as
+it after encoding. With `union`, what only BM25 found goes into `search_dense` as
 extra documents: their reads start with the ANN scan and they share its MaxSim call. The
 pool of each query (re-ranked head + lexical top `lexical_k`) is then fused by
-`espn.hybrid.fuse`. Filters and the live index's deletions restrict both sides through one
+`espn.search.hybrid.fuse`. Filters and the live index's deletions restrict both sides through one
 bitmap; required (+) and excluded (-) clauses hold for every hit, on both sides.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .encoders import QueryEmbeddings
+from ..encoders import QueryEmbeddings
+from ..params import SearchParams
+from ..results import Hit, QueryResult, SearchStats
+from ..store import RecordBatch
+from ..text.query import LexicalQuery, parse_query
+from .context import SearchContext, Timer
+from .dense import search_dense
 from .explain import explain_results
 from .filtered import FilteredDocs
 from .hybrid import HybridParams, fuse
 from .lexical import lexical_matches, require_text, search_batch
-from .params import SearchParams
-from .results import Hit, QueryResult, SearchStats
-from .text.query import LexicalQuery, parse_query
+from .scoring import ExtraDocs, Scored
 
 if TYPE_CHECKING:
-    from .searcher import Searcher, _Timer
-    from .store import RecordBatch
-    from .text.engine import LexicalHits, TextIndex
+    from ..text.engine import LexicalHits, TextIndex
 
 __all__ = ["search_modes"]
 
 
-def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParams, hybrid: HybridParams,
-                 filtered: FilteredDocs | None, explain: bool, timer: "_Timer",
+def search_modes(context: SearchContext, texts: Sequence[str], params: SearchParams, hybrid: HybridParams,
+                 filtered: FilteredDocs | None, explain: bool, timer: Timer,
                  embeddings: QueryEmbeddings | None = None) -> list[QueryResult]:
     """A lexical or hybrid search of `texts`, read in `hybrid.syntax` (`espn.text.query`).
 
@@ -43,13 +44,13 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
     queries' dense text (as typed in plain syntax; without the simple syntax's operators,
     quotes and excluded clauses).
     """
-    text = require_text(searcher.text, hybrid.mode)
+    text = require_text(context.text, hybrid.mode)
     parsed = [parse_query(query, hybrid.syntax) for query in texts]
-    allowed = filtered.mask if filtered is not None else searcher.live
+    allowed = filtered.mask if filtered is not None else context.live
     if hybrid.mode == "lexical":
         lexical = search_batch(text, parsed, params.k, allowed)
         timer.lap("lexical")
-        results = [_lexical_result(searcher, hits, filtered) for hits in lexical]
+        results = [_lexical_result(context, hits, filtered) for hits in lexical]
     else:
         found: list[LexicalHits] = []
 
@@ -61,28 +62,28 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
             if not hybrid.union:
                 return [], None
             docs = np.unique(np.concatenate([hits.doc_numbers for hits in found]))
-            return [hits.doc_numbers for hits in found], searcher.reader.submit(docs).records() if len(docs) else None
+            return [hits.doc_numbers for hits in found], context.reader.submit(docs).records() if len(docs) else None
 
-        future = searcher._pool.submit(lexical_side)
+        future = context.pool.submit(lexical_side)
         dense_texts = [query.dense_text() for query in parsed]  # as Searcher.dense_queries
-        pools: list = []
+        pools: list[Scored] = []
         try:
             if embeddings is None:
-                embeddings = searcher.encode(dense_texts)
+                embeddings = context.encode(dense_texts)
                 timer.lap("encode")
-            dense = searcher._search(embeddings, params, timer, filtered=filtered, extra=future, pools=pools)
+            dense = search_dense(context, embeddings, params, timer, filtered=filtered, extra=future, pools=pools)
         except BaseException:
-            _release_unused(future)  # whatever _search did not take over (release is idempotent)
+            _release_unused(future)  # whatever search_dense did not take over (release is idempotent)
             raise
-        future.result()  # done: _search waited for it
+        future.result()  # done: search_dense waited for it
         lexical = found
-        results = [_fuse_one(searcher, text, query, pool, hits, result, params.k, hybrid)
+        results = [_fuse_one(context, text, query, pool, hits, result, params.k, hybrid)
                    for query, pool, hits, result in zip(parsed, pools, lexical, dense)]
         timer.lap("fusion")
         if explain:
-            results = explain_results(searcher, dense_texts, embeddings, results)
+            results = explain_results(context, dense_texts, embeddings, results)
     if explain:
-        results = [_with_lexical_matches(searcher, text, query, result) for query, result in zip(parsed, results)]
+        results = [_with_lexical_matches(context, text, query, result) for query, result in zip(parsed, results)]
         timer.lap("explain")
     stage_ms = timer.total()
     used = {**hybrid.to_json(), "rerank_count": params.rerank_count} if hybrid.mode == "hybrid" else None
@@ -93,7 +94,7 @@ def search_modes(searcher: "Searcher", texts: Sequence[str], params: SearchParam
     return results
 
 
-def _release_unused(future: "Future[tuple[Sequence[np.ndarray], RecordBatch | None]]") -> None:
+def _release_unused(future: ExtraDocs) -> None:
     """Wait for the lexical side of a failed search and give its read records back."""
     if not future.cancel() and future.exception() is None:
         _, records = future.result()
@@ -101,8 +102,8 @@ def _release_unused(future: "Future[tuple[Sequence[np.ndarray], RecordBatch | No
             records.release()
 
 
-def _lexical_result(searcher: "Searcher", hits: "LexicalHits", filtered: FilteredDocs | None) -> QueryResult:
-    ids = searcher.ids.external(hits.doc_numbers)
+def _lexical_result(context: SearchContext, hits: "LexicalHits", filtered: FilteredDocs | None) -> QueryResult:
+    ids = context.ids.external(hits.doc_numbers)
     return QueryResult(
         hits=[Hit(doc_id, float(score), None, None, lexical_score=float(score))
               for doc_id, score in zip(ids, hits.scores.tolist())],
@@ -110,7 +111,7 @@ def _lexical_result(searcher: "Searcher", hits: "LexicalHits", filtered: Filtere
                           engine="", matched=None if filtered is None else filtered.matches))
 
 
-def _fuse_one(searcher: "Searcher", text: "TextIndex", query: LexicalQuery,
+def _fuse_one(context: SearchContext, text: "TextIndex", query: LexicalQuery,
               pool: tuple[np.ndarray, np.ndarray, np.ndarray], lexical: "LexicalHits", dense: QueryResult, k: int,
               hybrid: HybridParams) -> QueryResult:
     pool_docs, pool_cls, pool_bow = pool
@@ -120,7 +121,7 @@ def _fuse_one(searcher: "Searcher", text: "TextIndex", query: LexicalQuery,
     bow = np.full(len(docs), np.nan, dtype=np.float32)
     where = np.searchsorted(docs, pool_docs)
     cls[where], bow[where] = pool_cls, pool_bow
-    dense_scores[where] = searcher.weight * pool_cls + (1 - searcher.weight) * pool_bow
+    dense_scores[where] = context.weight * pool_cls + (1 - context.weight) * pool_bow
     lexical_scores = np.full(len(docs), np.nan, dtype=np.float32)
     lexical_scores[np.searchsorted(docs, lexical.doc_numbers)] = lexical.scores
     if query.constrained:  # + and - hold for the dense side's documents too
@@ -130,7 +131,7 @@ def _fuse_one(searcher: "Searcher", text: "TextIndex", query: LexicalQuery,
     top = fused.doc[:k].astype(np.int64)
     rows = np.searchsorted(docs, top)
     hits = [Hit(doc_id, float(score), _maybe(cls[row]), _maybe(bow[row]), dense_score=_maybe(d), lexical_score=_maybe(s))
-            for doc_id, score, row, d, s in zip(searcher.ids.external(top), fused.score[:k].tolist(), rows.tolist(),
+            for doc_id, score, row, d, s in zip(context.ids.external(top), fused.score[:k].tolist(), rows.tolist(),
                                                 fused.dense[:k].tolist(), fused.lexical[:k].tolist())]
     return QueryResult(hits=hits, stats=dense.stats)
 
@@ -139,11 +140,11 @@ def _maybe(value: float) -> float | None:
     return None if value != value else float(value)  # NaN: that side has no score
 
 
-def _with_lexical_matches(searcher: "Searcher", text: "TextIndex", query: LexicalQuery,
+def _with_lexical_matches(context: SearchContext, text: "TextIndex", query: LexicalQuery,
                           result: QueryResult) -> QueryResult:
     hits = []
     for hit in result.hits:
-        number = searcher.ids.internal(hit.doc_id)
-        title, body = searcher.docs.get(number)
+        number = context.ids.internal(hit.doc_id)
+        title, body = context.docs.get(number)
         hits.append(dataclasses.replace(hit, lexical_matches=lexical_matches(text, query, number, title, body)))
     return dataclasses.replace(result, hits=hits)

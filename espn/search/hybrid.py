@@ -24,8 +24,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import InvalidParameterError
-from .text.query import check_syntax
+from ..errors import InvalidParameterError
+from ..text.query import check_syntax
 
 __all__ = ["MODES", "FUSIONS", "HybridParams", "Fused", "fuse"]
 

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
+from ..results import LexicalMatch
+from ..generations import LIVE_DIR
+from ..segments import LiveView
+from ..text.config import TextConfig
+from ..text.engine import LexicalHits, TextIndex
+from ..text.query import LexicalQuery
 from .explain import passage_spans
-from .results import LexicalMatch
-from .generations import LIVE_DIR
-from .text.config import TextConfig
-from .text.query import LexicalQuery
-
-if TYPE_CHECKING:
-    from .segments import LiveView
-    from .text.engine import LexicalHits, TextIndex
 
 __all__ = ["TextIndexMissingError", "open_text_index", "search_batch", "lexical_matches"]
 
@@ -35,13 +33,11 @@ class TextIndexMissingError(InvalidParameterError):
     """Lexical or hybrid search on an index without a full-text index."""
 
 
-def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: "LiveView | None" = None) -> "TextIndex | None":
+def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: LiveView | None = None) -> TextIndex | None:
     """The text index of the generation a Searcher serves, or None when the index has none."""
     section = manifest.get("text")
     if section is None:
         return None
-    from .text.engine import TextIndex
-
     if "text/meta.json" not in manifest.get("files", {}):
         # A base compacted by a live writer that does not build text indexes yet carries the
         # section but not the files: dense only until `espn text-index` adds one again.
@@ -59,7 +55,7 @@ def open_text_index(base_path: Path, manifest: Mapping[str, Any], view: "LiveVie
     return TextIndex(directory, TextConfig.from_json(section.get("analyzer", {})))
 
 
-def require_text(text: "TextIndex | None", mode: str) -> "TextIndex":
+def require_text(text: TextIndex | None, mode: str) -> TextIndex:
     if text is None:
         raise TextIndexMissingError(
             f"mode {mode!r} needs a full-text index and this index has none (it was built before they existed); "
@@ -67,13 +63,13 @@ def require_text(text: "TextIndex | None", mode: str) -> "TextIndex":
     return text
 
 
-def search_batch(text: "TextIndex", queries: Sequence[LexicalQuery], limit: int,
-                 allowed: np.ndarray | None) -> list["LexicalHits"]:
+def search_batch(text: TextIndex, queries: Sequence[LexicalQuery], limit: int,
+                 allowed: np.ndarray | None) -> list[LexicalHits]:
     """Each query's top `limit` by BM25 among the `allowed` documents."""
     return [text.search(query, limit, allowed) for query in queries]
 
 
-def lexical_matches(text: "TextIndex", query: LexicalQuery, doc_number: int, title: str,
+def lexical_matches(text: TextIndex, query: LexicalQuery, doc_number: int, title: str,
                     body: str) -> tuple[LexicalMatch, ...]:
     """What the lexical side matched in one document: each matching clause, its BM25
     contribution and where its words occur in the passage."""

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .corpus import PASSAGE_JOINER, passage_text
-from .encoders import Encoder, QueryEmbeddings
-from .encoders.base import VectorSpans
-from .errors import InvalidParameterError
-from .maxsim import record_vectors
-from .pooling import pool_vectors
-from .results import Explanation, PassageSpan, QueryResult, TokenMatch
-
-if TYPE_CHECKING:
-    from .searcher import Searcher
+from ..corpus import PASSAGE_JOINER, passage_text
+from ..encoders import Encoder, QueryEmbeddings
+from ..encoders.base import VectorSpans
+from ..errors import InvalidParameterError
+from ..maxsim import record_vectors
+from ..pooling import pool_vectors
+from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
+from .context import SearchContext
 
 __all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
 
@@ -112,43 +110,43 @@ def best_matches(q_bow: torch.Tensor, pair_query: np.ndarray, vectors: torch.Ten
     return best, matched
 
 
-def explain_results(searcher: "Searcher", queries: Sequence[str], q: QueryEmbeddings,
+def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbeddings,
                     results: list[QueryResult]) -> list[QueryResult]:
     """The same results with an Explanation on every re-ranked hit (bow_score not None).
 
     queries: the B query strings `q` was encoded from; results: one per query, as
-    `Searcher._search` returned them. One read of the hits' records, one call each to
+    `espn.search.dense.search_dense` returned them. One read of the hits' records, one call each to
     `vector_spans` for the passages and the queries.
     """
-    encoder = searcher.encoder
+    encoder = context.encoder
     can_explain(encoder)
     assert encoder is not None
     targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
                if hit.bow_score is not None]
     if not targets:
         return results
-    numbers = np.array([searcher.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
+    numbers = np.array([context.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
     docs = np.unique(numbers)
     # The records decoded as the search scored them (fp32: int8 codes times their scale).
-    with searcher.reader.submit(docs).records() as records:
-        vectors, offsets = record_vectors(records, searcher.layout)
+    with context.reader.submit(docs).records() as records:
+        vectors, offsets = record_vectors(records, context.layout)
         vectors, row_docs = vectors.cpu(), records.docs.copy()
         rows = records.rows_of(numbers)
-    stored = [searcher.docs.get(int(number)) for number in docs]  # (title, text) per unique document
-    with searcher._tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
+    stored = [context.docs.get(int(number)) for number in docs]  # (title, text) per unique document
+    with context.tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
         passages = [passage_text(title, text) for title, text in stored]
         doc_spans = encoder.vector_spans(passages)
         query_spans = encoder.vector_spans(list(queries), is_query=True)
         query_labels = encoder.vector_labels(list(queries), is_query=True)
-        pool_factor = int(searcher.manifest["store"].get("pool_factor", 1))
+        pool_factor = int(context.manifest["store"].get("pool_factor", 1))
         if pool_factor > 1:
             doc_spans = pooled_spans(encoder, passages, doc_spans, pool_factor)
     doc_of_row = np.searchsorted(docs, row_docs)
     pair_query = np.array([i for i, _ in targets], dtype=np.int64)
     best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
                                  offsets, rows)
-    weight = searcher.weight
-    mean = searcher.bow_reduction == "mean"
+    weight = context.weight
+    mean = context.bow_reduction == "mean"
     explained = [list(result.hits) for result in results]
     for p, ((i, j), row) in enumerate(zip(targets, rows)):
         hit = results[i].hits[j]
