@@ -43,6 +43,7 @@ import numpy as np
 from espn.errors import IndexLockedError, InvalidParameterError
 from espn.index import IndexDirectory, fsync_path, sha256_file, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.pooling_groups import concat_pool_groups, copy_pool_groups
 from espn.segments import (
     LIVE_DIR,
     SEGMENT_FILES,
@@ -56,6 +57,7 @@ from espn.segments import (
 )
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.stored_spans import open_index_groups
 
 from . import live
 from .first_stage import build_first_stage
@@ -221,6 +223,7 @@ def merge_segments(writer: LiveIndex, sources: Sequence[SegmentInfo], out: Path,
     np.save(out / "ids.npy", ids)
     np.save(out / "ids_sorted.npy", np.argsort(ids, kind="stable"))
     _concat_docs(parts, hole, out)
+    group_files = concat_pool_groups([p.path for p in parts], [s.documents for s in sources], out)
     ann = writer.empty_ivf(writer.current().base)
     for part in parts:
         source = faiss.read_index(str(part.file("ann.faiss")))  # in memory: merge_from moves its entries
@@ -231,7 +234,7 @@ def merge_segments(writer: LiveIndex, sources: Sequence[SegmentInfo], out: Path,
     columns = _columns_from_docs(out, n)
     fsync_tree(out)
     column_files = sorted(str(p.relative_to(out)) for p in (out / "metadata").glob("*.npy"))
-    files = {f: file_entry(out / f) for f in [*SEGMENT_FILES, *column_files]}
+    files = {f: file_entry(out / f) for f in [*SEGMENT_FILES, *column_files, *group_files]}
     ranges = records if records is not None else tuple(r for s in sources for r in s.records)
     return SegmentInfo("", first, n, files, ranges, columns)
 
@@ -402,6 +405,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     finally:
         reader.close()
     live._checkpoint("compact-records")
+    copy_pool_groups(open_index_groups(view.base, view), keep, out)  # listed by write_manifest
     _copy_ids_and_docs(view, keep, ids, out)
     columns = _columns_from_docs(out, n)
     records.flush()

@@ -50,11 +50,12 @@ from espn.encoders import Encoder, load_encoder
 from espn.errors import ConflictError, CorpusError, DocumentNotFoundError, IndexLockedError, InvalidParameterError, \
     ReadOnlyIndexError
 from espn.ids import MAX_ID_BYTES, check_doc_id
-from espn.index import FILES, IdMap, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic
+from espn.index import FILES, OPTIONAL_FILES, IdMap, IndexDirectory, fsync_path, read_manifest, sha256_file, write_json_atomic
 from espn.metadata import DEFAULT_LIMITS, MetadataLimits, MetadataWriter, add_from_passages, check_field_count, \
     check_metadata, merge_types, value_type
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.partitioning import PartitionLayout
+from espn.pooling_groups import present_group_files
 from espn.segments import (
     LIVE_DIR,
     SEGMENT_FILES,
@@ -597,7 +598,7 @@ class LiveIndex:
         columns = writer.finish()
         start = current.embeddings_bytes
         # Truncates any unpublished tail first (a crashed writer's), then appends block-aligned.
-        with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start) as records_out:
+        with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start, groups_dir=staging) as records_out:
             records = records_out.append(documents.cls, documents.bow, documents.counts)
             stop = records_out.close()
         _checkpoint("appended")
@@ -619,7 +620,7 @@ class LiveIndex:
         fsync_path(self.live_dir)
         _checkpoint("segment")
         column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
-        files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files]}
+        files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *present_group_files(final)]}
         return SegmentInfo(name, first, n, files, (ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop)),),
                            columns)
 
@@ -745,7 +746,7 @@ class LiveIndex:
                 _remove(path)
                 removed.append(f"{LIVE_DIR}/{path.name}")
         if not root_in_use:
-            for file in FILES:
+            for file in (*FILES, *OPTIONAL_FILES):
                 if (self.root / file).exists():
                     (self.root / file).unlink()
                     removed.append(file)
