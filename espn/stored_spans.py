@@ -8,6 +8,7 @@ from one) take the older way: their passages are re-encoded and pooled again.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -37,9 +38,9 @@ def open_index_groups(index: IndexDirectory, view: LiveView | None) -> StoredPoo
                            lambda _: None)
     parts, firsts = [base], [0]
     for info in view.generation.segments:
-        directory, documents = view.root / LIVE_DIR / info.name, info.documents
         parts.append(shared.attached(f"pool-groups:{info.name}:{info.first}",
-                                     lambda d=directory, n=documents: PoolGroups.open(d, n), lambda _: None))
+                                     functools.partial(PoolGroups.open, view.root / LIVE_DIR / info.name, info.documents),
+                                     lambda _: None))
         firsts.append(info.first)
     return StoredPoolGroups(parts, firsts)
 def spans_from_groups(stored: StoredPoolGroups, numbers: np.ndarray, n_stored: np.ndarray,
