@@ -38,9 +38,9 @@ def open_index_groups(index: IndexDirectory, view: LiveView | None) -> StoredPoo
                            lambda _: None)
     parts, firsts = [base], [0]
     for info in view.generation.segments:
+        directory = view.root / LIVE_DIR / info.name
         parts.append(shared.attached(f"pool-groups:{info.name}:{info.first}",
-                                     functools.partial(PoolGroups.open, view.root / LIVE_DIR / info.name, info.documents),
-                                     lambda _: None))
+                                     functools.partial(PoolGroups.open, directory, info.documents), lambda _: None))
         firsts.append(info.first)
     return StoredPoolGroups(parts, firsts)
 def spans_from_groups(stored: StoredPoolGroups, numbers: np.ndarray, n_stored: np.ndarray,

@@ -620,7 +620,8 @@ class LiveIndex:
         fsync_path(self.live_dir)
         _checkpoint("segment")
         column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
-        files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *present_group_files(final)]}
+        group_files = present_group_files(final)  # pooling groups (espn.pooling_groups), when records are pooled
+        files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files]}
         return SegmentInfo(name, first, n, files, (ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop)),),
                            columns)
 
