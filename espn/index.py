@@ -16,11 +16,13 @@ import numpy as np
 from .errors import DocumentNotFoundError, IndexCorruptError
 from .files import fsync_path, sha256_file, write_json_atomic  # their home is espn.files; here for old importers
 from .mapped import map_npy
+from .pooling_groups import POOL_GROUP_FILES
 from .results import Document
 
 __all__ = [
     "FORMAT_VERSION",
     "FILES",
+    "OPTIONAL_FILES",
     "IndexDirectory",
     "IdMap",
     "DocStore",
@@ -37,13 +39,17 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 #: Files every index holds (besides encoder/, which is checksummed file by file).
 FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
+#: Files an index holds where it has them, checksummed like the others: the pooling groups
+#: of pooled records (espn.pooling_groups). Added within format 2: an index without them
+#: explains by re-encoding, and an older espn opens an index with them.
+OPTIONAL_FILES = POOL_GROUP_FILES
 #: Below this total size `verify="auto"` hashes every file on open; above it only sizes
 #: and the small files (hashing tens of GB at every start would take minutes).
 FULL_VERIFY_LIMIT = 2 << 30
 
 
 def _index_files(directory: Path) -> list[str]:
-    names = [name for name in FILES if (directory / name).exists()]
+    names = [name for name in (*FILES, *OPTIONAL_FILES) if (directory / name).exists()]
     # metadata/: per-field columns (espn.metadata); first_stage/: the token centroid index
     # (espn.first_stage); text/: the full-text index (espn.text), whose
     # engine lock files (dot files) are not part of the index

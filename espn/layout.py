@@ -4,8 +4,8 @@ file) touches the file system.
 
 A name is relative, written in normal form (no `.`, `..`, empty or hidden components, no
 backslashes), at most a few levels deep, and of a kind the layout has (espn/segments.py):
-a file of the root's base (`manifest.json`, `ann.faiss`, `metadata/<field>.npy`,
-`text/...`) or, under `live/`, a numbered base, delta segment or side-index directory
+a file of the root's base (`manifest.json`, `ann.faiss`, `pool_groups.npy`,
+`metadata/<field>.npy`, `text/...`) or, under `live/`, a numbered base, delta segment or side-index directory
 (`base-NNNNNN/`, `seg-NNNNNN/`, `text-NNNNNN/`) or a tombstone file (`tomb-NNNNNN.npy`).
 `live/`'s own control files (`CURRENT`, `LOCK`, `gen-*.json`, `PUBLISHED`) are never a
 piece of a generation, so no record can overwrite them.

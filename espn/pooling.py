@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import InvalidParameterError
 
-__all__ = ["pool_vectors", "pool_documents"]
+__all__ = ["pool_vectors", "pool_documents", "pool_documents_grouped"]
 
 
 def pool_vectors(vectors: np.ndarray, factor: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,13 +58,23 @@ def pool_documents(bow: np.ndarray, counts: np.ndarray, factor: int) -> tuple[np
     One clustering per document (a loop over the chunk's documents at index time; Ward on
     ~250 vectors takes well under a millisecond).
     """
+    if factor == 1:
+        return np.asarray(bow), np.asarray(counts, dtype=np.int64)
+    pooled, new_counts, _ = pool_documents_grouped(bow, counts, factor)
+    return pooled, new_counts
+
+
+def pool_documents_grouped(bow: np.ndarray, counts: np.ndarray, factor: int
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`pool_documents` plus the groups: (pooled bow, pooled counts [n], groups [sum(counts)] int64),
+    where groups holds each document's `pool_vectors` groups in turn (what
+    `espn.pooling_groups` stores so that explain need not pool again)."""
     counts = np.asarray(counts, dtype=np.int64)
     bow = np.asarray(bow)
-    if factor == 1:
-        return bow, counts
     ends = np.cumsum(counts)
-    parts = [pool_vectors(bow[end - count: end], factor)[0] for end, count in zip(ends.tolist(), counts.tolist())]
-    new_counts = np.array([len(p) for p in parts], dtype=np.int64)
+    results = [pool_vectors(bow[end - count: end], factor) for end, count in zip(ends.tolist(), counts.tolist())]
+    new_counts = np.array([len(pooled) for pooled, _ in results], dtype=np.int64)
     width = bow.shape[1] if bow.ndim == 2 else 0
-    pooled = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
-    return pooled.reshape(-1, width), new_counts
+    pooled = np.concatenate([p for p, _ in results]) if results else np.zeros((0, width), np.float32)
+    groups = np.concatenate([g for _, g in results]) if results else np.zeros(0, np.int64)
+    return pooled.reshape(-1, width), new_counts, groups.astype(np.int64, copy=False)

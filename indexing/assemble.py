@@ -100,7 +100,8 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
     started = time.perf_counter()
-    with RecordWriter(staging / "embeddings.bin", layout) as writer, open(staging / "docs.jsonl", "wb") as docs:
+    with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
+            open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
             chunk = read_chunk(work.path, c)
             if partitions > 1:

@@ -14,6 +14,7 @@ import numpy as np
 from espn.files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.pooling_groups import present_group_files
 from espn.generations import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
 from espn.store.format import RecordWriter, StoreLayout
 
@@ -44,7 +45,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     columns = writer.finish()
     start = current.embeddings_bytes
     # Truncates any unpublished tail first (a crashed writer's), then appends block-aligned.
-    with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start) as records_out:
+    with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start, groups_dir=staging) as records_out:
         records = records_out.append(documents.cls, documents.bow, documents.counts)
         stop = records_out.close()
     checkpoint("appended")
@@ -59,7 +60,8 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     fsync_path(live_dir)
     checkpoint("segment")
     column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
-    files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files]}
+    group_files = present_group_files(final)  # pooling groups (espn.pooling_groups), when records are pooled
+    files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files]}
     appended = ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop))
     return SegmentInfo(name, first, n, files, (appended,), columns)
 

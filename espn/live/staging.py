@@ -18,7 +18,7 @@ from typing import ContextManager, Iterator, Protocol
 
 from espn.files import fsync_path, remove_path
 from espn.files import lock_is_free as _unused  # a module name of its own: tests replace it
-from espn.index import FILES
+from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generations import LIVE_DIR, Generation, read_current, read_generation
 
@@ -155,7 +155,7 @@ def _held_generations(live_dir: Path, current: Generation) -> list[Generation] |
 def _remove_first_base(root: Path) -> list[str]:
     """The root's own index files, once no generation or reader needs the first base."""
     removed = []
-    for file in FILES:
+    for file in (*FILES, *OPTIONAL_FILES):
         if (root / file).exists():
             (root / file).unlink()
             removed.append(file)

@@ -20,10 +20,10 @@ import numpy as np
 from ..encoders import Encoder, QueryEmbeddings
 from ..errors import InvalidParameterError
 from ..first_stage import FirstStageConfig, TokenCentroids
-from ..index import DocStore, IdMap
+from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
 from ..prefetch import PrefetchModel
-from ..segments import RecordTable, SegmentedDocStore, SegmentedIdMap
+from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap
 from ..store import Reader
 from ..store.format import StoreLayout
 from ..text.engine import TextIndex
@@ -41,6 +41,9 @@ class SearchContext:
     packed once per generation; list_sizes [nlist] int64, codes per IVF list.
     """
 
+    #: the index directory (a live index's base) and the live-index generation served (None: no live index)
+    index: IndexDirectory
+    view: LiveView | None
     manifest: Mapping[str, Any]
     layout: StoreLayout
     records: np.ndarray | RecordTable

@@ -5,7 +5,10 @@ search pipeline itself does no extra work. For the re-ranked hits it reads their
 once more (one batched read), recomputes each query vector's best match with its argmax,
 and asks the encoder where the matched vector came from in the stored passage
 (`Encoder.vector_spans`: tokenizer offsets for the generic encoder, the gated whole words
-for ColBERTer). The per-token contributions add up to the hit's bow_score.
+for ColBERTer). For pooled records the pooling groups stored beside them
+(`espn.stored_spans`) say which of those vectors each stored vector merged; a document
+without stored groups is re-encoded and pooled again (`pooled_spans`). The per-token
+contributions add up to the hit's bow_score.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from ..encoders.base import VectorSpans
 from ..errors import InvalidParameterError
 from ..maxsim import record_vectors
 from ..pooling import pool_vectors
+from ..pooling_groups import merge_group_spans
 from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
+from ..stored_spans import open_index_groups, spans_from_groups
 from .context import SearchContext
 
 __all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
@@ -68,13 +73,8 @@ def pooled_spans(encoder: Encoder, passages: Sequence[str], spans: list[VectorSp
     out: list[VectorSpans] = []
     for (_, bow), source_spans in zip(embedded.split(), spans):
         _, groups = pool_vectors(bow.astype(np.float16), factor)
-        if len(groups) != len(source_spans):
-            out.append([])  # the caller sees a count mismatch and reports it
-            continue
-        merged: VectorSpans = [[] for _ in range(int(groups.max()) + 1 if len(groups) else 0)]
-        for source, group in enumerate(groups.tolist()):
-            merged[group].extend(source_spans[source])
-        out.append(merged)
+        # A count mismatch gives no spans: the caller sees it and reports it.
+        out.append(merge_group_spans(groups, source_spans) if len(groups) == len(source_spans) else [])
     return out
 
 
@@ -139,8 +139,11 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
         query_spans = encoder.vector_spans(list(queries), is_query=True)
         query_labels = encoder.vector_labels(list(queries), is_query=True)
         pool_factor = int(context.manifest["store"].get("pool_factor", 1))
-        if pool_factor > 1:
-            doc_spans = pooled_spans(encoder, passages, doc_spans, pool_factor)
+        if pool_factor > 1:  # the writer's stored groups; re-encode only documents that have none
+            source_spans = doc_spans
+            doc_spans = spans_from_groups(
+                open_index_groups(context.index, context.view), docs, context.records[docs]["n_bow"], source_spans,
+                lambda at: pooled_spans(encoder, [passages[i] for i in at], [source_spans[i] for i in at], pool_factor))
     doc_of_row = np.searchsorted(docs, row_docs)
     pair_query = np.array([i for i, _ in targets], dtype=np.int64)
     best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,

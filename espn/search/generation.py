@@ -80,7 +80,7 @@ def open_context(index: IndexDirectory, view: LiveView | None, encoder: Encoder 
         raise InvalidParameterError(f"{index.path}: the manifest's first stage is {first_stage.kind!r} "
                                     f"but the index has no {FIRST_STAGE_DIR}/ (rebuild it)")
     return SearchContext(
-        manifest=manifest, layout=layout, records=records, ann=ann, ids=ids, docs=docs, live=live,
+        index=index, view=view, manifest=manifest, layout=layout, records=records, ann=ann, ids=ids, docs=docs, live=live,
         # The live bitmap is packed for FAISS once per generation, not once per search.
         live_selector=None if live is None else bitmap_selector(live),
         live_count=len(records) if live is None else int(np.count_nonzero(live)),

@@ -10,7 +10,9 @@ Two storage types (`StoreLayout.dtype`, the manifest's `store.dtype`):
   segment written later decodes the same way. Half the bytes of fp16, plus 2 per vector.
 
 With `pool_factor` F > 1 the writer pools each document's BOW vectors to about n / F
-(`espn.pooling`) before storing them; readers need not know.
+(`espn.pooling`) before storing them; readers need not know. Given a `groups_dir` it
+records which encoder vectors each stored vector merged (`espn.pooling_groups`), for
+explanations.
 
 A record never straddles a block boundary needlessly: it starts where the last one ended
 unless that would make it span more blocks than its length needs, in which case it starts
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
-from ..pooling import pool_documents
+from ..pooling import pool_documents_grouped
+from ..pooling_groups import PoolGroupsWriter
 
 __all__ = [
     "RECORD_DTYPE",
@@ -198,11 +201,16 @@ class RecordWriter:
     writer of records (the build, delta segments) goes through here, so they all agree
     with the manifest. Not thread-safe; one writer per file. `close()` pads the file to
     whole blocks and fsyncs it.
+
+    groups_dir: where the pooling groups of the documents this writer pools go
+    (`espn.pooling_groups`: the build's staging directory, a delta segment's); written at
+    `close()`, nothing when the layout does not pool.
     """
 
-    def __init__(self, path: Path, layout: StoreLayout, resume_at: int = 0) -> None:
+    def __init__(self, path: Path, layout: StoreLayout, resume_at: int = 0, groups_dir: Path | None = None) -> None:
         self.layout = layout
         self.path = Path(path)
+        self._groups = PoolGroupsWriter(groups_dir) if groups_dir is not None and layout.pool_factor > 1 else None
         mode = "r+b" if resume_at and self.path.exists() else "wb"
         self._file: IO[bytes] = open(self.path, mode)
         self._file.truncate(resume_at)
@@ -226,7 +234,10 @@ class RecordWriter:
             raise ValueError(f"{len(cls)} CLS rows and {len(bow)} BOW rows do not match counts (n={len(counts)}, "
                              f"sum={int(counts.sum())})")
         if lay.pool_factor > 1:
-            bow, counts = pool_documents(bow, counts, lay.pool_factor)
+            source_counts = counts
+            bow, counts, groups = pool_documents_grouped(bow, counts, lay.pool_factor)
+            if self._groups is not None:
+                self._groups.append(groups, source_counts)
         lengths = np.asarray(record_nbytes(counts, lay))
         offsets, end = place_records(lengths, lay.block_size, self.position)
 
@@ -267,6 +278,9 @@ class RecordWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        if self._groups is not None:
+            self._groups.finish()
+            self._groups = None
         return self.position
 
     def __enter__(self) -> "RecordWriter":
@@ -275,6 +289,9 @@ class RecordWriter:
     def __exit__(self, *exc: object) -> None:
         if not self._file.closed:
             self._file.close()
+        if self._groups is not None:  # closed without close(): the groups of a failed write go
+            self._groups.abort()
+            self._groups = None
 
 
 def _put(buf: np.ndarray, at: int, data: np.ndarray) -> int:
