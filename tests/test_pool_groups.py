@@ -1,7 +1,7 @@
 """Pooling groups stored beside pooled records (espn/pooling_groups.py, espn/stored_spans.py).
 
 The reference everywhere is the older way: re-encode the passage and pool it again
-(`espn.explain.pooled_spans`). Explanations read from stored groups must give exactly its
+(`espn.search.explain.pooled_spans`). Explanations read from stored groups must give exactly its
 spans, without a forward pass, on an index built now, after live writes, merges and base
 rewrites, across a snapshot restore; an index without the files (built before them) and
 damaged files fall back to re-encoding.
@@ -21,15 +21,16 @@ from espn import Searcher
 from espn.cli import main as cli_main
 from espn.corpus import passage_text
 from espn.errors import IndexCorruptError
-from espn.explain import passage_spans, pooled_spans
+from espn.search.explain import passage_spans, pooled_spans
 from espn.index import read_manifest, write_json_atomic
 from espn.pooling import pool_documents, pool_documents_grouped, pool_vectors
 from espn.pooling_groups import (GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES, PoolGroups, PoolGroupsWriter,
                                  StoredPoolGroups, concat_pool_groups, copy_pool_groups, merge_group_spans)
 from espn.segments import read_current
 from espn.store.format import RecordWriter, StoreLayout
-from espn_indexing.compaction import CompactionPolicy, run_compaction
-from espn_indexing.live import LiveIndex, NewDocument
+from espn.live.compaction import CompactionPolicy, run_compaction
+from espn.live.checks import NewDocument
+from espn.live.live_index import LiveIndex
 
 QUERIES = ["why does the moon turn red during a lunar eclipse", "what causes ocean tides",
            "coral reefs and warm water", "volcano eruptions and lava"]
