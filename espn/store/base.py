@@ -651,6 +651,8 @@ class Reader(abc.ABC):
         whose rows for the doc numbers already served are unchanged (so reads in flight, and
         searches of older generations, are unaffected). False when this reader cannot (it
         does not follow appends, or `records` is shorter): the caller opens another."""
+        if records is self.records:  # the table it was opened with: nothing to extend (no second copy)
+            return True
         if not self.follows_appends or len(records) < len(self.records):
             return False
         self.file_size = self.path.stat().st_size
