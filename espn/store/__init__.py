@@ -23,6 +23,7 @@ from .kvikio import KvikioReader
 from .memory import MemoryReader
 from .mmap import MmapReader
 from .posix import PosixReader
+from .record_cache import CachedReader, with_record_cache
 
 __all__ = [
     "RECORD_DTYPE",
@@ -48,6 +49,8 @@ __all__ = [
     "KvikioReader",
     "MmapReader",
     "MemoryReader",
+    "CachedReader",
+    "with_record_cache",
     "READERS",
     "default_reader_name",
     "open_reader",
@@ -80,6 +83,8 @@ def open_reader(
 ) -> Reader:
     """Open the reader called `name` (None: `default_reader_name(device)`) on embeddings.bin.
 
+    options go to the reader's class, except `record_cache_mb` (> 0: the reader behind a
+    `CachedReader` with that RAM budget; `espn.store.record_cache`).
     Raises ValueError for an unknown name (listing the known ones) and
     BackendUnavailableError, with the install command, for a backend that cannot run here.
     """
@@ -92,4 +97,10 @@ def open_reader(
     reason = cls.unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(reason)
-    return cls(Path(path), records, layout, device, **options)
+    record_cache_mb = options.pop("record_cache_mb", None)
+    reader = cls(Path(path), records, layout, device, **options)
+    try:
+        return with_record_cache(reader, record_cache_mb)
+    except BaseException:
+        reader.close()
+        raise
