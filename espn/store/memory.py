@@ -70,7 +70,7 @@ def load_file(path: Path, size: int, chunk_bytes: int = LOAD_CHUNK_BYTES) -> np.
     fd = os.open(path, os.O_RDONLY)
     try:
         _advise(fd, 0, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
-        view = memoryview(array)  # writable; preadv fills it in place
+        view = array.data  # a writable memoryview; preadv fills it in place
         got = 0
         while got < size:
             n = os.preadv(fd, [view[got: min(size, got + chunk_bytes)]], got)

@@ -37,7 +37,7 @@ __all__ = ["FrequencySketch", "CachedReader", "SLOT_PERCENTILE", "with_record_ca
 SLOT_PERCENTILE = 95.0
 #: Readers the cache may front: those that read each request from storage into a buffer of
 #: their own (memory already holds everything; mmap's page cache is a cache of its own).
-CACHEABLE = ("posix", "kvikio")
+CACHEABLE = ("posix",)
 #: Residents sampled per admission candidate when the arena is full.
 VICTIM_SAMPLES = 4
 _MiB = 1 << 20
@@ -121,7 +121,7 @@ class _CachedFetch(Fetch):
             out = np.empty(head + sum(spans) + slot_bytes, dtype=np.uint8)  # + a slot: admission windows
             out[:head] = self._hit_rows.reshape(-1)
             for b, (buffer, span) in enumerate(zip(batch.buffers, spans)):
-                out[int(bases[b]): int(bases[b]) + span] = np.frombuffer(buffer, dtype=np.uint8, count=span)
+                out[int(bases[b]): int(bases[b]) + span] = np.asarray(buffer)[:span]
             rows = batch.rows_of(self._docs[miss])
             starts[miss] = bases[batch.buffer_of[rows]] + batch.starts[rows]
             read_bytes, ios = batch.bytes_read, batch.ios
@@ -148,6 +148,10 @@ class CachedReader(Reader):
     Host buffers only: the cache is for the CPU path.
     """
 
+    name = "posix"  # what it fronts (CACHEABLE): stats and metrics name the reader that reads
+    io_bound = True
+    follows_appends = True
+
     def __init__(self, inner: Reader, budget_bytes: int) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise InvalidParameterError(f"record_cache_mb must be a positive number, got {budget_bytes / _MiB!r}")
@@ -157,9 +161,6 @@ class CachedReader(Reader):
                 f"the CPU), not the {inner.name} reader on {inner.device}")
         super().__init__(inner.path, inner.records, inner.layout, inner.device)
         self.inner = inner
-        self.name = inner.name
-        self.io_bound = inner.io_bound
-        self.follows_appends = inner.follows_appends
         self.slot_bytes = _slot_bytes(inner.records)
         n_slots = int(budget_bytes) // self.slot_bytes
         if n_slots < 1:
