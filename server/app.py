@@ -112,6 +112,7 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
                 stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
             if results:
                 metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+                metrics.observe_waves(results[0].stats.waves, results[0].stats.waves_skipped)
                 metrics.set_record_cache(searcher.reader.describe().get("record_cache"))
             outcomes.append(results)
         return outcomes

@@ -82,6 +82,10 @@ class ServerMetrics:
         )
         self.prefetched = Counter("espn_prefetched_documents", "documents read by prefetch waves", registry=reg)
         self.missed = Counter("espn_missed_documents", "final candidates read in the critical path", registry=reg)
+        self.waves = Counter("espn_prefetch_waves", "prefetch waves the cost model took (espn.prefetch)", registry=reg)
+        self.waves_skipped = Counter(
+            "espn_prefetch_waves_skipped", "prefetch waves the cost model declined: the scan still to come could not "
+            "hide their reads here (too little scan left, or reads that steal the scan's cores)", registry=reg)
         self.bytes_read = Counter("espn_read_bytes", "bytes read from the embedding store", registry=reg)
         self.ios = Counter("espn_read_ios", "read requests issued to the embedding store", registry=reg)
         self.queued = Gauge(
@@ -132,6 +136,11 @@ class ServerMetrics:
     def set_reader(self, reader: str, engine: str) -> None:
         """The reader and I/O engine as labels (the engine is chosen at open: io_uring, aio, threads)."""
         self.reader_info.labels(reader, engine).set(1)
+
+    def observe_waves(self, waves: int, skipped: int) -> None:
+        """Once per Searcher.search call: the prefetch waves it took and those the cost model declined."""
+        self.waves.inc(waves)
+        self.waves_skipped.inc(skipped)
 
     def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None:
         """The reader's hot-record cache counters (`CachedReader.stats`; None: no cache)."""

@@ -143,5 +143,8 @@ def test_serve_flag_and_metrics(sample_index: Path, tmp_path: Path) -> None:
         requests, hits = _sample(text, "espn_record_cache_requests"), _sample(text, "espn_record_cache_hits")
         assert requests > 0 and hits >= requests / 3, "a repeated query is served from the cache"
         assert _sample(text, "espn_record_cache_bytes") >= 3 << 20
+        # The prefetch planner's decisions are exported (present; counts depend on the machine).
+        _sample(text, "espn_prefetch_waves_total")
+        _sample(text, "espn_prefetch_waves_skipped_total")
         ready = httpx.get(f"{server.base_url}/readyz").json()
         assert "record_cache" in json.dumps(ready)
