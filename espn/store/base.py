@@ -601,12 +601,14 @@ class Reader(abc.ABC):
             raise IndexCorruptError(f"embedding file {self.path} does not exist")
         self.file_size = self.path.stat().st_size
         if len(records):
-            # Records are appended in order, so the last one ends furthest.
-            last = records[-1]
-            if int(last["offset"]) + int(last["length"]) > self.file_size:
+            # The record that ends furthest: any of a table (laid out in IVF-list order, say),
+            # the last of a live index's rows (deltas are appended past the base's records).
+            rows = records if isinstance(records, np.ndarray) else records[np.array([len(records) - 1])]
+            end = int(np.max(np.asarray(rows["offset"], dtype=np.int64) + np.asarray(rows["length"], dtype=np.int64)))
+            if end > self.file_size:
                 raise IndexCorruptError(
-                    f"{self.path} has {self.file_size} bytes but records.npy says the last "
-                    f"record ends at byte {int(last['offset']) + int(last['length'])}"
+                    f"{self.path} has {self.file_size} bytes but records.npy says a record "
+                    f"ends at byte {end}"
                 )
 
     # -- what a backend provides ---------------------------------------------------------
