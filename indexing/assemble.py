@@ -24,6 +24,7 @@ from espn.metadata import MetadataWriter, add_from_passages
 from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.store.record_order import RECORD_ORDER, reorder_index_records
 
 from espn.text.config import TextConfig
 
@@ -145,6 +146,9 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     faiss.write_index(index, str(staging / "ann.faiss"))
     del cls_tmp
     (staging / "cls.tmp.npy").unlink()
+    del records  # replaced: the records of each IVF list are stored together (espn.store.record_order)
+    file_bytes = reorder_index_records(staging, layout.block_size)
+    records = np.load(staging / "records.npy", mmap_mode="r")
     first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config))
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
@@ -154,7 +158,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "encoder": encoder_config,
         "counts": {"documents": n_docs, "bow_vectors": n_bow, "bow_vectors_encoded": n_encoded},
-        "store": {**layout.manifest(), "file_bytes": file_bytes},
+        "store": {**layout.manifest(), "file_bytes": file_bytes, "record_order": RECORD_ORDER},
         "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
                 "metric": "inner_product", "trained_on": int(len(sample))},
         "score": {"w": weight if weight is not None else 0.3,

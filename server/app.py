@@ -59,7 +59,7 @@ def _open_searcher(settings: ServerSettings) -> "Searcher":
     # N workers x all cores each would oversubscribe the CPU; give each its share.
     torch.set_num_threads(settings.effective_torch_threads)
     return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
-                         reader_options=settings.reader_options())
+                         reader_options=settings.reader_open_options())
 
 
 def _read_only(settings: ServerSettings) -> bool:
@@ -114,6 +114,8 @@ def _batch_search_many(state: AppState, metrics: ServerMetrics):  # noqa: ANN202
                 stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
             if results:
                 metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+                metrics.observe_waves(results[0].stats.waves, results[0].stats.waves_skipped)
+                metrics.set_record_cache(searcher.reader.describe().get("record_cache"))
             outcomes.append(results)
         return outcomes
 

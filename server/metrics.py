@@ -82,6 +82,10 @@ class ServerMetrics:
         )
         self.prefetched = Counter("espn_prefetched_documents", "documents read by prefetch waves", registry=reg)
         self.missed = Counter("espn_missed_documents", "final candidates read in the critical path", registry=reg)
+        self.waves = Counter("espn_prefetch_waves", "prefetch waves the cost model took (espn.prefetch)", registry=reg)
+        self.waves_skipped = Counter(
+            "espn_prefetch_waves_skipped", "prefetch waves the cost model declined: the scan still to come could not "
+            "hide their reads here (too little scan left, or reads that steal the scan's cores)", registry=reg)
         self.bytes_read = Counter("espn_read_bytes", "bytes read from the embedding store", registry=reg)
         self.ios = Counter("espn_read_ios", "read requests issued to the embedding store", registry=reg)
         self.queued = Gauge(
@@ -92,6 +96,15 @@ class ServerMetrics:
             "espn_reader_info", "1 for the embedding reader and I/O engine in use", ["reader", "engine"],
             multiprocess_mode="max", registry=reg,
         )
+        self.record_cache_requests = Gauge(
+            "espn_record_cache_requests", "records asked of the hot-record cache since the worker opened its index "
+            "(--record-cache-mb)", multiprocess_mode="livesum", registry=reg)
+        self.record_cache_hits = Gauge(
+            "espn_record_cache_hits", "records the hot-record cache served from RAM (hit rate: hits / requests)",
+            multiprocess_mode="livesum", registry=reg)
+        self.record_cache_bytes = Gauge(
+            "espn_record_cache_bytes", "RAM held by the hot-record cache (arena, maps, sketch)",
+            multiprocess_mode="livesum", registry=reg)
         self.ready = Gauge(
             "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=reg
         )
@@ -123,6 +136,18 @@ class ServerMetrics:
     def set_reader(self, reader: str, engine: str) -> None:
         """The reader and I/O engine as labels (the engine is chosen at open: io_uring, aio, threads)."""
         self.reader_info.labels(reader, engine).set(1)
+
+    def observe_waves(self, waves: int, skipped: int) -> None:
+        """Once per Searcher.search call: the prefetch waves it took and those the cost model declined."""
+        self.waves.inc(waves)
+        self.waves_skipped.inc(skipped)
+
+    def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None:
+        """The reader's hot-record cache counters (`CachedReader.stats`; None: no cache)."""
+        if stats is not None:
+            self.record_cache_requests.set(stats["requests"])
+            self.record_cache_hits.set(stats["hits"])
+            self.record_cache_bytes.set(stats["bytes"])
 
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, method, str(status)).inc()

@@ -94,6 +94,9 @@ class ServerSettings(BaseSettings):
     io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once; unset: 64")
     max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read; unset: 1 MiB")
     direct: Optional[bool] = Field(None, description="false: buffered reads instead of O_DIRECT; unset: O_DIRECT")
+    record_cache_mb: float = Field(0.0, ge=0.0, le=1 << 20,
+                                   description="RAM (MiB) for a cache of frequently read records in front of the "
+                                               "posix reader, admitted by frequency; 0: off")
 
     # Request limits.
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
@@ -255,6 +258,13 @@ class ServerSettings(BaseSettings):
         for name in ("io_depth", "max_extent_bytes", "direct"):
             if getattr(self, name) is not None:
                 options[name] = getattr(self, name)
+        return options
+
+    def reader_open_options(self) -> dict[str, Any]:
+        """reader_options() plus the record cache (which applies to any reader that reads from storage)."""
+        options = self.reader_options()
+        if self.record_cache_mb:
+            options["record_cache_mb"] = self.record_cache_mb
         return options
 
     @property

@@ -26,7 +26,7 @@ from espn.index import read_manifest, write_json_atomic
 from espn.pooling import pool_documents, pool_documents_grouped, pool_vectors
 from espn.pooling_groups import (GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES, PoolGroups, PoolGroupsWriter,
                                  StoredPoolGroups, concat_pool_groups, copy_pool_groups, merge_group_spans)
-from espn.segments import read_current
+from espn.generations import read_current
 from espn.store.format import RecordWriter, StoreLayout
 from espn.live.compaction import CompactionPolicy, run_compaction
 from espn.live.checks import NewDocument

@@ -69,6 +69,8 @@ def add_reader_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-depth", type=int, metavar="N", help="extents in flight at once (default 64)")
     g.add_argument("--max-extent-bytes", type=int, metavar="N", help="cap on one coalesced read (default 1 MiB)")
     g.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--record-cache-mb", type=float, metavar="MB", default=None,
+                   help="RAM for a cache of frequently read records in front of the reader (default 0: off)")
 
 
 def reader_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,6 +87,8 @@ def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     if options and getattr(args, "reader", None) not in (None, "posix"):
         raise InvalidParameterError(f"--io-engine, --io-depth, --max-extent-bytes and --no-direct apply to the "
                                     f"posix reader only, not --reader {args.reader}")
+    if getattr(args, "record_cache_mb", None):  # espn.store.record_cache; checked where the reader opens
+        options["record_cache_mb"] = args.record_cache_mb
     return options
 
 

@@ -25,6 +25,7 @@ from espn.generations import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_
 from espn.segments import LiveView, empty_ivf
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.store.record_order import RECORD_ORDER, reorder_index_records
 from espn.stored_spans import open_index_groups
 
 from .merging import columns_from_docs, merge_segments, side_on_swap
@@ -167,6 +168,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     np.save(out / "ids_sorted.npy", np.argsort(ids, kind="stable"))
     del ids
     faiss.write_index(ann, str(out / "ann.faiss"))
+    file_bytes = reorder_index_records(out, layout.block_size)  # each IVF list's records together, as a build
     shutil.copytree(base.file("encoder"), out / "encoder")
     previous_stage = base.manifest.get("first_stage")
     # The centroid index is retrained on the kept documents, as a fresh build would.
@@ -175,7 +177,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     manifest = {key: value for key, value in base.manifest.items() if key != "files"}
     manifest["created"] = utc_now()
     manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
-    manifest["store"] = {**store, "file_bytes": file_bytes}
+    manifest["store"] = {**store, "file_bytes": file_bytes, "record_order": RECORD_ORDER}
     manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
     manifest.pop("metadata", None)
     manifest.pop("first_stage", None)

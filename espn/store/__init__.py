@@ -24,6 +24,7 @@ from .memory import MemoryReader
 from .mmap import MmapReader
 from .pending import PendingRead
 from .posix import PosixReader
+from .record_cache import CachedReader, with_record_cache
 from .reader import Reader
 from .records import ReadBatch, RecordBatch
 
@@ -51,6 +52,8 @@ __all__ = [
     "KvikioReader",
     "MmapReader",
     "MemoryReader",
+    "CachedReader",
+    "with_record_cache",
     "READERS",
     "default_reader_name",
     "open_reader",
@@ -83,6 +86,8 @@ def open_reader(
 ) -> Reader:
     """Open the reader called `name` (None: `default_reader_name(device)`) on embeddings.bin.
 
+    options go to the reader's class, except `record_cache_mb` (> 0: the reader behind a
+    `CachedReader` with that RAM budget; `espn.store.record_cache`).
     Raises ValueError for an unknown name (listing the known ones) and
     BackendUnavailableError, with the install command, for a backend that cannot run here.
     """
@@ -95,4 +100,10 @@ def open_reader(
     reason = cls.unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(reason)
-    return cls(Path(path), records, layout, device, **options)
+    record_cache_mb = options.pop("record_cache_mb", None)
+    reader = cls(Path(path), records, layout, device, **options)
+    try:
+        return with_record_cache(reader, record_cache_mb)
+    except BaseException:
+        reader.close()
+        raise

@@ -75,12 +75,14 @@ class Reader(abc.ABC):
             raise IndexCorruptError(f"embedding file {self.path} does not exist")
         self.file_size = self.path.stat().st_size
         if len(records):
-            # Records are appended in order, so the last one ends furthest.
-            last = records[-1]
-            if int(last["offset"]) + int(last["length"]) > self.file_size:
+            # The record that ends furthest: any of a table (laid out in IVF-list order, say),
+            # the last of a live index's rows (deltas are appended past the base's records).
+            rows = records if isinstance(records, np.ndarray) else records[np.array([len(records) - 1])]
+            end = int(np.max(np.asarray(rows["offset"], dtype=np.int64) + np.asarray(rows["length"], dtype=np.int64)))
+            if end > self.file_size:
                 raise IndexCorruptError(
-                    f"{self.path} has {self.file_size} bytes but records.npy says the last "
-                    f"record ends at byte {int(last['offset']) + int(last['length'])}"
+                    f"{self.path} has {self.file_size} bytes but records.npy says a record "
+                    f"ends at byte {end}"
                 )
 
     # -- what a backend provides ---------------------------------------------------------
@@ -125,6 +127,8 @@ class Reader(abc.ABC):
         whose rows for the doc numbers already served are unchanged (so reads in flight, and
         searches of older generations, are unaffected). False when this reader cannot (it
         does not follow appends, or `records` is shorter): the caller opens another."""
+        if records is self.records:  # the table it was opened with: nothing to extend (no second copy)
+            return True
         if not self.follows_appends or len(records) < len(self.records):
             return False
         self.file_size = self.path.stat().st_size
