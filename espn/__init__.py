@@ -36,6 +36,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "Searcher":
+        # Lazy on purpose: Searcher loads torch and FAISS, and `import espn.errors` (the router,
+        # `espn --help`) must not (tests/test_packaging.py checks it).
         from .search.searcher import Searcher
 
         return Searcher

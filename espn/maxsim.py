@@ -13,13 +13,12 @@ caller's one `.cpu()` per wave is the only synchronisation.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .store import RecordBatch, StoreLayout
+from .maxsim_native import LANES, load_kernel, score_pairs_native
+from .store import RecordBatch, StoreLayout, split_records
 
 __all__ = ["maxsim", "maxsim_pairs", "cls_pairs", "score_records", "record_vectors", "QueryScoring"]
 
@@ -194,8 +193,6 @@ class QueryScoring:
         """(bow_t [B, d_bow, S] float32, valid [B, S] uint8): each query's unmasked vectors as
         columns, S = Lq rounded up to the kernel's lanes, masked and padding columns zero."""
         if self._columns is None:
-            from .maxsim_native import LANES
-
             batch, length, dim = self.bow.shape
             stride = max(LANES, -(-length // LANES) * LANES)
             bow_t = np.zeros((batch, dim, stride), dtype=np.float32)
@@ -226,14 +223,10 @@ def score_records(queries: QueryScoring, records: "RecordBatch", layout: "StoreL
     on_host = all(not isinstance(b, torch.Tensor) or b.device.type == "cpu" for b in records.buffers)
     kernel = None
     if native is not False and on_host:
-        from .maxsim_native import load_kernel
-
         kernel = load_kernel()
         if kernel is None and native:
             raise ValueError("the native MaxSim kernel is not built here")
     if kernel is not None:
-        from .maxsim_native import score_pairs_native
-
         bow_t, valid = queries.columns()
         cls, bow = score_pairs_native(kernel, records.addresses(), records.n_bow, layout.d_cls, layout.d_bow,
                                       layout.dtype, queries.cls.numpy(), bow_t, valid, pair_query, pair_row)
@@ -248,8 +241,6 @@ def _split_batch(records: "RecordBatch", layout: "StoreLayout") -> tuple[
         torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, np.ndarray]:
     """Every row's stored values as they are stored (`split_records`), across the batch's
     buffers: cls, cls_scales, bow, bow_scales (None for float16 records), offsets [n + 1]."""
-    from .store import split_records
-
     pieces = []
     for b, buffer in enumerate(records.buffers):  # a buffer's rows are contiguous, buffers in row order
         rows = np.flatnonzero(records.buffer_of == b)

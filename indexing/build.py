@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.encoders.colbert_checkpoint import checkpoint_format
+from espn.encoders.precomputed import PrecomputedEncoder
 from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
@@ -27,6 +28,7 @@ from espn.text.config import TextConfig
 
 from .assemble import assemble, publish
 from .encode import encode_corpus, read_sample
+from .precomputed import import_embeddings
 from .scan import scan_corpus
 from .workdir import WorkDir
 
@@ -247,10 +249,6 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
 
     first_stage: "ivf", "centroids" or "union" (espn.first_stage); None: the IVF alone (the
     shards' CLS vectors are taken to be trained ones unless told)."""
-    from espn.encoders.precomputed import PrecomputedEncoder
-
-    from .precomputed import import_embeddings
-
     out = Path(out).absolute()
     _check_out(out, 1, force)
     work = WorkDir(out)

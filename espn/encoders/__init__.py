@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from ..errors import InvalidParameterError
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
+from .colbert_checkpoint import checkpoint_format
 
 __all__ = ["Encoder", "DocumentEmbeddings", "QueryEmbeddings", "ENCODERS", "ENCODER_SPECS", "encoder_class",
            "encoder_from_spec", "load_encoder"]
@@ -53,18 +54,15 @@ def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None 
     "words") applies to the Hugging Face encoders (ColBERTer always pools whole words)."""
     kind, _, location = spec.partition(":")
     if kind == "minilm" and not location:
-        from .hf import HFEncoder
-
-        return HFEncoder.from_pretrained(None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
+        return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
+            None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
     if kind == "hf" and location:
-        from .colbert import checkpoint_format
-        from .hf import HFEncoder
-
         found = checkpoint_format(location)
         if found is not None:  # never encode a ColBERT checkpoint with the generic recipe
             log.warning("%s holds a %s ColBERT checkpoint: loading it as --encoder colbert:%s", location, found, location)
             return encoder_class("colbert").from_pretrained(location, device=device)  # type: ignore[attr-defined]
-        return HFEncoder.from_pretrained(location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
+        return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
+            location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
     if kind == "colberter" and location:
         return encoder_class("colberter").from_pretrained(location, device=device)  # type: ignore[attr-defined]
     if kind == "colbert" and location:

