@@ -1,18 +1,24 @@
-"""`espn index`, `text-index`, `add` and `index-merge`: registered into the `espn` command by entry point."""
+"""`espn index`, `text-index`, `add` and `index-merge`: their parsers, registered into the `espn` command by entry
+point; their code is espn_indexing.commands."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from espn.encoders import ENCODER_SPECS
-from espn.errors import UsageError
-from espn.live.commands import add_wait_option, print_write
+from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
-from espn.text.config import STEMMER_LANGUAGES, TextConfig
+from espn.text.config import STEMMER_LANGUAGES
 
-__all__ = ["register"]
+__all__ = ["register", "run_command"]
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the build job's command `args.command`; its exit status."""
+    from .commands import COMMANDS  # entry point: the commands load FAISS and torch now, after logging is configured
+
+    return COMMANDS[args.command](args)
 
 
 def _shard(value: str) -> tuple[int, int]:
@@ -27,19 +33,19 @@ def _shard(value: str) -> tuple[int, int]:
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add `index`, `text-index`, `add` and `index-merge` to the `espn` subcommands (the commands
-    that act on a live index are the library's: espn.live.commands)."""
+    that act on a live index are the library's: espn.live.parsers)."""
     _add_index(sub)
     p = sub.add_parser("text-index", help="add a full-text index (for lexical and hybrid search) to an existing index")
     p.add_argument("index", type=Path)
     p.add_argument("--force", action="store_true", help="rebuild it when the index has one")
     _text_options(p)
-    p.set_defaults(handler=cmd_text_index)
+    p.set_defaults(handler=run_command)
     _add_add(sub)
     p = sub.add_parser("index-merge", help="assemble the shards of `espn index --shard I/N` into the index")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--partitions", type=int, default=1)
     p.add_argument("--force", action="store_true")
-    p.set_defaults(handler=cmd_index_merge)
+    p.set_defaults(handler=run_command)
 
 
 def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -77,7 +83,7 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--no-text-index", action="store_true",
                    help="no full-text index (lexical and hybrid search need one; `espn text-index` adds it later)")
     _text_options(p)
-    p.set_defaults(handler=cmd_index)
+    p.set_defaults(handler=run_command)
 
 
 def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -92,7 +98,7 @@ def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     add_wait_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=cmd_add)
+    p.set_defaults(handler=run_command)
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:
@@ -101,73 +107,3 @@ def _text_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-no-stemmer", action="store_true", help="index words unstemmed")
     p.add_argument("--text-no-stop-words", action="store_true", help="keep stop words")
     p.add_argument("--text-ascii-fold", action="store_true", help="fold accented letters to ASCII")
-
-
-def _text_config(args: argparse.Namespace) -> Any:
-    return TextConfig(language=args.text_language, stemmer=not args.text_no_stemmer,
-                      stop_words=not args.text_no_stop_words, ascii_fold=args.text_ascii_fold).validate()
-
-
-def cmd_text_index(args: argparse.Namespace) -> int:
-    from espn.text.directory import add_text_index
-
-    section = add_text_index(args.index, _text_config(args), force=args.force)
-    print(f"{args.index}: full-text index of {section['documents']} passages added ({section['build_s']:.1f}s)")
-    return 0
-
-
-def cmd_index(args: argparse.Namespace) -> int:
-    from .build import DEFAULT_BOW_DTYPE, BuildConfig, build_from_embeddings, build_index, keeping_partial
-
-    manifest: dict[str, Any] | None
-    if args.embeddings is not None:
-        # Precomputed vectors are stored as given unless asked otherwise: they come from another model.
-        manifest = build_from_embeddings(args.embeddings, args.out, block_size=args.block_size, nlist=args.nlist,
-                                         ann=args.ann, pq_m=args.pq_m, chunk_size=args.chunk_size,
-                                         corpus=args.corpus, force=args.force, score_weight=args.score_weight,
-                                         pool_factor=1 if args.pool_factor is None else args.pool_factor,
-                                         bow_dtype=args.bow_dtype or "float16",
-                                         text_index=None if args.no_text_index else _text_config(args),
-                                         first_stage=args.first_stage)
-    else:
-        if args.corpus is None:
-            raise UsageError("give a CORPUS file or --embeddings DIR")
-        config = BuildConfig(
-            corpus=args.corpus, out=args.out, encoder=args.encoder, bow_dim=args.bow_dim, nlist=args.nlist,
-            ann=args.ann, pq_m=args.pq_m, block_size=args.block_size, chunk_size=args.chunk_size,
-            pool_factor=args.pool_factor, bow_dtype=args.bow_dtype or DEFAULT_BOW_DTYPE, bow_pooling=args.bow_pooling,
-            batch_size=args.batch_size, skip_bad=args.skip_bad, force=args.force, shard=args.shard[0],
-            num_shards=args.shard[1], partitions=args.partitions, device=args.device,
-            loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
-            text_index=None if args.no_text_index else _text_config(args), first_stage=args.first_stage,
-        )
-        with keeping_partial(args.out):
-            manifest = build_index(config)
-    if manifest is None:
-        print(f"shard encoded; when all shards are done run: espn index-merge --out {args.out}")
-    else:
-        counts = manifest["counts"]
-        print(f"indexed {counts['documents']} documents ({counts['bow_vectors']} BOW vectors) into {args.out}")
-    return 0
-
-
-def cmd_index_merge(args: argparse.Namespace) -> int:
-    from .build import keeping_partial, merge_index
-
-    with keeping_partial(args.out):
-        manifest = merge_index(args.out, partitions=args.partitions, force=args.force)
-    print(f"merged {manifest['counts']['documents']} documents into {args.out}")
-    return 0
-
-
-def cmd_add(args: argparse.Namespace) -> int:
-    from espn.live.live_index import LiveIndex  # FAISS loads after logging is configured (-v)
-
-    from .bulk import add_corpus
-
-    # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
-    with LiveIndex(args.index) as writer:
-        result = add_corpus(writer, args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
-                            progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait)
-    print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
-    return 0

@@ -22,8 +22,8 @@ from typing import Callable, Sequence, cast
 
 from ..errors import EspnError
 from ..store import READERS
-from ..live import commands as live_commands
-from .parsers import register_calibrate, register_search, register_verify
+from ..live import parsers as live_parsers
+from .parsers import register_calibrate, register_search, register_verify, run_command
 from .common import COMMANDS_GROUP, CliParser, UsageError, configure_logging, one_line
 
 __all__ = ["run", "build_parser", "register_commands"]
@@ -41,7 +41,7 @@ def register_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     register_search(sub, readers)
     register_calibrate(sub, readers)
     register_verify(sub)
-    live_commands.register(sub)
+    live_parsers.register(sub, run_command)
     _register_plugins(sub)
 
 

@@ -3,7 +3,7 @@ replication to object storage (espn.live.replication).
 
 Import from the modules (`from espn.live.live_index import LiveIndex`, `from espn.live.checks
 import NewDocument`): this package imports nothing itself, so `espn.cli` can register the
-live-index commands (espn.live.commands) without loading FAISS before logging is set up.
+live-index commands (espn.live.parsers) without loading FAISS before logging is set up.
 
   checks.py        what a write is (NewDocument, WriteRequest, WriteResult, WriteLimits) and check_write
   encoding.py      documents encoded in memory (EncodedDocuments), shared with the offline build
@@ -21,5 +21,6 @@ live-index commands (espn.live.commands) without loading FAISS before logging is
   commit.py        GroupCommit: writes that arrive together are published together
   snapshot.py      snapshots and restores of one generation
   replication/     object storage: publish, follow, restore, retention
-  commands.py      `espn delete | compact | stats | snapshot | restore | publish`
+  parsers.py       the parsers of `espn delete | compact | stats | snapshot | restore | publish`
+  commands.py      their code (espn.cli runs it once logging is configured)
 """

@@ -1,0 +1,82 @@
+"""The parsers of `espn delete | compact | stats | snapshot | restore | publish`, the commands
+that act on a live index (their code: espn.live.commands).
+
+FAISS-free: `espn --help` builds these without loading the writer, and FAISS loads after
+logging is configured (its loader's lines show with -v).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["register", "add_wait_option"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+_WAIT_HELP = "seconds to wait for the writer lock, which other writers hold while they publish (default 60)"
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    """Add the live-index commands to the `espn` subcommands; `handler` runs them (espn.cli's
+    dispatch, which imports their code, espn.live.commands, once logging is configured)."""
+    _add_delete(sub, handler)
+    _add_compact(sub, handler)
+    p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
+    p.add_argument("index", type=Path)
+    p.set_defaults(handler=handler)
+    _add_snapshot(sub, handler)
+    _add_restore(sub, handler)
+    _add_publish(sub, handler)
+
+
+def add_wait_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", type=float, default=60.0, help=_WAIT_HELP)
+
+
+def _add_delete(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("delete", help="delete documents of a live index by external id")
+    p.add_argument("index", type=Path)
+    p.add_argument("ids", nargs="*", help="external document ids")
+    p.add_argument("--ids-file", type=Path, help="a file of ids, one per line")
+    add_wait_option(p)
+    p.set_defaults(handler=handler)
+
+
+def _add_compact(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("compact", help="merge a live index's segments into one, dropping deleted documents")
+    p.add_argument("index", type=Path)
+    add_wait_option(p)
+    p.set_defaults(handler=handler)
+
+
+def _add_snapshot(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("snapshot", help="copy the current generation of an index (served and written or not) "
+                                        "to a new directory: a consistent, servable point-in-time copy")
+    p.add_argument("index", type=Path)
+    p.add_argument("dest", type=Path, help="a new directory (hard links for immutable files where the filesystem allows)")
+    p.set_defaults(handler=handler)
+
+
+def _add_restore(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("restore", help="a servable index directory from a snapshot or from object storage "
+                                       "(s3://BUCKET/PREFIX), every byte verified")
+    p.add_argument("snapshot", help="a snapshot directory, or s3://BUCKET/PREFIX where `espn publish` wrote")
+    p.add_argument("dest", type=Path, help="a new directory")
+    p.add_argument("--generation", type=int, default=None, help="from object storage: this generation (default: "
+                                                                "the newest published)")
+    p.set_defaults(handler=handler)
+
+
+def _add_publish(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("publish", help="upload the current generation of an index to object storage "
+                                       "(s3://BUCKET/PREFIX; credentials from the AWS_* environment): its files "
+                                       "not stored yet, then its record")
+    p.add_argument("index", type=Path)
+    p.add_argument("url", help="s3://BUCKET/PREFIX (AWS_ENDPOINT_URL for MinIO, Ceph, GCS)")
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="then keep only the newest N generations there (and the files they need); default: keep all")
+    p.add_argument("--min-age-s", type=float, default=3600.0,
+                   help="with --keep: never delete a stored file younger than this (a publish in progress; default 3600)")
+    p.set_defaults(handler=handler)
