@@ -100,7 +100,7 @@ class _PosixFetch(Fetch):
                 except Exception:  # noqa: BLE001 - its error was the caller's to see; only the drain matters here
                     pass
         finally:
-            self._reader._pool.release(buf, in_flight=not pending.drained)
+            self._reader.buffer_pool.release(buf, in_flight=not pending.drained)
 
 
 class PosixReader(Reader):
