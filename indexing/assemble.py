@@ -7,6 +7,7 @@ arrays sized by the corpus are numpy memmaps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -83,16 +84,72 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     encoder_config = job["encoder_config"]
     layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"],
                          dtype=job.get("bow_dtype", "float16"), pool_factor=job.get("pool_factor", 1))
+    n_docs, id_width = _count_documents(work, chunks, partition_layout, job["corpus"])
+    started = time.perf_counter()
+    written = _write_records(work, chunks, staging, layout, n_docs, id_width, partition_layout)
+    _write_id_order(staging, written.ids, job["corpus"])
+    ivf, trained_on = _build_ann(staging, job, layout, n_docs)
+    file_bytes = reorder_index_records(staging, layout.block_size)
+    records = np.load(staging / "records.npy", mmap_mode="r")
+    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config))
+    shutil.copytree(work.encoder_dir, staging / "encoder")
 
-    # Pass 1 (headers only): sizes of the memmaps.
+    weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "encoder": encoder_config,
+        "counts": {"documents": n_docs, "bow_vectors": written.n_bow, "bow_vectors_encoded": written.n_encoded},
+        "store": {**layout.manifest(), "file_bytes": file_bytes, "record_order": RECORD_ORDER},
+        "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
+                "metric": "inner_product", "trained_on": trained_on},
+        "score": {"w": weight if weight is not None else 0.3,
+                  "bow_reduction": encoder_config.get("bow_reduction", "mean"),
+                  "calibrated": weight is not None},
+        "search_defaults": default_search_params(ivf.nlist, n_docs),
+        "partition": partition_layout.to_json(),
+        "source": {"corpus": job["corpus"]},
+    }
+    if written.metadata is not None:
+        manifest["metadata"] = written.metadata
+    if first_stage is not None:
+        manifest["first_stage"] = first_stage
+    if job.get("text_index") is not None:
+        manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
+        manifest["hybrid"] = DEFAULT_HYBRID.to_json()
+    manifest = write_manifest(staging, manifest)
+    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, written.n_bow, file_bytes / 1e6,
+             time.perf_counter() - started)
+    return manifest
+
+
+def _count_documents(work: WorkDir, chunks: list[int], partition_layout: PartitionLayout,
+                     corpus: str) -> tuple[int, int]:
+    """Pass 1 (headers only), the sizes of the memmaps: (documents in the partition, id width in bytes)."""
     n_docs, id_width = 0, 1
     for c in chunks:
         with np.load(chunk_path(work.path, c)) as z:
             n_docs += int(_mine(z["ids"], partition_layout).sum())
             id_width = max(id_width, z["ids"].dtype.itemsize)
     if n_docs == 0:
-        raise CorpusError(f"{job['corpus']}: the partition has no documents")
+        raise CorpusError(f"{corpus}: the partition has no documents")
+    return n_docs, id_width
 
+
+@dataclasses.dataclass
+class _Written:
+    """What pass 2 leaves: the ids memmap (in row order), the vector counts, the metadata section."""
+
+    ids: np.ndarray
+    n_bow: int
+    n_encoded: int
+    metadata: dict[str, Any] | None
+
+
+def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: StoreLayout, n_docs: int, id_width: int,
+                   partition_layout: PartitionLayout) -> _Written:
+    """Pass 2: records into embeddings.bin, ids, document lines and offsets, metadata, and the
+    CLS vectors into cls.tmp.npy (the ANN's input), chunk by chunk."""
     records = np.lib.format.open_memmap(staging / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n_docs,))
     ids = np.lib.format.open_memmap(staging / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n_docs,))
     docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
@@ -100,12 +157,11 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     docs_offsets[0] = 0
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
-    started = time.perf_counter()
     with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
             open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
             chunk = read_chunk(work.path, c)
-            if partitions > 1:
+            if partition_layout.count > 1:
                 chunk = chunk.select(_mine(chunk.ids, partition_layout))
             rows = slice(position, position + len(chunk))
             written = writer.append(chunk.cls, chunk.bow, chunk.counts)
@@ -118,26 +174,33 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
             position += len(chunk)
             n_bow += int(written["n_bow"].sum())
             n_encoded += int(chunk.counts.sum())
-        file_bytes = writer.close()
+        writer.close()
         docs.flush()
         os.fsync(docs.fileno())
-    for array in (records, ids, docs_offsets):
+    for array in (records, ids, docs_offsets, cls_tmp):
         array.flush()
-    metadata_section = metadata.finish()
+    return _Written(ids, n_bow, n_encoded, metadata.finish())
 
+
+def _write_id_order(staging: Path, ids: np.ndarray, corpus: str) -> None:
+    """ids_sorted.npy, the rows in id order; a duplicate id is refused naming both documents."""
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
     if len(dup):
         first = int(dup[0])
         raise CorpusError(
-            f"{job['corpus']}: duplicate document id {bytes(sorted_ids[first]).decode()!r} "
+            f"{corpus}: duplicate document id {bytes(sorted_ids[first]).decode()!r} "
             f"(documents #{int(order[first]) + 1} and #{int(order[first + 1]) + 1}); ids must be unique"
         )
     np.save(staging / "ids_sorted.npy", order)
-    del sorted_ids
 
+
+def _build_ann(staging: Path, job: dict[str, Any], layout: StoreLayout, n_docs: int) -> tuple[IVFConfig, int]:
+    """ann.faiss from cls.tmp.npy (trained on a seeded sample, then every vector added), which it
+    then removes; the IVF configuration and the number of training points."""
     ivf = IVFConfig(nlist=job.get("nlist") or default_nlist(n_docs), kind=job.get("ann", "flat"), pq_m=job.get("pq_m", 32))
+    cls_tmp = np.load(staging / "cls.tmp.npy", mmap_mode="r")
     rng = np.random.default_rng(ivf.seed)
     sample = np.sort(rng.choice(n_docs, size=min(n_docs, ivf.nlist * ivf.train_points_per_list), replace=False))
     index = build_ivf(ivf, layout.d_cls, cls_tmp[sample].astype(np.float32))
@@ -146,39 +209,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     faiss.write_index(index, str(staging / "ann.faiss"))
     del cls_tmp
     (staging / "cls.tmp.npy").unlink()
-    del records  # replaced: the records of each IVF list are stored together (espn.store.record_order)
-    file_bytes = reorder_index_records(staging, layout.block_size)
-    records = np.load(staging / "records.npy", mmap_mode="r")
-    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config))
-    shutil.copytree(work.encoder_dir, staging / "encoder")
-
-    weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "encoder": encoder_config,
-        "counts": {"documents": n_docs, "bow_vectors": n_bow, "bow_vectors_encoded": n_encoded},
-        "store": {**layout.manifest(), "file_bytes": file_bytes, "record_order": RECORD_ORDER},
-        "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
-                "metric": "inner_product", "trained_on": int(len(sample))},
-        "score": {"w": weight if weight is not None else 0.3,
-                  "bow_reduction": encoder_config.get("bow_reduction", "mean"),
-                  "calibrated": weight is not None},
-        "search_defaults": default_search_params(ivf.nlist, n_docs),
-        "partition": partition_layout.to_json(),
-        "source": {"corpus": job["corpus"]},
-    }
-    if metadata_section is not None:
-        manifest["metadata"] = metadata_section
-    if first_stage is not None:
-        manifest["first_stage"] = first_stage
-    if job.get("text_index") is not None:
-        manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
-        manifest["hybrid"] = DEFAULT_HYBRID.to_json()
-    manifest = write_manifest(staging, manifest)
-    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, n_bow, file_bytes / 1e6,
-             time.perf_counter() - started)
-    return manifest
+    return ivf, int(len(sample))
 
 
 def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:
