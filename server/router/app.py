@@ -51,11 +51,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import connections
-from .errors import METHOD_NOT_ALLOWED_ROUTE, allowed_methods, method_not_allowed_message
-from .logs import logging_config
-from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
-from .schemas import (
+from .. import connections
+from ..errors import METHOD_NOT_ALLOWED_ROUTE, allowed_methods, method_not_allowed_message
+from ..logs import logging_config
+from ..middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
+from ..schemas import (
     MAX_EXPLAIN_K,
     MAX_K,
     BatchSearchRequest,
@@ -67,8 +67,8 @@ from .schemas import (
     QueryError,
     SearchResponse,
 )
-from .router_writes import WriterPool, add_write_routes
-from .settings import ROUTER_ENV_PREFIX, RouterSettings
+from .writers import WriterPool, add_write_routes
+from ..settings import ROUTER_ENV_PREFIX, RouterSettings
 
 __all__ = [
     "RouterSettings",
@@ -567,7 +567,7 @@ def run_route(args: argparse.Namespace) -> int:
     """Validate the settings and serve until SIGTERM/SIGINT. Returns an exit code."""
     import uvicorn
 
-    from .cli import is_loopback, settings_error_line
+    from ..cli import is_loopback, settings_error_line
 
     given = {name: getattr(args, name, None) for name in RouterSettings.model_fields}
     try:

@@ -35,8 +35,8 @@ from pydantic import BaseModel, Field, ValidationError
 from espn.errors import InvalidParameterError
 from espn.partitioning import HASH_NAME, PartitionLayout, owner
 
-from .errors import METHOD_NOT_ALLOWED_ROUTE
-from .schemas import BatchWriteRequest, ErrorResponse, path_doc_id
+from ..errors import METHOD_NOT_ALLOWED_ROUTE
+from ..schemas import BatchWriteRequest, ErrorResponse, path_doc_id
 
 __all__ = ["PartitionOutcome", "RoutedWriteResponse", "WriterPool", "add_write_routes"]
 
