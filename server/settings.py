@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "READER_NAMES", "MIN_API_KEY_CHARS",
+__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
            "RESERVED_DESCRIPTORS"]
 
@@ -446,3 +446,13 @@ def _check_connections_below_limit(max_connections: Optional[int]) -> None:
 
 def _connection_limits(max_connections: Optional[int], header_timeout_s: float) -> ConnectionLimits:
     return ConnectionLimits(max_connections or default_max_connections(), header_timeout_s, listen_backlog())
+
+
+def settings_error_line(command: str, prefix: str, error: ValidationError) -> str:
+    """Every problem of a settings model in one line, each naming its variable."""
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        problems.append(f"{field} ({prefix}{field.upper()}) {message}" if field else message)
+    return f"espn {command}: error: " + "; ".join(problems)
