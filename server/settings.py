@@ -80,9 +80,10 @@ class ServerSettings(BaseSettings):
                                               "one gets 408 and the connection is closed")
     keep_alive_s: int = Field(5, ge=1, le=3600, description="how long an idle keep-alive connection is kept open")
 
-    # Micro-batching: requests with identical parameters arriving within `batch_wait_ms`
-    # share one Searcher.search call of at most `max_batch_size` queries.
-    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="how long a query waits for others to batch with")
+    # Micro-batching, continuous: an idle worker searches a query at once; what arrives while a
+    # search runs shares the next Searcher.search call (at most `max_batch_size` queries).
+    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="with search threads > 1 and a search running, "
+                                 "how long a free thread waits for more queries (an idle worker never waits)")
     max_batch_size: int = Field(32, ge=1, le=1024, description="most queries per search call")
     search_threads: int = Field(1, ge=1, le=64, description="Searcher.search calls running at once per worker")
     max_pending: int = Field(4096, ge=1, le=1_000_000, description="queued queries per worker before 503")
