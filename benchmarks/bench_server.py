@@ -234,6 +234,9 @@ async def raw_load(base: str, bodies: list[bytes], concurrency: int, requests: i
 
 def versus_library(index: Path, queries: list[str], args: argparse.Namespace) -> int:
     """HTTP p50 / library p50 at one client, and QPS at 8 clients / 1 client, in alternating rounds."""
+    # As `espn` and `espn serve` do before torch loads OpenMP: idle threads must not spin (on a
+    # shared machine a spinning pool makes the library side, not HTTP, the slow one).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     from espn import Searcher
