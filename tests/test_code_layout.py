@@ -253,7 +253,7 @@ def test_the_servers_write_service_uses_the_live_package() -> None:
     users = [edge for edge in imports() if edge.source.startswith("espn_server")
              and (edge.target == "espn.live" or edge.target.startswith("espn.live."))]
     writes = sorted({edge.where for edge in imports() if edge.source.startswith("espn_server")
-                     and edge.target.startswith("espn_indexing")})
+                     and edge.target.startswith("espn_indexing")}, key=_line_order)
     assert users, "no module under server/ imports espn.live (the server's writes go through " \
                   f"espn_indexing instead: {', '.join(writes) or 'nowhere'})"
 
