@@ -25,6 +25,18 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
+def sample_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample index, built for these tests alone: they check that the benchmarks leave it
+    untouched (no live/), while under xdist a server of another file may hold the shared one's
+    writer lock (live/LOCK) at the same time."""
+    from conftest import SAMPLE_CORPUS, built_once
+    from helpers import run_espn
+
+    return built_once(tmp_path_factory, "sample-benchmarks", lambda out: run_espn("index", SAMPLE_CORPUS, "--out", out,
+                                                                                    "--no-progress"))
+
+
+@pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory: pytest.TempPathFactory, sample_index: Path) -> Path:
     """2,000 synthetic documents around the real vectors of an index built in this session.
 
