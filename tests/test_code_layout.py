@@ -46,7 +46,7 @@ class Import:
 @dataclass
 class Module:
     name: str
-    path: str  # relative to the repository, e.g. "espn/store/base.py"
+    path: str  # relative to the repository, e.g. "espn/store/reader.py"
     tree: ast.Module
     lines: list[str]
     comment_lines: set[int] = field(default_factory=set)
