@@ -64,9 +64,8 @@ def cli_reference() -> str:
     """Markdown: every subcommand's --help, in the order `espn --help` lists them."""
     with _environment(COLUMNS=_HELP_COLUMNS):
         parser = build_parser()
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parts = ["## espn", "", "```text", parser.format_help().rstrip(), "```", ""]
-        for name, sub in subparsers.choices.items():
+        for name, sub in parser.subcommands.items():
             parts += [f"## espn {name}", "", "```text", sub.format_help().rstrip(), "```", ""]
     return "\n".join(parts)
 
