@@ -35,11 +35,15 @@ serve-sample: install
 
 # Type check, the documentation site (no broken link or anchor), the wheel as a user installs
 # it, then the test suite (tests/test_docs_site.py opens the site built here in a browser).
+# The suite runs on TEST_WORKERS pytest-xdist workers, each test file on one worker (its module
+# fixtures, such as a running server, start once); most tests wait on subprocesses, so more
+# workers than cores pays. TEST_WORKERS=0 runs it in this process, one test at a time.
+TEST_WORKERS ?= 4
 test: install browser
 	$(VENV)/bin/mypy
 	$(MAKE) docs-strict
 	$(MAKE) check-wheel
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The documentation site (mkdocs.yml, docs/): generated pages first (the CLI's --help, the
 # settings tables, the OpenAPI document), then the HTML in site/ (`make docs`) or, checked with

@@ -11,6 +11,13 @@ what they really cost together; the script breaks it down by what the pages hold
     .venv/bin/python benchmarks/bench_server.py                     # builds the SciFact index if absent
     .venv/bin/python benchmarks/bench_server.py --index PATH --workers 1 4 --concurrency 1 8 32
     .venv/bin/python benchmarks/bench_server.py --index PATH --quick    # 1 worker, 20 requests per level
+    .venv/bin/python benchmarks/bench_server.py --index PATH --versus-library --reader posix --rounds 7
+
+`--versus-library` measures what HTTP adds instead: one worker and, in this process, a
+Searcher over the same index with the same reader and torch threads; alternating rounds of
+one client (sequential POST /v1/search on a keep-alive connection) and of the library's
+`search([query])`, then alternating rounds of 1 and 8 concurrent clients (a lean raw-socket
+client, so the load generator takes little of the CPU it shares with the server).
 
 Not a test: it prints tables for the docs (docs/benchmarks/http-service.md). The load generator runs on the same
 machine, so on a small box it competes with the server for CPU; the numbers say so.
@@ -176,6 +183,108 @@ async def load(base: str, queries: list[str], concurrency: int, requests: int, k
     }
 
 
+class RawClient:
+    """One keep-alive HTTP/1.1 connection that POSTs pre-encoded bodies and reads the answer:
+    the least client work per request, so what is timed is the server."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: Optional[asyncio.StreamReader] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    async def post(self, path: str, body: bytes) -> int:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
+        await self.reader.readexactly(length)
+        return status
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def raw_load(base: str, bodies: list[bytes], concurrency: int, requests: int) -> dict[str, float]:
+    """A closed loop of `concurrency` RawClients over `requests` requests: QPS and p50."""
+    host, port = base.removeprefix("http://").split(":")
+    latencies: list[float] = []
+    counter = iter(range(requests))
+
+    async def client_loop() -> None:
+        client = RawClient(host, int(port))
+        try:
+            for i in counter:
+                started = time.perf_counter()
+                if await client.post("/v1/search", bodies[i % len(bodies)]) != 200:
+                    raise RuntimeError("a search failed")
+                latencies.append(time.perf_counter() - started)
+        finally:
+            await client.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    return {"qps": len(latencies) / wall, "p50_ms": 1000 * statistics.median(latencies)}
+
+
+def versus_library(index: Path, queries: list[str], args: argparse.Namespace) -> int:
+    """HTTP p50 / library p50 at one client, and QPS at 8 clients / 1 client, in alternating rounds."""
+    # As `espn` and `espn serve` do before torch loads OpenMP: idle threads must not spin (on a
+    # shared machine a spinning pool makes the library side, not HTTP, the slow one).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from espn import Searcher
+
+    threads = args.torch_threads or max(1, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
+    extra = ["--reader", args.reader, "--torch-threads", str(threads), *args.serve_arg]
+    bodies = [json.dumps({"query": q, "k": args.k}).encode() for q in queries]
+    n = args.requests
+    http_p50, lib_p50, qps1, qps8 = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp, \
+            serve(index, 1, extra, Path(tmp) / "serve.log") as (base, _), \
+            Searcher.open(index, reader=args.reader) as searcher:
+        asyncio.run(raw_load(base, bodies, 8, 64))  # warm both sides
+        for q in queries[:32]:
+            searcher.search([q], k=args.k)
+        for round_ in range(args.rounds):
+            order = [0, 1] if round_ % 2 == 0 else [1, 0]
+            for side in order:
+                offset = (round_ * n) % len(queries)
+                if side == 0:
+                    http_p50.append(asyncio.run(raw_load(base, bodies[offset:] + bodies[:offset], 1, n))["p50_ms"])
+                else:
+                    times = []
+                    for i in range(n):
+                        started = time.perf_counter()
+                        searcher.search([queries[(offset + i) % len(queries)]], k=args.k)
+                        times.append(time.perf_counter() - started)
+                    lib_p50.append(1000 * statistics.median(times))
+            for concurrency in ([1, 8] if round_ % 2 == 0 else [8, 1]):
+                qps = asyncio.run(raw_load(base, bodies, concurrency, 4 * n if concurrency == 8 else n))["qps"]
+                (qps1 if concurrency == 1 else qps8).append(qps)
+    med = statistics.median
+    print(f"index {index}, reader {args.reader}, k={args.k}, torch threads {threads}, {args.rounds} rounds of "
+          f"{n} queries, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print("| measure | per round | median |\n|---|---|---|")
+    for name, values in (("HTTP p50 ms (1 client)", http_p50), ("library p50 ms", lib_p50),
+                         ("QPS, 1 client", qps1), ("QPS, 8 clients", qps8)):
+        print(f"| {name} | {', '.join(f'{v:.2f}' for v in values)} | {med(values):.2f} |")
+    ratios = [h / lib for h, lib in zip(http_p50, lib_p50)]
+    print(f"| HTTP p50 / library p50 | {', '.join(f'{r:.3f}' for r in ratios)} | {med(ratios):.3f} |")
+    print(f"| HTTP p50 - library p50 ms | {', '.join(f'{h - lib:.2f}' for h, lib in zip(http_p50, lib_p50))} | "
+          f"{med([h - lib for h, lib in zip(http_p50, lib_p50)]):.2f} |")
+    print(f"| QPS 8 clients / 1 client | {', '.join(f'{a / b:.2f}' for a, b in zip(qps8, qps1))} | "
+          f"{med([a / b for a, b in zip(qps8, qps1)]):.2f} |")
+    return 0
+
+
 def metric_sum(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M))
 
@@ -198,7 +307,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="1 worker, 1 and 4 clients, 20 requests each "
                                                              "(the CI smoke test)")
+    parser.add_argument("--versus-library", action="store_true",
+                        help="what HTTP adds over the library (1 worker, alternating rounds; see the module doc)")
+    parser.add_argument("--reader", default="posix", help="--versus-library: the reader of both sides")
+    parser.add_argument("--rounds", type=int, default=7, help="--versus-library: alternating rounds")
+    parser.add_argument("--torch-threads", type=int, help="--versus-library: both sides (default: the CPUs)")
     args = parser.parse_args(argv)
+    if args.versus_library:
+        return versus_library(ensure_index(args.index.resolve(), args.corpus), load_queries(args.queries, args.qrels),
+                              args)
     if args.quick:
         args.workers, args.concurrency, args.requests = [1], [1, 4], 20
 

@@ -1,11 +1,13 @@
 """Micro-batching: concurrent single-query requests become one batched search call.
 
 Requests are queued per parameter set (only queries with identical parameters may share
-a `Searcher.search` call, so results equal unbatched ones). One dispatcher task forms
-batches: a queue is flushed when it holds `max_batch_size` queries or when its oldest
-query has waited `max_wait_s`, and only when one of `max_concurrent` search slots is
-free, so under load the batches grow by themselves while the slots are busy. The
-search runs in a thread pool: the event loop never blocks on it.
+a `Searcher.search` call, so results equal unbatched ones). Batching is continuous, as an
+LLM server batches tokens: when no search is in flight a query is searched at once (on the
+event loop's next turn, so requests that arrived in the same turn go together), and what
+queues while a search runs goes into the next call the moment a slot frees. Only with
+several slots (`max_concurrent` > 1) and a search already running does a free slot wait
+for company, at most `max_wait_s` or until `max_batch_size` queries are queued. The search
+runs in a thread pool (the one thread hop of a request): the event loop never blocks on it.
 
 With `search_many`, a flush also takes what the other parameter sets have queued (up to
 `max_batch_size` queries in all) into the same call, as separate groups: the server
@@ -69,7 +71,8 @@ class MicroBatcher(Generic[R]):
     search:          `search(queries, params) -> results`, one result per query in order;
                      called in `executor`, so it may block (None when `search_many` is given)
     max_batch_size:  most queries in one call
-    max_wait_s:      how long the oldest queued query may wait for company
+    max_wait_s:      beside a running search, how long a free slot waits for company (an
+                     idle batcher never waits: the query is searched at once)
     max_concurrent:  search calls in flight at once (size `executor` to match)
     max_pending:     queued queries beyond which `submit` raises QueueFullError
     fair_chunk:      `submit_many` queues a large request this many queries at a time, the
@@ -112,7 +115,9 @@ class MicroBatcher(Generic[R]):
         self._params: dict[Hashable, Mapping[str, Any]] = {}
         self._pending = 0
         self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(max_concurrent)
+        self._max_concurrent = max_concurrent
+        self._in_flight = 0  # search calls running
+        self._launch_scheduled = False
         self._running: set[asyncio.Task[None]] = set()
         self._dispatcher: Optional[asyncio.Task[None]] = None
         self._closing = False
@@ -163,7 +168,9 @@ class MicroBatcher(Generic[R]):
             queue.append(_Item(query, future, now))
             futures.append(future)
         self._pending += len(queries)
-        self._wakeup.set()
+        if not self._launch_scheduled:  # next turn: what else arrives in this one joins the call
+            self._launch_scheduled = True
+            loop.call_soon(self._launch_due)
         # If the caller is cancelled (client gone), gather cancels the futures and the
         # dispatcher drops them instead of searching them. return_exceptions: a failed
         # batch must not leave the other futures' exceptions unretrieved.
@@ -181,8 +188,8 @@ class MicroBatcher(Generic[R]):
         self._wakeup.set()
         if self._dispatcher is not None:
             await self._dispatcher
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        while self._running:  # a finishing call may launch the next one
+            await asyncio.gather(*list(self._running), return_exceptions=True)
 
     # -- internals ---------------------------------------------------------------
 
@@ -200,43 +207,60 @@ class MicroBatcher(Generic[R]):
                 oldest, oldest_time = key, queue[0].enqueued
         return oldest
 
-    async def _dispatch(self) -> None:
-        while True:
+    def _due(self, queue: collections.deque[_Item]) -> bool:
+        """Whether a queue goes now: at once when nothing runs; beside a running search only
+        when full, when its oldest query has waited max_wait_s, or when closing."""
+        return (self._in_flight == 0 or self._closing or len(queue) >= self._max_batch_size
+                or time.monotonic() >= queue[0].enqueued + self._max_wait_s)
+
+    def _launch_due(self) -> None:
+        """Start search calls while a slot is free and a queue is due (on the loop, no await)."""
+        self._launch_scheduled = False
+        while self._in_flight < self._max_concurrent:
             key = self._oldest_key()
-            if key is None:
-                if self._closing:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            queue = self._queues[key]
-            wait = queue[0].enqueued + self._max_wait_s - time.monotonic()
-            if len(queue) < self._max_batch_size and wait > 0 and not self._closing:
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), wait)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            await self._slots.acquire()
-            # Queries that arrived while we waited for a slot join this batch.
-            groups = [self._take(key, self._max_batch_size)]
-            room = self._max_batch_size - len(groups[0][1])
-            if self._search_many is not None:  # the other parameter sets join the call, oldest first
-                for other in sorted(self._queues, key=lambda k: self._queues[k][0].enqueued if self._queues[k] else 0.0):
-                    if room <= 0:
-                        break
-                    taken = self._take(other, room)
-                    if taken[1]:
-                        groups.append(taken)
-                        room -= len(taken[1])
-            groups = [(params, items) for params, items in groups if items]
+            if key is None or not self._due(self._queues[key]):
+                break
+            groups = self._take_groups(key)
             if not groups:
-                self._slots.release()
                 continue
+            self._in_flight += 1
             task = asyncio.get_running_loop().create_task(self._run(groups))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+        if self._queues or self._closing:  # the dispatcher times what waits, and ends once drained
+            self._wakeup.set()
+
+    def _take_groups(self, key: Hashable) -> list[tuple[Mapping[str, Any], list[_Item]]]:
+        """The oldest queue's queries and, with search_many, the other parameter sets' (oldest
+        first), up to max_batch_size in all."""
+        groups = [self._take(key, self._max_batch_size)]
+        room = self._max_batch_size - len(groups[0][1])
+        if self._search_many is not None:
+            for other in sorted(self._queues, key=lambda k: self._queues[k][0].enqueued if self._queues[k] else 0.0):
+                if room <= 0:
+                    break
+                taken = self._take(other, room)
+                if taken[1]:
+                    groups.append(taken)
+                    room -= len(taken[1])
+        return [(params, items) for params, items in groups if items]
+
+    async def _dispatch(self) -> None:
+        """The timer: wakes a queue that waits for company beside a running search when its
+        max_wait_s is up; ends once closing has drained every queue."""
+        while True:
+            self._launch_due()
+            key = self._oldest_key()
+            if key is None and self._closing:
+                return
+            timeout = None
+            if key is not None and self._in_flight < self._max_concurrent:
+                timeout = max(0.0, self._queues[key][0].enqueued + self._max_wait_s - time.monotonic())
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
 
     def _take(self, key: Hashable, limit: int) -> tuple[Mapping[str, Any], list[_Item]]:
         """Up to `limit` live queries from the queue of `key` (removed from it)."""
@@ -265,7 +289,7 @@ class MicroBatcher(Generic[R]):
         except Exception as exc:  # delivered to every waiter of this call, not swallowed
             outcomes = [exc] * len(groups)
         finally:
-            self._slots.release()
+            self._in_flight -= 1
         elapsed = time.monotonic() - started
         size = sum(len(items) for _, items in groups)
         for (_, items), outcome in zip(groups, outcomes):
@@ -284,3 +308,5 @@ class MicroBatcher(Generic[R]):
                     item.future.set_result(BatchedResult(one, (started - item.enqueued) * 1000.0, size))
         if self._on_batch is not None:
             self._on_batch(size, elapsed)
+        # What queued during this call goes now, in this turn: no wait for the dispatcher.
+        self._launch_due()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -29,11 +30,14 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from espn.errors import EspnError
 from espn.live.status import read_only_reason
 
-from .settings import ENV_PREFIX, ServerSettings
+from .logs import logging_config
+from .settings import ENV_PREFIX, ROUTER_ENV_PREFIX, RouterSettings, ServerSettings, settings_error_line
+from .settings_doc import add_flags, environment_help, settings_of
 
-__all__ = ["add_serve_arguments", "run_serve", "register", "is_loopback"]
+__all__ = ["add_serve_arguments", "add_route_arguments", "run_serve", "run_route", "register", "is_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +74,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.set_defaults(handler=run_serve)
     p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
     add_route_arguments(p)
-    p.set_defaults(handler=_run_route)
-
-
-def _run_route(args: argparse.Namespace) -> int:
-    # The router (and httpx, its client) is imported only by the command that uses it, so every
-    # other subcommand, and `espn --help`, work wherever httpx is missing.
-    from .router import run_route
-
-    return run_route(args)
+    p.set_defaults(handler=run_route)
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `espn route`: one per RouterSettings field, each defaulting to its ESPN_ROUTER_* variable."""
-    from .settings import RouterSettings
-    from .settings_doc import add_flags, environment_help
-
     add_flags(parser, RouterSettings, [("routing", ("shards", "timeout_ms", "max_connections")),
                                        ("writes", ("writers", "write_timeout_ms")),
                                        ("listening", ("host", "port", "log_level"))])
@@ -94,8 +87,6 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `espn serve`: INDEX, then one flag per ServerSettings field (its ESPN_* variable)."""
-    from .settings_doc import add_flags, environment_help, settings_of
-
     (index,) = [s for s in settings_of(ServerSettings) if s.name == "index"]
     parser.add_argument("index", type=Path, metavar="INDEX", help=index.help)
     add_flags(parser, ServerSettings, SERVE_GROUPS)
@@ -141,16 +132,6 @@ def _fork_workers() -> bool:
     return True
 
 
-def settings_error_line(command: str, prefix: str, error: ValidationError) -> str:
-    """Every problem of a settings model in one line, each naming its variable."""
-    problems = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        message = str(item["msg"]).removeprefix("Value error, ")
-        problems.append(f"{field} ({prefix}{field.upper()}) {message}" if field else message)
-    return f"espn {command}: error: " + "; ".join(problems)
-
-
 def _return_freed_memory() -> None:
     """Make glibc give large freed blocks back to the OS, in this process and the workers it forks.
 
@@ -169,49 +150,52 @@ def _return_freed_memory() -> None:
     libc.mallopt(m_arena_max, 2)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Validate the settings, print them once, and serve until SIGTERM/SIGINT. Returns an exit code."""
-    os.environ.update(_overrides(args))
+def _restore_follower() -> Optional[str]:
+    """A new follower (--follow, INDEX absent) starts from the newest generation; the error line, or None."""
     follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
-    if follow and index and not Path(index).exists():  # a new follower starts from the newest generation
-        from espn.errors import EspnError
+    if follow and index and not Path(index).exists():
         from espn.live.replication.restore import restore_from_store  # FAISS: after logging is set up
 
         try:
             restore_from_store(follow, Path(index))
         except EspnError as error:
-            print(f"espn serve: error: {error}", file=sys.stderr)
-            return 1
-    try:
-        settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
-    except ValidationError as error:
-        print(settings_error_line("serve", ENV_PREFIX, error), file=sys.stderr)
-        return 2
+            return f"espn serve: error: {error}"
+    return None
+
+
+def _check_before_start(settings: ServerSettings) -> Optional[str]:
+    """What would make every worker fail at start-up, as one line (None: nothing)."""
     # A damaged index is one line and exit 1 here, not a traceback from every worker's start-up.
     # What is checked is what the workers will serve: the current generation of a live index.
-    from espn.errors import EspnError
+    # Imported here: the segments load FAISS, which every `espn` command would pay for otherwise.
     from espn.segments import open_view
 
     try:
         open_view(settings.index, verify="fast").close()
     except (EspnError, ValueError, OSError) as error:
-        print(f"espn serve: error: {error}", file=sys.stderr)
-        return 1
+        return f"espn serve: error: {error}"
     if settings.publish is not None or settings.follow is not None:
-        import importlib.util
-
         if importlib.util.find_spec("boto3") is None:  # else every worker's thread would fail on its own
-            print("espn serve: error: --publish and --follow need boto3: pip install 'espn[s3]'", file=sys.stderr)
-            return 1
+            return "espn serve: error: --publish and --follow need boto3: pip install 'espn[s3]'"
+    return None
+
+
+def _decide_read_only(settings: ServerSettings) -> ServerSettings:
+    """Decided once, here, so every worker agrees (and it is logged once)."""
     if settings.follow is not None:  # a follower's index changes only by what it fetches
         settings = settings.model_copy(update={"read_only": True})
-    if settings.read_only is None:  # decided once, here, so every worker agrees (and it is logged once)
+    if settings.read_only is None:
         reason = read_only_reason(settings.index)
         settings = settings.model_copy(update={"read_only": reason is not None})
         if reason is not None:
             print(json.dumps({"level": "WARNING", "event": "read_only",
                               "message": f"serving read-only: {reason}; writes get 409 (--read-only says so "
                               "explicitly)"}), file=sys.stderr, flush=True)
+    return settings
+
+
+def _announce(settings: ServerSettings) -> None:
+    """The settings every worker will read, exported and printed once; a warning when unauthenticated."""
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)
@@ -221,19 +205,47 @@ def run_serve(args: argparse.Namespace) -> int:
                           "address can search and read every document; set ESPN_API_KEY (from a secret)"}),
               file=sys.stderr, flush=True)
 
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Validate the settings, print them once, and serve until SIGTERM/SIGINT. Returns an exit code."""
+    os.environ.update(_overrides(args))
+    problem = _restore_follower()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
+    try:
+        settings = ServerSettings()  # type: ignore[call-arg]  # index comes from ESPN_INDEX
+    except ValidationError as error:
+        print(settings_error_line("serve", ENV_PREFIX, error), file=sys.stderr)
+        return 2
+    problem = _check_before_start(settings)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
+    settings = _decide_read_only(settings)
+    _announce(settings)
     multiproc_dir: Optional[str] = None
     if (settings.workers > 1 or settings.metrics_port is not None) and MULTIPROC_ENV not in os.environ:
         # Each worker writes its metric samples here; /metrics aggregates them all.
         multiproc_dir = tempfile.mkdtemp(prefix="espn-metrics-")
         os.environ[MULTIPROC_ENV] = multiproc_dir
+    try:
+        return _serve(settings)
+    finally:
+        if multiproc_dir is not None:
+            os.environ.pop(MULTIPROC_ENV, None)
+            shutil.rmtree(multiproc_dir, ignore_errors=True)
 
-    import uvicorn  # after validation: a bad flag fails without importing the server stack
 
-    _return_freed_memory()
+def _serve(settings: ServerSettings) -> int:
+    """uvicorn with the app factory in each worker, until it drains; its exit code."""
+    # Imported after validation: a bad flag fails without importing the server stack (and
+    # prometheus_client only once PROMETHEUS_MULTIPROC_DIR is set).
+    import uvicorn
 
     from .connections import GuardedH11Protocol
-    from .logs import logging_config
 
+    _return_freed_memory()
     # uvicorn re-raises the SIGTERM it drained on, so the process would end "killed by
     # SIGTERM" (143) after a clean drain; this handler turns that last raise into exit 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -263,9 +275,35 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
-        if multiproc_dir is not None:
-            os.environ.pop(MULTIPROC_ENV, None)
-            shutil.rmtree(multiproc_dir, ignore_errors=True)
+    return 0
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """`espn route`: validate the settings and serve the router until SIGTERM/SIGINT. Returns an exit code."""
+    given = {name: getattr(args, name, None) for name in RouterSettings.model_fields}
+    try:
+        settings = RouterSettings(**{name: value for name, value in given.items() if value is not None})
+    except ValidationError as error:
+        print(settings_error_line("route", ROUTER_ENV_PREFIX, error), file=sys.stderr)
+        return 2
+    print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
+          f"listening on {settings.host}:{settings.port}", file=sys.stderr)
+    if settings.api_key is None and not is_loopback(settings.host):
+        print(f"espn route: warning: listening on {settings.host} without ESPN_API_KEY: anyone who can reach it can "
+              "search every partition", file=sys.stderr)
+    # Imported here: the router needs httpx (its client), which no other command needs
+    # (tests/test_packaging.py runs the rest of the command line without it).
+    import uvicorn
+
+    from . import connections
+    from .router import build_router_app
+
+    limits = settings.connection_limits()
+    connections.install(limits)
+    uvicorn.run(build_router_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=logging_config(settings.log_level), access_log=False, server_header=False,
+                http=connections.GuardedH11Protocol, backlog=limits.backlog, timeout_keep_alive=settings.keep_alive_s,
+                timeout_graceful_shutdown=30)
     return 0
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -16,16 +15,15 @@ from espn.live.replication.publisher import Publisher
 
 from .errors import ApiError, ServiceUnavailableError
 from .metrics import ServerMetrics
+from .search_service import SearchService
 from .settings import ServerSettings
 from .writes import WriteService
 
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
-    from espn import Searcher
     from espn.lease import LiveSearcher
 
-    from .batching import MicroBatcher
 
-__all__ = ["AppState", "get_state", "get_writes", "declare_api_key"]
+__all__ = ["AppState", "get_state", "get_search", "get_writes", "declare_api_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +35,7 @@ class AppState:
     settings: ServerSettings
     metrics: ServerMetrics
     live: Optional["LiveSearcher"] = None  # the Searcher of the newest generation, lent per request
-    batcher: Optional["MicroBatcher"] = None
-    text_bytes: float = 0.0  # mean bytes of a passage's title and text (for the response budget)
+    search: Optional[SearchService] = None  # what the search and read routes call
     ready: bool = False
     status: str = "starting"  # starting | warming | ready | draining
     read_only: bool = False
@@ -56,24 +53,19 @@ class AppState:
             raise ServiceUnavailableError(f"index is not open ({self.status})", retry_after_s=5)
         return self.live
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator["Searcher"]:
-        """The Searcher of the newest published generation, held for the block: one stat of
-        live/CURRENT per call; when a write (in any worker) published a newer generation, it
-        opens here first, so a request that starts after a write's answer sees the write."""
-        live = self.require_live()
-        live.refresh()
-        with live.lease() as searcher:
-            yield searcher
-
-    def require_batcher(self) -> "MicroBatcher":
-        if self.batcher is None:
+    def require_search(self) -> SearchService:
+        if self.search is None:
             raise ServiceUnavailableError(f"index is not open ({self.status})", retry_after_s=5)
-        return self.batcher
+        return self.search
 
 
 def get_state(request: Request) -> AppState:
     return request.app.state.espn
+
+
+def get_search(request: Request) -> SearchService:
+    """The search service of this app (503 while the index is not open)."""
+    return get_state(request).require_search()
 
 
 _writes_lock = threading.Lock()

@@ -6,7 +6,9 @@
 - docs/reference/settings.md: the settings tables (settings_doc.py);
 - docs/reference/openapi.json and the operations of docs/reference/http-api.md: the OpenAPI
   document of a server with its default settings and no API key, rendered as Markdown, so
-  the page reads offline with no JavaScript renderer.
+  the page reads offline with no JavaScript renderer;
+- the Layout of docs/architecture.md: a tree of the packages espn/, indexing/ and server/,
+  one line per module, from the first sentence of each module's docstring.
 
 Each generated part sits between `<!-- generated:NAME -->` and `<!-- /generated -->` in a
 page whose other text is written by hand. `python -m espn_server.docs_pages docs` rewrites
@@ -17,9 +19,11 @@ tests/test_docs_site.py fails in the same case.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +35,14 @@ from .app import build_app
 from .settings import ServerSettings
 from .settings_doc import replace_blocks, write_readme
 
-__all__ = ["cli_reference", "openapi_document", "http_reference", "write_pages"]
+__all__ = ["cli_reference", "openapi_document", "http_reference", "layout_tree", "write_pages"]
 
 #: argparse wraps --help to the terminal's width: a fixed width keeps the page the same everywhere.
 _HELP_COLUMNS = "100"
+#: The folders of the layout tree and the names they install under (pyproject.toml's package-dir).
+LAYOUT_PACKAGES = {"espn": "espn", "indexing": "espn_indexing", "server": "espn_server"}
+#: A module's line in the layout tree keeps its summary under this many characters.
+_SUMMARY_CHARS = 110
 
 
 @contextlib.contextmanager
@@ -56,9 +64,8 @@ def cli_reference() -> str:
     """Markdown: every subcommand's --help, in the order `espn --help` lists them."""
     with _environment(COLUMNS=_HELP_COLUMNS):
         parser = build_parser()
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parts = ["## espn", "", "```text", parser.format_help().rstrip(), "```", ""]
-        for name, sub in subparsers.choices.items():
+        for name, sub in parser.subcommands.items():
             parts += [f"## espn {name}", "", "```text", sub.format_help().rstrip(), "```", ""]
     return "\n".join(parts)
 
@@ -151,11 +158,48 @@ def http_reference(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring, on one line, cut at a word near _SUMMARY_CHARS."""
+    docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    paragraph = " ".join(docstring.split("\n\n", 1)[0].split())
+    sentence = re.match(r"(.*?[.!?])(?:\s|$)", paragraph)
+    text = sentence.group(1) if sentence else paragraph
+    if len(text) > _SUMMARY_CHARS:
+        text = text[:_SUMMARY_CHARS].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+    return text or "(no docstring)"
+
+
+def _layout_rows(folder: Path, depth: int) -> list[tuple[str, str]]:
+    """(indented name, summary) for the modules and subpackages of `folder`, in name order."""
+    rows: list[tuple[str, str]] = []
+    for path in sorted(folder.iterdir()):
+        if path.is_dir() and (path / "__init__.py").is_file():
+            rows.append(("  " * depth + path.name + "/", _summary(path / "__init__.py")))
+            rows += _layout_rows(path, depth + 1)
+        elif path.suffix == ".py" and path.name != "__init__.py":
+            rows.append(("  " * depth + path.name, _summary(path)))
+    return rows
+
+
+def layout_tree(repo: Path) -> str:
+    """Markdown: a code block with one line per module of espn/, indexing/ and server/ (a package's
+    line is its __init__.py), each with the first sentence of the module's docstring."""
+    rows: list[tuple[str, str]] = []
+    for folder, installed in LAYOUT_PACKAGES.items():
+        summary = _summary(repo / folder / "__init__.py")
+        rows.append((folder + "/", summary if folder == installed else f"[{installed}] {summary}"))
+        rows += _layout_rows(repo / folder, 1)
+    width = max(len(name) for name, _ in rows) + 2
+    return "\n".join(["```text", *(f"{name:<{width}}{summary}".rstrip() for name, summary in rows), "```"])
+
+
 def write_pages(docs: Path, check: bool = False) -> list[Path]:
-    """Rewrite the generated blocks under `docs` (and openapi.json); the files that changed (or would)."""
+    """Rewrite the generated blocks under `docs` (and openapi.json); the files that changed (or would).
+    The layout tree is read from the repository that holds `docs`."""
     document = openapi_document()
     pages = {docs / "reference" / "cli.md": {"cli": cli_reference()},
-             docs / "reference" / "http-api.md": {"operations": http_reference(document)}}
+             docs / "reference" / "http-api.md": {"operations": http_reference(document)},
+             docs / "architecture.md": {"layout": layout_tree(docs.resolve().parent)}}
     changed = [path for path, blocks in pages.items() if replace_blocks(path, blocks, "generated", check)]
     settings = docs / "reference" / "settings.md"  # its own markers and writer (settings_doc)
     if write_readme(settings, check=check):

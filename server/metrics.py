@@ -50,8 +50,16 @@ class ServerMetrics:
         self.registry: Optional[CollectorRegistry] = None if self.multiprocess else CollectorRegistry()
         if self.registry is not None:
             ProcessCollector(registry=self.registry)
-        reg = self.registry
+        self._add_http_metrics(self.registry)
+        self._add_search_metrics(self.registry)
+        self._add_storage_metrics(self.registry)
+        self._add_replication_metrics(self.registry)
+        self.ready = Gauge(
+            "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=self.registry
+        )
 
+    def _add_http_metrics(self, reg: Optional[CollectorRegistry]) -> None:
+        """The requests, their latency and those in flight, per endpoint."""
         self.requests = Counter(
             "espn_http_requests", "HTTP requests answered", ["endpoint", "method", "status"], registry=reg
         )
@@ -63,6 +71,9 @@ class ServerMetrics:
             "espn_http_requests_in_flight", "HTTP requests being handled", ["endpoint"],
             multiprocess_mode="livesum", registry=reg,
         )
+
+    def _add_search_metrics(self, reg: Optional[CollectorRegistry]) -> None:
+        """The queries, micro-batches, pipeline stages and prefetch waves."""
         self.queries = Counter("espn_search_queries", "queries searched", registry=reg)
         self.batch_size = Histogram(
             "espn_search_batch_size", "queries per Searcher.search call (micro-batch)",
@@ -86,6 +97,9 @@ class ServerMetrics:
         self.waves_skipped = Counter(
             "espn_prefetch_waves_skipped", "prefetch waves the cost model declined: the scan still to come could not "
             "hide their reads here (too little scan left, or reads that steal the scan's cores)", registry=reg)
+
+    def _add_storage_metrics(self, reg: Optional[CollectorRegistry]) -> None:
+        """The reads of the embedding store, the reader in use and the hot-record cache."""
         self.bytes_read = Counter("espn_read_bytes", "bytes read from the embedding store", registry=reg)
         self.ios = Counter("espn_read_ios", "read requests issued to the embedding store", registry=reg)
         self.queued = Gauge(
@@ -105,10 +119,9 @@ class ServerMetrics:
         self.record_cache_bytes = Gauge(
             "espn_record_cache_bytes", "RAM held by the hot-record cache (arena, maps, sketch)",
             multiprocess_mode="livesum", registry=reg)
-        self.ready = Gauge(
-            "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=reg
-        )
 
+    def _add_replication_metrics(self, reg: Optional[CollectorRegistry]) -> None:
+        """The a follower's lag or a publishing writer's backlog."""
         self.replication_lag = Gauge(
             "espn_replication_lag_generations",
             "a follower's generations behind its source (--follow); a writer's not yet published (--publish)",

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "READER_NAMES", "MIN_API_KEY_CHARS",
+__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
            "RESERVED_DESCRIPTORS"]
 
@@ -80,9 +80,10 @@ class ServerSettings(BaseSettings):
                                               "one gets 408 and the connection is closed")
     keep_alive_s: int = Field(5, ge=1, le=3600, description="how long an idle keep-alive connection is kept open")
 
-    # Micro-batching: requests with identical parameters arriving within `batch_wait_ms`
-    # share one Searcher.search call of at most `max_batch_size` queries.
-    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="how long a query waits for others to batch with")
+    # Micro-batching, continuous: an idle worker searches a query at once; what arrives while a
+    # search runs shares the next Searcher.search call (at most `max_batch_size` queries).
+    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="with search threads > 1 and a search running, "
+                                 "how long a free thread waits for more queries (an idle worker never waits)")
     max_batch_size: int = Field(32, ge=1, le=1024, description="most queries per search call")
     search_threads: int = Field(1, ge=1, le=64, description="Searcher.search calls running at once per worker")
     max_pending: int = Field(4096, ge=1, le=1_000_000, description="queued queries per worker before 503")
@@ -456,3 +457,13 @@ def _check_connections_below_limit(max_connections: Optional[int]) -> None:
 
 def _connection_limits(max_connections: Optional[int], header_timeout_s: float) -> ConnectionLimits:
     return ConnectionLimits(max_connections or default_max_connections(), header_timeout_s, listen_backlog())
+
+
+def settings_error_line(command: str, prefix: str, error: ValidationError) -> str:
+    """Every problem of a settings model in one line, each naming its variable."""
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        problems.append(f"{field} ({prefix}{field.upper()}) {message}" if field else message)
+    return f"espn {command}: error: " + "; ".join(problems)

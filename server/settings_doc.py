@@ -27,6 +27,8 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
+from .settings import RouterSettings, ServerSettings
+
 __all__ = ["Setting", "settings_of", "markdown_table", "replace_blocks", "write_readme", "FLAG_NAMES", "ENV_ONLY", "POSITIONAL"]
 
 #: Flags whose spelling is not `--field-name` (a true-by-default switch is turned off with --no-...).
@@ -192,8 +194,6 @@ def markdown_table(model: type[BaseSettings]) -> str:
 
 
 def _tables() -> dict[str, str]:
-    from .settings import RouterSettings, ServerSettings
-
     return {"serve": markdown_table(ServerSettings), "route": markdown_table(RouterSettings)}
 
 

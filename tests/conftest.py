@@ -1,12 +1,19 @@
-"""Shared fixtures: the SciFact data by path (skipped cleanly where absent), small corpora, built indexes."""
+"""Shared fixtures: the SciFact data by path (skipped cleanly where absent), small corpora, built indexes.
+
+Under pytest-xdist (`make test` runs `pytest -n ...`) each worker is its own session; the
+built indexes are still built once for the whole run (`built_once`), by whichever worker asks
+first, while the others wait for it. Tests only read them (a test that writes copies first).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from helpers import run_espn, write_scifact_subset
@@ -30,6 +37,37 @@ def strict_buffer_ownership() -> Iterator[None]:
     set_ownership_policy(previous)
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object],
+               leaf: str = "index") -> Path:
+    """`build(path)` run once per test run, its `path` returned to every session that asks.
+
+    Without xdist: a fresh directory of this session. With xdist: a directory beside the
+    workers' own temporary directories, built by the first worker under an exclusive lock
+    while the others block on it; a `.done` file beside it marks a finished build (a build
+    that failed is tried again by the next worker, which then fails the same way)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        out = tmp_path_factory.mktemp(name) / leaf
+        build(out)
+        return out
+    shared = tmp_path_factory.getbasetemp().parent / "shared" / name
+    shared.mkdir(parents=True, exist_ok=True)
+    out, done = shared / leaf, shared / f"{leaf}.done"
+    with open(shared / ".lock", "w") as lock, _locked(lock.fileno()):
+        if not done.exists():
+            build(out)
+            done.touch()
+    return out
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def scifact_dir() -> Path:
     if not (SCIFACT / "corpus.jsonl.gz").is_file():
@@ -40,23 +78,31 @@ def scifact_dir() -> Path:
 @pytest.fixture(scope="session")
 def scifact_subset(scifact_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first 160 SciFact abstracts as a plain corpus.jsonl."""
-    return write_scifact_subset(scifact_dir, tmp_path_factory.mktemp("corpus") / "corpus.jsonl", 160)
+    return built_once(tmp_path_factory, "corpus", lambda out: write_scifact_subset(scifact_dir, out, 160),
+                      leaf="corpus.jsonl")
 
 
 @pytest.fixture(scope="session")
 def scifact_index(scifact_subset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An index of the subset built through the CLI; small chunks so resume and shards have work to split."""
-    out = tmp_path_factory.mktemp("index") / "scifact-160"
-    run_espn("index", scifact_subset, "--out", out, "--chunk-size", "32", "--nlist", "4", "--no-progress")
-    return out
+    return built_once(tmp_path_factory, "index", lambda out: run_espn(
+        "index", scifact_subset, "--out", out, "--chunk-size", "32", "--nlist", "4", "--no-progress"),
+        leaf="scifact-160")
 
 
 @pytest.fixture(scope="session")
 def sample_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled sample corpus (300 passages), indexed through the CLI."""
-    out = tmp_path_factory.mktemp("sample") / "index"
-    run_espn("index", SAMPLE_CORPUS, "--out", out, "--no-progress")
-    return out
+    return built_once(tmp_path_factory, "sample", lambda out: run_espn("index", SAMPLE_CORPUS, "--out", out,
+                                                                         "--no-progress"))
+
+
+@pytest.fixture(scope="session")
+def sample_partitions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample corpus indexed as 2 partitions (`parts/part-0`, `parts/part-1`) through the CLI;
+    a test that writes to a partition copies it first."""
+    return built_once(tmp_path_factory, "partitions", lambda out: run_espn(
+        "index", SAMPLE_CORPUS, "--out", out, "--partitions", "2", "--no-progress"), leaf="parts")
 
 
 @pytest.fixture

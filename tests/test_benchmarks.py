@@ -25,6 +25,18 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
+def sample_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample index, built for these tests alone: they check that the benchmarks leave it
+    untouched (no live/), while under xdist a server of another file may hold the shared one's
+    writer lock (live/LOCK) at the same time."""
+    from conftest import SAMPLE_CORPUS, built_once
+    from helpers import run_espn
+
+    return built_once(tmp_path_factory, "sample-benchmarks", lambda out: run_espn("index", SAMPLE_CORPUS, "--out", out,
+                                                                                    "--no-progress"))
+
+
+@pytest.fixture(scope="module")
 def tiny_index(tmp_path_factory: pytest.TempPathFactory, sample_index: Path) -> Path:
     """2,000 synthetic documents around the real vectors of an index built in this session.
 
@@ -339,17 +351,13 @@ def test_bench_text_writes(sample_index: Path, results: Path, capsys) -> None:
     assert not (sample_index / "live").exists()
 
 
-def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: Path) -> None:
+def test_bench_replication(sample_index: Path, sample_partitions: Path, results: Path, capsys, tmp_path: Path) -> None:
     pytest.importorskip("moto.server")
     from benchmarks import bench_replication
-    from helpers import run_espn
-
-    data = common.ROOT / "espn" / "data"
-    run_espn("index", data / "sample_corpus.jsonl", "--out", tmp_path / "parts", "--partitions", "2", "--no-progress")
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps({"_id": str(i), "text": q}) + "\n"
                                for i, q in enumerate(["rivers and floods", "bread baking", "train timetables"])))
-    assert bench_replication.main(["--index", str(sample_index), "--parts", str(tmp_path / "parts"), "--quick",
+    assert bench_replication.main(["--index", str(sample_index), "--parts", str(sample_partitions), "--quick",
                                    "--query-file", str(queries)]) == 0
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0

@@ -1,4 +1,4 @@
-"""The live index (espn/segments.py, indexing/live.py): upsert, delete, compact, crash safety.
+"""The live index (espn/segments.py, espn/live/): upsert, delete, compact, crash safety.
 
 Everything runs on copies of the 300-document sample index with the offline MiniLM
 encoder; one module-scoped encoder is shared so each write costs an encode, not a load.

@@ -96,11 +96,11 @@ def _replication(server: ServerProcess) -> dict[str, Any]:
     return httpx.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
 
 
-def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: dict[str, str], tmp_path: Path) -> None:
+def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: dict[str, str], tmp_path: Path,
+                                                                       sample_partitions: Path) -> None:
     base_env = {key: value for key, value in os.environ.items() if not key.startswith("ESPN_")}
     base_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     cluster = Cluster(tmp_path, {**base_env, **s3_env})
-    run_espn("index", SAMPLE_CORPUS, "--out", tmp_path / "built", "--partitions", str(PARTITIONS), "--no-progress")
     prefixes = [f"parts/part-{p}" for p in range(PARTITIONS)]
     urls = [f"s3://{BUCKET}/{prefix}" for prefix in prefixes]
     watching = threading.Event()
@@ -109,7 +109,7 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
         # 40th blob upload: past its first publish (the whole base), in the middle of a later one.
         volumes = [tmp_path / f"writer-{p}" for p in range(PARTITIONS)]
         for p in range(PARTITIONS):
-            shutil.copytree(tmp_path / "built" / f"part-{p}", volumes[p])
+            shutil.copytree(sample_partitions / f"part-{p}", volumes[p])  # built once per run (conftest)
         publish = ["--publish-interval-s", "0.2"]
         writers = [cluster.serve("writer-0", volumes[0], "--publish", urls[0], *publish, espn=CRASH_SERVE,
                                  extra_env={"ESPN_TEST_CRASH_AT": "uploaded:40"}, wait=False),

@@ -25,7 +25,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits, run_route
+from espn_server.cli import run_route
+from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits
 from espn_server.schemas import SearchHit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -194,6 +194,35 @@ def test_batcher_drops_cancelled_queries() -> None:
     assert all("gone" not in queries for queries, _ in search.calls)
 
 
+def test_an_idle_batcher_searches_at_once_whatever_its_wait() -> None:
+    """Continuous batching: with nothing in flight a query does not wait max_wait_s for company."""
+    search = _RecordingSearch()
+
+    async def go(batcher: MicroBatcher) -> float:
+        started = time.monotonic()
+        await batcher.submit("alone", {"k": 5})
+        return time.monotonic() - started
+
+    assert _run_batcher(search, go, max_batch_size=32, max_wait_s=30.0) < 10.0
+    assert search.calls == [(["alone"], {"k": 5})]
+
+
+def test_a_batcher_batches_what_queues_while_a_search_runs() -> None:
+    """The first query goes alone at once; those that arrive while it runs go together as soon as it ends."""
+    search = _RecordingSearch(delay=0.3)
+
+    async def go(batcher: MicroBatcher) -> list:
+        first = asyncio.ensure_future(batcher.submit("first", {}))
+        while not search.calls:  # the first call is running
+            await asyncio.sleep(0.005)
+        rest = await asyncio.gather(*(batcher.submit(f"q{i}", {}) for i in range(5)))
+        return [(await first).batch_size] + [item.batch_size for item in rest]
+
+    sizes = _run_batcher(search, go, max_batch_size=32, max_wait_s=30.0)
+    assert search.calls == [(["first"], {}), ([f"q{i}" for i in range(5)], {})]
+    assert sizes == [1, 5, 5, 5, 5, 5]
+
+
 # -- settings (no index) -----------------------------------------------------------
 
 
@@ -651,6 +680,21 @@ def test_a_big_batch_cannot_starve_a_small_request() -> None:
     position = _run_batcher(search, scenario, max_batch_size=32, max_wait_s=0.001, fair_chunk=8)
     assert position <= 1, f"the small query waited for {position} search calls of the big one"
     assert sum(len(queries) for queries, _ in search.calls) == 65
+
+
+def test_an_idle_server_searches_at_once_and_batches_what_queues(sample_index: Path, tmp_path: Path) -> None:
+    """Over real HTTP: a 1 s batch wait is never spent by a query that finds the server idle, and
+    concurrent requests that arrive while a search runs share the next search call."""
+    with running_server(sample_index, tmp_path, "--batch-wait-ms", "1000", name="continuous") as server:
+        url = f"{server.base_url}/v1/search"
+        alone = httpx.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
+        assert alone.status_code == 200, alone.text
+        assert alone.json()["stats"]["batch_size"] == 1 and alone.json()["stats"]["queue_ms"] < 500
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda i: httpx.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
+                                                          timeout=60), range(8)))
+    assert all(response.status_code == 200 for response in together)
+    assert max(response.json()["stats"]["batch_size"] for response in together) > 1
 
 
 def test_serving_on_all_interfaces_without_a_key_warns(sample_index: Path, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CliParser:
     """The whole `espn` parser, entry points' subcommands included."""
     from .app import build_parser as build  # entry point: the commands import torch and FAISS (see main)
 

@@ -66,7 +66,7 @@ def _unavailable(name: str, exc: ImportError) -> Callable[[argparse.Namespace], 
     return handler
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CliParser:
     parser = CliParser(prog="espn", description="Multi-vector retrieval with the embedding table on SSD.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more output: -v adds debug lines, other libraries' log lines and a traceback with an "

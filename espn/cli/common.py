@@ -32,6 +32,13 @@ class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        """argparse's, remembering the subcommands' parsers by name in `subcommands` (the docs'
+        CLI reference lists them without reaching into argparse's private actions)."""
+        action = super().add_subparsers(**kwargs)
+        self.subcommands: dict[str, argparse.ArgumentParser] = action.choices
+        return action
+
 
 def configure_logging(verbosity: int) -> None:
     """This project's INFO lines on stderr; third-party loggers and Python warnings only with -v.

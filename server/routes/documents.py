@@ -23,10 +23,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AfterValidator
 
-from ..deps import AppState, get_state, get_writes
+from ..deps import AppState, get_search, get_state, get_writes
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
 from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
+from ..search_service import SearchService
 from ..writes import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
@@ -79,12 +80,9 @@ async def batch_other_methods(request: Request) -> None:
 async def get_document(
     request: Request,
     doc_id: StoredId,
-    state: AppState = Depends(get_state),
+    service: SearchService = Depends(get_search),
 ) -> DocumentResponse:
-    exact = path_doc_id(request)
-    with state.lease() as searcher:
-        # Reads passage text from disk: keep it off the event loop.
-        document = await asyncio.to_thread(searcher.document, exact)
+    document = await service.document(path_doc_id(request))
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text, metadata=document.metadata)
 
 

@@ -1,19 +1,17 @@
-"""POST /v1/search and /v1/search/batch: queries go through the micro-batcher."""
+"""POST /v1/search and /v1/search/batch: request model -> the search service (micro-batched) -> response model."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
 
-from espn.filters import canonical_filter
 from espn.params import has_text
+from espn.results import Document, QueryResult
 
 from ..batching import BatchedResult
-from ..budget import check_budget
-from ..deps import AppState, get_state
+from ..deps import get_search
 from ..errors import ApiError
 from ..middleware import LOG_EXTRA_KEY
 from ..schemas import (
@@ -30,12 +28,7 @@ from ..schemas import (
     SearchResponse,
     SearchStatsModel,
 )
-
-if TYPE_CHECKING:
-    from espn import Searcher
-    from espn.results import Document, QueryResult
-
-    from ..batching import MicroBatcher
+from ..search_service import QueriesRefused, SearchService
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
@@ -56,19 +49,20 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 # exclude_unset: title and text appear only when return_text asked for them.
 @router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
              responses=_ERRORS)
-async def search(body: SearchRequest, request: Request, state: AppState = Depends(get_state)) -> SearchResponse:
-    (response,) = await _search(state, request, [body.query], body, explain=bool(body.explain))
+async def search(body: SearchRequest, request: Request,
+                 service: SearchService = Depends(get_search)) -> SearchResponse:
+    (response,) = await _search(service, request, [body.query], body, explain=bool(body.explain))
     return response
 
 
 @router.post("/batch", response_model=BatchSearchResponse, response_model_exclude_unset=True,
              summary="Search several queries", responses=_ERRORS)
 async def search_batch(
-    body: BatchSearchRequest, request: Request, state: AppState = Depends(get_state)
+    body: BatchSearchRequest, request: Request, service: SearchService = Depends(get_search)
 ) -> BatchSearchResponse:
     """One query's failure is that query's: a blank or too long text, or one the search
     refuses, is an entry of `errors`; every other query is answered."""
-    limit = state.settings.max_batch_queries
+    limit = service.settings.max_batch_queries
     if len(body.queries) > limit:
         raise ApiError(422, f"queries: at most {limit} queries per batch, got {len(body.queries)}",
                        code="invalid_request")
@@ -78,14 +72,13 @@ async def search_batch(
     rows = [i for i in range(len(body.queries)) if i not in failed]
     answered: list[tuple[int, SearchResponse]] = []
     if not rows:  # no text to search: the request's own parameters are still checked
-        with state.lease() as searcher:
-            await _checked_kwargs(state, searcher, 0, body, explain=False)
+        await service.check(body)
     else:
         try:
-            answered = list(zip(rows, await _search(state, request, [body.queries[i] for i in rows], body,
+            answered = list(zip(rows, await _search(service, request, [body.queries[i] for i in rows], body,
                                                     isolate=True)))
-        except _QueriesRefused:  # some query's fault: searched alone, each answers for itself
-            answered, refused = await _search_alone(state, request, body, rows)
+        except QueriesRefused:  # some query's fault: searched alone, each answers for itself
+            answered, refused = await _search_alone(service, request, body, rows)
             errors += refused
     for i, response in answered:
         response.index = i
@@ -101,116 +94,32 @@ def _text_problem(query: str) -> Optional[str]:
     return None
 
 
-async def _search_alone(state: AppState, request: Request, body: BatchSearchRequest,
+async def _search_alone(service: SearchService, request: Request, body: BatchSearchRequest,
                         rows: list[int]) -> tuple[list[tuple[int, SearchResponse]], list[QueryError]]:
     answered, errors = [], []
     for i in rows:
         try:
-            (response,) = await _search(state, request, [body.queries[i]], body, isolate=True)
-        except _QueriesRefused as refused:
+            (response,) = await _search(service, request, [body.queries[i]], body, isolate=True)
+        except QueriesRefused as refused:
             errors.append(QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {refused.cause}"))
             continue
         answered.append((i, response))
     return answered, errors
 
 
-class _QueriesRefused(Exception):
-    """The search refused a batch of queries (InvalidParameterError) after the request's own checks passed."""
-
-    def __init__(self, cause: ValueError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-async def _search(
-    state: AppState, request: Request, queries: Sequence[str], options: SearchOptions, explain: bool = False,
-    isolate: bool = False,
-) -> list[SearchResponse]:
-    """isolate: a refusal by the search itself (after the request's checks) is raised as
-    _QueriesRefused, so a batch can tell it from a refusal of the request."""
-    batcher = state.require_batcher()
-    # The request holds the generation it started on (refreshed first: a write answered before
-    # this request began is visible); a newer one swapped in meanwhile leaves it open until then.
-    with state.lease() as searcher:
-        return await _search_with(state, request, searcher, batcher, queries, options, explain, isolate)
-
-
-async def _search_with(
-    state: AppState, request: Request, searcher: "Searcher", batcher: "MicroBatcher[QueryResult]",
-    queries: Sequence[str], options: SearchOptions, explain: bool, isolate: bool,
-) -> list[SearchResponse]:
+async def _search(service: SearchService, request: Request, queries: Sequence[str], options: SearchOptions,
+                  explain: bool = False, isolate: bool = False) -> list[SearchResponse]:
+    """The queries searched by the service, as responses; the request's log line names its batch sizes."""
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
-    kwargs = await _checked_kwargs(state, searcher, len(queries), options, explain)
-    try:
-        batched: list[BatchedResult[QueryResult]] = await batcher.submit_many(queries, kwargs)
-    except ValueError as exc:  # InvalidParameterError of the search itself: a query's, not the request's
-        if not isolate:
-            raise
-        raise _QueriesRefused(exc) from exc
-    documents: Optional[dict[str, Document]] = None
-    if options.return_text:
-        wanted = sorted({hit.doc_id for item in batched for hit in item.result.hits})
-        documents = await asyncio.to_thread(_documents, state, wanted)
-    responses = []
-    for query, item in zip(queries, batched):
-        stats = item.result.stats
-        state.metrics.observe_query(
-            queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
-            missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios,
-        )
-        responses.append(_to_response(query, item, documents, searcher.reader.engine))
-    batch_sizes = sorted({item.batch_size for item in batched})
+    answers = await service.search(queries, options, explain=explain, isolate=isolate)
+    responses = [_to_response(query, item, answers.documents, answers.engine)
+                 for query, item in zip(queries, answers.results)]
+    batch_sizes = sorted({item.batch_size for item in answers.results})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
     return responses
 
 
-async def _checked_kwargs(state: AppState, searcher: "Searcher", n_queries: int, options: SearchOptions,
-                          explain: bool) -> dict[str, Any]:
-    """The request's own checks (bounds, mode, explain, budget, filter), before it queues: a refused
-    request costs nothing and is a 422 of the whole request, whatever its queries hold. Returns
-    the batcher's keyword arguments."""
-    kwargs = options.search_kwargs()
-    modes = options.mode_kwargs()
-    params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
-    hybrid = searcher.hybrid_params(**modes)
-    if hybrid.mode != "dense":
-        from espn.search.lexical import require_text  # as the searcher has: loaded already
-
-        require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
-    if explain and hybrid.mode != "lexical":
-        from espn.search.explain import can_explain  # the searcher has loaded torch already
-
-        can_explain(searcher.encoder)
-    settings = state.settings
-    check_budget(params, n_queries, searcher.num_documents, state.text_bytes, options.return_text,
-                 max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
-    if options.filter is not None:
-        # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
-        # cache off the event loop; the batch key carries its canonical text, so requests with
-        # the same filter share a batch and different filters never do.
-        await asyncio.to_thread(searcher.filtered_docs, options.filter)
-        kwargs["filter"] = canonical_filter(options.filter)
-    if explain:
-        kwargs["explain"] = True
-    return kwargs
-
-
-def _documents(state: AppState, doc_ids: Sequence[str]) -> dict[str, "Document"]:
-    """The hits' passages from the newest generation (the batch may have run on a newer one
-    than the request started on); a hit deleted since is left without text."""
-    from espn.errors import DocumentNotFoundError
-
-    out = {}
-    with state.require_live().lease() as searcher:
-        for doc_id in doc_ids:
-            try:
-                out[doc_id] = searcher.document(doc_id)
-            except DocumentNotFoundError:
-                continue
-    return out
-
-
-def _to_response(query: str, item: BatchedResult["QueryResult"], documents: Optional[dict[str, "Document"]],
+def _to_response(query: str, item: BatchedResult[QueryResult], documents: Optional[dict[str, Document]],
                  reader_engine: str) -> SearchResponse:
     stats = item.result.stats
     hits = []

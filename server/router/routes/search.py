@@ -1,0 +1,68 @@
+"""POST /v1/search and /v1/search/batch over every partition, merged into one answer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from ...schemas import BatchSearchRequest, ErrorResponse, QueryError, SearchRequest, SearchResponse
+from ..deps import RouterState, forwarded_headers, get_router_state, router_error
+from ..merge import fan_out_body, merge_responses
+from ..models import RoutedBatchResponse, RoutedSearchAnswer, RoutedSearchResponse, ShardFailure, ShardsBatch
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+@router.post("/v1/search", response_model=RoutedSearchResponse, summary="Search one query over every partition",
+             responses=_ERRORS)
+async def search(body: SearchRequest, request: Request, state: RouterState = Depends(get_router_state)) -> Any:
+    started = time.perf_counter()
+    answers, failures = await state.require_fanout().search(
+        "/v1/search", fan_out_body(body), forwarded_headers(request), SearchResponse)
+    if not answers:
+        return state.unavailable("search", failures)
+    merged = merge_responses(body.query, answers, body.k, len(state.settings.shards), failures,
+                             (time.perf_counter() - started) * 1000)
+    state.observe("search", started, partial=merged.partial)
+    return merged
+
+
+@router.post("/v1/search/batch", response_model=RoutedBatchResponse,
+             summary="Search several queries over every partition", responses=_ERRORS)
+async def search_batch(body: BatchSearchRequest, request: Request,
+                       state: RouterState = Depends(get_router_state)) -> Any:
+    started = time.perf_counter()
+    answers, failures = await state.require_fanout().search(
+        "/v1/search/batch", fan_out_body(body), forwarded_headers(request), ShardsBatch)
+    if not answers:
+        return state.unavailable("batch", failures)
+    if any(len(answer.responses) + len(answer.errors) != len(body.queries) for answer in answers):
+        return router_error(502, "bad_gateway", "a shard answered a different number of queries than asked")
+    route_ms = (time.perf_counter() - started) * 1000
+    responses, errors = _merge_batch(body, answers, failures, len(state.settings.shards), route_ms)
+    state.observe("batch", started, partial=bool(failures))
+    return RoutedBatchResponse(responses=responses, errors=errors, partial=bool(failures), failed_shards=failures)
+
+
+def _merge_batch(body: BatchSearchRequest, answers: list[ShardsBatch], failures: list[ShardFailure], shards: int,
+                 route_ms: float) -> tuple[list[RoutedSearchAnswer], list[QueryError]]:
+    """Per query, the partitions' answers merged; a query no partition answered is an error
+    entry, in the first partition's words (every partition checks a query's text alike)."""
+    by_index = [answer.by_index() for answer in answers]
+    refused = {e.index: e for answer in reversed(answers) for e in answer.errors}
+    responses, errors = [], []
+    for i, query in enumerate(body.queries):
+        answered = [shard[i] for shard in by_index if i in shard]
+        if not answered:
+            errors.append(refused.get(i) or QueryError(index=i, error="invalid_query",
+                                                       message=f"queries[{i}]: no partition answered it"))
+            continue
+        merged = merge_responses(query, answered, body.k, shards, failures, route_ms)
+        responses.append(RoutedSearchAnswer(index=i, **dict(merged)))
+    return responses, errors

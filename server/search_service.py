@@ -1,0 +1,247 @@
+"""The search service: what the routes ask of the index (a request's checks, batched
+searches, passages), over the newest generation's Searcher. Routes reach it through
+`deps.get_search` and never hold a Searcher themselves; the service knows the library's
+public API only, and nothing of HTTP beyond the request's options.
+
+Every query goes through the micro-batcher (`batching.MicroBatcher`): concurrent requests
+of several parameter sets are tokenised and encoded in one batch, then each group is
+searched with its own parameters (a failure stays in its group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from espn import Searcher
+from espn.errors import DocumentNotFoundError
+from espn.search.explain import can_explain
+from espn.filters import canonical_filter
+from espn.lease import LiveSearcher
+from espn.search.lexical import require_text
+from espn.results import Document, QueryResult
+
+from .batching import BatchedResult, MicroBatcher
+from .budget import check_budget
+from .metrics import ServerMetrics
+from .schemas import SearchOptions
+from .settings import ServerSettings
+
+__all__ = ["Answers", "QueriesRefused", "SearchService", "open_searcher"]
+
+logger = logging.getLogger(__name__)
+
+
+class QueriesRefused(Exception):
+    """The search refused a batch of queries (InvalidParameterError) after the request's own checks passed."""
+
+    def __init__(self, cause: ValueError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+    """One request's results, in query order, with what the response needs beside them."""
+
+    results: list[BatchedResult[QueryResult]]
+    documents: Optional[dict[str, Document]]  # the hits' passages, when return_text asked for them
+    engine: str  # the reader's I/O engine, for a searcher whose stats do not name it
+
+
+def open_searcher(settings: ServerSettings) -> Searcher:
+    """The served index's Searcher, with this worker's share of the cores for torch."""
+    # N workers x all cores each would oversubscribe the CPU; give each its share.
+    torch.set_num_threads(settings.effective_torch_threads)
+    return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
+                         reader_options=settings.reader_open_options())
+
+
+def _mean_text_bytes(searcher: Searcher) -> float:
+    """Mean stored bytes per passage (title and text as JSON), for the response-size budget."""
+    size = searcher.index.file("docs.jsonl").stat().st_size
+    return size / max(1, searcher.num_documents)
+
+
+def _one_by_one(searcher: Searcher, queries: list[str], params: Mapping[str, Any]) -> list[Any]:
+    """Each query of a refused group searched alone: its result, or the exception for its own waiter."""
+    out: list[Any] = []
+    for query in queries:
+        try:
+            out += searcher.search([query], **params)
+        except ValueError as exc:
+            out.append(exc)
+    return out
+
+
+class SearchService:
+    """Searches and passages of the newest generation; owns the micro-batcher and its thread pool."""
+
+    def __init__(self, live: LiveSearcher, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.live = live
+        self.settings = settings
+        self.metrics = metrics
+        self.text_bytes = _mean_text_bytes(live.current)
+        self._executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
+        self.batcher: MicroBatcher[QueryResult] = MicroBatcher(
+            None,
+            self._executor,
+            max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.batch_wait_ms / 1000.0,
+            max_concurrent=settings.search_threads,
+            max_pending=settings.max_pending,
+            fair_chunk=settings.fair_chunk_queries,
+            on_batch=lambda size, seconds: metrics.queued.set(self.batcher.pending),
+            search_many=self._search_many,
+        )
+
+    def start(self) -> None:
+        """Start the batcher; call from the running event loop (the app's lifespan)."""
+        self.batcher.start()
+
+    async def close(self) -> None:
+        """Search what is queued, then stop the search threads (the Searcher stays open)."""
+        await self.batcher.close()
+        self._executor.shutdown(wait=True)
+
+    def warmup(self) -> None:
+        with self.live.lease() as searcher:
+            searcher.warmup()
+
+    @contextlib.contextmanager
+    def _lease(self) -> Iterator[Searcher]:
+        """The newest published generation, held for the block: one stat of live/CURRENT; a
+        generation another worker published opens here first, so a request that starts after
+        a write's answer sees the write."""
+        self.live.refresh()
+        with self.live.lease() as searcher:
+            yield searcher
+
+    async def check(self, options: SearchOptions) -> None:
+        """A request's own parameters, checked with no query to search (a 422 when they are wrong)."""
+        with self._lease() as searcher:
+            await self._checked_kwargs(searcher, 0, options, explain=False)
+
+    async def search(self, queries: Sequence[str], options: SearchOptions, *, explain: bool = False,
+                     isolate: bool = False) -> Answers:
+        """Search `queries` with the request's options through the micro-batcher.
+
+        The request holds the generation it started on (a newer one swapped in meanwhile leaves
+        it open until then). isolate: a refusal by the search itself (after the request's checks)
+        is raised as QueriesRefused, so a batch can tell it from a refusal of the request.
+        """
+        with self._lease() as searcher:
+            kwargs = await self._checked_kwargs(searcher, len(queries), options, explain)
+            try:
+                results = await self.batcher.submit_many(queries, kwargs)
+            except ValueError as exc:  # InvalidParameterError of the search itself: a query's, not the request's
+                if not isolate:
+                    raise
+                raise QueriesRefused(exc) from exc
+            engine = searcher.reader.engine
+        documents: Optional[dict[str, Document]] = None
+        if options.return_text:
+            wanted = sorted({hit.doc_id for item in results for hit in item.result.hits})
+            documents = await asyncio.to_thread(self._documents, wanted)
+        for item in results:
+            stats = item.result.stats
+            self.metrics.observe_query(queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
+                                       missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios)
+        return Answers(results, documents, engine)
+
+    async def document(self, doc_id: str) -> Document:
+        """One passage by its external id (DocumentNotFoundError: a 404)."""
+        with self._lease() as searcher:
+            # Reads passage text from disk: keep it off the event loop.
+            return await asyncio.to_thread(searcher.document, doc_id)
+
+    async def _checked_kwargs(self, searcher: Searcher, n_queries: int, options: SearchOptions,
+                              explain: bool) -> dict[str, Any]:
+        """The request's own checks (bounds, mode, explain, budget, filter), before it queues: a refused
+        request costs nothing and is a 422 of the whole request, whatever its queries hold. Returns
+        the batcher's keyword arguments."""
+        kwargs = options.search_kwargs()
+        modes = options.mode_kwargs()
+        params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
+        hybrid = searcher.hybrid_params(**modes)
+        if hybrid.mode != "dense":
+            require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
+        if explain and hybrid.mode != "lexical":
+            can_explain(searcher.encoder)
+        settings = self.settings
+        check_budget(params, n_queries, searcher.num_documents, self.text_bytes, options.return_text,
+                     max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
+        if options.filter is not None:
+            # Validated (a bad filter is a 422 naming the problem) and compiled into the searcher's
+            # cache off the event loop; the batch key carries its canonical text, so requests with
+            # the same filter share a batch and different filters never do.
+            await asyncio.to_thread(searcher.filtered_docs, options.filter)
+            kwargs["filter"] = canonical_filter(options.filter)
+        if explain:
+            kwargs["explain"] = True
+        return kwargs
+
+    def _documents(self, doc_ids: Sequence[str]) -> dict[str, Document]:
+        """The hits' passages from the newest generation (the batch may have run on a newer one
+        than the request started on); a hit deleted since is left without text."""
+        out = {}
+        with self.live.lease() as searcher:
+            for doc_id in doc_ids:
+                try:
+                    out[doc_id] = searcher.document(doc_id)
+                except DocumentNotFoundError:
+                    continue
+        return out
+
+    def _search_many(self, groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        """The batcher's call (in a search thread): the newest generation's Searcher is leased for
+        it, so a write that swaps in a newer one meanwhile closes this one only when it is done."""
+        with self.live.lease() as searcher:
+            return self._search_groups(searcher, groups)
+
+    def _search_groups(self, searcher: Searcher, groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
+        started = time.perf_counter()
+        texts: list[list[str] | None] = [None] * len(groups)  # what each group encodes (None: nothing)
+        embeddings = None
+        if len(groups) > 1:
+            try:
+                texts = [searcher.dense_queries(queries, params.get("mode"), params.get("syntax"))
+                         for queries, params in groups]
+                flat = [text for group in texts if group is not None for text in group]
+                embeddings = searcher.encode(flat) if flat else None
+            except Exception:  # noqa: BLE001 - a bad group fails below, on its own
+                texts, embeddings = [None] * len(groups), None
+        encode_ms = (time.perf_counter() - started) * 1000
+        outcomes: list[Any] = []
+        start = 0
+        for (queries, params), group_texts in zip(groups, texts):
+            rows = None
+            if embeddings is not None and group_texts is not None:
+                rows = slice(start, start + len(group_texts))
+                start += len(group_texts)
+            try:
+                results = searcher.search(queries, embeddings=None if rows is None or embeddings is None else
+                                          embeddings[rows], **params)
+            except ValueError as exc:  # InvalidParameterError: one query's refusal is only that query's
+                outcomes.append(_one_by_one(searcher, queries, params) if len(queries) > 1 else exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
+                outcomes.append(exc)
+                continue
+            if results and rows is not None:  # the shared encode, in this call's stage times
+                stage_ms = results[0].stats.stage_ms
+                stage_ms["encode"] = round(encode_ms, 3)
+                stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
+            if results:
+                self.metrics.observe_batch(len(queries), results[0].stats.stage_ms)
+                self.metrics.observe_waves(results[0].stats.waves, results[0].stats.waves_skipped)
+                self.metrics.set_record_cache(searcher.reader.describe().get("record_cache"))
+            outcomes.append(results)
+        return outcomes
