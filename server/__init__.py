@@ -18,11 +18,11 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in ("build_app", "create_app"):
-        from . import app
+        from . import app  # lazily: the app loads the library (torch, FAISS); `import espn_server` stays light
 
         return getattr(app, name)
     if name == "ServerSettings":
-        from .settings import ServerSettings
+        from .settings import ServerSettings  # lazily, as the app above
 
         return ServerSettings
     raise AttributeError(f"module 'server' has no attribute {name!r}")

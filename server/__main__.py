@@ -9,9 +9,9 @@ import sys
 def main() -> int:
     # As in `espn`: before torch or FAISS load OpenMP, idle threads must not spin.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from espn.cli import CliParser
+    from espn.cli import CliParser  # entry point: only once OMP_WAIT_POLICY is set (above)
 
-    from .cli import add_serve_arguments, run_serve
+    from .cli import add_serve_arguments, run_serve  # entry point, as espn.cli
 
     parser = CliParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
     add_serve_arguments(parser)

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from espn.errors import EspnError
 from espn.live.status import read_only_reason
 
+from . import connections
 from .logs import logging_config
 from .settings import ENV_PREFIX, ROUTER_ENV_PREFIX, RouterSettings, ServerSettings, settings_error_line
 from .settings_doc import add_flags, environment_help, settings_of
@@ -243,8 +244,6 @@ def _serve(settings: ServerSettings) -> int:
     # prometheus_client only once PROMETHEUS_MULTIPROC_DIR is set).
     import uvicorn
 
-    from .connections import GuardedH11Protocol
-
     _return_freed_memory()
     # uvicorn re-raises the SIGTERM it drained on, so the process would end "killed by
     # SIGTERM" (143) after a clean drain; this handler turns that last raise into exit 0.
@@ -263,7 +262,7 @@ def _serve(settings: ServerSettings) -> int:
             log_level=settings.log_level,
             access_log=False,  # server.middleware.AccessMiddleware logs each request once
             server_header=False,
-            http=GuardedH11Protocol,  # the connection cap and header timeout (server.connections)
+            http=connections.GuardedH11Protocol,  # the connection cap and header timeout (server.connections)
             backlog=settings.connection_limits().backlog,
             timeout_keep_alive=settings.keep_alive_s,
             timeout_graceful_shutdown=settings.graceful_timeout_s,
@@ -295,8 +294,7 @@ def run_route(args: argparse.Namespace) -> int:
     # (tests/test_packaging.py runs the rest of the command line without it).
     import uvicorn
 
-    from . import connections
-    from .router import build_router_app
+    from .router import build_router_app  # httpx: only `espn route` needs it (see above)
 
     limits = settings.connection_limits()
     connections.install(limits)
