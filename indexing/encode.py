@@ -162,8 +162,15 @@ def _worker_death_is_one_line() -> Iterator[None]:
         if "DataLoader worker" not in str(exc):
             raise
         reason = str(exc).split(". ")[0].rstrip(".")
-        raise EspnError(f"the tokenising worker process died ({reason}); out of memory? "
-                        "try a smaller --chunk-size, or --loader-workers 0") from None
+        raise EspnError(_worker_died(reason)) from None
+    except (EOFError, ConnectionResetError):
+        # Killed while it was handing over a batch: the pipe ends before SIGCHLD is seen.
+        raise EspnError(_worker_died("its pipe closed in the middle of a batch")) from None
+
+
+def _worker_died(reason: str) -> str:
+    return (f"the tokenising worker process died ({reason}); out of memory? "
+            "try a smaller --chunk-size, or --loader-workers 0")
 
 
 def _shard_progress(total_documents: int | None, chunk_size: int, shard: int, num_shards: int,

@@ -216,7 +216,7 @@ class CachedReader(Reader):
         super().close()
         self.inner.close()
 
-    def _start(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
+    def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
         if self.closed:
             raise StoreClosedError(f"the {self.name} reader of {self.path} is closed")
         docs = self._validate(doc_numbers)
