@@ -31,11 +31,9 @@ with its sha256), every tombstone file, and `side`: per-generation side indexes 
 full-text index) with their files. `Generation.needed_files()` lists it all, so a copy
 of an index is the files a generation names, then the record itself.
 
-A reader holds a shared `flock` on the generation file it opened; the writer removes a
-generation's files only once it can take that lock exclusively. Generations of one
-process share what does not change between them (`open_view(previous=...)`): the base's
-maps and IVF, the segments, the embedding reader. Nothing here keeps a file descriptor
-per generation besides that lock (`espn.mapped`).
+A reader holds a shared `flock` on the generation file it opened (`held_generation`); the
+writer removes a generation's files only once it can take that lock exclusively. Opening a
+generation for search is espn.segments.
 """
 
 
