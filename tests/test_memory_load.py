@@ -42,9 +42,11 @@ try:  # reset the peak to the current resident set (Linux >= 4.0); else the peak
     Path("/proc/self/clear_refs").write_text("5")
 except OSError:
     pass
-before = status("VmRSS")
+before, before_anon = status("VmRSS"), status("RssAnon")
 searcher = Searcher.open(sys.argv[1], reader=sys.argv[2], with_encoder=False)
-print(json.dumps({"growth": status("VmHWM") - before, "held": status("VmRSS") - before}))
+# held: anonymous memory only (the table's array), which the kernel cannot drop as it may drop
+# the pages of mapped libraries when other processes need memory (RSS would then shrink).
+print(json.dumps({"growth": status("VmHWM") - before, "held": status("RssAnon") - before_anon}))
 searcher.close()
 """
 
