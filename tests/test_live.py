@@ -552,14 +552,14 @@ def test_recovery_tolerates_a_staging_directory_its_owner_removes_meanwhile(inde
 
     other = LiveIndex(index, encoder=encoder)
     staging = live.Staging(other, "compact", 0.0)
-    unused = live._unused
+    unused = live.lock_is_free
 
     def owner_finishes_first(path: Path, unlink: bool = False) -> bool:
         if path == staging.path:
             staging.close()  # rmtree, then the lock goes: between our listing and our removal
         return unused(path, unlink)
 
-    monkeypatch.setattr(live, "_unused", owner_finishes_first)
+    monkeypatch.setattr(live, "lock_is_free", owner_finishes_first)
     writer = LiveIndex(index, encoder=encoder)
     result = writer.delete(["s0001"])
     assert result.deleted == ["s0001"] and not staging.path.exists()

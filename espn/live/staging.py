@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
-from espn.files import fsync_path, remove_path
-from espn.files import lock_is_free as _unused  # a module name of its own: tests replace it
+from espn.files import fsync_path, lock_is_free, remove_path
 from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generations import LIVE_DIR, Generation, read_current, read_generation
@@ -97,7 +96,7 @@ def recover(root: Path) -> None:
         match = NUMBERED.match(name)
         if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number):
             remove_path(path)
-        elif name.startswith(Staging.PREFIXES) and _unused(path):
+        elif name.startswith(Staging.PREFIXES) and lock_is_free(path):
             remove_path(path)
     embeddings = root / current.base / "embeddings.bin"
     if embeddings.stat().st_size > current.embeddings_bytes:
@@ -116,7 +115,7 @@ def collect_garbage(root: Path) -> list[str]:
     if kept is None:
         return []
     referenced = set().union(*(g.referenced() for g in kept))
-    root_in_use = "." in referenced or not _unused(root / "manifest.json")
+    root_in_use = "." in referenced or not lock_is_free(root / "manifest.json")
     removed = []
     for path in live_dir.iterdir():
         match = NUMBERED.match(path.name)
@@ -143,7 +142,7 @@ def _held_generations(live_dir: Path, current: Generation) -> list[Generation] |
             continue
         # Unlinked under the exclusive lock, so a reader locking it afterwards finds it gone
         # and opens the current one instead.
-        if not _unused(path, unlink=True):
+        if not lock_is_free(path, unlink=True):
             try:
                 kept.append(read_generation(path))
             except Exception:  # noqa: BLE001 - unreadable: keep what it may need, collect it later
