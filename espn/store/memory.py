@@ -50,7 +50,9 @@ class MemoryReader(Reader):
         logger.info("loaded %s into RAM (%.1f MiB)", self.path, self.file_size / 2**20)
 
     def _fetch(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
-        return self._array, offsets, 0, 0
+        array = self._array  # before the check: see Reader.ensure_open
+        self.ensure_open()
+        return array, offsets, 0, 0
 
     def close(self) -> None:
         if self.closed:

@@ -61,7 +61,9 @@ class MmapReader(Reader):
         # The union of the records' block ranges; the extent cap does not change its size.
         plan = plan_extents(offsets, lengths, self.layout.block_size)
         blocks = plan.nbytes // self.layout.block_size
-        return self._array, offsets, plan.nbytes, blocks
+        array = self._array  # before the check: see Reader.ensure_open
+        self.ensure_open()
+        return array, offsets, plan.nbytes, blocks
 
     def close(self) -> None:
         if self.closed:

@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from ..errors import IndexCorruptError
 from .engines.base import current_faults
 from .format import StoreLayout
 from .gather import gather_records
@@ -55,7 +56,15 @@ class DeferredFetch(Fetch):
 
     def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
         fetch, offsets, lengths = self._call
-        return fetch(offsets, lengths)
+        done = fetch(offsets, lengths)
+        buffer, starts = done[0], done[1]
+        size = buffer.numel() if isinstance(buffer, torch.Tensor) else buffer.size
+        # The native scorer reads records by address without bounds: a record past its buffer's
+        # end would be scored from whatever memory follows, so it is refused here.
+        if len(starts) and int(np.max(starts + lengths)) > size:
+            raise IndexCorruptError(f"a record ends past the {size}-byte buffer it was fetched into "
+                                    f"(at byte {int(np.max(starts + lengths))})")
+        return done
 
 
 class PendingRead:

@@ -122,6 +122,15 @@ class Reader(abc.ABC):
         """Release files, threads and buffers; idempotent."""
         self.closed = True
 
+    def ensure_open(self) -> None:
+        """Raise StoreClosedError once `close` has begun (a search then retries on its successor).
+
+        A backend whose `_fetch` hands out a buffer that `close` frees (memory, mmap) takes the
+        buffer first and calls this after: a close that comes later cannot free what it took,
+        and one that came earlier is refused here instead of scored from freed memory."""
+        if self.closed:
+            raise StoreClosedError(f"the {self.name} reader of {self.path} is closed")
+
     def extend_records(self, records: np.ndarray) -> bool:
         """Serve a longer records table over the same file: a live index's newer generation,
         whose rows for the doc numbers already served are unchanged (so reads in flight, and
@@ -161,8 +170,7 @@ class Reader(abc.ABC):
     def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
         """Validate, look up the records and start their fetch: (docs, n_bow, fetch or None).
         What `PendingRead.submit` calls; use `submit` or `read` instead."""
-        if self.closed:
-            raise StoreClosedError(f"the {self.name} reader of {self.path} is closed")
+        self.ensure_open()
         docs = self._validate(doc_numbers)
         lay = self.layout
         if len(docs) == 0:
