@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from fastapi.testclient import TestClient
 from espn_server.cli import run_route
 from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits
 from espn_server.schemas import SearchHit
+from helpers import write_scifact_subset
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
@@ -295,12 +295,7 @@ def indexes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]
     if not corpus_gz.is_file():
         pytest.skip(f"SciFact not found at {corpus_gz} (the shared data directory beside the repository)")
     tmp = tmp_path_factory.mktemp("router")
-    corpus = tmp / "corpus.jsonl"
-    with gzip.open(corpus_gz, "rt", encoding="utf-8") as source, open(corpus, "w", encoding="utf-8") as out:
-        for n, line in enumerate(source):
-            if n == SLICE:
-                break
-            out.write(line)
+    corpus = write_scifact_subset(SCIFACT, tmp / "corpus.jsonl", SLICE)
     common = ["--nlist", str(NLIST), "--chunk-size", "50", "--no-progress"]
     # Both shard processes at once on one work dir, as the Indexed Job's pods run.
     shards = [subprocess.Popen([*_espn(), "index", str(corpus), "--out", str(tmp / "parts"), "--shard", shard, *common],
