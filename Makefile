@@ -12,6 +12,12 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # --retries 1: an unreachable index costs one retry per package, not five.
 TORCH_PIP = --retries 1 torch==$(TORCH_VERSION) --extra-index-url $(TORCH_INDEX)
+# Installs skip byte-compiling (pip's --no-compile: torch, transformers and scipy are thousands of
+# modules a run never imports) and Python writes the .pyc of what it does import, at first import,
+# even where the environment says not to (PYTHONDONTWRITEBYTECODE=1 in some CI images): without
+# either, every test process would compile torch again.
+NO_COMPILE := --no-compile
+export PYTHONDONTWRITEBYTECODE :=
 TORCH_BUILD = import torch; print(f"torch {torch.__version__}:", f"the CUDA {torch.version.cuda} build" if torch.version.cuda else "the CPU build")
 
 .PHONY: install serve-sample test check-wheel browser bench clean settings-table docs docs-strict
@@ -20,8 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, pinned (see TORCH_INDEX above).
-	$(PY) -m pip install -q $(TORCH_PIP)
-	$(PY) -m pip install -q -e '.[test,bench,docs]'
+	$(PY) -m pip install -q $(TORCH_PIP) $(NO_COMPILE)
+	$(PY) -m pip install -q -e '.[test,bench,docs]' $(NO_COMPILE)
 	# Which torch build pip took, asked once numpy is installed (torch imported without numpy warns).
 	@$(PY) -c '$(TORCH_BUILD)'
 	touch $@
@@ -74,8 +80,8 @@ check-wheel: install
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) build && mkdir -p $(WHEEL_CHECK)/dist
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
 	python3 -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_PIP)
-	$(WHEEL_VENV)/bin/python -m pip install -q --only-binary tantivy $(WHEEL_CHECK)/dist/espn-*.whl
+	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_PIP) $(NO_COMPILE)
+	$(WHEEL_VENV)/bin/python -m pip install -q $(NO_COMPILE) --only-binary tantivy $(WHEEL_CHECK)/dist/espn-*.whl
 	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/espn --help > /dev/null
 	$(WHEEL_VENV)/bin/espn index espn/data/sample_corpus.jsonl --out $(WHEEL_CHECK)/index --no-progress
 	$(WHEEL_VENV)/bin/espn search $(WHEEL_CHECK)/index --queries espn/data/sample_queries.jsonl \
