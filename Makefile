@@ -46,9 +46,10 @@ serve-sample: install
 # workers than cores pays. TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 4
 test: install browser
-	$(VENV)/bin/mypy
-	$(MAKE) docs-strict
-	$(MAKE) check-wheel
+	@# mypy runs beside the site and wheel checks (mostly pip's I/O); its report is printed after them.
+	@mkdir -p .espn && $(VENV)/bin/mypy > .espn/mypy.log 2>&1 & typing=$$!; \
+	$(MAKE) docs-strict && $(MAKE) check-wheel; checked=$$?; \
+	wait $$typing; typed=$$?; echo "mypy:"; cat .espn/mypy.log; test $$checked -eq 0 -a $$typed -eq 0
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The documentation site (mkdocs.yml, docs/): generated pages first (the CLI's --help, the

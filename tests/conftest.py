@@ -25,6 +25,13 @@ CHROMIUM = Path(os.environ.get("ESPN_CHROMIUM", "/usr/bin/chromium"))
 CHROMEDRIVER = Path(os.environ.get("ESPN_CHROMEDRIVER", "/usr/bin/chromedriver"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a `slow` test first, the rest in their order: `make test` sends each file to one
+    xdist worker, and a long file handed out last would run alone while the other workers idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def strict_buffer_ownership() -> Iterator[None]:
     """Every test runs under the strict ownership policy: a read buffer given back to its pool

@@ -154,6 +154,7 @@ def test_bench_rerank(results: Path, capsys, sample_index: Path, tmp_path: Path)
     assert [r["rerank_count"] for r in payload["rows"]] == [16, 100]
 
 
+@pytest.mark.slow
 def test_bench_build(results: Path, capsys) -> None:
     from benchmarks import bench_build
 
@@ -351,6 +352,7 @@ def test_bench_text_writes(sample_index: Path, results: Path, capsys) -> None:
     assert not (sample_index / "live").exists()
 
 
+@pytest.mark.slow
 def test_bench_replication(sample_index: Path, sample_partitions: Path, results: Path, capsys, tmp_path: Path) -> None:
     pytest.importorskip("moto.server")
     from benchmarks import bench_replication

@@ -17,6 +17,7 @@ from espn.index import IndexDirectory
 from helpers import CONTENT_FILES, digest, run_espn, write_jsonl
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_gives_the_same_index(scifact_index: Path, scifact_subset: Path, tmp_path: Path) -> None:
     out = tmp_path / "resumed"
     args = [sys.executable, "-m", "espn.cli", "index", str(scifact_subset), "--out", str(out), "--chunk-size", "32",
@@ -40,6 +41,7 @@ def test_kill_9_then_rerun_gives_the_same_index(scifact_index: Path, scifact_sub
         assert digest(out / name) == digest(scifact_index / name), name
 
 
+@pytest.mark.slow
 def test_two_shard_processes_then_merge(scifact_index: Path, scifact_subset: Path, tmp_path: Path) -> None:
     out = tmp_path / "sharded"
     base = [sys.executable, "-m", "espn.cli", "index", str(scifact_subset), "--out", str(out), "--chunk-size", "32",

@@ -524,6 +524,7 @@ def read_run(path: Path) -> dict[str, list[tuple[str, float]]]:
     return run
 
 
+@pytest.mark.slow
 def test_index_and_search_end_to_end(tmp_path: Path, small: tuple[Path, dict[str, torch.Tensor]],
                                      encoder: ColBERTerEncoder) -> None:
     from espn.corpus import iter_corpus

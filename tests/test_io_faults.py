@@ -501,6 +501,7 @@ def test_without_acquire_release_io_uring_is_passed_over_with_one_log_line(
 # -- the same suite without asserts in the library -------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_and_fault_tests_pass_under_python_O(tmp_path: Path) -> None:
     """`python -O` strips assert statements: no time limit or invariant may live in one."""
     root = Path(__file__).resolve().parents[1]

@@ -72,6 +72,7 @@ def _wait_for(condition, timeout: float = 60) -> None:  # noqa: ANN001
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_a_written_index_is_served_again_after_restarts_and_kill_9(sample_index: Path, tmp_path: Path) -> None:
     index = tmp_path / "index"
     shutil.copytree(sample_index, index)

@@ -108,6 +108,7 @@ def test_schemathesis_finds_nothing_without_a_key(servers: dict[str, ServerProce
     _schemathesis(servers["open"], tmp_path, "--phases", "examples,fuzzing")
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_nothing_with_a_key(servers: dict[str, ServerProcess], tmp_path: Path) -> None:
     _schemathesis(servers["keyed"], tmp_path, "--phases", "examples,coverage,fuzzing,stateful",
                   "-H", f"Authorization: Bearer {API_KEY}")

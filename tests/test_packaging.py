@@ -154,6 +154,7 @@ def _link_runtime_dependencies(venv: Path, links: Path) -> None:
     (site / "runtime-dependencies-of-the-test-environment.pth").write_text(f"{links}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("python3") is None, reason="needs python3 to make a venv")
 def test_docker_build_step_in_a_fresh_venv(tmp_path: Path) -> None:
     sources, install = _dockerfile_copies()

@@ -96,6 +96,7 @@ def _replication(server: ServerProcess) -> dict[str, Any]:
     return httpx.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
 
 
+@pytest.mark.slow
 def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: dict[str, str], tmp_path: Path,
                                                                        sample_partitions: Path) -> None:
     base_env = {key: value for key, value in os.environ.items() if not key.startswith("ESPN_")}

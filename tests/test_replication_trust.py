@@ -280,6 +280,7 @@ def test_the_publisher_outlives_store_outages_and_the_writers_recovery(sample_in
         assert [searcher.document(f"o{i}").text for i in range(3)] == [f"written during outage {i}" for i in range(3)]
 
 
+@pytest.mark.slow
 def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_index: Path, tmp_path: Path,
                                                                        client: Any,
                                                                        store: tuple[Any, dict[str, str]]) -> None:

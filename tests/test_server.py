@@ -690,9 +690,15 @@ def test_an_idle_server_searches_at_once_and_batches_what_queues(sample_index: P
         alone = httpx.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
         assert alone.status_code == 200, alone.text
         assert alone.json()["stats"]["batch_size"] == 1 and alone.json()["stats"]["queue_ms"] < 500
+        # Eight clients at once, in up to five bursts: on a loaded machine one burst's requests can
+        # reach an idle server one by one; batching that never happens fails all five.
+        together: list[httpx.Response] = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            together = list(pool.map(lambda i: httpx.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
-                                                          timeout=60), range(8)))
+            for _ in range(5):
+                together += pool.map(lambda i: httpx.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
+                                                          timeout=60), range(8))
+                if max(response.json()["stats"]["batch_size"] for response in together) > 1:
+                    break
     assert all(response.status_code == 200 for response in together)
     assert max(response.json()["stats"]["batch_size"] for response in together) > 1
 
