@@ -15,8 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterator
 
-import pytest
-from helpers import run_espn, write_scifact_subset
+# As `espn` sets it for itself (espn/cli/__init__.py), before torch loads OpenMP: the test processes'
+# own torch threads then sleep instead of spinning while they wait, which on 2 shared cores took
+# 20-30% more CPU in the search-heavy files (test_searcher.py with test_maxsim.py, two copies at once).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from helpers import run_espn, write_scifact_subset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
