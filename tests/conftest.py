@@ -16,8 +16,8 @@ from types import ModuleType
 from typing import Callable, Iterator
 
 # As `espn` sets it for itself (espn/cli/__init__.py), before torch loads OpenMP: the test processes'
-# own torch threads then sleep instead of spinning while they wait, which on 2 shared cores took
-# 20-30% more CPU in the search-heavy files (test_searcher.py with test_maxsim.py, two copies at once).
+# own torch threads then sleep while they wait. Spinning instead took 20-30% more CPU on 2 shared
+# cores in the search-heavy files (test_searcher.py with test_maxsim.py, two copies at once).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
