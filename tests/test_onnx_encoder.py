@@ -41,6 +41,28 @@ def test_onnx_queries_equal_torch_and_the_graph_is_cached(torch_encoder: HFEncod
     np.testing.assert_allclose(again.encode_queries(QUERIES[:1]).cls, want.cls[:1], atol=1e-5)
     assert again._query_graph().cached and graph.stat().st_mtime_ns == stamp
     assert oct(graph.stat().st_mode & 0o777) == "0o644"
+    assert encoder.model_loaded and not again.model_loaded  # a cached graph was checked before it was cached
+
+
+def test_a_graph_that_differs_from_torch_is_neither_used_nor_cached(torch_encoder: HFEncoder, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("espn.encoders.onnx.GRAPH_TOLERANCE", -1.0)  # no graph can agree
+    encoder = HFEncoder(torch_encoder.model_dir, bow_dim=32, projection=torch_encoder.projection,
+                        query_backend="auto", cache_dir=tmp_path / "cache")
+    got = encoder.encode_queries(QUERIES[:2])
+    assert encoder._query_graph() is None and "torch" in encoder.describe()
+    assert list((tmp_path / "cache").iterdir()) == []  # no graph, no temporary file left
+    np.testing.assert_allclose(got.bow, torch_encoder.encode_queries(QUERIES[:2]).bow, atol=1e-6)
+
+
+def test_a_damaged_cached_graph_is_exported_again(torch_encoder: HFEncoder, tmp_path: Path) -> None:
+    _onnx(torch_encoder, tmp_path / "cache").encode_queries(QUERIES[:1])
+    (graph,) = (tmp_path / "cache").glob("hidden-*.onnx")
+    graph.write_bytes(graph.read_bytes()[:1000])  # truncated
+    again = _onnx(torch_encoder, tmp_path / "cache")
+    np.testing.assert_allclose(again.encode_queries(QUERIES[:1]).cls, torch_encoder.encode_queries(QUERIES[:1]).cls,
+                               atol=1e-5)
+    assert again._query_graph().cached and graph.stat().st_size > 1000
 
 
 def test_an_unwritable_cache_exports_into_memory(torch_encoder: HFEncoder) -> None:

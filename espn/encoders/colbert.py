@@ -281,7 +281,7 @@ class ColBERTEncoder(Encoder):
             refusal = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
         weights = self._weights_file()
         probe = self._encode(["a probe of the exported graph", "two"], is_query=True) if refusal is None else {}
-        return checked_query_graph(self.model, self.name, self.query_backend, self.device,
+        return checked_query_graph(lambda: self.model, self.name, self.query_backend, self.device,
                                    self._weights_sha256 or (sha256_file(weights) if weights else self.name),
                                    torch.get_num_threads(), None, probe, refusal)
 

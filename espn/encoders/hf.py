@@ -101,7 +101,7 @@ class HFEncoder(Encoder):
         onnxruntime is installed); threads: its intra-op threads (None: torch's setting when
         the first query is encoded); cache_dir: where its graph is cached (None: the default,
         ~/.cache/espn/onnx); weights_sha256: the weights' hash when known (the manifest's)."""
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a weight-loading bar per worker process is noise
@@ -112,8 +112,9 @@ class HFEncoder(Encoder):
         self.name = name or self.model_dir.name
         self.device = _auto_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.model = AutoModel.from_pretrained(str(self.model_dir)).to(self.device).eval()
-        self.hidden = int(self.model.config.hidden_size)
+        self._model: torch.nn.Module | None = None  # loaded on first use: see `model`
+        self._model_lock = threading.Lock()
+        self.hidden = int(AutoConfig.from_pretrained(str(self.model_dir)).hidden_size)
         self.max_length = max_length
         self.query_max_length = query_max_length
         self.d_cls = self.hidden
@@ -217,6 +218,23 @@ class HFEncoder(Encoder):
         return out
 
     # -- model -----------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The torch model, loaded on first use: documents, the fit and a new query graph need it;
+        queries through a cached ONNX graph do not (a server start without it is seconds
+        shorter: transformers' model code alone takes 3-4 s to import)."""
+        if self._model is None:
+            with self._model_lock:
+                if self._model is None:
+                    from transformers import AutoModel
+
+                    self._model = AutoModel.from_pretrained(str(self.model_dir)).to(self.device).eval()
+        return self._model
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._model is not None
+
     def _query_graph(self) -> Any:
         """The ONNX Runtime graph for queries, made on first use; None where queries run on torch."""
         if self._graph is None:
@@ -228,7 +246,7 @@ class HFEncoder(Encoder):
     def _make_graph(self) -> Any:
         weights = self._weights_file()
         probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
-        return checked_query_graph(self.model, self.name, self.query_backend, self.device,
+        return checked_query_graph(lambda: self.model, self.name, self.query_backend, self.device,
                                    self._weights_sha256 or (sha256_file(weights) if weights else self.name),
                                    self._threads or torch.get_num_threads(), self._cache_dir, probe)
 

@@ -11,10 +11,11 @@ halve that again, but it moved the query vectors by up to 0.1 and SciFact nDCG@1
 The graph is exported from the encoder's own torch module (`torch.onnx.export`, the
 TorchScript exporter: no download, no network) the first time a process needs it, and
 cached under `cache_dir` keyed by the weights' sha256 and the exporting versions, so the
-next process (or worker) loads it in milliseconds. Where the cache cannot be written (a
-read-only container) the graph is exported into memory instead. After loading, one
-padded probe batch is run through both torch and the graph: a graph that disagrees is
-not used (the encoder stays on torch, with a warning).
+next process (or worker) loads it in milliseconds, without loading the torch model at
+all. Where the cache cannot be written (a read-only container) the graph is exported into
+memory instead. Before a new graph is used or cached, one padded probe batch is run
+through both torch and the graph: a graph that disagrees is neither used nor cached (the
+encoder stays on torch, with a warning).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import logging
 import os
 import tempfile
 import warnings
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 #: the probe batch (measured: 2e-6; fp32 summation order is all that differs).
 GRAPH_TOLERANCE = 1e-4
 #: Bumped when the exported graph's inputs, outputs or settings change.
-_GRAPH_FORMAT = 1
+_GRAPH_FORMAT = 2  # 2: a cached graph has passed the check against torch
 _OPSET = 17
 
 
@@ -90,56 +92,23 @@ def _export(model: torch.nn.Module, out: Any) -> None:
 
 
 def _cache_key(weights_sha256: str) -> str:
-    """The weights and what turned them into a graph (the runtime's version does not matter)."""
-    import transformers
-
-    versions = f"{weights_sha256}:{torch.__version__}:{transformers.__version__}:{_GRAPH_FORMAT}:{_OPSET}"
+    """The weights, what turned them into a graph and the runtime that checked it."""
+    versions = ":".join([weights_sha256, torch.__version__, version("transformers"), version("onnxruntime"),
+                         str(_GRAPH_FORMAT), str(_OPSET)])
     return hashlib.sha256(versions.encode()).hexdigest()[:24]
-
-
-def _graph_bytes_or_path(model: torch.nn.Module, weights_sha256: str, cache_dir: Path | None) -> str | bytes:
-    """A cached graph's path; else export it into the cache (atomically); else into memory."""
-    if cache_dir is not None:
-        path = Path(cache_dir) / f"hidden-{_cache_key(weights_sha256)}.onnx"
-        if path.is_file():
-            return str(path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        except OSError as exc:
-            log.info("cannot cache the ONNX graph in %s (%s); exporting it into memory", cache_dir, exc.strerror)
-        else:
-            try:
-                with os.fdopen(fd, "wb") as file:
-                    _export(model, file)
-                    file.flush()
-                    os.fsync(file.fileno())
-                os.chmod(tmp, 0o644)  # mkstemp made it private; other workers' users read it too
-                os.replace(tmp, path)  # concurrent exporters write identical bytes; one rename wins
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            log.info("exported the query encoder's ONNX graph to %s", path)
-            return str(path)
-    buffer = io.BytesIO()
-    _export(model, buffer)
-    return buffer.getvalue()
 
 
 class OnnxEncoderGraph:
     """A Hugging Face encoder's transformer as an ONNX Runtime session: ids -> hidden states.
 
-    threads: intra-op threads (the server sizes torch's per worker; pass the same). The
-    pool does not spin between calls: on a small machine a spinning pool steals the core
-    that FAISS and the read engine need.
+    source: the graph's path or bytes. threads: intra-op threads (the server sizes torch's per
+    worker; pass the same). The pool does not spin between calls: on a small machine a
+    spinning pool steals the core that FAISS and the read engine need.
     """
 
-    def __init__(self, model: torch.nn.Module, weights_sha256: str, threads: int,
-                 cache_dir: Path | None = None) -> None:
+    def __init__(self, source: str | bytes, threads: int) -> None:
         import onnxruntime as ort
 
-        source = _graph_bytes_or_path(model, weights_sha256, cache_dir)
         options = ort.SessionOptions()
         options.intra_op_num_threads = max(1, int(threads))
         options.inter_op_num_threads = 1
@@ -148,7 +117,7 @@ class OnnxEncoderGraph:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         self.threads = options.intra_op_num_threads
-        self.cached = isinstance(source, str)
+        self.cached = False  # True once the graph is in (or came from) the cache
         self._session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -170,14 +139,18 @@ class OnnxEncoderGraph:
         return float((got - expected.float()).abs()[valid].max())
 
 
-def checked_query_graph(model: torch.nn.Module, name: str, query_backend: str, device: str, weights_sha256: str,
-                        threads: int, cache_dir: Path | None, probe: Any, refusal: str | None = None,
-                        ) -> OnnxEncoderGraph | None:
-    """The encoder's backbone on ONNX Runtime for queries, checked against torch on `probe` (a
-    tokenised batch: input_ids, attention_mask and optionally `keep`, the positions compared);
-    None where queries run on torch: a GPU, `query_backend="torch"`, ONNX unavailable, `refusal`
-    (why this backbone cannot be exported), a failed export or a graph that differs. With
-    `query_backend="onnx"` each of these raises instead of falling back."""
+def checked_query_graph(load_model: Callable[[], torch.nn.Module], name: str, query_backend: str, device: str,
+                        weights_sha256: str, threads: int, cache_dir: Path | None, probe: Any,
+                        refusal: str | None = None) -> OnnxEncoderGraph | None:
+    """The encoder's backbone on ONNX Runtime for queries, or None where queries run on torch:
+    a GPU, `query_backend="torch"`, ONNX unavailable, `refusal` (why this backbone cannot be
+    exported), a failed export or a graph that differs. With `query_backend="onnx"` each of
+    these raises instead of falling back.
+
+    A graph enters the cache only after it agreed with torch on `probe` (a tokenised batch:
+    input_ids, attention_mask and optionally `keep`, the positions compared), so a cached graph
+    is used as it is and `load_model` is not called: a server whose graph is cached never loads
+    the torch model unless it writes."""
     if query_backend == "torch" or (query_backend == "auto" and not device.startswith("cpu")):
         return None
     reason = onnx_unavailable_reason() or refusal
@@ -186,18 +159,67 @@ def checked_query_graph(model: torch.nn.Module, name: str, query_backend: str, d
             raise InvalidParameterError(f"query_backend='onnx': {reason}")
         log.info("queries are encoded with torch: %s", reason)
         return None
+    path = Path(cache_dir or default_cache_dir()) / f"hidden-{_cache_key(weights_sha256)}.onnx"
     try:
-        graph = OnnxEncoderGraph(model, weights_sha256, threads, cache_dir or default_cache_dir())
-        difference = graph.max_difference(model, probe["input_ids"], probe["attention_mask"], probe.get("keep"))
+        graph = _cached_graph(path, threads) or _exported_and_checked(load_model(), name, path, threads, probe)
     except Exception:
         if query_backend == "onnx":
             raise
         log.warning("could not build the ONNX graph of %s; queries are encoded with torch", name, exc_info=True)
         return None
-    if difference > GRAPH_TOLERANCE:
-        log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
-                    name, difference, GRAPH_TOLERANCE)
-        return None
-    log.info("queries are encoded with ONNX Runtime (%d threads, graph %s)", graph.threads,
-             "cached" if graph.cached else "in memory")
+    if graph is not None:
+        log.info("queries are encoded with ONNX Runtime (%d threads, graph %s)", graph.threads,
+                 "cached" if graph.cached else "in memory")
     return graph
+
+
+def _cached_graph(path: Path, threads: int) -> OnnxEncoderGraph | None:
+    """The cached graph (checked before it was cached), or None when there is none or it cannot load."""
+    if not path.is_file():
+        return None
+    try:
+        graph = OnnxEncoderGraph(str(path), threads)
+    except Exception as exc:  # a damaged file: export again, which replaces it
+        log.warning("cannot load the cached ONNX graph %s (%s); exporting it again", path, exc)
+        return None
+    graph.cached = True
+    return graph
+
+
+def _exported_and_checked(model: torch.nn.Module, name: str, path: Path, threads: int,
+                          probe: Any) -> OnnxEncoderGraph | None:
+    """Export into a temporary file beside `path` (into memory where it cannot be written),
+    compare with torch on `probe`, and move the file into the cache only if they agree."""
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as exc:
+        log.info("cannot cache the ONNX graph in %s (%s); exporting it into memory", path.parent, exc.strerror)
+        buffer = io.BytesIO()
+        _export(model, buffer)
+        source: str | bytes = buffer.getvalue()
+    else:
+        with os.fdopen(fd, "wb") as file:
+            _export(model, file)
+            file.flush()
+            os.fsync(file.fileno())
+        source = tmp
+    try:
+        graph = OnnxEncoderGraph(source, threads)
+        difference = graph.max_difference(model, probe["input_ids"], probe["attention_mask"], probe.get("keep"))
+        if difference > GRAPH_TOLERANCE:
+            log.warning("the ONNX graph of %s differs from torch by %.2g (> %.0e); queries are encoded with torch",
+                        name, difference, GRAPH_TOLERANCE)
+            return None
+        if tmp is not None:
+            os.chmod(tmp, 0o644)  # mkstemp made it private; other workers' users read it too
+            os.replace(tmp, path)  # concurrent exporters write identical bytes; one rename wins
+            tmp = None
+            graph.cached = True
+            log.info("exported the query encoder's ONNX graph to %s", path)
+        return graph
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
