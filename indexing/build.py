@@ -166,7 +166,7 @@ def _check_out(out: Path, partitions: int, force: bool) -> None:
             raise IndexExistsError(f"{target} exists; pass --force to replace it")
 
 
-def _prepare_encoder(config: BuildConfig, work: WorkDir) -> Encoder:
+def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int) -> Encoder:
     """Fit (first process) or load (later processes, resumed runs) the one shared encoder."""
     with work.locked():
         resumed = work.claim(config.job())
@@ -181,7 +181,10 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir) -> Encoder:
             sample = read_sample(config.corpus, config.fit_sample, config.skip_bad)
             if not sample:
                 raise CorpusError(f"{config.corpus}: the corpus has no documents")
-            encoder.fit(sample)
+            # A corpus that is all sample and one chunk is encoded in the fit's own batches:
+            # this process (shard 0 owns chunk 0) embeds it from the fit's forward passes.
+            whole = len(sample) == documents <= config.chunk_size and config.shard == 0
+            encoder.fit(sample, batch_size=config.batch_size, reuse=whole)
         staging = work.path / "encoder.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         encoder.save(staging)
@@ -203,7 +206,7 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
     if scan.documents == 0:
         raise CorpusError(f"{config.corpus}: the corpus has no documents")
     work = WorkDir(out)
-    encoder = _prepare_encoder(config, work)
+    encoder = _prepare_encoder(config, work, scan.documents)
     totals = encode_corpus(
         config.corpus, work.path, encoder, chunk_size=config.chunk_size, batch_size=config.batch_size,
         shard=config.shard, num_shards=config.num_shards, skip_bad=config.skip_bad,

@@ -93,7 +93,7 @@ class _TokenisedChunks(IterableDataset):
             if index % self.num_shards != self.shard or index in self.done:
                 continue
             texts = [doc.full_text for doc in chunk]
-            order = sorted(range(len(texts)), key=lambda i: self.encoder.text_length(texts[i]))
+            order = self.encoder.batch_order(texts)
             starts = range(0, len(order), self.batch_size)
             for number, start in enumerate(starts):
                 rows = order[start : start + self.batch_size]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import espn.encoders.hf as hf
 from espn.corpus import iter_corpus
 from espn.encoders import load_encoder
 from espn.errors import IndexCorruptError
@@ -17,8 +18,9 @@ from espn.index import IndexDirectory
 from espn.pooling import pool_vectors
 from espn.store import open_reader
 from espn.store.format import StoreLayout, record_nbytes
+from espn_indexing.build import BuildConfig, build_index
 
-from helpers import digest, run_espn
+from helpers import CONTENT_FILES, digest, run_espn
 
 
 def test_index_matches_encoder_output(scifact_index: Path, scifact_subset: Path) -> None:
@@ -290,3 +292,23 @@ def test_run_file_keeps_the_order_of_tied_scores(tmp_path: Path) -> None:
 
     run = {"q": dict(strictly_decreasing(ranked["q"]))}
     assert evaluate(run, {"q": {"b": 1}})["RR@10"] == 0.5
+
+
+def test_a_corpus_within_the_fit_sample_runs_through_the_model_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fit's forward passes are the encode's: the same index, byte for byte, from half the model time."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(Path("espn/data/sample_corpus.jsonl").read_text().splitlines(True)[:40]))
+    embedded: list[int] = []
+    forward = hf.HFEncoder._forward
+    monkeypatch.setattr(hf.HFEncoder, "_forward",
+                        lambda self, tokens, graph=None: embedded.append(len(tokens["input_ids"])) or
+                        forward(self, tokens, graph))
+    build_index(BuildConfig(corpus=corpus, out=tmp_path / "once", batch_size=16))
+    assert sum(embedded) == 40  # each document once: the fit's batches were reused
+    embedded.clear()
+    monkeypatch.setattr(hf, "FIT_REUSE_BYTES", 0)  # nothing may be kept: the encode runs the model again
+    build_index(BuildConfig(corpus=corpus, out=tmp_path / "twice", batch_size=16))
+    assert sum(embedded) == 80
+    for name in CONTENT_FILES + ("encoder/projection.npy",):
+        assert digest(tmp_path / "once" / name) == digest(tmp_path / "twice" / name), name

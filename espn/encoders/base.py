@@ -99,6 +99,12 @@ class Encoder(abc.ABC):
         """A cheap length estimate used to bucket texts into batches of similar length."""
         return len(text)
 
+    def batch_order(self, texts: Sequence[str]) -> list[int]:
+        """The order documents are cut into batches in: by length, so that a batch pads little.
+        The build, the online writer and the fit all batch this way, so the same documents
+        make the same batches."""
+        return sorted(range(len(texts)), key=lambda i: self.text_length(texts[i]))
+
     # -- model: runs in the main process -------------------------------------------
     @abc.abstractmethod
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
@@ -129,8 +135,12 @@ class Encoder(abc.ABC):
         return self.embed_queries(self.tokenize(texts, is_query=True))
 
     # -- index-time fitting and persistence ----------------------------------------
-    def fit(self, sample_texts: Sequence[str]) -> None:
-        """Fit index-time state (a projection) on a sample of documents; default: nothing."""
+    def fit(self, sample_texts: Sequence[str], batch_size: int = 32, reuse: bool = False) -> None:
+        """Fit index-time state (a projection) on a sample of documents; default: nothing.
+
+        reuse: the sample is the whole corpus, about to be embedded in the same batches
+        (`batch_order`, `batch_size`): an encoder may keep what the fit computed, and
+        `embed_documents` use it instead of running the model a second time."""
 
     @property
     def needs_fit(self) -> bool:

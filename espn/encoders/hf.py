@@ -63,6 +63,9 @@ QUERY_BACKENDS = ("auto", "onnx", "torch")
 #: A query group is cut where padding to its longest query would waste more than this share
 #: of the tokens it computes (one call per group costs ~0.1 ms; padding costs its tokens).
 MAX_PADDING_SHARE = 0.15
+#: What `fit(reuse=True)` may keep of its forward passes for `embed_documents` (a corpus no
+#: larger than the fit sample is then run through the model once, not twice).
+FIT_REUSE_BYTES = 256 << 20
 
 
 def default_model_dir() -> Path:
@@ -139,6 +142,7 @@ class HFEncoder(Encoder):
         self._weights_sha256 = weights_sha256
         self._graph: Any = None  # OnnxEncoderGraph once made; False when the torch path was chosen
         self._graph_lock = threading.Lock()
+        self._fit_outputs: dict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # see `fit`
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
@@ -292,7 +296,8 @@ class HFEncoder(Encoder):
         return torch.nn.functional.normalize(vectors @ w, dim=-1)
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
-        cls, hidden, mask = self._forward(tokens)
+        kept = self._fit_outputs.pop(_batch_key(tokens), None)  # this batch's forward pass in `fit`
+        cls, hidden, mask = kept if kept is not None else self._forward(tokens)
         if "word_ids" in tokens:
             return self._embed_words(cls, hidden, mask, tokens["word_ids"].to(self.device))
         bow = self._project(hidden[mask])  # rows in document order: boolean indexing is row-major
@@ -325,14 +330,20 @@ class HFEncoder(Encoder):
     def needs_fit(self) -> bool:
         return self.d_bow < self.hidden and self.projection is None
 
-    def fit(self, sample_texts: Sequence[str], batch_size: int = 32) -> None:
+    def fit(self, sample_texts: Sequence[str], batch_size: int = 32, reuse: bool = False) -> None:
         """Uncentred PCA of the sample's token vectors: the top `d_bow` eigenvectors of E[x xᵀ]."""
         if self.d_bow == self.hidden:
             return
         moment = torch.zeros(self.hidden, self.hidden, dtype=torch.float64)
-        count = 0
-        for start in range(0, len(sample_texts), batch_size):
-            _, hidden, mask = self._forward(self.tokenize(sample_texts[start : start + batch_size], is_query=False))
+        count = kept_bytes = 0
+        order = self.batch_order(sample_texts)
+        for start in range(0, len(order), batch_size):
+            tokens = self.tokenize([sample_texts[i] for i in order[start : start + batch_size]], is_query=False)
+            outputs = self._forward(tokens)
+            if reuse and kept_bytes < FIT_REUSE_BYTES:
+                self._fit_outputs[_batch_key(tokens)] = outputs
+                kept_bytes += sum(tensor.numel() * tensor.element_size() for tensor in outputs)
+            _, hidden, mask = outputs
             vectors = hidden[mask].double().cpu()
             moment += vectors.T @ vectors
             count += len(vectors)
@@ -393,6 +404,12 @@ class HFEncoder(Encoder):
             bow_pooling=str(config.get("bow_pooling", "tokens")),
             weights_sha256=config.get("weights_sha256"),
         )
+
+
+def _batch_key(tokens: Mapping[str, Any]) -> bytes:
+    """Identifies a tokenised batch: the same ids in the same shape give the same forward pass."""
+    ids = tokens["input_ids"]
+    return repr(tuple(ids.shape)).encode() + ids.numpy().tobytes()
 
 
 def _grouped_hidden_states(graph: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

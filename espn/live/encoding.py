@@ -58,7 +58,7 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
     """Encode (id, title, text, metadata) documents in this thread, in memory: the online write
     path (no corpus or chunk files). Batches are bucketed by length as in the build."""
     texts = [passage_text(title, text) for _, title, text, _ in documents]
-    order = sorted(range(len(texts)), key=lambda i: encoder.text_length(texts[i]))
+    order = encoder.batch_order(texts)
     parts = []
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
