@@ -85,7 +85,7 @@ def child_bare(corpus: Path, batch_size: int, chunk_size: int = 1024) -> dict:
     batches = []
     for start in range(0, len(texts), chunk_size):  # the build's bucketing: sort each chunk by length
         chunk = texts[start : start + chunk_size]
-        order = sorted(range(len(chunk)), key=lambda i: encoder.text_length(chunk[i]))
+        order = encoder.batch_order(chunk)
         for b in range(0, len(order), batch_size):
             batches.append(encoder.tokenize([chunk[i] for i in order[b : b + batch_size]], is_query=False))
     with torch.inference_mode():
@@ -123,14 +123,15 @@ def run_monitored(argv: list[str]) -> tuple[dict | None, int, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=SCIFACT)
-    p.add_argument("--docs", type=int, default=1000, help="documents of the base corpus (SciFact has 5183)")
+    p.add_argument("--docs", type=int, help="documents of the base corpus (SciFact has 5183; default 1000, --quick 16)")
     p.add_argument("--repeat", type=int, default=4, help="the large corpus = the base corpus this many times")
     p.add_argument("--repeats", type=int, default=2, help="rounds")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="documents per chunk (the build's default); keep the base corpus >= a few chunks, or the "
                         "RSS comparison measures a chunk filling up rather than the corpus growing")
-    p.add_argument("--quick", action="store_true", help="16 documents (x2), 1 round, no bare run on the larger corpus")
+    p.add_argument("--quick", action="store_true", help="16 documents (x2) unless --docs, 1 round, no bare run on the "
+                                                        "larger corpus")
     p.add_argument("--name", default="build")
     p.add_argument("--child", choices=("build", "bare"), help=argparse.SUPPRESS)
     p.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child_bare(args.corpus, args.batch_size, args.chunk_size)))
         return 0
     if args.quick:
-        args.docs, args.repeat, args.repeats = 16, 2, 1
+        args.repeat, args.repeats = 2, 1
+    args.docs = args.docs or (16 if args.quick else 1000)
     source = args.data / "corpus.jsonl.gz"
     if not source.is_file():
         source = args.data / "corpus.jsonl"

@@ -166,8 +166,11 @@ def _check_out(out: Path, partitions: int, force: bool) -> None:
             raise IndexExistsError(f"{target} exists; pass --force to replace it")
 
 
-def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int) -> Encoder:
-    """Fit (first process) or load (later processes, resumed runs) the one shared encoder."""
+def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None = None) -> Encoder:
+    """Fit (first process) or load (later processes, resumed runs) the one shared encoder.
+
+    documents: the corpus' count when this process encodes next (lets a fit that saw the
+    whole corpus hand its forward passes to the encode)."""
     with work.locked():
         resumed = work.claim(config.job())
         job = work.job()
@@ -183,7 +186,7 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int) -> Enco
                 raise CorpusError(f"{config.corpus}: the corpus has no documents")
             # A corpus that is all sample and one chunk is encoded in the fit's own batches:
             # this process (shard 0 owns chunk 0) embeds it from the fit's forward passes.
-            whole = len(sample) == documents <= config.chunk_size and config.shard == 0
+            whole = documents is not None and len(sample) == documents <= config.chunk_size and config.shard == 0
             encoder.fit(sample, batch_size=config.batch_size, reuse=whole)
         staging = work.path / "encoder.tmp"
         shutil.rmtree(staging, ignore_errors=True)
