@@ -20,7 +20,7 @@ NO_COMPILE := --no-compile
 export PYTHONDONTWRITEBYTECODE :=
 TORCH_BUILD = import torch; print(f"torch {torch.__version__}:", f"the CUDA {torch.version.cuda} build" if torch.version.cuda else "the CPU build")
 
-.PHONY: install serve-sample test check-wheel browser bench clean settings-table docs docs-strict
+.PHONY: install serve-sample test wheel check-wheel check-built-wheel browser bench clean settings-table docs docs-strict
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,18 +39,22 @@ serve-sample: install
 	@test -f $(SAMPLE_INDEX)/manifest.json || $(ESPN) index espn/data/sample_corpus.jsonl --out $(SAMPLE_INDEX)
 	$(ESPN) serve $(SAMPLE_INDEX)
 
-# Type check, the documentation site (no broken link or anchor), the wheel as a user installs
-# it, then the test suite (tests/test_docs_site.py opens the site built here in a browser).
-# The suite runs on TEST_WORKERS pytest-xdist workers, each test file on one worker (its module
-# fixtures, such as a running server, start once); most tests wait on subprocesses, so more
-# workers than cores pays. TEST_WORKERS=0 runs it in this process, one test at a time.
+# The documentation site (no broken link or anchor) and the wheel are built first; then the test
+# suite runs (tests/test_docs_site.py opens the site built here in a browser) while mypy and the
+# wheel's check in a fresh venv run beside it (mostly one core and pip's I/O), their reports
+# printed after the suite's. The suite runs on TEST_WORKERS pytest-xdist workers, each test file on
+# one worker (its module fixtures, such as a running server, start once); most tests wait on
+# subprocesses, so more workers than cores pays. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 4
 test: install browser
-	@# mypy runs beside the site and wheel checks (mostly pip's I/O); its report is printed after them.
-	@mkdir -p .espn && $(VENV)/bin/mypy > .espn/mypy.log 2>&1 & typing=$$!; \
-	$(MAKE) docs-strict && $(MAKE) check-wheel; checked=$$?; \
-	wait $$typing; typed=$$?; echo "mypy:"; cat .espn/mypy.log; test $$checked -eq 0 -a $$typed -eq 0
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(MAKE) docs-strict wheel
+	@mkdir -p .espn; $(VENV)/bin/mypy > .espn/mypy.log 2>&1 & typing=$$!; \
+	$(MAKE) --no-print-directory check-built-wheel > .espn/check-wheel.log 2>&1 & wheeled=$$!; \
+	echo "$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25"; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tested=$$?; \
+	wait $$typing; typed=$$?; wait $$wheeled; checked=$$?; \
+	echo "mypy:"; cat .espn/mypy.log; echo "make check-built-wheel:"; cat .espn/check-wheel.log; \
+	test $$tested -eq 0 -a $$typed -eq 0 -a $$checked -eq 0
 
 # The documentation site (mkdocs.yml, docs/): generated pages first (the CLI's --help, the
 # settings tables, the OpenAPI document), then the HTML in site/ (`make docs`) or, checked with
@@ -77,9 +81,17 @@ browser:
 # pyproject.toml fails here (the dev venv has the test extras, which would hide it).
 WHEEL_VENV := .espn/wheel-venv
 WHEEL_CHECK := .espn/wheel-check
-check-wheel: install
-	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK) build && mkdir -p $(WHEEL_CHECK)/dist
+# The wheel, built in the tree (its own build/), before anything else builds there.
+wheel: install
+	rm -rf $(WHEEL_CHECK) build && mkdir -p $(WHEEL_CHECK)/dist
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
+
+check-wheel: wheel
+	$(MAKE) check-built-wheel
+
+# Installs the wheel `make wheel` built into a fresh venv and runs the main job with it.
+check-built-wheel:
+	rm -rf $(WHEEL_VENV)
 	python3 -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q $(TORCH_PIP) $(NO_COMPILE)
 	$(WHEEL_VENV)/bin/python -m pip install -q $(NO_COMPILE) --only-binary tantivy $(WHEEL_CHECK)/dist/espn-*.whl
