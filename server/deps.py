@@ -59,13 +59,16 @@ class AppState:
         return self.search
 
 
-def get_state(request: Request) -> AppState:
+# The dependencies are coroutines: FastAPI runs a plain `def` dependency in its thread pool, a
+# thread hop per request (measured: 0.4 ms of a search's 3.9 ms of HTTP overhead) for what is
+# an attribute read.
+async def get_state(request: Request) -> AppState:
     return request.app.state.espn
 
 
-def get_search(request: Request) -> SearchService:
+async def get_search(request: Request) -> SearchService:
     """The search service of this app (503 while the index is not open)."""
-    return get_state(request).require_search()
+    return (await get_state(request)).require_search()
 
 
 _writes_lock = threading.Lock()

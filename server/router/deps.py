@@ -62,7 +62,8 @@ class RouterState:
                             failed_shards=[f.model_dump() for f in failures])
 
 
-def get_router_state(request: Request) -> RouterState:
+async def get_router_state(request: Request) -> RouterState:
+    """A coroutine: a plain `def` dependency would cost a thread-pool hop per request (server.deps)."""
     return request.app.state.router
 
 
