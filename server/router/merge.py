@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from espn.params import DEFAULT_RERANK_COUNT
 from espn.search.hybrid import HybridParams, fuse
 
 from ..schemas import MAX_EXPLAIN_K, MAX_K, SearchHit, SearchOptions, SearchResponse
@@ -57,7 +58,7 @@ def fuse_hits(per_shard: Sequence[Sequence[SearchHit]], k: int, hybrid: dict[str
     dense = np.array([nan if h.dense_score is None else h.dense_score for h in hits], dtype=np.float32)
     lexical = np.array([nan if h.lexical_score is None else h.lexical_score for h in hits], dtype=np.float32)
     params = HybridParams.from_manifest(hybrid)
-    rerank_count = int(hybrid.get("rerank_count", 100))
+    rerank_count = int(hybrid.get("rerank_count", DEFAULT_RERANK_COUNT))  # every shard reports its own
     in_lexical = _top(lexical, params.lexical_k)
     pool = np.union1d(_top(dense, rerank_count), in_lexical)
     lexical_pool = np.full(len(hits), np.nan, dtype=np.float32)
