@@ -192,20 +192,20 @@ def _exported_and_checked(model: torch.nn.Module, name: str, path: Path, threads
     compare with torch on `probe`, and move the file into the cache only if they agree."""
     tmp: str | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    except OSError as exc:
-        log.info("cannot cache the ONNX graph in %s (%s); exporting it into memory", path.parent, exc.strerror)
-        buffer = io.BytesIO()
-        _export(model, buffer)
-        source: str | bytes = buffer.getvalue()
-    else:
-        with os.fdopen(fd, "wb") as file:
-            _export(model, file)
-            file.flush()
-            os.fsync(file.fileno())
-        source = tmp
-    try:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        except OSError as exc:
+            log.info("cannot cache the ONNX graph in %s (%s); exporting it into memory", path.parent, exc.strerror)
+            buffer = io.BytesIO()
+            _export(model, buffer)
+            source: str | bytes = buffer.getvalue()
+        else:
+            with os.fdopen(fd, "wb") as file:
+                _export(model, file)
+                file.flush()
+                os.fsync(file.fileno())
+            source = tmp
         graph = OnnxEncoderGraph(source, threads)
         difference = graph.max_difference(model, probe["input_ids"], probe["attention_mask"], probe.get("keep"))
         if difference > GRAPH_TOLERANCE:
