@@ -296,7 +296,8 @@ class HFEncoder(Encoder):
         return torch.nn.functional.normalize(vectors @ w, dim=-1)
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
-        kept = self._fit_outputs.pop(_batch_key(tokens), None)  # this batch's forward pass in `fit`
+        # This batch's forward pass in `fit`, when it kept any (otherwise no key is computed).
+        kept = self._fit_outputs.pop(_batch_key(tokens), None) if self._fit_outputs else None
         cls, hidden, mask = kept if kept is not None else self._forward(tokens)
         if "word_ids" in tokens:
             return self._embed_words(cls, hidden, mask, tokens["word_ids"].to(self.device))
