@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 from .errors import InvalidParameterError
 
-__all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS", "MAX_PROBE", "MAX_CANDIDATES",
-           "NO_TEXT_PATTERN", "has_text", "default_search_params"]
+__all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS",
+           "MAX_PROBE", "MAX_CANDIDATES", "NO_TEXT_PATTERN", "has_text", "default_search_params"]
 
 MAX_K = 10_000
 MAX_RERANK = 10_000
