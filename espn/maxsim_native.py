@@ -24,8 +24,11 @@ log = logging.getLogger(__name__)
 
 #: The kernel's code for each storage dtype.
 DTYPE_CODES = {"float16": 0, "int8": 1}
-#: Query vectors are laid out in columns of this many (one AVX-512 register of fp32).
+#: Query vectors are laid out in columns of this many (the kernel's column block).
 LANES = 16
+#: Document vectors per register tile of the kernel: the scratch holds this many rows past
+#: the longest document.
+TILE_ROWS = 6
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -80,7 +83,8 @@ def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarra
     n_pairs = len(pair_query)
     out_cls = np.empty(n_pairs, dtype=np.float32)
     out_bow = np.empty(n_pairs, dtype=np.float32)
-    scratch = np.empty(stride + 4 * d_bow, dtype=np.float32)
+    longest = int(n_bow.max()) if len(n_bow) else 0
+    scratch = np.empty(stride + (longest + TILE_ROWS) * d_bow, dtype=np.float32)
     status = lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
                                   _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query), _ptr(pair_doc), n_pairs,
                                   _ptr(out_cls), _ptr(out_bow), _ptr(scratch))

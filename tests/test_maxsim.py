@@ -154,6 +154,39 @@ def test_score_records_native_and_torch_agree_with_the_stored_vectors(tmp_path, 
         assert native[0, p] == pytest.approx(cls[d] @ queries.cls[q].double().numpy(), abs=2e-5)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_the_kernel_folds_only_real_document_vectors(tmp_path, dtype: str) -> None:
+    """Every similarity negative, documents of 1 to 13 vectors (every remainder of the kernel's
+    6-row tile), queries of 16 and 48 columns: a padding row (similarity 0) folded into the
+    maximum would show as a score above the true one."""
+    from espn.maxsim import QueryScoring, score_records
+    from espn.store import RECORD_DTYPE, RecordWriter, StoreLayout, open_reader
+
+    rng = np.random.default_rng(5)
+    layout = StoreLayout(d_cls=8, d_bow=20, block_size=4096, dtype=dtype)
+    counts = np.arange(1, 14)
+    bow = -np.abs(rng.standard_normal((int(counts.sum()), layout.d_bow))).astype(np.float32)
+    with RecordWriter(tmp_path / "embeddings.bin", layout) as writer:
+        rows = writer.append(rng.standard_normal((len(counts), layout.d_cls)).astype(np.float32), bow, counts)
+        writer.close()
+    records = np.zeros(len(counts), dtype=RECORD_DTYPE)
+    records[:] = rows
+    q_bow = np.abs(rng.standard_normal((2, 40, layout.d_bow))).astype(np.float32)
+    q_mask = np.zeros((2, 40), dtype=bool)
+    q_mask[0, :9], q_mask[1, :40] = True, True
+    queries = QueryScoring.from_arrays(rng.standard_normal((2, layout.d_cls)).astype(np.float32), q_bow, q_mask)
+    pair_query = np.repeat([0, 1], len(counts))
+    with open_reader("memory", tmp_path / "embeddings.bin", records, layout) as reader:
+        with reader.submit(np.arange(len(counts))).records() as batch:
+            scores = score_records(queries, batch, layout, pair_query, batch.rows_of(np.tile(np.arange(len(counts)),
+                                                                                           2)), native=True)
+        _, _, stored, offsets = _stored(reader, np.arange(len(counts)))
+    for p, (q, d) in enumerate(zip(pair_query, np.tile(np.arange(len(counts)), 2))):
+        sims = stored[offsets[d]: offsets[d + 1]] @ q_bow[q][q_mask[q]].astype(np.float64).T
+        assert sims.max() < 0
+        assert scores[1, p] == pytest.approx(sims.max(axis=0).sum(), rel=1e-5)
+
+
 def test_record_batches_give_their_buffers_back(tmp_path) -> None:
     from espn.store import StoreLayout, open_reader
 
