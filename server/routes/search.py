@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from espn.params import has_text
 from espn.results import Document, QueryResult
@@ -46,20 +48,26 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-# exclude_unset: title and text appear only when return_text asked for them.
+def _json(model: BaseModel) -> Response:
+    """The answer as JSON straight from the model (pydantic-core writes the bytes): FastAPI's
+    response_model path would dump it, validate it again and encode it once more. exclude_unset:
+    title and text appear only when return_text asked for them, explanations only with explain."""
+    return Response(model.model_dump_json(exclude_unset=True), media_type="application/json")
+
+
+# response_model documents the answer (OpenAPI); the routes serialise it themselves (`_json`).
 @router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
              responses=_ERRORS)
-async def search(body: SearchRequest, request: Request,
-                 service: SearchService = Depends(get_search)) -> SearchResponse:
+async def search(body: SearchRequest, request: Request, service: SearchService = Depends(get_search)) -> Response:
     (response,) = await _search(service, request, [body.query], body, explain=bool(body.explain))
-    return response
+    return _json(response)
 
 
 @router.post("/batch", response_model=BatchSearchResponse, response_model_exclude_unset=True,
              summary="Search several queries", responses=_ERRORS)
 async def search_batch(
     body: BatchSearchRequest, request: Request, service: SearchService = Depends(get_search)
-) -> BatchSearchResponse:
+) -> Response:
     """One query's failure is that query's: a blank or too long text, or one the search
     refuses, is an entry of `errors`; every other query is answered."""
     limit = service.settings.max_batch_queries
@@ -82,7 +90,7 @@ async def search_batch(
             errors += refused
     for i, response in answered:
         response.index = i
-    return BatchSearchResponse(responses=[r for _, r in answered], errors=sorted(errors, key=lambda e: e.index))
+    return _json(BatchSearchResponse(responses=[r for _, r in answered], errors=sorted(errors, key=lambda e: e.index)))
 
 
 def _text_problem(query: str) -> Optional[str]:
