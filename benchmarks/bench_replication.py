@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import httpx
 
-from benchmarks.common import (ROOT, SCIFACT, SCIFACT_INDEX, machine, markdown_table, median, percentiles,
+from benchmarks.common import (ROOT, SCIFACT, SCIFACT_INDEX, http, machine, markdown_table, median, percentiles,
                                read_jsonl, write_results)
 
 ESPN = str(Path(sys.executable).with_name("espn"))
@@ -67,7 +67,7 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 600) -> flo
         if proc.poll() is not None:
             raise RuntimeError(f"{base}: exited with {proc.returncode}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            if http().get(f"{base}/readyz", timeout=2).status_code == 200:
                 return time.perf_counter() - started
         time.sleep(0.05)
     raise RuntimeError(f"{base}: not ready after {timeout_s} s")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         with process(command, work / "writer.log", env) as writer_proc:
             wait_ready(writer, writer_proc)
             started = time.perf_counter()
-            while httpx.get(f"{writer}/readyz", timeout=10).json()["replication"]["published_generation"] is None:
+            while http().get(f"{writer}/readyz", timeout=10).json()["replication"]["published_generation"] is None:
                 time.sleep(0.1)
             results["first_publish_s"] = round(time.perf_counter() - started, 2)
             size = sum(p.stat().st_size for p in args.index.rglob("*") if p.is_file())

@@ -19,6 +19,12 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+#: The tests' one HTTP client. `HTTP.get()` and its siblings build a Client per call, and each
+#: Client loads the CA bundle into a new SSL context: 56 ms of CPU on the CI VM, paid by every
+#: poll of a readiness loop (half the CPU of the replication test's own process). Without
+#: keep-alive each request still opens and closes its own connection, as `HTTP.get()` does.
+#: Thread-safe: the concurrent tests share it.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:
@@ -59,7 +65,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-6000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200:
+                if HTTP.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")

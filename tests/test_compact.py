@@ -8,12 +8,11 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from helpers import run_espn
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 
 import espn.store.buffers as buffers_module
 from espn.errors import IndexCorruptError, InvalidParameterError
@@ -208,7 +207,7 @@ def test_compact_index_through_http(sample_index: Path, tmp_path: Path) -> None:
     with Searcher.open(sample_index, reader="posix") as searcher:
         expected = [h.doc_id for h in searcher.search(["heart disease risk"], k=5)[0].hits]
     with running_server(sample_index, tmp_path) as server:
-        response = httpx.post(f"{server.base_url}/v1/search", json={"query": "heart disease risk", "k": 5}, timeout=60)
+        response = HTTP.post(f"{server.base_url}/v1/search", json={"query": "heart disease risk", "k": 5}, timeout=60)
         assert response.status_code == 200, response.text
         hits = response.json()["results"]
         assert [h["id"] for h in hits] == expected

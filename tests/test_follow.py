@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import httpx
 import pytest
-from server_fixtures import running_server, s3_server
+from server_fixtures import HTTP, running_server, s3_server
 
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
@@ -33,7 +32,7 @@ def _wait_for(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 
 def _readyz(server) -> dict:
-    return httpx.get(f"{server.base_url}/readyz", timeout=30).json()
+    return HTTP.get(f"{server.base_url}/readyz", timeout=30).json()
 
 
 def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_going_away(
@@ -49,32 +48,32 @@ def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_goin
         with running_server(replica, tmp_path, "--follow", URL, "--follow-interval-s", "0.5", env=env,
                             name="follower") as follower:
             base = follower.base_url
-            assert httpx.get(f"{base}/v1/documents/before", timeout=30).status_code == 200
+            assert HTTP.get(f"{base}/v1/documents/before", timeout=30).status_code == 200
             status = _readyz(follower)["replication"]
             assert status["generation"] == 1 and status["lag_generations"] == 0 and not status["stale"]
-            refused = httpx.put(f"{base}/v1/documents/x", json={"text": "a write to a replica"}, timeout=30)
+            refused = HTTP.put(f"{base}/v1/documents/x", json={"text": "a write to a replica"}, timeout=30)
             assert refused.status_code == 409 and URL in refused.json()["message"]
 
             with LiveIndex.open(source) as writer:
                 writer.upsert([NewDocument("after", "published while the follower runs, about zyxolith")])
                 writer.delete(["s0004"])
             publish(source, URL)
-            _wait_for(lambda: httpx.get(f"{base}/v1/documents/after", timeout=30).status_code == 200)
-            assert httpx.get(f"{base}/v1/documents/s0004", timeout=30).status_code == 404
-            found = httpx.post(f"{base}/v1/search", json={"query": "zyxolith", "k": 5, "mode": "lexical"}, timeout=30)
+            _wait_for(lambda: HTTP.get(f"{base}/v1/documents/after", timeout=30).status_code == 200)
+            assert HTTP.get(f"{base}/v1/documents/s0004", timeout=30).status_code == 404
+            found = HTTP.post(f"{base}/v1/search", json={"query": "zyxolith", "k": 5, "mode": "lexical"}, timeout=30)
             assert {hit["id"] for hit in found.json()["results"]} == {"before", "after"}
 
             # The store goes away: the follower keeps serving its generation and says it is stale.
             store.stop()
             _wait_for(lambda: _readyz(follower)["replication"]["stale"], timeout_s=60)
-            assert httpx.get(f"{base}/v1/documents/after", timeout=30).status_code == 200
+            assert HTTP.get(f"{base}/v1/documents/after", timeout=30).status_code == 200
             with LiveIndex.open(source) as writer:
                 writer.upsert([NewDocument("during", "written while the store was away")])
             store.start()  # the same in-process backend: what was stored is still there
             publish(source, URL)
-            _wait_for(lambda: httpx.get(f"{base}/v1/documents/during", timeout=30).status_code == 200)
+            _wait_for(lambda: HTTP.get(f"{base}/v1/documents/during", timeout=30).status_code == 200)
             status = _readyz(follower)["replication"]
             assert not status["stale"] and status["lag_generations"] == 0
             assert status["generation"] == status["source_generation"]
-            metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            metrics = HTTP.get(f"{base}/metrics", timeout=30).text
             assert "espn_replication_lag_generations 0.0" in metrics and "espn_replication_stale 0.0" in metrics

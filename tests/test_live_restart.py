@@ -25,7 +25,7 @@ import pytest
 from espn.generations import read_current
 from espn.segments import open_view
 from helpers import run_espn
-from server_fixtures import ServerProcess, running_server
+from server_fixtures import HTTP, ServerProcess, running_server
 
 CRASH_SERVE = [sys.executable, str(Path(__file__).with_name("crash_serve.py"))]
 # Past two deltas, two are merged in the background (the third write triggers a compaction).
@@ -41,7 +41,7 @@ def _server(index: Path, logs: Path, name: str, crash_at: str | None = None, *fl
 
 
 def _put(server: ServerProcess, doc_id: str, text: str) -> httpx.Response:
-    return httpx.put(f"{server.base_url}/v1/documents/{doc_id}", json={"text": text}, timeout=120)
+    return HTTP.put(f"{server.base_url}/v1/documents/{doc_id}", json={"text": text}, timeout=120)
 
 
 def _killed(server: ServerProcess, request) -> None:  # noqa: ANN001 - a callable making the fatal request
@@ -54,13 +54,13 @@ def _killed(server: ServerProcess, request) -> None:  # noqa: ANN001 - a callabl
 def _served(server: ServerProcess, present: list[str], absent: list[str], top: dict[str, str]) -> int:
     """Every id in `present` is fetched, none in `absent`; each query's top hit is as given."""
     for doc_id in present:
-        assert httpx.get(f"{server.base_url}/v1/documents/{doc_id}", timeout=60).status_code == 200, doc_id
+        assert HTTP.get(f"{server.base_url}/v1/documents/{doc_id}", timeout=60).status_code == 200, doc_id
     for doc_id in absent:
-        assert httpx.get(f"{server.base_url}/v1/documents/{doc_id}", timeout=60).status_code == 404, doc_id
+        assert HTTP.get(f"{server.base_url}/v1/documents/{doc_id}", timeout=60).status_code == 404, doc_id
     for query, doc_id in top.items():
-        response = httpx.post(f"{server.base_url}/v1/search", json={"query": query, "k": 3}, timeout=60)
+        response = HTTP.post(f"{server.base_url}/v1/search", json={"query": query, "k": 3}, timeout=60)
         assert response.status_code == 200 and response.json()["results"][0]["id"] == doc_id, (query, response.text)
-    ready = httpx.get(f"{server.base_url}/readyz", timeout=10).json()
+    ready = HTTP.get(f"{server.base_url}/readyz", timeout=10).json()
     assert ready["status"] == "ready"
     return int(ready["generation"])
 
@@ -86,8 +86,8 @@ def test_a_written_index_is_served_again_after_restarts_and_kill_9(sample_index:
     # 2. Restarted after the PUT and the kill: p-1 there, p-2 not. Then kill -9 in the middle of a delete.
     with _server(index, logs, "delete", "tombstones:2") as server:
         assert _served(server, ["p-1"], ["p-2"], {elephant: "p-1"}) == 1
-        assert httpx.delete(f"{server.base_url}/v1/documents/s0001", timeout=60).status_code == 200
-        _killed(server, lambda: httpx.delete(f"{server.base_url}/v1/documents/s0002", timeout=60))
+        assert HTTP.delete(f"{server.base_url}/v1/documents/s0001", timeout=60).status_code == 200
+        _killed(server, lambda: HTTP.delete(f"{server.base_url}/v1/documents/s0002", timeout=60))
     # 3. Restarted after the delete: then writes trigger a merge (it completes), and more writes
     #    a second one, killed in its swap after the merged delta was renamed into place.
     with _server(index, logs, "compaction", "swap-renamed:2") as server:
@@ -124,10 +124,10 @@ def _serve_read_only(index: Path, logs: Path, generation: int, elephant: str, vo
     with running_server(index, logs, "--no-warmup", *flags, name="read-only", espn=espn) as server:
         assert _served(server, ["p-1", "s0002", "c-0", "c-1", "c-2"], ["p-2", "s0001"],
                        {elephant: "p-1", volcano: "c-2"}) == generation
-        assert httpx.get(f"{server.base_url}/readyz", timeout=10).json()["mode"] == "read-only"
+        assert HTTP.get(f"{server.base_url}/readyz", timeout=10).json()["mode"] == "read-only"
         for method, path, body in [("PUT", "/v1/documents/x", {"text": "refused"}), ("DELETE", "/v1/documents/p-1", None),
                                    ("POST", "/v1/documents/batch", {"delete": ["p-1"]})]:
-            response = httpx.request(method, f"{server.base_url}{path}", json=body, timeout=60)
+            response = HTTP.request(method, f"{server.base_url}{path}", json=body, timeout=60)
             assert response.status_code == 409, response.text
             assert response.json()["error"] == "read_only" and "read-only" in response.json()["message"]
         if not flags:

@@ -7,12 +7,11 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from helpers import run_threads
 
 from espn.generations import read_current
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 
 API_KEY = "live-index-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -42,7 +41,7 @@ def _search_everywhere(server, query: str, times: int = 6) -> list[list[str]]:
     """The top ids from `times` fresh connections (so both workers answer)."""
     out = []
     for _ in range(times):
-        response = httpx.post(f"{server.base_url}/v1/search", json={"query": query, "k": 5}, headers=AUTH, timeout=60)
+        response = HTTP.post(f"{server.base_url}/v1/search", json={"query": query, "k": 5}, headers=AUTH, timeout=60)
         assert response.status_code == 200, response.text
         out.append([hit["id"] for hit in response.json()["results"]])
     return out
@@ -51,32 +50,32 @@ def _search_everywhere(server, query: str, times: int = 6) -> list[list[str]]:
 def test_put_replace_delete_are_visible_in_every_worker(live_server) -> None:
     url = f"{live_server.base_url}/v1/documents"
     body = {"title": "Elephants", "text": "A purple elephant is dancing on the moon tonight.", "metadata": {"year": 2026}}
-    assert httpx.put(f"{url}/http-1", json=body, timeout=60).status_code == 401  # writes need the key
-    created = httpx.put(f"{url}/http-1", json=body, headers=AUTH, timeout=120)
+    assert HTTP.put(f"{url}/http-1", json=body, timeout=60).status_code == 401  # writes need the key
+    created = HTTP.put(f"{url}/http-1", json=body, headers=AUTH, timeout=120)
     assert created.status_code == 201, created.text
     assert created.json()["created"] == ["http-1"]
     # A read gives back what was written, metadata included; a replace without metadata has none.
-    assert httpx.get(f"{url}/http-1", headers=AUTH).json() == {"id": "http-1", **body}
+    assert HTTP.get(f"{url}/http-1", headers=AUTH).json() == {"id": "http-1", **body}
     assert all(ids[0] == "http-1" for ids in _search_everywhere(live_server, "purple elephant dancing on the moon"))
-    replaced = httpx.put(f"{url}/http-1", json={"text": "Fresh basil and tomatoes for a pasta sauce."}, headers=AUTH,
+    replaced = HTTP.put(f"{url}/http-1", json={"text": "Fresh basil and tomatoes for a pasta sauce."}, headers=AUTH,
                          timeout=120)
     assert replaced.status_code == 200 and replaced.json()["replaced"] == ["http-1"]
-    assert httpx.get(f"{url}/http-1", headers=AUTH).json()["text"].startswith("Fresh basil")
-    assert httpx.get(f"{url}/http-1", headers=AUTH).json()["metadata"] == {}
+    assert HTTP.get(f"{url}/http-1", headers=AUTH).json()["text"].startswith("Fresh basil")
+    assert HTTP.get(f"{url}/http-1", headers=AUTH).json()["metadata"] == {}
     for ids in _search_everywhere(live_server, "purple elephant dancing on the moon"):
         assert "http-1" not in ids  # the old version is gone everywhere
-    deleted = httpx.delete(f"{url}/http-1", headers=AUTH, timeout=60)
+    deleted = HTTP.delete(f"{url}/http-1", headers=AUTH, timeout=60)
     assert deleted.status_code == 200 and deleted.json()["deleted"] == ["http-1"]
-    again = httpx.delete(f"{url}/http-1", headers=AUTH, timeout=60)
+    again = HTTP.delete(f"{url}/http-1", headers=AUTH, timeout=60)
     assert again.status_code == 404 and again.json()["error"] == "document_not_found"
-    assert httpx.get(f"{url}/http-1", headers=AUTH).status_code == 404
+    assert HTTP.get(f"{url}/http-1", headers=AUTH).status_code == 404
     for ids in _search_everywhere(live_server, "basil tomatoes pasta sauce"):
         assert "http-1" not in ids
 
 
 def test_batch_is_one_generation(live_server) -> None:
     before = read_current(live_server.index).number
-    response = httpx.post(f"{live_server.base_url}/v1/documents/batch", headers=AUTH, timeout=120, json={
+    response = HTTP.post(f"{live_server.base_url}/v1/documents/batch", headers=AUTH, timeout=120, json={
         "upsert": [{"id": "b-1", "text": "Glaciers carve deep valleys over thousands of years."},
                    {"id": "b-2", "title": "Volcano", "text": "Lava flows from an erupting volcano."}],
         "delete": ["s0010"]})
@@ -85,7 +84,7 @@ def test_batch_is_one_generation(live_server) -> None:
     assert response.json()["generation"] >= before + 1  # +1, or more after a background compaction
     # New documents through a batch are a 200 (not PUT's 201): the body says which were created.
     assert response.json()["replaced"] == []
-    assert httpx.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
+    assert HTTP.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
     assert all(ids[0] == "b-2" for ids in _search_everywhere(live_server, "erupting volcano lava", times=4))
 
 
@@ -117,13 +116,13 @@ def test_bad_writes_are_4xx_and_write_nothing(live_server, method: str, path: st
     before = read_current(live_server.index)
     kwargs = {"content": body, "headers": {**AUTH, "Content-Type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body, "headers": AUTH} if body is not None else {"headers": AUTH}
-    response = httpx.request(method, f"{live_server.base_url}{path}", timeout=60, **kwargs)
+    response = HTTP.request(method, f"{live_server.base_url}{path}", timeout=60, **kwargs)
     assert response.status_code == status, response.text
     assert response.json()["message"]
     if status == 405:
         assert response.headers["allow"] == "POST"
     assert read_current(live_server.index) == before
-    assert httpx.get(f"{live_server.base_url}/v1/documents/x-1", headers=AUTH).status_code == 404
+    assert HTTP.get(f"{live_server.base_url}/v1/documents/x-1", headers=AUTH).status_code == 404
 
 
 @pytest.mark.parametrize("raw_id, problem", [
@@ -137,23 +136,23 @@ def test_ids_are_exact_bytes_or_refused(live_server, raw_id: str, problem: str) 
     before = read_current(live_server.index)
     url = f"{live_server.base_url}/v1/documents/{raw_id}"
     for method, body in [("PUT", {"text": "an id the index must not store"}), ("DELETE", None), ("GET", None)]:
-        response = httpx.request(method, url, json=body, headers=AUTH, timeout=60)
+        response = HTTP.request(method, url, json=body, headers=AUTH, timeout=60)
         assert response.status_code == 422, (method, response.text)
         assert problem in response.json()["message"]
-    batch = httpx.post(f"{live_server.base_url}/v1/documents/batch", headers=AUTH, timeout=60, json={
+    batch = HTTP.post(f"{live_server.base_url}/v1/documents/batch", headers=AUTH, timeout=60, json={
         "upsert": [{"id": "fine", "text": "a fine document"}], "delete": ["s0005\x00"]})
     assert batch.status_code == 422 and "U+0000" in batch.json()["message"]
     assert read_current(live_server.index) == before
-    assert httpx.get(f"{live_server.base_url}/v1/documents/s0005", headers=AUTH).json()["id"] == "s0005"
+    assert HTTP.get(f"{live_server.base_url}/v1/documents/s0005", headers=AUTH).json()["id"] == "s0005"
 
 
 def test_ids_differing_only_in_normalisation_are_different_documents(live_server) -> None:
     url = f"{live_server.base_url}/v1/documents"
     composed, decomposed = "caf%C3%A9", "cafe%CC%81"  # "café" as NFC and as NFD
-    assert httpx.put(f"{url}/{composed}", json={"text": "composed"}, headers=AUTH, timeout=120).status_code == 201
-    assert httpx.put(f"{url}/{decomposed}", json={"text": "decomposed"}, headers=AUTH, timeout=120).status_code == 201
-    assert httpx.get(f"{url}/{composed}", headers=AUTH).json()["text"] == "composed"
-    assert httpx.get(f"{url}/{decomposed}", headers=AUTH).json()["text"] == "decomposed"
+    assert HTTP.put(f"{url}/{composed}", json={"text": "composed"}, headers=AUTH, timeout=120).status_code == 201
+    assert HTTP.put(f"{url}/{decomposed}", json={"text": "decomposed"}, headers=AUTH, timeout=120).status_code == 201
+    assert HTTP.get(f"{url}/{composed}", headers=AUTH).json()["text"] == "composed"
+    assert HTTP.get(f"{url}/{decomposed}", headers=AUTH).json()["text"] == "decomposed"
 
 
 def test_concurrent_writes_are_published_together(live_server) -> None:
@@ -163,13 +162,13 @@ def test_concurrent_writes_are_published_together(live_server) -> None:
     answers: dict[int, dict] = {}
 
     def write(i: int) -> None:
-        response = httpx.put(f"{live_server.base_url}/v1/documents/group-{i}", headers=AUTH, timeout=120,
+        response = HTTP.put(f"{live_server.base_url}/v1/documents/group-{i}", headers=AUTH, timeout=120,
                              json={"text": f"group commit probe {i}: a zebra playing chess number {i}"})
         assert response.status_code == 201, response.text
         answers[i] = response.json()
         # Any request after the answer sees the write, in whichever worker it lands.
         for _ in range(2):
-            got = httpx.get(f"{live_server.base_url}/v1/documents/group-{i}", headers=AUTH, timeout=60)
+            got = HTTP.get(f"{live_server.base_url}/v1/documents/group-{i}", headers=AUTH, timeout=60)
             assert got.status_code == 200, got.text
 
     run_threads(write, n=12)
@@ -182,14 +181,14 @@ def test_descriptors_stay_flat_over_many_writes(live_server) -> None:
     """Under `ulimit -n 256`: 30 writes, every one answered, and no worker holds more descriptors
     after them than before (plus a few for connections)."""
     url = f"{live_server.base_url}/v1/documents"
-    httpx.put(f"{url}/fd-warm", json={"text": "warm both workers' writers"}, headers=AUTH, timeout=120)
+    HTTP.put(f"{url}/fd-warm", json={"text": "warm both workers' writers"}, headers=AUTH, timeout=120)
     _search_everywhere(live_server, "warm up", times=4)
     before = _worker_fds(live_server)
     for i in range(15):
-        put = httpx.put(f"{url}/fd-{i}", json={"text": f"descriptor probe {i}", "metadata": {"year": i}},
+        put = HTTP.put(f"{url}/fd-{i}", json={"text": f"descriptor probe {i}", "metadata": {"year": i}},
                         headers=AUTH, timeout=120)
         assert put.status_code == 201, put.text
-        delete = httpx.delete(f"{url}/fd-{i}", headers=AUTH, timeout=120)
+        delete = HTTP.delete(f"{url}/fd-{i}", headers=AUTH, timeout=120)
         assert delete.status_code == 200, delete.text
     _search_everywhere(live_server, "descriptor probe", times=4)
     after = _worker_fds(live_server)
@@ -202,7 +201,7 @@ def test_background_compaction_merges_deltas(live_server) -> None:
     """ESPN_COMPACT_MAX_SEGMENTS=3: past three deltas, three are merged into one in the background,
     keeping every document and dropping nothing that is live."""
     for i in range(4):
-        response = httpx.put(f"{live_server.base_url}/v1/documents/c-{i}", json={"text": f"compaction probe {i}"},
+        response = HTTP.put(f"{live_server.base_url}/v1/documents/c-{i}", json={"text": f"compaction probe {i}"},
                              headers=AUTH, timeout=120)
         assert response.status_code in (200, 201), response.text
     deadline = time.monotonic() + 60
@@ -211,6 +210,6 @@ def test_background_compaction_merges_deltas(live_server) -> None:
     current = read_current(live_server.index)
     assert len(current.segments) <= 3 and any(s.documents > 1 for s in current.segments)
     for i in range(4):
-        assert httpx.get(f"{live_server.base_url}/v1/documents/c-{i}", headers=AUTH).status_code == 200
-    assert httpx.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
+        assert HTTP.get(f"{live_server.base_url}/v1/documents/c-{i}", headers=AUTH).status_code == 200
+    assert HTTP.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
     assert "Traceback" not in live_server.log()

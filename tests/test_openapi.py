@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
-from server_fixtures import ServerProcess, free_port, serve_command
+from server_fixtures import HTTP, ServerProcess, free_port, serve_command
 
 pytest.importorskip("schemathesis")
 
@@ -53,7 +52,7 @@ def servers(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _document(server: ServerProcess) -> dict:
-    response = httpx.get(f"{server.base_url}/openapi.json", timeout=30)
+    response = HTTP.get(f"{server.base_url}/openapi.json", timeout=30)
     assert response.status_code == 200
     return response.json()
 
@@ -88,11 +87,11 @@ def test_limits_of_the_settings_and_the_index_are_in_the_document(servers: dict[
 def test_the_key_is_checked_before_the_body_is_read(servers: dict[str, ServerProcess]) -> None:
     url = f"{servers['keyed'].base_url}/v1/search"
     headers = {"Content-Type": "application/json"}
-    assert httpx.post(url, content=b'{"query": ', headers=headers).status_code == 401
-    assert httpx.post(url, content=b"x" * (2 << 20), headers=headers).status_code == 401  # not read: no 413
+    assert HTTP.post(url, content=b'{"query": ', headers=headers).status_code == 401
+    assert HTTP.post(url, content=b"x" * (2 << 20), headers=headers).status_code == 401  # not read: no 413
     keyed = {**headers, "Authorization": f"Bearer {API_KEY}"}
-    assert httpx.post(url, content=b'{"query": ', headers=keyed).status_code == 400
-    assert httpx.get(f"{servers['keyed'].base_url}/readyz").status_code == 200  # operations stay open
+    assert HTTP.post(url, content=b'{"query": ', headers=keyed).status_code == 400
+    assert HTTP.get(f"{servers['keyed'].base_url}/readyz").status_code == 200  # operations stay open
 
 
 def _schemathesis(server: ServerProcess, tmp_path: Path, *args: str) -> None:

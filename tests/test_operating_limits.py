@@ -25,7 +25,7 @@ import pytest
 
 from espn_server.logs import JsonFormatter, RepeatFilter
 from espn_server.settings import ServerSettings, default_max_connections
-from server_fixtures import BIN, free_port, running_server
+from server_fixtures import BIN, HTTP, free_port, running_server
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_idle_sockets_and_a_trickling_body_under_ulimit_256_do_not_stop_searches
             started = time.monotonic()
             answered = []
             while time.monotonic() - started < 4:  # through the body timeout and into the header timeout
-                answer = httpx.post(f"{server.base_url}/v1/search", json={"query": "glacier melt", "k": 3}, timeout=30)
+                answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier melt", "k": 3}, timeout=30)
                 answered.append(answer.status_code)
             assert answered and set(answered) == {200}, answered
             timed_out = _read_all(trickle, 10)
@@ -89,7 +89,7 @@ def test_idle_sockets_and_a_trickling_body_under_ulimit_256_do_not_stop_searches
             dripping.join(10)
             for sock in [*idle, trickle]:
                 sock.close()
-        assert httpx.get(f"{server.base_url}/readyz", timeout=10).status_code == 200
+        assert HTTP.get(f"{server.base_url}/readyz", timeout=10).status_code == 200
         grown = len(server.log().encode()) - before
         assert grown < 64 << 10, server.log()[-3000:]  # a few access lines and one summary per minute
         assert "out of system resource" not in server.log()
@@ -115,7 +115,7 @@ def test_past_the_cap_with_every_connection_busy_a_new_one_gets_503(index: Path,
             assert _read_all(sock, 10).startswith(b"HTTP/1.1 408")
             sock.close()
         refused.close()
-        assert httpx.post(f"{server.base_url}/v1/search", json={"query": "glacier", "k": 2}, timeout=30).status_code == 200
+        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier", "k": 2}, timeout=30).status_code == 200
 
 
 def test_a_max_connections_at_the_descriptor_limit_is_refused_at_start(index: Path) -> None:
@@ -167,7 +167,7 @@ def _start_router(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen
     while True:
         assert process.poll() is None, log.read_text()[-2000:]
         try:
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+            HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
             return process, port, log
         except httpx.TransportError:
             assert time.monotonic() < deadline, log.read_text()[-2000:]
@@ -193,19 +193,19 @@ def test_the_router_takes_the_servers_key_answers_401_before_parsing_and_logs_no
         router: tuple[str, Path]) -> None:
     base, log = router
     key = "router-key-" + "x" * 24
-    malformed = httpx.post(f"{base}/v1/search", content=b'{"query": ', headers={"content-type": "application/json"},
+    malformed = HTTP.post(f"{base}/v1/search", content=b'{"query": ', headers={"content-type": "application/json"},
                            timeout=10)
     assert malformed.status_code == 401 and malformed.json()["error"] == "unauthorized"
-    assert httpx.post(f"{base}/v1/search?api_key={key}", json={"query": "q"}, timeout=10).status_code == 401
-    wrong = httpx.post(f"{base}/v1/search", json={"query": "q"}, headers={"Authorization": "Bearer " + "y" * 40},
+    assert HTTP.post(f"{base}/v1/search?api_key={key}", json={"query": "q"}, timeout=10).status_code == 401
+    wrong = HTTP.post(f"{base}/v1/search", json={"query": "q"}, headers={"Authorization": "Bearer " + "y" * 40},
                        timeout=10)
     assert wrong.status_code == 401
     keyed = {"Authorization": f"Bearer {key}"}
-    assert httpx.post(f"{base}/v1/search", content=b'{"query": ', headers={**keyed, "content-type": "application/json"},
+    assert HTTP.post(f"{base}/v1/search", content=b'{"query": ', headers={**keyed, "content-type": "application/json"},
                       timeout=10).status_code in (400, 422)
-    passed = httpx.post(f"{base}/v1/search?secret=hunter2", json={"query": "q"}, headers=keyed, timeout=10)
+    passed = HTTP.post(f"{base}/v1/search?secret=hunter2", json={"query": "q"}, headers=keyed, timeout=10)
     assert passed.status_code == 503 and passed.json()["error"] == "no_shard_answered"  # past the key: no shard runs
-    assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200  # health needs no key
+    assert HTTP.get(f"{base}/healthz", timeout=10).status_code == 200  # health needs no key
     time.sleep(0.5)
     text = log.read_text()
     access = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"request"' in line]

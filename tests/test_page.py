@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 
 API_KEY = "page-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -75,12 +75,12 @@ def test_bad_explain_requests_are_422(client: httpx.Client, body: dict, message:
 
 
 def test_the_page_and_its_assets_are_served_offline(server) -> None:
-    page = httpx.get(f"{server.base_url}/", timeout=30)  # the page itself needs no key; its API calls do
+    page = HTTP.get(f"{server.base_url}/", timeout=30)  # the page itself needs no key; its API calls do
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     links = re.findall(r'(?:src|href)="([^"]+)"', page.text)
     assert links and all(link.startswith(("/", "data:")) for link in links), links  # nothing from a CDN
     for asset in ("search.js", "search.css"):
-        response = httpx.get(f"{server.base_url}/page-assets/{asset}", timeout=30)
+        response = HTTP.get(f"{server.base_url}/page-assets/{asset}", timeout=30)
         assert response.status_code == 200 and len(response.text) > 500
         assert "http://" not in response.text and "https://" not in response.text
 

@@ -10,7 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ from espn.errors import InvalidParameterError
 from espn.store import CachedReader, StoreLayout, open_reader
 from espn.store.record_cache import FrequencySketch
 from helpers import run_threads
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 from test_store import Store, assert_batch_equal, random_counts, write_store
 
 LAYOUT = StoreLayout(d_cls=32, d_bow=16, block_size=4096)
@@ -136,15 +135,15 @@ def _sample(text: str, name: str) -> float:
 def test_serve_flag_and_metrics(sample_index: Path, tmp_path: Path) -> None:
     with running_server(sample_index, tmp_path, "--record-cache-mb", "4", "--batch-wait-ms", "0") as server:
         for _ in range(3):
-            response = httpx.post(f"{server.base_url}/v1/search", json={"query": "protein folding", "k": 10},
+            response = HTTP.post(f"{server.base_url}/v1/search", json={"query": "protein folding", "k": 10},
                                   timeout=60.0)
             assert response.status_code == 200, response.text
-        text = httpx.get(f"{server.base_url}/metrics").text
+        text = HTTP.get(f"{server.base_url}/metrics").text
         requests, hits = _sample(text, "espn_record_cache_requests"), _sample(text, "espn_record_cache_hits")
         assert requests > 0 and hits >= requests / 3, "a repeated query is served from the cache"
         assert _sample(text, "espn_record_cache_bytes") >= 3 << 20
         # The prefetch planner's decisions are exported (present; counts depend on the machine).
         _sample(text, "espn_prefetch_waves_total")
         _sample(text, "espn_prefetch_waves_skipped_total")
-        ready = httpx.get(f"{server.base_url}/readyz").json()
+        ready = HTTP.get(f"{server.base_url}/readyz").json()
         assert "record_cache" in json.dumps(ready)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 from helpers import run_espn
-from server_fixtures import BIN, REPO, ServerProcess, free_port, s3_server
+from server_fixtures import BIN, HTTP, REPO, ServerProcess, free_port, s3_server
 
 from espn.partitioning import owner
 
@@ -93,7 +93,7 @@ def _records(prefix: str) -> set[int]:
 
 
 def _replication(server: ServerProcess) -> dict[str, Any]:
-    return httpx.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
+    return HTTP.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
             """Retry while the owner's writer is down (503) or slow (504): PUT is safe to repeat."""
             deadline = time.monotonic() + 240
             while True:
-                answer = httpx.request(method, router.base_url + path, json=body, timeout=60)
+                answer = HTTP.request(method, router.base_url + path, json=body, timeout=60)
                 if answer.status_code not in (503, 504) or time.monotonic() > deadline:
                     return answer
                 time.sleep(float(answer.headers.get("retry-after", "0.5")))

@@ -28,6 +28,7 @@ from espn_server.cli import run_route
 from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits
 from espn_server.schemas import SearchHit
 from helpers import write_scifact_subset
+from server_fixtures import HTTP
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
@@ -335,7 +336,7 @@ class Server:
             if self.process.poll() is not None:
                 pytest.fail(f"espn serve exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if HTTP.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -400,7 +401,7 @@ def test_router_over_two_partitions_ranks_like_one_whole_index(
     with TestClient(build_router_app(settings)) as router:
         assert router.get("/readyz").json()["detail"] == "2 of 2 shard(s) ready"
         for query in queries:
-            want = httpx.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60)
+            want = HTTP.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60)
             assert want.status_code == 200, want.text
             got = router.post("/v1/search", json={"query": query, **params})
             assert got.status_code == 200, got.text
@@ -409,14 +410,14 @@ def test_router_over_two_partitions_ranks_like_one_whole_index(
             # Both partitions contribute to the merged lists.
             sources = set()
             for part in servers["parts"]:
-                own = httpx.post(part.url + "/v1/search", json={"query": query, **params}, timeout=60).json()
+                own = HTTP.post(part.url + "/v1/search", json={"query": query, **params}, timeout=60).json()
                 if {hit["id"] for hit in own["results"]} & {hit["id"] for hit in got.json()["results"]}:
                     sources.add(part.url)
             contributions.append(len(sources))
         assert max(contributions) == 2
         batch = router.post("/v1/search/batch", json={"queries": queries[:4], **params})
         assert batch.status_code == 200 and batch.json()["partial"] is False
-        whole = httpx.post(servers["whole"].url + "/v1/search/batch", json={"queries": queries[:4], **params},
+        whole = HTTP.post(servers["whole"].url + "/v1/search/batch", json={"queries": queries[:4], **params},
                            timeout=60).json()
         for got_one, want_one in zip(batch.json()["responses"], whole["responses"]):
             _assert_same_ranking(_ranking(got_one), _ranking(want_one), got_one["query"])
@@ -433,7 +434,7 @@ def test_router_fuses_hybrid_like_one_whole_index(indexes: tuple[Path, list[Path
     overlaps = []
     with TestClient(build_router_app(settings)) as router:
         for query in _queries(8):
-            want = httpx.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60).json()
+            want = HTTP.post(servers["whole"].url + "/v1/search", json={"query": query, **params}, timeout=60).json()
             got = router.post("/v1/search", json={"query": query, **params})
             assert got.status_code == 200, got.text
             routed = {hit["id"]: hit for hit in got.json()["results"]}
@@ -456,7 +457,7 @@ def test_router_answers_partially_when_a_shard_process_is_killed(
     alive, victim = servers["parts"]
     settings = RouterSettings(shards=[alive.url, victim.url], timeout_ms=60_000)
     query = _queries(1)[0]
-    alone = httpx.post(alive.url + "/v1/search", json={"query": query, **params}, timeout=60).json()
+    alone = HTTP.post(alive.url + "/v1/search", json={"query": query, **params}, timeout=60).json()
     victim.process.kill()  # SIGKILL: no goodbye, the port just stops answering
     victim.process.wait(timeout=10)
     with TestClient(build_router_app(settings)) as router:
@@ -489,15 +490,15 @@ def test_espn_route_command_serves_health_and_readiness(tmp_path: Path) -> None:
         while True:
             assert process.poll() is None, f"espn route exited:\n{log.read_text()[-2000:]}"
             try:
-                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                health = HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
                 break
             except httpx.TransportError:
                 assert time.monotonic() < deadline, f"espn route did not listen:\n{log.read_text()[-2000:]}"
                 time.sleep(0.3)
         assert health.status_code == 200
-        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        ready = HTTP.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
         assert ready.status_code == 503 and ready.json()["detail"] == "0 of 1 shard(s) ready"
-        search = httpx.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "q"}, timeout=5)
+        search = HTTP.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "q"}, timeout=5)
         assert search.status_code == 503 and search.json()["failed_shards"][0]["error"] == "unreachable"
     finally:
         process.send_signal(signal.SIGTERM)

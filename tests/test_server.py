@@ -25,7 +25,7 @@ import pytest
 from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
-from server_fixtures import ServerProcess, running_server
+from server_fixtures import HTTP, ServerProcess, running_server
 
 API_KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -483,12 +483,12 @@ def test_every_405_names_the_methods_the_path_takes(client: httpx.Client, method
 
 def test_api_key_is_required(server) -> None:
     query = {"query": QUERIES[0], "k": 1}
-    assert httpx.post(f"{server.base_url}/v1/search", json=query).status_code == 401
-    wrong = httpx.post(f"{server.base_url}/v1/search", json=query, headers={"Authorization": "Bearer nope"})
+    assert HTTP.post(f"{server.base_url}/v1/search", json=query).status_code == 401
+    wrong = HTTP.post(f"{server.base_url}/v1/search", json=query, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
     assert wrong.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(f"{server.base_url}/v1/documents/x").status_code == 401
-    assert httpx.get(f"{server.base_url}/healthz").status_code == 200  # probes need no key
+    assert HTTP.get(f"{server.base_url}/v1/documents/x").status_code == 401
+    assert HTTP.get(f"{server.base_url}/healthz").status_code == 200  # probes need no key
     # CORS is off unless configured: no Access-Control headers, even for a preflight.
     preflight = httpx.options(f"{server.base_url}/v1/search", headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
@@ -538,13 +538,13 @@ def _sigterm_during_a_long_batch(server: ServerProcess, queries: int = 256, k: i
 
     def long_request() -> None:
         body = {"queries": [f"{QUERIES[i % 8]} {i}" for i in range(queries)], "k": k, "rerank_count": 100}
-        outcome["response"] = httpx.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
+        outcome["response"] = HTTP.post(f"{base}/v1/search/batch", json=body, timeout=120.0)
 
     thread = threading.Thread(target=long_request)
     thread.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = httpx.get(f"{base}/metrics").text
+        text = HTTP.get(f"{base}/metrics").text
         if _metric(text, "espn_http_requests_in_flight", endpoint="/v1/search/batch") >= 1:
             break
         time.sleep(0.005)
@@ -619,11 +619,11 @@ def test_workers_share_metrics_and_drain_on_sigterm(sample_index: Path, tmp_path
         for query in QUERIES:
             with httpx.Client(base_url=base, timeout=60.0) as fresh:
                 assert fresh.post("/v1/search", json={"query": query}).status_code == 200
-        text = httpx.get(f"{base}/metrics").text
+        text = HTTP.get(f"{base}/metrics").text
         assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == len(QUERIES)
         assert _metric(text, "espn_search_queries_total") == len(QUERIES)
 
-        cors = httpx.post(f"{base}/v1/search", json={"query": "x"}, headers={"Origin": "https://app.example"})
+        cors = HTTP.post(f"{base}/v1/search", json={"query": "x"}, headers={"Origin": "https://app.example"})
         assert cors.headers["access-control-allow-origin"] == "https://app.example"
 
         # A long batch is in flight when SIGTERM arrives: it must still complete.
@@ -687,7 +687,7 @@ def test_an_idle_server_searches_at_once_and_batches_what_queues(sample_index: P
     concurrent requests that arrive while a search runs share the next search call."""
     with running_server(sample_index, tmp_path, "--batch-wait-ms", "1000", name="continuous") as server:
         url = f"{server.base_url}/v1/search"
-        alone = httpx.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
+        alone = HTTP.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
         assert alone.status_code == 200, alone.text
         assert alone.json()["stats"]["batch_size"] == 1 and alone.json()["stats"]["queue_ms"] < 500
         # Eight clients at once, in up to five bursts: on a loaded machine one burst's requests can
@@ -695,7 +695,7 @@ def test_an_idle_server_searches_at_once_and_batches_what_queues(sample_index: P
         together: list[httpx.Response] = []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for _ in range(5):
-                together += pool.map(lambda i: httpx.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
+                together += pool.map(lambda i: HTTP.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
                                                           timeout=60), range(8))
                 if max(response.json()["stats"]["batch_size"] for response in together) > 1:
                     break
@@ -718,10 +718,10 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
     port = free_port()
     with running_server(sample_index, tmp_path, "--metrics-port", str(port), env={"ESPN_API_KEY": API_KEY},
                         name="metrics-port") as server:
-        assert httpx.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
+        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
                           timeout=60).status_code == 200
-        assert httpx.get(f"{server.base_url}/metrics").status_code == 404
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert HTTP.get(f"{server.base_url}/metrics").status_code == 404
+        text = HTTP.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == 1
         assert _metric(text, "espn_search_queries_total") == 1
 
@@ -753,8 +753,8 @@ def test_an_index_of_precomputed_embeddings_becomes_ready(tmp_path: Path) -> Non
     (source / "BOW" / "0.json").write_text(json.dumps(counts.tolist()))
     run_espn("index", "--embeddings", source, "--out", tmp_path / "index", "--nlist", "1")
     with running_server(tmp_path / "index", tmp_path, name="precomputed") as server:  # waits for /readyz 200
-        assert httpx.get(f"{server.base_url}/readyz").json()["status"] == "ready"
-        assert httpx.get(f"{server.base_url}/v1/documents/3").status_code == 200
+        assert HTTP.get(f"{server.base_url}/readyz").json()["status"] == "ready"
+        assert HTTP.get(f"{server.base_url}/v1/documents/3").status_code == 200
 
 
 def test_serve_on_a_corrupted_index_is_one_line(sample_index: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from espn.segments import open_view
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.live.snapshot import restore, snapshot
+from server_fixtures import HTTP
 
 
 @pytest.fixture
@@ -138,7 +139,7 @@ def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_ackno
     with running_server(index, tmp_path, "--snapshot-dir", str(tmp_path / "snaps"), "--no-warmup",
                         env={"ESPN_API_KEY": key}) as server:
         base = server.base_url
-        assert httpx.post(f"{base}/v1/snapshots", timeout=30).status_code == 401
+        assert HTTP.post(f"{base}/v1/snapshots", timeout=30).status_code == 401
         acknowledged: dict[str, int] = {}
         stop = threading.Event()
 
@@ -156,17 +157,17 @@ def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_ackno
             futures = [pool.submit(write, w) for w in range(3)]
             while len(acknowledged) < 10:
                 threading.Event().wait(0.05)
-            taken = httpx.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=120)
+            taken = HTTP.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=120)
             stop.set()
             for future in futures:
                 future.result()
         assert taken.status_code == 201, taken.text
         generation = taken.json()["generation"]
-        again = httpx.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=30)
+        again = HTTP.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=30)
         assert again.status_code == 409
-        assert httpx.post(f"{base}/v1/snapshots", json={"name": "../escape"}, headers=headers,
+        assert HTTP.post(f"{base}/v1/snapshots", json={"name": "../escape"}, headers=headers,
                           timeout=30).status_code == 422
-        listed = httpx.get(f"{base}/v1/snapshots", headers=headers, timeout=30).json()["snapshots"]
+        listed = HTTP.get(f"{base}/v1/snapshots", headers=headers, timeout=30).json()["snapshots"]
         assert listed == [{"name": "mid-writes", "generation": generation}]
     restore(tmp_path / "snaps" / "mid-writes", tmp_path / "restored")
     with Searcher.open(tmp_path / "restored") as searcher:
@@ -184,7 +185,7 @@ def test_snapshots_over_http_are_off_without_a_directory(index: Path, tmp_path: 
     from server_fixtures import running_server
 
     with running_server(index, tmp_path, "--no-warmup") as server:
-        off = httpx.post(f"{server.base_url}/v1/snapshots", timeout=30)
+        off = HTTP.post(f"{server.base_url}/v1/snapshots", timeout=30)
         assert off.status_code == 404 and "--snapshot-dir" in off.json()["message"]
 
 
@@ -206,7 +207,7 @@ def test_same_name_snapshots_racing_over_http_acknowledge_one_verified_copy(inde
 
             def take(_: int) -> httpx.Response:
                 barrier.wait()
-                return httpx.post(f"{base}/v1/snapshots", json={"name": name}, timeout=120)
+                return HTTP.post(f"{base}/v1/snapshots", json={"name": name}, timeout=120)
 
             with concurrent.futures.ThreadPoolExecutor(5) as pool:
                 answers = list(pool.map(take, range(5)))
@@ -217,7 +218,7 @@ def test_same_name_snapshots_racing_over_http_acknowledge_one_verified_copy(inde
                     assert answer.json()["error"] == "conflict" and name in answer.json()["message"]
             assert cli_main(["verify", str(snaps / name)]) == 0
             restore(snaps / name, tmp_path / f"restored-{round_}")
-        listed = httpx.get(f"{base}/v1/snapshots", timeout=30).json()["snapshots"]
+        listed = HTTP.get(f"{base}/v1/snapshots", timeout=30).json()["snapshots"]
         assert [s["name"] for s in listed] == ["race-0", "race-1", "race-2"]
     assert sorted(p.name for p in snaps.iterdir()) == ["race-0", "race-1", "race-2"]
 

@@ -14,7 +14,6 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from espn import Searcher
@@ -23,7 +22,7 @@ from espn.segments import open_view
 from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, TextWriter, build_text_index
 from espn.live.snapshot import restore, snapshot
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 
 
 @contextlib.contextmanager
@@ -67,16 +66,16 @@ def test_a_snapshot_on_a_full_disk_is_a_507_leaving_nothing_and_succeeds_once_sp
         snaps = disk / "snaps"
         ballast = fill(disk, leave_bytes=256 << 10)
         with running_server(index, tmp_path, "--snapshot-dir", str(snaps), "--no-warmup") as server:
-            full = httpx.post(f"{server.base_url}/v1/snapshots", json={"name": "nightly"}, timeout=120)
+            full = HTTP.post(f"{server.base_url}/v1/snapshots", json={"name": "nightly"}, timeout=120)
             assert full.status_code == 507, full.text
             assert full.json()["error"] == "insufficient_storage"
             assert "no space left on device" in full.json()["message"] and "nightly" in full.json()["message"]
             assert not (snaps / "nightly").exists() and not (snaps / "nightly.partial").exists()
-            assert httpx.get(f"{server.base_url}/v1/snapshots", timeout=30).json()["snapshots"] == []
-            assert httpx.post(f"{server.base_url}/v1/search", json={"query": "glaciers", "k": 3},
+            assert HTTP.get(f"{server.base_url}/v1/snapshots", timeout=30).json()["snapshots"] == []
+            assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "glaciers", "k": 3},
                               timeout=60).status_code == 200
             ballast.unlink()
-            taken = httpx.post(f"{server.base_url}/v1/snapshots", json={"name": "nightly"}, timeout=120)
+            taken = HTTP.post(f"{server.base_url}/v1/snapshots", json={"name": "nightly"}, timeout=120)
             assert taken.status_code == 201, taken.text
             assert "no space left" in server.log() and "Traceback" not in server.log()
         restore(snaps / "nightly", tmp_path / "restored")
@@ -121,22 +120,22 @@ def test_writes_on_a_full_disk_are_507_lose_nothing_acknowledged_and_resume(inde
         shutil.copytree(index, served)
         with running_server(served, tmp_path, "--no-warmup") as server:
             base = server.base_url
-            before = httpx.put(f"{base}/v1/documents/acked-1", json={"text": "acknowledged before the disk filled"},
+            before = HTTP.put(f"{base}/v1/documents/acked-1", json={"text": "acknowledged before the disk filled"},
                                timeout=120)
             assert before.status_code == 201, before.text
             ballast = fill(disk, leave_bytes=0)
             statuses = []
             for i in range(3):
-                answer = httpx.put(f"{base}/v1/documents/refused-{i}", json={"text": "words " * 3000}, timeout=120)
+                answer = HTTP.put(f"{base}/v1/documents/refused-{i}", json={"text": "words " * 3000}, timeout=120)
                 statuses.append(answer.status_code)
                 assert answer.status_code == 507, answer.text
                 assert answer.json()["error"] == "insufficient_storage"
                 assert "no space left on device" in answer.json()["message"]
-            assert httpx.get(f"{base}/v1/documents/acked-1", timeout=30).status_code == 200
-            assert httpx.get(f"{base}/v1/documents/refused-0", timeout=30).status_code == 404
-            assert httpx.post(f"{base}/v1/search", json={"query": "disk filled", "k": 3}, timeout=60).status_code == 200
+            assert HTTP.get(f"{base}/v1/documents/acked-1", timeout=30).status_code == 200
+            assert HTTP.get(f"{base}/v1/documents/refused-0", timeout=30).status_code == 404
+            assert HTTP.post(f"{base}/v1/search", json={"query": "disk filled", "k": 3}, timeout=60).status_code == 200
             ballast.unlink()
-            after = httpx.put(f"{base}/v1/documents/acked-2", json={"text": "written once space came back"},
+            after = HTTP.put(f"{base}/v1/documents/acked-2", json={"text": "written once space came back"},
                               timeout=120)
             assert after.status_code == 201, after.text
             assert "Traceback" not in server.log()

@@ -6,10 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import httpx
 
 from espn.generations import read_current
-from server_fixtures import running_server
+from server_fixtures import HTTP, running_server
 
 DOC = {"title": "Eclipse night", "text": "A lunar eclipse darkens the Moon when the shadow of the Earth falls on it.",
        "metadata": {"topic": "written-here", "year": 2026}}
@@ -19,14 +18,14 @@ def test_a_written_index_restarted_filters_and_explains_its_writes(sample_index:
     index = tmp_path / "index"
     shutil.copytree(sample_index, index)
     with running_server(index, tmp_path, "--no-warmup", name="writer", fd_limit=1024) as server:
-        put = httpx.put(f"{server.base_url}/v1/documents/written-1", json=DOC, timeout=120)
+        put = HTTP.put(f"{server.base_url}/v1/documents/written-1", json=DOC, timeout=120)
         assert put.status_code == 201, put.text
     # The write's delta carries the pooling groups of its records (the sample index is pooled).
     segments = read_current(index).segments
     assert segments and any(name.endswith("pool_groups.npy") for s in segments for name in s.files)
 
     with running_server(index, tmp_path, "--no-warmup", name="restarted", fd_limit=1024) as server:
-        response = httpx.post(f"{server.base_url}/v1/search", timeout=120, json={
+        response = HTTP.post(f"{server.base_url}/v1/search", timeout=120, json={
             "query": "lunar eclipse moon", "k": 3, "filter": {"topic": {"in": ["written-here"]}},
             "explain": True, "return_text": True})
         assert response.status_code == 200, response.text
