@@ -32,7 +32,9 @@ CHROMEDRIVER = Path(os.environ.get("ESPN_CHROMEDRIVER", "/usr/bin/chromedriver")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files holding a `slow` test first, the rest in their order: `make test` sends each file to one
-    xdist worker, and a long file handed out last would run alone while the other workers idle."""
+    xdist worker, and a long file handed out last would run alone while the other workers idle.
+    `make test` passes --no-loadscope-reorder: by default xdist hands out the files with the most
+    tests first, which sent the slow files (a few long tests each) last."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -84,11 +85,17 @@ def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
         yield env
 
 
-def _records(prefix: str) -> set[int]:
-    """Generation numbers with a record on the store (a generation is published once its record is)."""
+@functools.cache
+def _s3(endpoint: str) -> Any:
+    """One boto3 client per store (making one loads the service model: tens of ms of CPU per poll)."""
     import boto3
 
-    listing = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/generations/")
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+def _records(prefix: str) -> set[int]:
+    """Generation numbers with a record on the store (a generation is published once its record is)."""
+    listing = _s3(os.environ["AWS_ENDPOINT_URL"]).list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/generations/")
     return {int(item["Key"].rsplit("gen-", 1)[1].split(".")[0]) for item in listing.get("Contents", [])}
 
 
