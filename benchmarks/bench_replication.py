@@ -261,7 +261,9 @@ def compare_search(args: argparse.Namespace, work: Path, env: dict[str, str]) ->
         route = [ESPN, "route", "--shards", ",".join(base for _, base in commands[1:]), "--port", str(router_port)]
         router_proc = stack.enter_context(process(route, work / "router.log", env))
         wait_ready(router, router_proc)
-        for base in (commands[0][1], router):  # warm both (first queries load pages and compile paths)
+        # Warm every server, the shards directly (first queries load pages and compile paths): a cold
+        # shard's first answer can outlast the router's 2 s timeout on a busy machine (a 503).
+        for base in [base for _, base in commands] + [router]:
             search_latencies(base, queries[:20], 10)
         whole, routed = [], []
         for _ in range(args.repeats):
