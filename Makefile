@@ -50,8 +50,8 @@ test: install browser
 	$(MAKE) docs-strict wheel
 	@mkdir -p .espn; $(VENV)/bin/mypy > .espn/mypy.log 2>&1 & typing=$$!; \
 	$(MAKE) --no-print-directory check-built-wheel > .espn/check-wheel.log 2>&1 & wheeled=$$!; \
-	echo "$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25"; \
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25; tested=$$?; \
+	echo "$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25"; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tested=$$?; \
 	wait $$typing; typed=$$?; wait $$wheeled; checked=$$?; \
 	echo "mypy:"; cat .espn/mypy.log; echo "make check-built-wheel:"; cat .espn/check-wheel.log; \
 	test $$tested -eq 0 -a $$typed -eq 0 -a $$checked -eq 0
