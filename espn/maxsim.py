@@ -207,12 +207,13 @@ class QueryScoring:
 def score_records(queries: QueryScoring, records: "RecordBatch", layout: "StoreLayout", pair_query: np.ndarray,
                   pair_row: np.ndarray, reduction: str = "sum", native: bool | None = None) -> np.ndarray:
     """[2, P] float32: exact CLS and MaxSim of each pair (query `pair_query[p]`, row `pair_row[p]`
-    of `records`), scored from the stored records without decoding them.
+    of `records`), scored from the stored records where the reads left them.
 
-    int8 records: codes times the query, then the vector's scale (the scale multiplies each
-    similarity, not each element). native: use the compiled kernel (None: where it is built
-    and the records are on the host); False scores with torch, on the records' device (the
-    GPU path, and the reference: same results up to fp32 summation order).
+    int8 records: each vector's codes times its scale (torch multiplies each similarity by
+    the scale; the kernel folds the scale into its fp32 copy of the document, one document
+    at a time). native: use the compiled kernel (None: where it is built and the records are
+    on the host); False scores with torch, on the records' device (the GPU path, and the
+    reference: same results up to fp32 rounding).
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")

@@ -51,8 +51,8 @@ INLINE v8 vmax(v8 a, v8 b) {
     return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
 }
 
-/* conv[t * d + k] = the document's vector t in fp32 (int8: code x scale_t), rows n .. n_pad - 1
- * zero (the tile computes them; the fold ignores them). */
+/* conv[t * d + k] = the document's vector t in fp32 (int8: code x scale_t). The caller zeroes
+ * ROWS rows past n: the last tile computes them, and the fold ignores them. */
 INLINE void convert_int8(const int8_t *codes, const uint16_t *scales, int64_t n, int64_t d, float *conv) {
     for (int64_t t = 0; t < n; t++) {
         const float scale = half_to_float(scales[t]);
