@@ -378,6 +378,22 @@ def test_bench_explain(sample_index: Path, results: Path, capsys) -> None:
     assert not any(payload["configs"]["search"]["explain_p50"])  # no explain stage when it is not asked for
 
 
+def test_bench_maxsim(sample_index: Path, results: Path, capsys) -> None:
+    """The kernel and the torch fallback timed on the records of real searches, agreeing."""
+    from benchmarks import bench_maxsim
+    from espn.search import scoring
+
+    scored_by = scoring.score_records
+    data = common.ROOT / "espn" / "data"
+    assert bench_maxsim.main(["--index", str(sample_index), "--queries", str(data / "sample_queries.jsonl"),
+                              "--n", "3"]) == 0
+    assert scoring.score_records is scored_by  # the interception is undone
+    payload = _check(results, "maxsim_kernel", capsys, png=False)
+    assert payload["calls"] == 3 and payload["pairs_per_call"] > 0
+    assert payload["kernel_ms"] > 0 and payload["torch_ms"] > 0
+    assert payload["max_abs_difference"] < 1e-4
+
+
 def test_bench_lexical(results: Path, capsys, tmp_path: Path) -> None:
     """espn's lexical side against bm25s on the sample corpus (the SciFact run is the same code)."""
     pytest.importorskip("bm25s")
