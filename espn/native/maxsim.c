@@ -150,18 +150,25 @@ int espn_score_pairs(const int64_t *records, const int64_t *n_bow, int64_t d_cls
         const int64_t q = pair_query[p], r = pair_doc[p], n = n_bow[r];
         const uint8_t *record = (const uint8_t *)(uintptr_t)records[r];
         const float *qc = q_cls + q * d_cls;
+        const void *bow;
+        const uint16_t *scales = NULL; /* the BOW vectors' scales (int8 records only) */
         if (dtype == DTYPE_INT8) {
-            const uint16_t *scales = (const uint16_t *)record;
+            const uint16_t *all_scales = (const uint16_t *)record;
             const int8_t *cls = (const int8_t *)(record + 2 * (1 + n));
-            out_cls[p] = cls_dot_int8(cls, qc, d_cls) * half_to_float(scales[0]);
-            if (converted != r) convert_int8(cls + d_cls, scales + 1, n, d_bow, conv);
+            out_cls[p] = cls_dot_int8(cls, qc, d_cls) * half_to_float(all_scales[0]);
+            scales = all_scales + 1;
+            bow = cls + d_cls;
         } else {
             const _Float16 *cls = (const _Float16 *)record;
             out_cls[p] = cls_dot_float16(cls, qc, d_cls);
-            if (converted != r) convert_float16(cls + d_cls, n, d_bow, conv);
+            bow = cls + d_cls;
         }
-        if (converted != r) memset(conv + n * d_bow, 0, sizeof(float) * ROWS * d_bow);
-        converted = r;
+        if (converted != r) {
+            if (scales != NULL) convert_int8((const int8_t *)bow, scales, n, d_bow, conv);
+            else convert_float16((const _Float16 *)bow, n, d_bow, conv);
+            memset(conv + n * d_bow, 0, sizeof(float) * ROWS * d_bow);
+            converted = r;
+        }
         out_bow[p] = pair_maxsim(conv, n, d_bow, q_bow_t + q * d_bow * stride, stride, q_valid + q * stride, best);
     }
     return 0;
