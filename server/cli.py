@@ -262,7 +262,7 @@ def _serve(settings: ServerSettings) -> int:
             log_level=settings.log_level,
             access_log=False,  # server.middleware.AccessMiddleware logs each request once
             server_header=False,
-            http=connections.GuardedH11Protocol,  # the connection cap and header timeout (server.connections)
+            http=connections.guarded_protocol(),  # the connection cap and header timeout (server.connections)
             backlog=settings.connection_limits().backlog,
             timeout_keep_alive=settings.keep_alive_s,
             timeout_graceful_shutdown=settings.graceful_timeout_s,
@@ -300,7 +300,7 @@ def run_route(args: argparse.Namespace) -> int:
     connections.install(limits)
     uvicorn.run(build_router_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 log_config=logging_config(settings.log_level), access_log=False, server_header=False,
-                http=connections.GuardedH11Protocol, backlog=limits.backlog, timeout_keep_alive=settings.keep_alive_s,
+                http=connections.guarded_protocol(), backlog=limits.backlog, timeout_keep_alive=settings.keep_alive_s,
                 timeout_graceful_shutdown=30)
     return 0
 
