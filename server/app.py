@@ -31,6 +31,7 @@ from .openapi import add_contract
 from .page import add_search_page
 from .routes import documents, health, search, snapshots
 from .schemas import ErrorResponse
+from .search_fast_path import SearchFastPath
 from .search_service import SearchService, open_searcher
 from .settings import ServerSettings
 
@@ -141,7 +142,9 @@ def build_app(settings: ServerSettings) -> FastAPI:
     add_contract(app)
 
     # Added innermost first: the access log sees every response, 413s and CORS included; the
-    # key is checked before the body is read; a CORS preflight is answered without the key.
+    # key is checked before the body is read; a CORS preflight is answered without the key; a
+    # valid single search skips FastAPI's request handling (SearchFastPath), nothing else.
+    app.add_middleware(SearchFastPath, state=app.state.espn, handlers=app.exception_handlers)
     app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:

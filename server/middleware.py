@@ -21,7 +21,8 @@ from .errors import error_response
 from .logs import ACCESS_LOGGER
 from .metrics import ServerMetrics
 
-__all__ = ["AccessMiddleware", "ApiKeyMiddleware", "BodyLimitMiddleware", "CancelledRequestMiddleware", "LOG_EXTRA_KEY"]
+__all__ = ["AccessMiddleware", "ApiKeyMiddleware", "BodyLimitMiddleware", "CancelledRequestMiddleware", "LOG_EXTRA_KEY",
+           "read_body", "replay_body"]
 
 access_logger = logging.getLogger(ACCESS_LOGGER)
 logger = logging.getLogger(__name__)
@@ -37,6 +38,36 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+async def read_body(receive: Receive, max_bytes: Optional[int] = None) -> bytes | None:
+    """The whole body, or its first max_bytes + 1 bytes; None when the client left."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body = message.get("body", b"")
+        total += len(body)
+        chunks.append(body)
+        if (max_bytes is not None and total > max_bytes) or not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """`receive` for an app after the body was read: `body` once, then the real `receive` (which
+    waits for the disconnect, as Starlette expects)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 class AccessMiddleware:
@@ -163,7 +194,7 @@ class BodyLimitMiddleware:
                 return
         try:
             async with asyncio.timeout(self.timeout_s):
-                buffered = await self._read(receive)
+                buffered = await read_body(receive, self.max_bytes)
         except TimeoutError:
             response = error_response(408, "request_timeout", f"the request body did not arrive within "
                                       f"{self.timeout_s:g} s", headers={"Connection": "close"})
@@ -174,30 +205,7 @@ class BodyLimitMiddleware:
         if len(buffered) > self.max_bytes:
             await self._too_large(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": buffered, "more_body": False}
-            return await receive()  # after the body: wait for the disconnect, as Starlette expects
-
-        await self.app(scope, replay, send)
-
-    async def _read(self, receive: Receive) -> bytes | None:
-        """The whole body, or its first max_bytes + 1 bytes; None when the client left."""
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body = message.get("body", b"")
-            total += len(body)
-            chunks.append(body)
-            if total > self.max_bytes or not message.get("more_body", False):
-                return b"".join(chunks)
+        await self.app(scope, replay_body(buffered, receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes",

@@ -226,6 +226,63 @@ def test_a_batcher_batches_what_queues_while_a_search_runs() -> None:
 # -- settings (no index) -----------------------------------------------------------
 
 
+# -- the search fast path (no index) ------------------------------------------------------
+
+
+def _through_fast_path(method: str, path: str, body: bytes, content_type: bytes | None) -> tuple[int, list]:
+    """(status, what reached the app behind SearchFastPath) for one request, in process."""
+    from fastapi import FastAPI
+
+    from espn_server.deps import AppState
+    from espn_server.errors import register_exception_handlers
+    from espn_server.search_fast_path import SearchFastPath
+
+    reached: list[tuple[str, bytes]] = []
+
+    async def behind(scope, receive, send) -> None:  # stands for FastAPI: records and answers 299
+        reached.append((scope["path"], (await receive())["body"]))
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    handlers_app = FastAPI()
+    register_exception_handlers(handlers_app)
+    # An AppState whose index is not open: a search the fast path takes ends in the app's own 503.
+    fast = SearchFastPath(behind, AppState(settings=None, metrics=None),  # type: ignore[arg-type]
+                          handlers_app.exception_handlers)
+    headers = [(b"content-type", content_type)] if content_type is not None else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(fast(scope, receive, send))
+    return sent[0]["status"], reached
+
+
+def test_the_search_fast_path_takes_valid_json_searches_only() -> None:
+    search = b'{"query": "x", "k": 3}'
+    for content_type in (b"application/json", b"Application/JSON; charset=utf-8"):
+        status, reached = _through_fast_path("POST", "/v1/search", search, content_type)
+        assert (status, reached) == (503, [])  # its own answer: the handler of "index is not open"
+    for method, path, body, content_type in [
+        ("POST", "/v1/search", b'{"query": "x", ', b"application/json"),  # malformed: FastAPI's 400
+        ("POST", "/v1/search", b'{"k": 3}', b"application/json"),  # invalid: FastAPI's 422
+        ("POST", "/v1/search", b'{"query": "caf\xe9"}', b"application/json"),  # not UTF-8
+        ("POST", "/v1/search", search, b"text/plain"),  # FastAPI's 415
+        ("POST", "/v1/search", search, None),  # no Content-Type: FastAPI's 415
+        ("POST", "/v1/search", search, b"application/vnd.espn+json"),  # JSON to FastAPI, not to the fast path
+        ("POST", "/v1/search/batch", b'{"queries": ["x"]}', b"application/json"),
+        ("PUT", "/v1/search", search, b"application/json"),
+    ]:
+        status, reached = _through_fast_path(method, path, body, content_type)
+        assert (status, reached) == (299, [(path, body)]), (method, path, body, content_type)
+
+
 @pytest.fixture()
 def fake_index(tmp_path: Path) -> Path:
     (tmp_path / "manifest.json").write_text("{}")
@@ -341,6 +398,33 @@ def test_search_equals_library(client: httpx.Client, searcher) -> None:
         stats = body["stats"]
         assert stats["stage_ms"]["total"] > 0 and 0.0 <= stats["hit_rate"] <= 1.0
         assert stats["batch_size"] >= 1 and body["query"] == query
+
+
+VIA_FASTAPI = {"Content-Type": "application/vnd.espn+json"}
+
+
+def test_the_search_fast_path_answers_as_the_fastapi_route(client: httpx.Client) -> None:
+    """The same request through SearchFastPath (Content-Type: application/json) and through
+    FastAPI's route (a `+json` type, which FastAPI parses as JSON and the fast path leaves to
+    it): the same answer, and the same error for a search the index refuses."""
+    timing = ("stage_ms", "queue_ms", "batch_size", "hit_rate")
+    for request in ({"query": QUERIES[1], "k": 5, "return_text": True}, {"query": QUERIES[2], "k": 3,
+                                                                          "filter": {"lang": "en"}},
+                    {"query": QUERIES[3], "k": 2, "explain": True}):
+        body = json.dumps(request).encode()
+        fast = client.post("/v1/search", content=body, headers={"Content-Type": "application/json"})
+        routed = client.post("/v1/search", content=body, headers=VIA_FASTAPI)
+        assert fast.status_code == routed.status_code, (fast.text[:300], routed.text[:300])
+        got, want = fast.json(), routed.json()
+        if fast.status_code == 200:
+            for answer in (got, want):
+                answer["stats"] = {key: value for key, value in answer["stats"].items() if key not in timing}
+        assert got == want
+    refused = json.dumps({"query": "x", "nprobe": 1 << 20}).encode()
+    fast = client.post("/v1/search", content=refused, headers={"Content-Type": "application/json"})
+    routed = client.post("/v1/search", content=refused, headers=VIA_FASTAPI)
+    assert fast.status_code == routed.status_code == 422 and fast.json() == routed.json()
+    assert fast.json()["error"] == "invalid_parameter"
 
 
 def test_search_parameters_and_text(client: httpx.Client, searcher) -> None:

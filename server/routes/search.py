@@ -59,6 +59,11 @@ def _json(model: BaseModel) -> Response:
 @router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
              responses=_ERRORS)
 async def search(body: SearchRequest, request: Request, service: SearchService = Depends(get_search)) -> Response:
+    return await search_one(service, request, body)
+
+
+async def search_one(service: SearchService, request: Request, body: SearchRequest) -> Response:
+    """The route's work, also run by `server.search_fast_path` for the requests it takes."""
     (response,) = await _search(service, request, [body.query], body, explain=bool(body.explain))
     return _json(response)
 
