@@ -118,7 +118,7 @@ class MicroBatcher(Generic[R]):
         self._max_concurrent = max_concurrent
         self._in_flight = 0  # search calls running
         self._launch_scheduled = False
-        self._running: set[asyncio.Task[None]] = set()
+        self._running: set[asyncio.Future[None]] = set()  # one per call in flight, done once it is handed out
         self._dispatcher: Optional[asyncio.Task[None]] = None
         self._closing = False
 
@@ -171,9 +171,12 @@ class MicroBatcher(Generic[R]):
         if not self._launch_scheduled:  # next turn: what else arrives in this one joins the call
             self._launch_scheduled = True
             loop.call_soon(self._launch_due)
-        # If the caller is cancelled (client gone), gather cancels the futures and the
-        # dispatcher drops them instead of searching them. return_exceptions: a failed
-        # batch must not leave the other futures' exceptions unretrieved.
+        # If the caller is cancelled (client gone), the await cancels the futures and the
+        # dispatcher drops them instead of searching them. One query awaits its future itself
+        # (gather would add two loop turns to every answer); return_exceptions: a failed batch
+        # must not leave the other futures' exceptions unretrieved.
+        if len(futures) == 1:
+            return [await futures[0]]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         results: list[BatchedResult[R]] = []
         for outcome in outcomes:
@@ -224,9 +227,7 @@ class MicroBatcher(Generic[R]):
             if not groups:
                 continue
             self._in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._run(groups))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._launch(groups)
         if self._queues or self._closing:  # the dispatcher times what waits, and ends once drained
             self._wakeup.set()
 
@@ -275,21 +276,39 @@ class MicroBatcher(Generic[R]):
             del self._queues[key], self._params[key]
         return params, items
 
-    async def _run(self, groups: list[tuple[Mapping[str, Any], list[_Item]]]) -> None:
+    def _launch(self, groups: list[tuple[Mapping[str, Any], list[_Item]]]) -> None:
+        """Hand a call to the executor now (no task in between: an answer is two loop turns after
+        its search, the thread's callback and its waiter's wake-up)."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         calls = [([i.query for i in items], params) for params, items in groups]
-        try:
+        handed_out: asyncio.Future[None] = loop.create_future()
+        self._running.add(handed_out)
+        handed_out.add_done_callback(self._running.discard)
+
+        def call() -> list[Any]:
             if self._search_many is not None:
-                outcomes = await loop.run_in_executor(self._executor, self._search_many, calls)
-            else:
-                assert self._search is not None
-                (queries, params), = calls
-                outcomes = [await loop.run_in_executor(self._executor, self._search, queries, params)]
-        except Exception as exc:  # delivered to every waiter of this call, not swallowed
-            outcomes = [exc] * len(groups)
-        finally:
-            self._in_flight -= 1
+                return self._search_many(calls)
+            assert self._search is not None
+            (queries, params), = calls
+            return [self._search(queries, params)]
+
+        def done(future: "concurrent.futures.Future[list[Any]]") -> None:  # in the search thread
+            loop.call_soon_threadsafe(self._finish, groups, future, started, handed_out)
+
+        try:
+            self._executor.submit(call).add_done_callback(done)
+        except RuntimeError as exc:  # the executor is shut down: every waiter of this call gets it
+            failed: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            self._finish(groups, failed, started, handed_out)
+
+    def _finish(self, groups: list[tuple[Mapping[str, Any], list[_Item]]],
+                future: "concurrent.futures.Future[list[Any]]", started: float, handed_out: "asyncio.Future[None]") -> None:
+        """On the loop: each waiter gets its result or its exception; then what queued meanwhile goes."""
+        self._in_flight -= 1
+        exc = BatcherClosedError("the search queue is closed") if future.cancelled() else future.exception()
+        outcomes: list[Any] = [exc] * len(groups) if exc is not None else future.result()
         elapsed = time.monotonic() - started
         size = sum(len(items) for _, items in groups)
         for (_, items), outcome in zip(groups, outcomes):
@@ -306,6 +325,7 @@ class MicroBatcher(Generic[R]):
                     item.future.set_exception(one)
                 else:
                     item.future.set_result(BatchedResult(one, (started - item.enqueued) * 1000.0, size))
+        handed_out.set_result(None)
         if self._on_batch is not None:
             self._on_batch(size, elapsed)
         # What queued during this call goes now, in this turn: no wait for the dispatcher.
