@@ -33,6 +33,15 @@ with every term measured online, as exponentially weighted means:
 On a tiny scan (a small index, or late in the scan) nothing is hidden and the wave is
 skipped at once (`may_pay`); under CPU contention the submission and the slowdown grow
 and the prefetcher steps aside. Until a quantity has been measured its term is left out.
+
+Over all of that sits a check of the outcome itself (`may_wave`, `observe_outcome`): the
+time from the scan's start to the last read, per query, of the searches that followed the
+model and of those that read plainly (one in `EXPLORE_EVERY`, chosen by count, so both
+see the same queries). The terms above can each be right and their sum still wrong: on the
+2-vCPU VM, 2 M documents, a process whose model took waves (hit rate 0.84) searched at
+11.0 ms p50 against 8.6 ms without prefetch. When the model's searches are slower than the
+plain ones by more than `OUTCOME_MARGIN`, waves stop and only one search in `EXPLORE_EVERY`
+follows the model, to notice when waves pay again.
 """
 
 from __future__ import annotations
@@ -47,8 +56,14 @@ __all__ = ["PrefetchModel", "PrefetchEstimates", "ScanProgress", "segment_codes"
 
 #: Weight of the newest observation in each running mean.
 ALPHA = 0.1
-#: One search in this many takes no waves, so the read model keeps seeing plain reads.
+#: One search in this many takes the other arm: no waves while waves pay (the read model
+#: keeps seeing plain reads), the model's waves while they do not (to see if they pay again).
 EXPLORE_EVERY = 16
+#: Searches of each arm before the outcome check judges.
+MIN_OUTCOMES = 8
+#: Waves stop when the model's searches take this share longer than plain ones, and resume
+#: when they take this share less.
+OUTCOME_MARGIN = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,8 @@ class PrefetchEstimates:
     useful_share: float | None
     miss_share: float | None  # of the searches that took waves, those left with misses
     miss_bytes: float | None  # record bytes those missed
+    waves_pay: bool  # the outcome check: the model's searches are not slower than plain ones
+    outcome_ms: tuple[float | None, float | None]  # scan start to last read per query: (model, plain)
 
 
 def _mix(old: float | None, new: float) -> float:
@@ -105,19 +122,43 @@ class PrefetchModel:
         self._miss_share: float | None = None
         self._miss_bytes: float | None = None
         self._searches = 0
+        self._outcome: dict[bool, float | None] = {True: None, False: None}  # by "followed the model"
+        self._outcomes = {True: 0, False: 0}
+        self._waves_pay = True
 
     @property
     def estimates(self) -> PrefetchEstimates:
         read, submit = self._read.fit(), self._submit.fit()
         return PrefetchEstimates(read and read[0], read and read[1] * 1e6, submit and submit[0],
                                  submit and submit[1], self._slowdown, self._useful, self._miss_share,
-                                 self._miss_bytes)
+                                 self._miss_bytes, self._waves_pay, (self._outcome[True], self._outcome[False]))
 
-    def explore(self) -> bool:
-        """True for the one search in EXPLORE_EVERY that takes no waves (a plain read to measure)."""
+    @property
+    def waves_pay(self) -> bool:
+        """The outcome check's verdict: False while the model's searches are slower than plain ones."""
+        return self._waves_pay
+
+    def may_wave(self) -> bool:
+        """Whether this search follows the model (which may take waves) or reads plainly: the
+        outcome check's arm, and the other arm for one search in EXPLORE_EVERY."""
         with self._lock:
             self._searches += 1
-            return self.min_gain_ms > 0 and self._searches % EXPLORE_EVERY == 0
+            if self.min_gain_ms == 0:  # every wave, always (min_gain_ms = 0: no model at all)
+                return True
+            return (self._searches % EXPLORE_EVERY == 0) != self._waves_pay
+
+    def observe_outcome(self, followed_model: bool, ms_per_query: float) -> None:
+        """A search's time from the start of its scan to its last read, per query, and its arm."""
+        with self._lock:
+            self._outcome[followed_model] = _mix(self._outcome[followed_model], ms_per_query)
+            self._outcomes[followed_model] += 1
+            model, plain = self._outcome[True], self._outcome[False]
+            if model is None or plain is None or min(self._outcomes.values()) < MIN_OUTCOMES:
+                return
+            if self._waves_pay and model > plain * (1 + OUTCOME_MARGIN):
+                self._waves_pay = False
+            elif not self._waves_pay and model * (1 + OUTCOME_MARGIN) < plain:
+                self._waves_pay = True
 
     def may_pay(self, scan_left_ms: float) -> bool:
         """False when no wave could pay with `scan_left_ms` of scan to hide it (checked before the

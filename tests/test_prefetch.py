@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from espn.prefetch import EXPLORE_EVERY, PrefetchModel, ScanProgress, segment_codes
+from espn.prefetch import EXPLORE_EVERY, MIN_OUTCOMES, PrefetchModel, ScanProgress, segment_codes
 
 
 def _with_reads(latency_ms: float, ms_per_kb: float) -> PrefetchModel:
@@ -68,9 +68,9 @@ def test_a_slow_submission_or_a_slowed_scan_makes_the_model_step_aside() -> None
 
 def test_one_search_in_so_many_explores_and_zero_gain_takes_every_wave() -> None:
     model = PrefetchModel(min_gain_ms=0.2)
-    assert sum(model.explore() for _ in range(EXPLORE_EVERY * 3)) == 3
+    assert sum(not model.may_wave() for _ in range(EXPLORE_EVERY * 3)) == 3
     always = PrefetchModel(min_gain_ms=0)
-    assert not any(always.explore() for _ in range(EXPLORE_EVERY * 2))
+    assert all(always.may_wave() for _ in range(EXPLORE_EVERY * 2))
     threads = [threading.Thread(target=lambda: [always.observe_submit(10, 1.0) for _ in range(1000)])
                for _ in range(4)]
     for t in threads:
@@ -95,3 +95,34 @@ def test_scan_progress_extrapolates_the_pace_and_measures_a_waves_slowdown() -> 
     progress.waved(0, 7, started, started)
     docs, slow = progress.slowdown()  # the rest of the scan took ~0 ms: no slowdown, a gain
     assert docs == 7 and slow < 0
+
+
+def _serve(model: PrefetchModel, searches: int, model_ms: float, plain_ms: float) -> int:
+    """`searches` searches, each taking its arm's time; returns how many followed the model."""
+    followed = 0
+    for _ in range(searches):
+        arm = model.may_wave()
+        followed += arm
+        model.observe_outcome(arm, model_ms if arm else plain_ms)
+    return followed
+
+
+def test_the_outcome_check_stops_waves_that_slow_searches_and_resumes_them() -> None:
+    model = PrefetchModel(min_gain_ms=0.2)
+    searches = EXPLORE_EVERY * MIN_OUTCOMES
+    # The model's searches are no slower: it keeps its arm, the plain one stays the exception.
+    assert _serve(model, searches, model_ms=8.0, plain_ms=8.1) == searches - MIN_OUTCOMES
+    assert model.waves_pay and model.estimates.waves_pay
+    # Waves slow the searches down (a busy 2-core machine): the check stops them, and only
+    # one search in EXPLORE_EVERY still follows the model.
+    _serve(model, searches * 3, model_ms=11.0, plain_ms=8.6)
+    assert not model.waves_pay
+    assert _serve(model, searches, model_ms=11.0, plain_ms=8.6) == MIN_OUTCOMES
+    # Waves pay again (a quieter machine): noticed through those searches, and resumed.
+    _serve(model, searches * 12, model_ms=6.0, plain_ms=8.6)
+    assert model.waves_pay
+    model_ms, plain_ms = model.estimates.outcome_ms
+    assert model_ms is not None and plain_ms is not None and model_ms < plain_ms
+    # Without a model (min_gain_ms = 0) every search takes every wave, whatever the outcome.
+    always = PrefetchModel(min_gain_ms=0)
+    assert _serve(always, searches * 2, model_ms=11.0, plain_ms=8.6) == searches * 2

@@ -147,6 +147,8 @@ class DenseScan:
         self.group = PendingRead(context.reader)  # every read of this search: the waves, then the misses
         self.early: list[EarlyWave] = []  # waves read and re-ranked on a worker (GPU)
         self.n_waves = self.skipped = 0
+        self.followed_model: bool | None = None  # whether the waves' arm searched (None: prefetch not in play)
+        self.started = 0.0  # perf_counter at the start of the scan
         self.submitted = np.zeros(0, dtype=np.int64)  # sorted (query, doc) keys: query · N + doc
         self.top: tuple[np.ndarray, np.ndarray] = (np.zeros((batch, 0), np.float32), np.zeros((batch, 0), np.int64))
         self.extra = extra
@@ -192,7 +194,12 @@ def scan_with_waves(scan: DenseScan, xq: np.ndarray, probe: Probe, params: Searc
     use_prefetch = (params.prefetch and params.wave_size > 0 and params.rerank_count > 0 and len(segments) > 1
                     and context.reader.io_bound)
     max_waves = params.prefetch_waves or len(segments)
-    use_prefetch = use_prefetch and not prefetch.explore()  # now and then a plain read, to measure
+    if use_prefetch:
+        # The model's arm or plain reads (see espn.prefetch): judged by the time to the last read.
+        use_prefetch = scan.followed_model = prefetch.may_wave()
+        if not prefetch.waves_pay:
+            scan.skipped += 1  # declined by the outcome check: /metrics counts it with the model's
+    scan.started = time.perf_counter()
     progress = ScanProgress(segment_codes(probe.lists, probe.sizes, segments))
     for segment, (a, b) in enumerate(segments):
         if scan.extra is not None and scan.extra.done():
@@ -275,6 +282,8 @@ def rerank_head(scan: DenseScan, params: SearchParams, timer: Timer) -> Head:
     _collect_extra_wave(scan, head, in_extra)
     timer.lap("prefetch_wait")
     scan.group.wait()
+    if scan.followed_model is not None:
+        context.prefetch.observe_outcome(scan.followed_model, (time.perf_counter() - scan.started) * 1000 / scan.batch)
     head.missed_bytes = int(context.records[misses]["length"].sum())
     if len(misses) and context.reader.io_bound:  # what the device took (after waves: or their tail, if later)
         context.prefetch.observe_read(head.missed_bytes, (time.perf_counter() - in_flight) * 1000)
