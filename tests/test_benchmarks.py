@@ -254,6 +254,16 @@ def test_bench_server(sample_index: Path, tmp_path: Path, capsys) -> None:
                                                                                            "1x4": (0, 20)}
 
 
+def test_bench_http_floor(results: Path, capsys) -> None:
+    from benchmarks import bench_http_floor
+
+    assert bench_http_floor.main(["--rounds", "1", "--requests", "20"]) == 0
+    payload = _check(results, "http_floor", capsys, png=False)
+    assert set(payload["p50_ms"]) == {"h11", "httptools"}
+    assert all(len(values) == 1 and values[0] > 0 for values in payload["p50_ms"].values())
+    assert payload["loopback_ms"][0] > 0
+
+
 def test_bench_readers_under_cpu_load(tiny_index: Path, results: Path, capsys) -> None:
     from benchmarks import bench_readers
 
