@@ -301,7 +301,7 @@ class MicroBatcher(Generic[R]):
         except RuntimeError as exc:  # the executor is shut down: every waiter of this call gets it
             failed: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
             failed.set_exception(exc)
-            self._finish(groups, failed, started, handed_out)
+            loop.call_soon(self._finish, groups, failed, started, handed_out)  # not from inside _launch_due
 
     def _finish(self, groups: list[tuple[Mapping[str, Any], list[_Item]]],
                 future: "concurrent.futures.Future[list[Any]]", started: float, handed_out: "asyncio.Future[None]") -> None:

@@ -197,7 +197,7 @@ def scan_with_waves(scan: DenseScan, xq: np.ndarray, probe: Probe, params: Searc
     if use_prefetch:
         # The model's arm or plain reads (see espn.prefetch): judged by the time to the last read.
         use_prefetch = scan.followed_model = prefetch.may_wave()
-        if not prefetch.waves_pay:
+        if not use_prefetch and not prefetch.waves_pay:
             scan.skipped += 1  # declined by the outcome check: /metrics counts it with the model's
     scan.started = time.perf_counter()
     progress = ScanProgress(segment_codes(probe.lists, probe.sizes, segments))
