@@ -79,7 +79,8 @@ class MicroBatcher(Generic[R]):
                      next chunk only when the previous one is done: a request that arrives
                      meanwhile is older than the next chunk, so it runs first (one 256-query
                      batch cannot hold a single query behind all of its work)
-    on_batch:        called with (batch size, seconds the call took) after each call
+    on_batch:        called with (batch size, seconds the call took) after each call, on the
+                     loop turn after its waiters' (their answers go out first)
     search_many:     `search_many([(queries, params), ...])`: when given, a flush takes the
                      other parameter sets' queued queries into the same call as more groups
     """
@@ -326,7 +327,7 @@ class MicroBatcher(Generic[R]):
                 else:
                     item.future.set_result(BatchedResult(one, (started - item.enqueued) * 1000.0, size))
         handed_out.set_result(None)
-        if self._on_batch is not None:
-            self._on_batch(size, elapsed)
+        if self._on_batch is not None:  # behind the waiters' wake-ups: bookkeeping after the answers
+            asyncio.get_running_loop().call_soon(self._on_batch, size, elapsed)
         # What queued during this call goes now, in this turn: no wait for the dispatcher.
         self._launch_due()

@@ -11,6 +11,7 @@ searched with its own parameters (a failure stays in its group).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -89,6 +90,10 @@ class SearchService:
         self.settings = settings
         self.metrics = metrics
         self.text_bytes = _mean_text_bytes(live.current)
+        # What each search call measured, from its thread to the loop: recorded once the answers
+        # are out (a deque: appends from the search threads, pops on the loop).
+        self._measured: collections.deque[tuple[list[tuple[int, Mapping[str, float], int, int]],
+                                                Optional[Mapping[str, Any]]]] = collections.deque()
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
         self.batcher: MicroBatcher[QueryResult] = MicroBatcher(
             None,
@@ -98,7 +103,7 @@ class SearchService:
             max_concurrent=settings.search_threads,
             max_pending=settings.max_pending,
             fair_chunk=settings.fair_chunk_queries,
-            on_batch=lambda size, seconds: metrics.queued.set(self.batcher.pending),
+            on_batch=self._observe_batches,
             search_many=self._search_many,
         )
 
@@ -150,11 +155,26 @@ class SearchService:
         if options.return_text:
             wanted = sorted({hit.doc_id for item in results for hit in item.result.hits})
             documents = await asyncio.to_thread(self._documents, wanted)
+        # The next loop turn: after this request's answer is written (the route sends it in this one).
+        asyncio.get_running_loop().call_soon(self._observe_queries, results)
+        return Answers(results, documents, engine)
+
+    def _observe_queries(self, results: list[BatchedResult[QueryResult]]) -> None:
         for item in results:
             stats = item.result.stats
             self.metrics.observe_query(queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
                                        missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios)
-        return Answers(results, documents, engine)
+
+    def _observe_batches(self, size: int, seconds: float) -> None:
+        """The batcher's on_batch (on the loop, once the batch's answers are out): what the search
+        calls measured, into the metrics."""
+        self.metrics.queued.set(self.batcher.pending)
+        while self._measured:
+            calls, record_cache = self._measured.popleft()
+            for queries, stage_ms, waves, skipped in calls:
+                self.metrics.observe_batch(queries, stage_ms)
+                self.metrics.observe_waves(waves, skipped)
+            self.metrics.set_record_cache(record_cache)
 
     async def document(self, doc_id: str) -> Document:
         """One passage by its external id (DocumentNotFoundError: a 404)."""
@@ -220,6 +240,7 @@ class SearchService:
                 texts, embeddings = [None] * len(groups), None
         encode_ms = (time.perf_counter() - started) * 1000
         outcomes: list[Any] = []
+        measured: list[tuple[int, Mapping[str, float], int, int]] = []
         start = 0
         for (queries, params), group_texts in zip(groups, texts):
             rows = None
@@ -240,8 +261,9 @@ class SearchService:
                 stage_ms["encode"] = round(encode_ms, 3)
                 stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
             if results:
-                self.metrics.observe_batch(len(queries), results[0].stats.stage_ms)
-                self.metrics.observe_waves(results[0].stats.waves, results[0].stats.waves_skipped)
-                self.metrics.set_record_cache(searcher.reader.describe().get("record_cache"))
+                stats = results[0].stats
+                measured.append((len(queries), stats.stage_ms, stats.waves, stats.waves_skipped))
             outcomes.append(results)
+        if measured:
+            self._measured.append((measured, searcher.reader.describe().get("record_cache")))
         return outcomes
