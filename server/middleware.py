@@ -79,14 +79,25 @@ class AccessMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes  # matched in order to label a request by its route template
+        # (method, path) -> label, for the paths that are their own template (no path parameter):
+        # a search is labelled without matching every route; document ids and unknown paths are
+        # matched each time, so the dict stays as small as the route table.
+        self._static: dict[tuple[str, str], str] = {}
 
     def _endpoint(self, scope: Scope) -> str:
         # The template ("/v1/documents/{doc_id}"), never the raw path: bounded label cardinality.
+        key = (scope["method"], scope["path"])
+        known = self._static.get(key)
+        if known is not None:
+            return known
         partial = "other"
         for route in self.routes:
             match, _ = route.matches(scope)
             if match is Match.FULL:
-                return str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
+                label = str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
+                if label == key[1]:
+                    self._static[key] = label
+                return label
             if match is Match.PARTIAL and partial == "other":  # right path, wrong method
                 partial = str(getattr(route, "path_format", None) or getattr(route, "path", "other"))
         return partial

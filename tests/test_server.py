@@ -283,6 +283,22 @@ def test_the_search_fast_path_takes_valid_json_searches_only() -> None:
         assert (status, reached) == (299, [(path, body)]), (method, path, body, content_type)
 
 
+def test_the_access_log_labels_by_route_template_and_remembers_only_static_paths() -> None:
+    from espn_server.middleware import AccessMiddleware
+    from espn_server.routes import documents, search
+
+    access = AccessMiddleware(None, None, [*search.router.routes, *documents.router.routes])  # type: ignore[arg-type]
+
+    def label(method: str, path: str) -> str:
+        return access._endpoint({"type": "http", "method": method, "path": path, "root_path": ""})
+
+    assert [label("POST", "/v1/search") for _ in range(2)] == ["/v1/search"] * 2
+    assert {label("GET", f"/v1/documents/d{i}") for i in range(50)} == {"/v1/documents/{doc_id}"}
+    assert label("GET", "/v1/search") == "/v1/search"  # the right path with a wrong method: still its template
+    assert label("GET", "/nowhere") == "other"
+    assert set(access._static) == {("POST", "/v1/search")}  # no document id, no unknown path kept
+
+
 @pytest.fixture()
 def fake_index(tmp_path: Path) -> Path:
     (tmp_path / "manifest.json").write_text("{}")
