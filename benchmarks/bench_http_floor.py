@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import ROOT, machine, machine_line, markdown_table, median, write_results
+from benchmarks.common import ROOT, free_port, machine, machine_line, markdown_table, median, write_results
 
 PARSERS = ("h11", "httptools")
 _ANSWER = b'{"query":"x","results":[],"stats":{"stage_ms":{"total":1.0}}}'
@@ -40,12 +40,6 @@ async def noop_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(_ANSWER)).encode())]})
     await send({"type": "http.response.body", "body": _ANSWER})
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def client_p50_ms(port: int, requests: int) -> float:
@@ -89,7 +83,7 @@ def loopback_round_trip_ms(trips: int) -> float:
 
 def serve(parser: str) -> tuple[subprocess.Popen, int]:
     """uvicorn serving `noop_app` with `parser`, once it answers."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "uvicorn", "benchmarks.bench_http_floor:noop_app", "--port",
                                 str(port), "--http", parser, "--log-level", "warning", "--no-access-log"], cwd=ROOT)
     deadline = time.monotonic() + 30

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +32,11 @@ from typing import Any, Iterator
 
 import httpx
 
-from benchmarks.common import (ROOT, SCIFACT, SCIFACT_INDEX, http, machine, markdown_table, median, percentiles,
-                               read_jsonl, write_results)
+from benchmarks.common import (ROOT, SCIFACT, SCIFACT_INDEX, free_port, http, machine, markdown_table, median,
+                               percentiles, read_jsonl, write_results)
 
 ESPN = str(Path(sys.executable).with_name("espn"))
 BUCKET = "espn-bench"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

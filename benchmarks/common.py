@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -291,6 +292,13 @@ def rss_pss(pid: int | None = None) -> dict[str, int]:
 #: a small machine: measured on 2 cores, the sequential path's MaxSim took 50 ms instead of
 #: 1 ms. PASSIVE makes idle OpenMP threads sleep. Override with ESPN_BENCH_OMP_WAIT_POLICY.
 OMP_ENV = {"OMP_WAIT_POLICY": os.environ.get("ESPN_BENCH_OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a benchmark starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def set_omp_env() -> None:
