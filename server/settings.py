@@ -158,7 +158,8 @@ class ServerSettings(BaseSettings):
 
     # Operations.
     log_level: LogLevel = Field("info", description="server log level")
-    warmup: bool = Field(True, description="warm the index before /readyz reports ready")
+    warmup: bool = Field(True, description="warm the index (searches and, unless read-only, the write path's encoder) "
+                                               "before /readyz reports ready")
     metrics_port: Optional[int] = Field(
         None, ge=1, le=65535, description="serve /metrics on this port only, not on the API port; unset: on the API "
                                           "port")

@@ -47,6 +47,12 @@ class WriteService:
                                      nice=settings.write_nice, max_queued=settings.write_queue, on_publish=serve_it)
         self._compacting = False
 
+    def warmup(self) -> None:
+        """Load what the first write would (the document encoder: a second of CPU, more on a busy
+        machine) and encode one passage, nothing published, so that the first write is as fast
+        as the next."""
+        self.committer.index.encode([NewDocument("warm-up", "a passage that warms the write path")])
+
     def submit(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> "concurrent.futures.Future[WriteResult]":
         """Queue one write; a bad one is refused here (InvalidParameterError), before it is queued."""
         return self.committer.submit(upserts, deletes)

@@ -3,6 +3,7 @@ started under `ulimit -n 256` so that a descriptor leak fails loudly."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -45,6 +46,20 @@ def _search_everywhere(server, query: str, times: int = 6) -> list[list[str]]:
         assert response.status_code == 200, response.text
         out.append([hit["id"] for hit in response.json()["results"]])
     return out
+
+
+def test_every_worker_warms_its_write_path_before_it_is_ready(live_server) -> None:
+    """The write path's encoder loads before /readyz says ready, in each worker: loaded by the
+    first write instead, it cost that write 4 s on an idle machine and past 10 s on CI."""
+    messages = [json.loads(line).get("msg") for line in live_server.log().splitlines() if line.startswith('{"ts"')]
+    events = [m for m in messages if m in ("write path warmed", "ready")]
+    assert events.count("ready") == 2 and events.count("write path warmed") == 2, events
+    for n in (1, 2):  # the n-th worker to be ready had warmed its write path before
+        assert events[:_nth_index(events, "ready", n)].count("write path warmed") >= n, events
+
+
+def _nth_index(items: list, value: object, n: int) -> int:
+    return [i for i, item in enumerate(items) if item == value][n - 1]
 
 
 def test_put_replace_delete_are_visible_in_every_worker(live_server) -> None:
