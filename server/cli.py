@@ -51,7 +51,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SERVE_GROUPS = (
     ("listening", ("host", "port", "workers", "preload", "graceful_timeout_s")),
     ("connections", ("max_connections", "header_timeout_s", "body_timeout_s", "keep_alive_s")),
-    ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "torch_threads",
+    ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "inline_search_ms",
+                "torch_threads",
                 "max_pending", "fair_chunk_queries")),
     ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct", "record_cache_mb")),
     ("requests", ("max_body_bytes", "max_batch_queries", "max_batch_writes", "max_request_work", "max_response_bytes",

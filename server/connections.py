@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - httptools is a dependency; the fallbac
 
 from .settings import ConnectionLimits, default_max_connections, listen_backlog
 
-__all__ = ["GuardedH11Protocol", "GuardedHttpToolsProtocol", "guarded_protocol", "install"]
+__all__ = ["GuardedH11Protocol", "GuardedHttpToolsProtocol", "busy_connections", "guarded_protocol", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,12 @@ def install(limits: ConnectionLimits) -> None:
     """The limits of this process's connections (call before serving; again to change them)."""
     global _guard
     _guard = _Guard(limits)
+
+
+def busy_connections() -> int:
+    """Connections of this process with a request in progress (open, not waiting for one)."""
+    guard = _current()
+    return len(guard.open) - len(guard.waiting)
 
 
 def _current() -> _Guard:

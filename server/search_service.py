@@ -31,6 +31,7 @@ from espn.results import Document, QueryResult
 
 from .batching import BatchedResult, MicroBatcher
 from .budget import check_budget
+from .connections import busy_connections
 from .metrics import ServerMetrics
 from .schemas import SearchOptions
 from .settings import ServerSettings
@@ -105,7 +106,9 @@ class SearchService:
             fair_chunk=settings.fair_chunk_queries,
             on_batch=self._observe_batches,
             search_many=self._search_many,
+            run_inline=self._run_inline if settings.inline_search_ms > 0 else None,
         )
+        self._lone_call_ms = 0.0  # running mean of one-query calls' time (inline or not)
 
     def start(self) -> None:
         """Start the batcher; call from the running event loop (the app's lifespan)."""
@@ -165,9 +168,18 @@ class SearchService:
             self.metrics.observe_query(queue_ms=item.queue_ms, hit_rate=stats.hit_rate, prefetched=stats.prefetched,
                                        missed=stats.missed, bytes_read=stats.bytes_read, ios=stats.ios)
 
+    def _run_inline(self, n_queries: int) -> bool:
+        """Whether a call about to start runs on the event loop: a lone query, no other request in
+        progress on this worker (nothing else waits on the loop meanwhile), and one-query calls
+        have been quick (a slow index or device keeps the loop free of them)."""
+        return (n_queries == 1 and self._lone_call_ms < self.settings.inline_search_ms
+                and busy_connections() <= 1)
+
     def _observe_batches(self, size: int, seconds: float) -> None:
         """The batcher's on_batch (on the loop, once the batch's answers are out): what the search
         calls measured, into the metrics."""
+        if size == 1:
+            self._lone_call_ms += 0.25 * (seconds * 1000.0 - self._lone_call_ms)
         self.metrics.queued.set(self.batcher.pending)
         while self._measured:
             calls, record_cache = self._measured.popleft()

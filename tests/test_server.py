@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import httpx
 import pytest
 
-from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
+from espn_server.batching import QUIET_S, BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
 from server_fixtures import HTTP, ServerProcess, running_server
@@ -51,6 +51,7 @@ class _RecordingSearch:
 
     def __init__(self, delay: float = 0.0, fail_on: str | None = None) -> None:
         self.calls: list[tuple[list[str], dict[str, Any]]] = []
+        self.threads: list[int] = []  # the thread of each call
         self.delay = delay
         self.fail_on = fail_on
         self.lock = threading.Lock()
@@ -58,6 +59,7 @@ class _RecordingSearch:
     def __call__(self, queries: list[str], params: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         with self.lock:
             self.calls.append((list(queries), dict(params)))
+            self.threads.append(threading.get_ident())
         time.sleep(self.delay)
         if self.fail_on is not None and self.fail_on in queries:
             raise ValueError(f"bad query {self.fail_on!r}")
@@ -221,6 +223,50 @@ def test_a_batcher_batches_what_queues_while_a_search_runs() -> None:
     sizes = _run_batcher(search, go, max_batch_size=32, max_wait_s=30.0)
     assert search.calls == [(["first"], {}), ([f"q{i}" for i in range(5)], {})]
     assert sizes == [1, 5, 5, 5, 5, 5]
+
+
+def test_a_lone_query_runs_on_the_loop_only_while_nothing_else_queues() -> None:
+    """run_inline: a lone arrival at a quiet batcher is searched on the event loop's own thread
+    (asked with its query count); what queues behind a running call, and any lone arrival within
+    QUIET_S of that, goes to the search thread; a failure inline reaches its waiter alone."""
+    search = _RecordingSearch(delay=QUIET_S / 5, fail_on="bad")
+    asked: list[int] = []
+
+    def run_inline(n_queries: int) -> bool:
+        asked.append(n_queries)
+        return True
+
+    async def go(batcher: MicroBatcher) -> tuple:
+        loop_thread = threading.get_ident()
+        assert (await batcher.submit("alone", {})).result[0] == "alone"
+        with pytest.raises(ValueError, match="bad query"):
+            await batcher.submit("bad", {})
+        first = asyncio.ensure_future(batcher.submit("first", {}))
+        await asyncio.sleep(0)  # "first" runs (inline: the loop is blocked until it ends)
+        behind = await asyncio.gather(batcher.submit("b1", {}), batcher.submit("b2", {}))  # together: a batch of 2
+        await first
+        soon = await batcher.submit("soon", {})  # within QUIET_S of that batch: on the thread
+        await asyncio.sleep(QUIET_S * 1.2)
+        await batcher.submit("quiet again", {})
+        return loop_thread, [item.batch_size for item in behind], soon.batch_size
+
+    loop_thread, behind_sizes, soon_size = _run_batcher(search, go, max_batch_size=8, max_wait_s=0.0,
+                                                        run_inline=run_inline)
+    on_loop = {queries[0]: thread == loop_thread for (queries, _), thread in zip(search.calls, search.threads)}
+    assert on_loop == {"alone": True, "bad": True, "first": True, "b1": False, "soon": False, "quiet again": True}
+    assert behind_sizes == [2, 2] and soon_size == 1
+    assert asked == [1, 1, 1, 1]  # never asked for the batch of 2, nor within QUIET_S of it
+
+
+def test_a_batcher_without_run_inline_never_searches_on_the_loop() -> None:
+    search = _RecordingSearch()
+
+    async def go(batcher: MicroBatcher) -> int:
+        await batcher.submit("alone", {})
+        return threading.get_ident()
+
+    loop_thread = _run_batcher(search, go, max_batch_size=8, max_wait_s=0.0)
+    assert len(search.threads) == 1 and search.threads[0] != loop_thread
 
 
 # -- settings (no index) -----------------------------------------------------------
