@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from espn.errors import EspnError
 from espn.lease import LiveSearcher
 from espn.live.replication.follower import Follower
 from espn.live.replication.publisher import Publisher
@@ -77,6 +78,8 @@ def _warm_writes(state: AppState) -> None:
     try:
         get_writes(state).warmup()
         logger.info("write path warmed", extra={"seconds": round(time.perf_counter() - started, 3)})
+    except EspnError as exc:  # the index's own answer to a write (e.g. one of precomputed embeddings: no text)
+        logger.info("write path not warmed: %s", exc)
     except Exception:
         logger.warning("the write path could not be warmed; the first write will load it", exc_info=True)
 

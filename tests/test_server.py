@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import httpx
 import pytest
 
-from espn_server.batching import QUIET_S, BatcherClosedError, MicroBatcher, QueueFullError
+from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
 from server_fixtures import HTTP, ServerProcess, running_server
@@ -228,8 +228,9 @@ def test_a_batcher_batches_what_queues_while_a_search_runs() -> None:
 def test_a_lone_query_runs_on_the_loop_only_while_nothing_else_queues() -> None:
     """run_inline: a lone arrival at a quiet batcher is searched on the event loop's own thread
     (asked with its query count); what queues behind a running call, and any lone arrival within
-    QUIET_S of that, goes to the search thread; a failure inline reaches its waiter alone."""
-    search = _RecordingSearch(delay=QUIET_S / 5, fail_on="bad")
+    quiet_s of that, goes to the search thread; a failure inline reaches its waiter alone."""
+    quiet_s = 0.5
+    search = _RecordingSearch(delay=0.01, fail_on="bad")
     asked: list[int] = []
 
     def run_inline(n_queries: int) -> bool:
@@ -245,17 +246,17 @@ def test_a_lone_query_runs_on_the_loop_only_while_nothing_else_queues() -> None:
         await asyncio.sleep(0)  # "first" runs (inline: the loop is blocked until it ends)
         behind = await asyncio.gather(batcher.submit("b1", {}), batcher.submit("b2", {}))  # together: a batch of 2
         await first
-        soon = await batcher.submit("soon", {})  # within QUIET_S of that batch: on the thread
-        await asyncio.sleep(QUIET_S * 1.2)
+        soon = await batcher.submit("soon", {})  # within quiet_s of that batch: on the thread
+        await asyncio.sleep(quiet_s * 1.2)
         await batcher.submit("quiet again", {})
         return loop_thread, [item.batch_size for item in behind], soon.batch_size
 
     loop_thread, behind_sizes, soon_size = _run_batcher(search, go, max_batch_size=8, max_wait_s=0.0,
-                                                        run_inline=run_inline)
+                                                        run_inline=run_inline, quiet_s=quiet_s)
     on_loop = {queries[0]: thread == loop_thread for (queries, _), thread in zip(search.calls, search.threads)}
     assert on_loop == {"alone": True, "bad": True, "first": True, "b1": False, "soon": False, "quiet again": True}
     assert behind_sizes == [2, 2] and soon_size == 1
-    assert asked == [1, 1, 1, 1]  # never asked for the batch of 2, nor within QUIET_S of it
+    assert asked == [1, 1, 1, 1]  # never asked for the batch of 2, nor within quiet_s of it
 
 
 def test_a_batcher_without_run_inline_never_searches_on_the_loop() -> None:
