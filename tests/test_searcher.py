@@ -42,6 +42,30 @@ def test_prefetch_and_sequential_paths_agree(searcher: Searcher) -> None:
         assert all(r.stats.prefetched == 0 and r.stats.hit_rate == 0.0 for r in slow)
 
 
+def test_a_search_that_can_take_no_wave_scans_every_list_in_one_call(searcher: Searcher,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each further FAISS call and merge costs the scan ~30 us: without waves there is one call
+    (the test above shows it ranks as the segmented scan does)."""
+    from espn.ann import segment_bounds
+    from espn.search import dense
+
+    probed: list[int] = []
+    real = dense.search_preassigned
+
+    def counted(*args, **kwargs):
+        probed.append(args[3].shape[1])  # list_ids [n, m]: the lists this call scans
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dense, "search_preassigned", counted)
+    nprobe = searcher.params().nprobe
+    searcher.search(QUERIES[:2], k=20, prefetch=False)
+    assert probed == [nprobe]
+    probed.clear()
+    waved = searcher.search(QUERIES[:2], k=20, prefetch_step=0.3)
+    assert len(probed) == len(segment_bounds(nprobe, 0.3)) > 1 and sum(probed) == nprobe
+    assert all(r.stats.waves > 0 for r in waved)
+
+
 def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sample_index: Path) -> None:
     with Searcher.open(sample_index, min_hidden_ms=1e9) as never:
         skipped = never.search(QUERIES, k=20, prefetch_step=0.2)
