@@ -11,7 +11,7 @@ do not collide.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,6 +24,9 @@ from prometheus_client import (
     multiprocess,
     values,
 )
+
+if TYPE_CHECKING:  # the supervisor imports this module without the library
+    from espn.prefetch import PrefetchEstimates
 
 __all__ = ["ServerMetrics", "MULTIPROC_ENV", "CONTENT_TYPE_LATEST"]
 
@@ -97,6 +100,16 @@ class ServerMetrics:
         self.waves_skipped = Counter(
             "espn_prefetch_waves_skipped", "prefetch waves the cost model declined: the scan still to come could not "
             "hide their reads here (too little scan left, or reads that steal the scan's cores)", registry=reg)
+        self.waves_pay = Gauge(
+            "espn_prefetch_waves_pay", "the prefetch outcome check's verdict: 1 while the searches that follow the "
+            "wave model are not slower than those that read after the scan; 0 while waves are stopped (this machine "
+            "cannot overlap reads with the scan at a gain; one search in 16 still tries), and for a reader without "
+            "I/O to hide (memory, mmap)", multiprocess_mode="livemin", registry=reg)
+        self.prefetch_estimate_ms = Gauge(
+            "espn_prefetch_estimate_ms", "the prefetch cost model's measured terms in ms (espn.prefetch): "
+            "submit_call (a submission's fixed cost), read_latency (a read's fixed cost), outcome_model and "
+            "outcome_plain (scan start to last read per query, of searches that followed the model and of plain "
+            "ones)", ["term"], multiprocess_mode="livemax", registry=reg)
 
     def _add_storage_metrics(self, reg: Optional[CollectorRegistry]) -> None:
         """The reads of the embedding store, the reader in use and the hot-record cache."""
@@ -154,6 +167,19 @@ class ServerMetrics:
         """Once per Searcher.search call: the prefetch waves it took and those the cost model declined."""
         self.waves.inc(waves)
         self.waves_skipped.inc(skipped)
+
+    def set_prefetch(self, estimates: Optional[PrefetchEstimates]) -> None:
+        """The prefetch cost model's verdict and terms (`Searcher.prefetch_estimates`; None: a reader
+        that takes no waves)."""
+        if estimates is None:
+            self.waves_pay.set(0)
+            return
+        self.waves_pay.set(1 if estimates.waves_pay else 0)
+        model, plain = estimates.outcome_ms
+        for term, value in (("submit_call", estimates.call_ms), ("read_latency", estimates.read_latency_ms),
+                            ("outcome_model", model), ("outcome_plain", plain)):
+            if value is not None:
+                self.prefetch_estimate_ms.labels(term).set(value)
 
     def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None:
         """The reader's hot-record cache counters (`CachedReader.stats`; None: no cache)."""

@@ -26,6 +26,7 @@ from espn.errors import DocumentNotFoundError
 from espn.search.explain import can_explain
 from espn.filters import canonical_filter
 from espn.lease import LiveSearcher
+from espn.prefetch import PrefetchEstimates
 from espn.search.lexical import require_text
 from espn.results import Document, QueryResult
 
@@ -94,7 +95,8 @@ class SearchService:
         # What each search call measured, from its thread to the loop: recorded once the answers
         # are out (a deque: appends from the search threads, pops on the loop).
         self._measured: collections.deque[tuple[list[tuple[int, Mapping[str, float], int, int]],
-                                                Optional[Mapping[str, Any]]]] = collections.deque()
+                                                Optional[Mapping[str, Any]], Optional[PrefetchEstimates]]] = \
+            collections.deque()
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
         self.batcher: MicroBatcher[QueryResult] = MicroBatcher(
             None,
@@ -182,11 +184,12 @@ class SearchService:
             self._lone_call_ms += 0.25 * (seconds * 1000.0 - self._lone_call_ms)
         self.metrics.queued.set(self.batcher.pending)
         while self._measured:
-            calls, record_cache = self._measured.popleft()
+            calls, record_cache, prefetch = self._measured.popleft()
             for queries, stage_ms, waves, skipped in calls:
                 self.metrics.observe_batch(queries, stage_ms)
                 self.metrics.observe_waves(waves, skipped)
             self.metrics.set_record_cache(record_cache)
+            self.metrics.set_prefetch(prefetch)
 
     async def document(self, doc_id: str) -> Document:
         """One passage by its external id (DocumentNotFoundError: a 404)."""
@@ -277,5 +280,6 @@ class SearchService:
                 measured.append((len(queries), stats.stage_ms, stats.waves, stats.waves_skipped))
             outcomes.append(results)
         if measured:
-            self._measured.append((measured, searcher.reader.describe().get("record_cache")))
+            self._measured.append((measured, searcher.reader.describe().get("record_cache"),
+                                   searcher.prefetch_estimates))
         return outcomes

@@ -66,6 +66,15 @@ def test_a_search_that_can_take_no_wave_scans_every_list_in_one_call(searcher: S
     assert all(r.stats.waves > 0 for r in waved)
 
 
+def test_prefetch_estimates_only_where_reads_can_be_hidden(searcher: Searcher, sample_index: Path) -> None:
+    with Searcher.open(sample_index, reader="memory") as memory:
+        memory.search(QUERIES[:2], k=10)
+        assert memory.prefetch_estimates is None
+    searcher.search(QUERIES[:2], k=10)
+    estimates = searcher.prefetch_estimates
+    assert estimates is not None and estimates.outcome_ms[0] is not None
+
+
 def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sample_index: Path) -> None:
     with Searcher.open(sample_index, min_hidden_ms=1e9) as never:
         skipped = never.search(QUERIES, k=20, prefetch_step=0.2)

@@ -733,6 +733,10 @@ def test_metrics_move(client: httpx.Client) -> None:
     assert _metric(after, "espn_search_batch_size_count") > 0
     assert _metric(after, "espn_read_bytes_total") >= _metric(before.text, "espn_read_bytes_total")
     assert "espn_http_requests_in_flight" in after and "espn_http_request_duration_seconds_bucket" in after
+    # The posix reader's prefetch planner says what it decided (which way depends on the machine:
+    # this worker has served other tests' searches) and on what terms.
+    assert _metric(after, "espn_prefetch_waves_pay") in (0, 1) and "espn_prefetch_waves_pay " in after
+    assert _metric(after, "espn_prefetch_estimate_ms", term="outcome_model") > 0
 
 
 def test_request_log_is_one_json_line_per_request(client: httpx.Client, server) -> None:
@@ -917,3 +921,27 @@ def test_serve_on_a_corrupted_index_is_one_line(sample_index: Path, tmp_path: Pa
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "records.npy" in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_the_prefetch_verdict_and_terms_are_gauges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the cost model decided reaches /metrics as it is (0 for a reader that takes no waves)."""
+    from espn.prefetch import PrefetchModel
+    from espn_server.metrics import MULTIPROC_ENV, ServerMetrics
+
+    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    metrics = ServerMetrics()
+    model = PrefetchModel()
+    for _ in range(20):  # the model's searches slower than plain ones by far: waves stop
+        model.observe_outcome(True, 3.0)
+        model.observe_outcome(False, 2.0)
+    model.observe_submit(50, 0.25)
+    metrics.set_prefetch(model.estimates)
+    text = metrics.render().decode()
+    assert _metric(text, "espn_prefetch_waves_pay") == 0
+    assert _metric(text, "espn_prefetch_estimate_ms", term="outcome_model") == pytest.approx(3.0)
+    assert _metric(text, "espn_prefetch_estimate_ms", term="outcome_plain") == pytest.approx(2.0)
+    assert 'term="read_latency"' not in text  # not measured yet: not exported
+    metrics.set_prefetch(PrefetchModel().estimates)
+    assert _metric(metrics.render().decode(), "espn_prefetch_waves_pay") == 1
+    metrics.set_prefetch(None)
+    assert _metric(metrics.render().decode(), "espn_prefetch_waves_pay") == 0

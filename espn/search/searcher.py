@@ -24,7 +24,7 @@ from ..first_stage import FirstStageConfig, TokenCentroids
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
 from ..params import SearchParams
-from ..prefetch import PrefetchModel
+from ..prefetch import PrefetchEstimates, PrefetchModel
 from ..results import Document, Hit, QueryResult
 from ..generations import current_token
 from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap, open_view
@@ -205,6 +205,12 @@ class Searcher:
     @property
     def _prefetch(self) -> PrefetchModel:
         return self.context.prefetch
+
+    @property
+    def prefetch_estimates(self) -> PrefetchEstimates | None:
+        """What the prefetch cost model has measured so far (`espn.prefetch`), for /metrics; None
+        for a reader whose reads are CPU work (memory, mmap), which never takes a wave."""
+        return self.context.prefetch.estimates if self.context.reader.io_bound else None
 
     @property
     def num_documents(self) -> int:
