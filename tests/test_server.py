@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import httpx
 import pytest
@@ -715,6 +715,18 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _metrics_once(url: str, done: Callable[[str], bool], timeout_s: float = 30.0) -> str:
+    """/metrics at `url` once `done(text)` holds (or at the deadline). A worker records a request
+    just after writing its answer, and another process may serve /metrics (another worker, or the
+    --metrics-port server): the last request's counts can lag the client by a moment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = HTTP.get(url, timeout=10).text
+        if done(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_metrics_move(client: httpx.Client) -> None:
     before = client.get("/metrics")
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
@@ -770,7 +782,9 @@ def test_workers_share_metrics_and_drain_on_sigterm(sample_index: Path, tmp_path
         for query in QUERIES:
             with httpx.Client(base_url=base, timeout=60.0) as fresh:
                 assert fresh.post("/v1/search", json={"query": query}).status_code == 200
-        text = HTTP.get(f"{base}/metrics").text
+        text = _metrics_once(f"{base}/metrics", lambda text: _metric(
+            text, "espn_http_requests_total", endpoint="/v1/search", status="200") >= len(QUERIES) and _metric(
+            text, "espn_search_queries_total") >= len(QUERIES))
         assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == len(QUERIES)
         assert _metric(text, "espn_search_queries_total") == len(QUERIES)
 
@@ -872,7 +886,9 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
         assert HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
                           timeout=60).status_code == 200
         assert HTTP.get(f"{server.base_url}/metrics").status_code == 404
-        text = HTTP.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        text = _metrics_once(f"http://127.0.0.1:{port}/metrics", lambda text: _metric(
+            text, "espn_http_requests_total", endpoint="/v1/search", status="200") >= 1 and _metric(
+            text, "espn_search_queries_total") >= 1)
         assert _metric(text, "espn_http_requests_total", endpoint="/v1/search", status="200") == 1
         assert _metric(text, "espn_search_queries_total") == 1
 
