@@ -103,6 +103,8 @@ class SegmentedIdMap:
     def external(self, doc_numbers: Iterable[int]) -> list[str]:
         numbers = np.asarray(list(doc_numbers) if not isinstance(doc_numbers, np.ndarray) else doc_numbers,
                              dtype=np.int64)
+        if len(self.maps) == 1:  # an index without deltas: its base's ids, no grouping by segment
+            return self.maps[0].external(numbers)
         seg = np.searchsorted(self.firsts, numbers, side="right") - 1
         out = [""] * len(numbers)
         for s in np.unique(seg):

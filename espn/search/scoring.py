@@ -38,10 +38,12 @@ def rank_hits(context: SearchContext, ann_scores: np.ndarray, ann_docs: np.ndarr
     ann_scores, ann_docs = ann_scores[valid], ann_docs[valid]
     head_n = len(rerank)
     combined = weight * head_cls + (1 - weight) * head_bow
-    order = np.argsort(-combined, kind="stable")
+    order = np.argsort(-combined, kind="stable")[:k]
+    # Python floats in one call per column (tolist), not one numpy scalar per hit and column.
     hits = [
-        Hit(doc_id, float(combined[j]), float(head_cls[j]), float(head_bow[j]))
-        for doc_id, j in zip(context.ids.external(rerank[order[:k]]), order[:k])
+        Hit(doc_id, score, cls, bow)
+        for doc_id, score, cls, bow in zip(context.ids.external(rerank[order]), combined[order].tolist(),
+                                           head_cls[order].tolist(), head_bow[order].tolist())
     ]
     tail = slice(head_n, min(len(ann_docs), k))
     if tail.start < tail.stop:
@@ -53,8 +55,8 @@ def rank_hits(context: SearchContext, ann_scores: np.ndarray, ann_docs: np.ndarr
         steps = np.arange(1 if head_n else 0, len(tail_cls) + (1 if head_n else 0), dtype=np.float64) * 1e-6
         tail_scores = floor - weight * (float(tail_cls[0]) - tail_cls) - steps
         hits += [
-            Hit(doc_id, float(s), float(c), None)
-            for doc_id, s, c in zip(context.ids.external(ann_docs[tail]), tail_scores, tail_cls)
+            Hit(doc_id, score, cls, None)
+            for doc_id, score, cls in zip(context.ids.external(ann_docs[tail]), tail_scores.tolist(), tail_cls.tolist())
         ]
     return hits
 
