@@ -102,6 +102,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     service.start()
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
+    state.metrics.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
     if settings.follow is not None:
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     if settings.publish is not None:

@@ -883,6 +883,8 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
     port = free_port()
     with running_server(sample_index, tmp_path, "--metrics-port", str(port), env={"ESPN_API_KEY": API_KEY},
                         name="metrics-port") as server:
+        # A fresh posix worker says its prefetch verdict before any search: waves are tried.
+        assert _metric(HTTP.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "espn_prefetch_waves_pay") == 1
         assert HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
                           timeout=60).status_code == 200
         assert HTTP.get(f"{server.base_url}/metrics").status_code == 404
