@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -74,3 +75,18 @@ def run_threads(work: Callable[[int], None], n: int = 8) -> None:
         thread.join()
     if errors:  # not an assert: helpers.py is not rewritten by pytest, and -O would drop it
         raise AssertionError(errors)
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0, interval_s: float = 0.1,
+               ignore: tuple[type[BaseException], ...] = ()) -> None:
+    """Poll `check` until it holds; AssertionError naming `what` after `timeout_s`. Errors of the
+    types in `ignore` (a server not answering yet) count as "not yet"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except ignore:
+            pass
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -4,11 +4,10 @@ real uvicorn processes, a real S3-compatible server (moto's) that the test stops
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from helpers import wait_until
 from server_fixtures import HTTP, running_server, s3_server
 
 from espn.live.checks import NewDocument
@@ -20,15 +19,6 @@ pytest.importorskip("moto.server")
 
 BUCKET = "espn-replica"
 URL = f"s3://{BUCKET}/sample"
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting for the follower")
 
 
 def _readyz(server) -> dict:
@@ -58,20 +48,22 @@ def test_a_follower_serves_what_the_writer_publishes_and_survives_the_store_goin
                 writer.upsert([NewDocument("after", "published while the follower runs, about zyxolith")])
                 writer.delete(["s0004"])
             publish(source, URL)
-            _wait_for(lambda: HTTP.get(f"{base}/v1/documents/after", timeout=30).status_code == 200)
+            wait_until(lambda: HTTP.get(f"{base}/v1/documents/after", timeout=30).status_code == 200, "the follower",
+                       interval_s=0.2)
             assert HTTP.get(f"{base}/v1/documents/s0004", timeout=30).status_code == 404
             found = HTTP.post(f"{base}/v1/search", json={"query": "zyxolith", "k": 5, "mode": "lexical"}, timeout=30)
             assert {hit["id"] for hit in found.json()["results"]} == {"before", "after"}
 
             # The store goes away: the follower keeps serving its generation and says it is stale.
             store.stop()
-            _wait_for(lambda: _readyz(follower)["replication"]["stale"], timeout_s=60)
+            wait_until(lambda: _readyz(follower)["replication"]["stale"], "the follower", interval_s=0.2)
             assert HTTP.get(f"{base}/v1/documents/after", timeout=30).status_code == 200
             with LiveIndex.open(source) as writer:
                 writer.upsert([NewDocument("during", "written while the store was away")])
             store.start()  # the same in-process backend: what was stored is still there
             publish(source, URL)
-            _wait_for(lambda: HTTP.get(f"{base}/v1/documents/during", timeout=30).status_code == 200)
+            wait_until(lambda: HTTP.get(f"{base}/v1/documents/during", timeout=30).status_code == 200, "the follower",
+                       interval_s=0.2)
             status = _readyz(follower)["replication"]
             assert not status["stale"] and status["lag_generations"] == 0
             assert status["generation"] == status["source_generation"]

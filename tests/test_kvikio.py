@@ -17,7 +17,6 @@ import importlib.util
 import os
 import re
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from fakes import kvikio_api
+from helpers import wait_until
 from test_store import LAYOUTS, Store, assert_batch_equal, random_counts, write_store
 
 import espn.store.buffers as buffers_module
@@ -40,15 +40,6 @@ from espn.store.kvikio import DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_T
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     rng = np.random.default_rng(request.param.block_size + 1)
     return write_store(tmp_path, request.param, random_counts(rng, 200, request.param))
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return condition()
 
 
 class FakeCudaEvent:
@@ -236,7 +227,7 @@ def test_kvikio_issues_every_extent_before_any_wait(store: Store, fake_kvikio: M
         assert not [e for e in fake.trace if e[0] in ("get", "task")]
         assert all(e[3] == threading.current_thread().name for e in preads)
         # kvikio's pool runs 16 of them at once (it would be 1 without the reader's setting).
-        assert wait_until(lambda: fake.in_flight == DEFAULT_NTHREADS)
+        wait_until(lambda: fake.in_flight == DEFAULT_NTHREADS, f"{DEFAULT_NTHREADS} reads in flight", 10.0, 0.005)
         fake.release.set()
         batch = pending.result()
         assert batch.ios == len(preads)

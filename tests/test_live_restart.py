@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,7 @@ import pytest
 
 from espn.generations import read_current
 from espn.segments import open_view
-from helpers import run_espn
+from helpers import run_espn, wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
 
 CRASH_SERVE = [sys.executable, str(Path(__file__).with_name("crash_serve.py"))]
@@ -65,13 +64,6 @@ def _served(server: ServerProcess, present: list[str], absent: list[str], top: d
     return int(ready["generation"])
 
 
-def _wait_for(condition, timeout: float = 60) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.3)
-
-
 @pytest.mark.slow
 def test_a_written_index_is_served_again_after_restarts_and_kill_9(sample_index: Path, tmp_path: Path) -> None:
     index = tmp_path / "index"
@@ -94,7 +86,7 @@ def test_a_written_index_is_served_again_after_restarts_and_kill_9(sample_index:
         assert _served(server, ["p-1", "s0002"], ["p-2", "s0001"], {elephant: "p-1"}) == 2
         for i in range(2):
             assert _put(server, f"c-{i}", f"compaction probe {i}: a zebra playing chess").status_code == 201
-        _wait_for(lambda: len(read_current(index).segments) <= 2)
+        wait_until(lambda: len(read_current(index).segments) <= 2, "the compaction", interval_s=0.3)
         merged = read_current(index)
         assert _put(server, "c-2", volcano).status_code == 201  # acknowledged; its compaction is killed
         assert server.process.wait(60) == -signal.SIGKILL

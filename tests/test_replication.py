@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from helpers import run_espn
+from helpers import run_espn, wait_until
 from server_fixtures import BIN, HTTP, REPO, ServerProcess, free_port, s3_server
 
 from espn.partitioning import owner
@@ -38,13 +38,7 @@ PARTITIONS = 2
 
 
 def _until(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if check():
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    wait_until(check, what, timeout_s, interval_s=0.2, ignore=(httpx.HTTPError,))
 
 
 class Cluster:

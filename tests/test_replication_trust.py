@@ -19,10 +19,10 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
-from helpers import run_espn
+from helpers import run_espn, wait_until
 from server_fixtures import HTTP, running_server, s3_server
 
 from espn import Searcher
@@ -53,15 +53,6 @@ def client(store: tuple[Any, dict[str, str]]) -> Any:
     import boto3
 
     return boto3.client("s3")
-
-
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -141,7 +132,7 @@ def test_crafted_records_are_refused_before_anything_is_written(sample_index: Pa
                 message = str(refused.value)
             assert repr(piece) in message and "gen-000099.json" in message and "internal error" not in message
             # The follower refuses the same record, keeps serving generation 1 and says why in a sentence.
-            _until(lambda: repr(piece) in str(_replication(follower).get("last_error")), f"the follower refusing {piece}")
+            wait_until(lambda: repr(piece) in str(_replication(follower).get("last_error")), f"the follower refusing {piece}")
             status = _replication(follower)
             assert status["stale"] and status["generation"] == 1 and status["source_generation"] == 99
             assert _tree(tmp_path) == before  # nothing written anywhere, the replica included
@@ -153,7 +144,7 @@ def test_crafted_records_are_refused_before_anything_is_written(sample_index: Pa
         with LiveIndex.open(index) as writer:
             writer.upsert([NewDocument("w2", "the write after the attacks")])
         publish(index, url)
-        _until(lambda: HTTP.get(f"{follower.base_url}/v1/documents/w2", timeout=10).status_code == 200,
+        wait_until(lambda: HTTP.get(f"{follower.base_url}/v1/documents/w2", timeout=10).status_code == 200,
                "the follower to serve generation 2")
         assert not _replication(follower)["stale"]
     assert not outside.exists() and not (tmp_path / "restored").exists() and not (tmp_path / "restored.partial").exists()
@@ -258,15 +249,15 @@ def test_the_publisher_outlives_store_outages_and_the_writers_recovery(sample_in
     recovery.start()
     try:
         for outage in range(3):
-            _until(lambda: publisher.status()["lag_generations"] == 0 and not publisher.status()["stale"],
+            wait_until(lambda: publisher.status()["lag_generations"] == 0 and not publisher.status()["stale"],
                    f"publishing before outage {outage}")
             server.stop()
             with LiveIndex.open(index, wait_s=30) as writer:
                 writer.upsert([NewDocument(f"o{outage}", f"written during outage {outage}")])
-            _until(lambda: publisher.status()["stale"], f"stale during outage {outage}")
+            wait_until(lambda: publisher.status()["stale"], f"stale during outage {outage}")
             assert publisher.alive and publisher.status()["lag_generations"] == 1
             server.start()
-        _until(lambda: publisher.status()["lag_generations"] == 0 and not publisher.status()["stale"],
+        wait_until(lambda: publisher.status()["lag_generations"] == 0 and not publisher.status()["stale"],
                "publishing after the last outage")
         assert publisher.alive
     finally:
@@ -304,12 +295,12 @@ def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_i
             return status["published_generation"] == generation and not status["stale"]
 
         first = write("a1")
-        _until(lambda: published(first), "the first publish")
+        wait_until(lambda: published(first), "the first publish")
         # 1. The store restarts empty and stays without its bucket: the next publish fails, and
         # /readyz says stale, naming the cause, until the store holds the whole generation again.
         reset_store()
         second = write("a2")
-        _until(lambda: _replication(writer)["stale"], "stale after the store emptied")
+        wait_until(lambda: _replication(writer)["stale"], "stale after the store emptied")
         status = _replication(writer)
         assert status["lag_generations"] >= 1 and "NoSuchBucket" in status["last_error"]
         failed = run_espn("restore", url, tmp_path / "r0", check=False)
@@ -317,7 +308,7 @@ def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_i
         time.sleep(1.0)  # ten polls while the store is away
         assert _replication(writer)["stale"]
         client.create_bucket(Bucket=BUCKET)
-        _until(lambda: published(second), "the re-upload of the whole generation")
+        wait_until(lambda: published(second), "the re-upload of the whole generation")
         run_espn("restore", url, tmp_path / "r1")
         assert read_current(tmp_path / "r1").number == second
 
@@ -325,8 +316,8 @@ def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_i
         # error to see; its periodic check (every 60 polls) finds the generation gone and uploads it again.
         reset_store()
         client.create_bucket(Bucket=BUCKET)
-        _until(lambda: f"the store lost generation {second}" in writer.log(), "the periodic check", timeout_s=30)
-        _until(lambda: published(second), "the second re-upload")
+        wait_until(lambda: f"the store lost generation {second}" in writer.log(), "the periodic check", timeout_s=30)
+        wait_until(lambda: published(second), "the second re-upload")
         run_espn("restore", url, tmp_path / "r2")
         with Searcher.open(tmp_path / "r2") as searcher:
             assert [searcher.document(doc_id).text for doc_id in ("a1", "a2")] == ["document a1", "document a2"]

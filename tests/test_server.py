@@ -25,6 +25,7 @@ import pytest
 from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
+from helpers import wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
 
 API_KEY = "test-key-0123456789abcdef"
@@ -716,15 +717,18 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def _metrics_once(url: str, done: Callable[[str], bool], timeout_s: float = 30.0) -> str:
-    """/metrics at `url` once `done(text)` holds (or at the deadline). A worker records a request
+    """/metrics at `url` once `done(text)` holds. A worker records a request
     just after writing its answer, and another process may serve /metrics (another worker, or the
     --metrics-port server): the last request's counts can lag the client by a moment."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    text = ""
+
+    def arrived() -> bool:
+        nonlocal text
         text = HTTP.get(url, timeout=10).text
-        if done(text) or time.monotonic() > deadline:
-            return text
-        time.sleep(0.05)
+        return done(text)
+
+    wait_until(arrived, f"the last request's counts in {url}", timeout_s, interval_s=0.05)
+    return text
 
 
 def test_metrics_move(client: httpx.Client) -> None:
