@@ -9,6 +9,12 @@ once over all queries, in a shuffled order, and the tables give per-query latenc
 percentiles pooled over rounds and the median over rounds of each round's p50, so that
 one noisy round cannot move the result. Ratios are taken within this one run. With
 `--qrels` the effectiveness of each configuration is printed too (all must agree).
+
+`--every-wave` adds two posix searchers with the prefetch cost model off (`min_hidden_ms=0`:
+every wave is taken), whatever the model would decide: one submits each wave from the
+scanning thread (the CPU default), one hands it to a worker that reads and scores it while
+the scan goes on (`early_rerank`, the GPU default). Their ANN ms against the plain posix
+row is what waves cost the scan on this machine; their read wait ms, what they hide.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from benchmarks.common import (SCIFACT, SCIFACT_INDEX, cpu_load, load_queries, m
                                median, percentiles, take_queries, write_results)
 
 READERS = ("memory", "posix")
+#: --every-wave: (name, early_rerank) of the posix searchers that take every wave.
+EVERY_WAVE = (("posix, every wave", False), ("posix, every wave on a worker", True))
 
 
 def encode_scifact_queries(searcher, path: Path, qrels: dict | None):
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-engine", default=None, help="posix read engine (default: best available)")
     p.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes running beside the benchmark")
     p.add_argument("--quick", action="store_true", help="20 queries, 2 rounds")
+    p.add_argument("--every-wave", action="store_true",
+                   help="also posix searchers that take every prefetch wave (the cost model off)")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.repeats = min(args.n, 20), 2
@@ -104,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                                      and args.queries_npz is None,
                                      reader_options=options if name == "posix" else None)
                  for name in READERS}
+    waving = [name for name, _ in EVERY_WAVE] if args.every_wave else []
+    for name, early in EVERY_WAVE if args.every_wave else ():
+        searchers[name] = Searcher.open(args.index, reader="posix", verify="none", with_encoder=False,
+                                        reader_options=options, min_hidden_ms=0, early_rerank=early)
     qrels = read_qrels(args.qrels) if args.queries_npz is None and args.qrels and args.qrels.is_file() else None
     if args.queries_npz is not None:
         queries = load_queries(args.queries_npz)
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     queries, qids = take_queries(queries, np.arange(n)), qids[:n]
     batches = [int(b) for b in args.batches.split(",")]
     configs = [(r, pf, b) for b in batches for r in READERS for pf in (True, False)]
+    configs += [(name, True, b) for b in batches for name in waving]
     for searcher in searchers.values():  # warm up: first calls pay allocation and page-in
         run_config(searcher, take_queries(queries, np.arange(min(16, n))), 1, True, args.k)
 
@@ -146,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             return median(raw[(reader, prefetch, batch)]["round_p99"])
 
         ratio_rows.append([batch, p50("posix", True) / p50("posix", False), p99("posix", True) / p99("posix", False),
-                           p50("posix", True) / p50("memory", False), p50("posix", False) / p50("memory", False)])
+                           p50("posix", True) / p50("memory", False), p50("posix", False) / p50("memory", False)]
+                          + [p50(name, True) / p50("memory", False) for name in waving])
     print()
     print(markdown_table(["batch", "posix on ÷ off (p50; target <= 1)", "posix on ÷ off (p99; target <= 1)",
-                          "posix+prefetch ÷ memory (p50)", "posix no prefetch ÷ memory (p50)"], ratio_rows))
+                          "posix+prefetch ÷ memory (p50)", "posix no prefetch ÷ memory (p50)"]
+                         + [f"{name} ÷ memory (p50)" for name in waving], ratio_rows))
     write_results("readers", {"machine": info, "load": load, "args": {k: str(v) for k, v in vars(args).items()},
                               "configs": {f"{r}/{'on' if pf else 'off'}/B{b}": raw[(r, pf, b)]
                                           for r, pf, b in configs}})

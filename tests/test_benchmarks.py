@@ -269,11 +269,15 @@ def test_bench_readers_under_cpu_load(tiny_index: Path, results: Path, capsys) -
 
     queries = tiny_index.with_name(tiny_index.name + ".queries.npz")
     assert bench_readers.main(["--index", str(tiny_index), "--queries-npz", str(queries), "--quick", "--batches", "1,4",
-                               "--cpu-load", "1"]) == 0
+                               "--cpu-load", "1", "--every-wave"]) == 0
     payload = _check(results, "readers", capsys, png=False)
     assert payload["load"].startswith("1 CPU-bound process")
-    assert {"memory/on/B1", "posix/off/B4"} <= set(payload["configs"])
-    assert all(cell["round_qps"][0] > 0 for cell in payload["configs"].values())
+    configs = payload["configs"]
+    assert {"memory/on/B1", "posix/off/B4", "posix, every wave/on/B1", "posix, every wave on a worker/on/B4"} \
+        <= set(configs)
+    assert all(cell["round_qps"][0] > 0 for cell in configs.values())
+    # The cost model off: every search of the tiny index takes its waves, whatever they cost.
+    assert configs["posix, every wave/on/B1"]["waves"] > 0 and configs["posix/off/B1"]["waves"] == 0
 
 
 def test_bench_query_text_to_hits(sample_index: Path, results: Path, capsys) -> None:
