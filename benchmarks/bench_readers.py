@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                                      and args.queries_npz is None,
                                      reader_options=options if name == "posix" else None)
                  for name in READERS}
-    waving = [name for name, _ in EVERY_WAVE] if args.every_wave else []
-    for name, early in EVERY_WAVE if args.every_wave else ():
+    waving = EVERY_WAVE if args.every_wave else ()
+    for name, early in waving:
         searchers[name] = Searcher.open(args.index, reader="posix", verify="none", with_encoder=False,
                                         reader_options=options, min_hidden_ms=0, early_rerank=early)
     qrels = read_qrels(args.qrels) if args.queries_npz is None and args.qrels and args.qrels.is_file() else None
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     queries, qids = take_queries(queries, np.arange(n)), qids[:n]
     batches = [int(b) for b in args.batches.split(",")]
     configs = [(r, pf, b) for b in batches for r in READERS for pf in (True, False)]
-    configs += [(name, True, b) for b in batches for name in waving]
+    configs += [(name, True, b) for b in batches for name, _ in waving]
     for searcher in searchers.values():  # warm up: first calls pay allocation and page-in
         run_config(searcher, take_queries(queries, np.arange(min(16, n))), 1, True, args.k)
 
@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
         ratio_rows.append([batch, p50("posix", True) / p50("posix", False), p99("posix", True) / p99("posix", False),
                            p50("posix", True) / p50("memory", False), p50("posix", False) / p50("memory", False)]
-                          + [p50(name, True) / p50("memory", False) for name in waving])
+                          + [p50(name, True) / p50("memory", False) for name, _ in waving])
     print()
     print(markdown_table(["batch", "posix on ÷ off (p50; target <= 1)", "posix on ÷ off (p99; target <= 1)",
                           "posix+prefetch ÷ memory (p50)", "posix no prefetch ÷ memory (p50)"]
-                         + [f"{name} ÷ memory (p50)" for name in waving], ratio_rows))
+                         + [f"{name} ÷ memory (p50)" for name, _ in waving], ratio_rows))
     write_results("readers", {"machine": info, "load": load, "args": {k: str(v) for k, v in vars(args).items()},
                               "configs": {f"{r}/{'on' if pf else 'off'}/B{b}": raw[(r, pf, b)]
                                           for r, pf, b in configs}})
