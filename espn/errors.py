@@ -8,6 +8,7 @@ import os
 __all__ = [
     "EspnError",
     "InvalidParameterError",
+    "RefusedInputError",
     "ConflictError",
     "CorpusError",
     "IndexCorruptError",
@@ -36,6 +37,12 @@ class EspnError(Exception):
 
 class InvalidParameterError(EspnError, ValueError):
     """A caller passed a parameter outside its allowed range; the message names it and the range."""
+
+
+class RefusedInputError(InvalidParameterError):
+    """Input from outside the process (a body, a model directory, a snapshot, a remote answer)
+    broke a stated rule of espn.untrusted (size, depth, path, file kind); the message names the
+    object and the rule in one line."""
 
 
 class ConflictError(InvalidParameterError):
