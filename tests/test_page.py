@@ -241,3 +241,23 @@ def test_mode_switch_in_a_real_browser(browser, server, client: httpx.Client) ->
             spans = {expected[0]["text"][s["start"]:s["end"]] for m in expected[0]["lexical_matches"]
                      for s in m["spans"] if s["field"] == "text"}
             assert marked and marked <= spans and "eclipse" in {word.lower() for word in marked}, (marked, spans)
+
+
+def test_api_docs_page_renders_the_operations_in_a_real_browser(browser, server) -> None:
+    """/docs shows the OpenAPI 3.1 document's operations (Swagger UI 4 showed "Unable to render
+    this definition" for it), from assets this server serves itself."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.base_url}/docs")
+    WebDriverWait(browser, 60).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")
+                                     or "Unable to render" in b.page_source)
+    assert "Unable to render" not in browser.page_source
+    shown = {element.get_attribute("data-path") or element.text
+             for element in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
+    spec = HTTP.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    assert spec["openapi"].startswith("3.1")
+    assert {"/v1/search", "/v1/search/batch", "/v1/documents/{doc_id}"} <= shown
+    assert shown == set(spec["paths"]), set(spec["paths"]) ^ shown
+    scripts = [element.get_attribute("src") for element in browser.find_elements(By.TAG_NAME, "script")]
+    assert all(src.startswith(server.base_url + "/docs-assets/") for src in scripts if src)  # nothing from a CDN
