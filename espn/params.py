@@ -130,8 +130,8 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
     """Defaults stored in the manifest (tuned on SciFact train queries; see docs/benchmarks/effectiveness.md).
 
-    nprobe scans about max(4000 documents, 5% of the corpus): on SciFact that is 96 of
-    128 lists, within 0.1% nDCG@10 of an exhaustive search; on MS MARCO (8192 lists)
+    nprobe scans about max(4000 documents, 5% of the corpus): on SciFact (5,183 documents) that is
+    99 of 128 lists, within 0.1% nDCG@10 of an exhaustive search; on MS MARCO (8192 lists)
     about 410 lists.
     """
     per_list = max(1.0, num_documents / nlist)

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from ..evaluation import DEFAULT_MEASURES
-from ..search.hybrid import FUSIONS, MODES
+from ..search.hybrid import FUSIONS, MODES, HybridParams
 from ..text.query import SYNTAXES
 from .common import add_reader_options
 
@@ -69,10 +69,13 @@ def add_mode_params(p: argparse.ArgumentParser) -> None:
     g.add_argument("--query-syntax", choices=SYNTAXES, help="lexical and hybrid: plain (default: every character is "
                    'text, never an operator) or simple ("phrases", +required, -excluded; what it cannot read is '
                    "read as text)")
-    g.add_argument("--fusion", choices=FUSIONS, help="hybrid: rrf or mix (default: the index's)")
-    g.add_argument("--lexical-k", type=int, help="hybrid: candidates from the lexical side (default 100)")
-    g.add_argument("--rrf-k", type=int, help="hybrid: the RRF constant (default 60)")
-    g.add_argument("--mix-weight", type=float, help="hybrid: the dense side's weight in the mix (default: calibrated)")
+    defaults = HybridParams()
+    g.add_argument("--fusion", choices=FUSIONS, help=f"hybrid: {', '.join(FUSIONS)} (default: the index's, "
+                   f"{defaults.fusion} unless `espn calibrate --hybrid` chose another)")
+    g.add_argument("--lexical-k", type=int, help=f"hybrid: candidates from the lexical side (default {defaults.lexical_k})")
+    g.add_argument("--rrf-k", type=int, help=f"hybrid: the RRF constant (default {defaults.rrf_k})")
+    g.add_argument("--mix-weight", type=float, help="hybrid: the dense side's weight in mix and zscore (default: the "
+                   f"index's, {defaults.mix_weight:.2f} unless `espn calibrate --hybrid` fitted another)")
     g.add_argument("--no-union", action="store_true",
                    help="hybrid: do not MaxSim-score what only the lexical side found")
 
