@@ -653,9 +653,11 @@ def test_cpu_image_takes_the_cpu_torch_wheel_and_cuda_image_the_kvikio_extra() -
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-", cuda, re.M)
     assert '"/src[kvikio]"' in cuda
     makefile = (ROOT / "Makefile").read_text()
-    pinned = re.search(r"torch==([\d.]+)", makefile)
-    if pinned:  # one torch version for the venv and both images
-        assert f"ARG TORCH_VERSION={pinned.group(1)}" in cpu and f"ARG TORCH_VERSION={pinned.group(1)}" in cuda
+    # One torch version for the venv and both images: the Makefile's TORCH_VERSION.
+    pinned = re.search(r"^TORCH_VERSION\s*:?=\s*([\d.]+)\s*$", makefile, re.M)
+    assert pinned, "the Makefile no longer pins TORCH_VERSION := X.Y.Z"
+    assert "torch==$(TORCH_VERSION)" in makefile
+    assert f"ARG TORCH_VERSION={pinned.group(1)}" in cpu and f"ARG TORCH_VERSION={pinned.group(1)}" in cuda
 
 
 # ---------------------------------------------------------------------------------------
