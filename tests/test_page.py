@@ -261,3 +261,30 @@ def test_api_docs_page_renders_the_operations_in_a_real_browser(browser, server)
     assert shown == set(spec["paths"]), set(spec["paths"]) ^ shown
     scripts = [element.get_attribute("src") for element in browser.find_elements(By.TAG_NAME, "script")]
     assert all(src.startswith(server.base_url + "/docs-assets/") for src in scripts if src)  # nothing from a CDN
+
+
+def test_a_search_link_runs_its_search_in_a_real_browser(browser, server, client: httpx.Client) -> None:
+    """`/?q=...&k=...&mode=...` fills the form and searches; a search made on the page is put in
+    the URL, so it can be linked and reloaded."""
+    from urllib.parse import parse_qs, quote, urlsplit
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 60)
+    browser.get(f"{server.base_url}/")
+    browser.execute_script(f"sessionStorage.setItem('espn-api-key', '{API_KEY}')")
+    browser.get(f"{server.base_url}/?q={quote('ocean tides')}&k=3&mode=hybrid")
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "li.result")) == 3)
+    assert browser.find_element(By.ID, "query").get_attribute("value") == "ocean tides"
+    assert browser.find_element(By.ID, "mode").get_attribute("value") == "hybrid"
+    expected = client.post("/v1/search", json={"query": "ocean tides", "k": 3, "mode": "hybrid"}).json()["results"]
+    ids = "return [...document.querySelectorAll('li.result')].map(r => r.dataset.id)"
+    assert browser.execute_script(ids) == [hit["id"] for hit in expected]
+
+    query = browser.find_element(By.ID, "query")
+    query.clear()
+    query.send_keys(QUERY)
+    browser.find_element(By.ID, "search-button").click()
+    wait.until(lambda b: parse_qs(urlsplit(b.current_url).query).get("q") == [QUERY])
+    assert parse_qs(urlsplit(browser.current_url).query) == {"q": [QUERY], "k": ["3"], "mode": ["hybrid"]}

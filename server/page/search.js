@@ -296,8 +296,33 @@ $("search-form").addEventListener("submit", (event) => {
     showError(err.message);
     return;
   }
+  syncUrl(body);
   search(body);
 });
+
+// The URL carries the search (`?q=...&k=...&mode=...`), so a search can be linked, bookmarked
+// and reloaded; opening such a link runs it.
+const URL_FIELDS = { q: "query", k: "k", mode: "mode" };
+
+function syncUrl(body) {
+  const params = new URLSearchParams();
+  params.set("q", body.query);
+  if (body.k !== 10) params.set("k", String(body.k));
+  if (body.mode && body.mode !== "dense") params.set("mode", body.mode);
+  history.replaceState(null, "", `${location.pathname}?${params}`);
+}
+
+function searchFromUrl() {
+  const params = new URLSearchParams(location.search);
+  if (!params.get("q")) return;
+  for (const [param, id] of Object.entries(URL_FIELDS)) {
+    const value = params.get(param);
+    if (value === null) continue;
+    if (id === "mode" && ![...$("mode").options].some((option) => option.value === value)) continue;
+    $(id).value = value;
+  }
+  $("search-form").requestSubmit();
+}
 
 $("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
@@ -311,3 +336,4 @@ $("key-form").addEventListener("submit", (event) => {
   }
 });
 
+searchFromUrl();
