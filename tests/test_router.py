@@ -77,7 +77,7 @@ class FakeShard:
             doc_id = unquote(request.url.raw_path.decode().rsplit("/", 1)[1])
             if doc_id in self.docs:
                 return httpx.Response(200, json={"id": doc_id, "title": "t", "text": "x"})
-            return httpx.Response(404, json={"error": "not_found", "message": "no"})
+            return httpx.Response(404, json={"error": "document_not_found", "message": "no"})  # as the server
         body = json.loads(request.content)
         if request.url.path == "/v1/search":
             return httpx.Response(200, json={"query": body["query"], "results": self.ranking(body["query"], body["k"]),
@@ -207,7 +207,7 @@ def test_headers_forwarded_and_documents_found_in_any_shard() -> None:
         assert client.get("/v1/documents/a0").json()["id"] == "a0"
         assert client.get("/v1/documents/b%2F0").json()["id"] == "b/0"
         missing = client.get("/v1/documents/nope")
-        assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+        assert missing.status_code == 404 and missing.json()["error"] == "document_not_found"  # the server's code
     with _router({A: a, B: FakeShard({}, delay_s=5)}, timeout_ms=100) as client:
         assert client.get("/v1/documents/a0").status_code == 200
         assert client.get("/v1/documents/nope").status_code == 503  # may live in the silent shard

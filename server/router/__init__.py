@@ -5,9 +5,10 @@ encoder and one projection, so a score from one partition compares with a score 
 another. Each partition is served by `espn serve` (replicas behind one address each: a
 Kubernetes Service, a load balancer). The router fans every query out to all of them at
 once, waits at most `timeout_ms` for each, and merges their top-k by score. A partition
-that errors or does not answer in time is left out: the answer is then marked
-`"partial": true` and names the missing partitions in `failed_shards`, instead of the
-whole request failing or waiting on the slowest machine.
+that errors, does not answer in time, or answers what does not check as a search answer (the
+server's schema, finite scores, at most k hits, read within a byte limit: `answers`) is left
+out: the answer is then marked `"partial": true` and names the missing partitions in
+`failed_shards`, instead of the whole request failing or waiting on the slowest machine.
 
 Exactness: partition p returns its own top-k, so the merged top-k is the top-k of the
 union. When every partition's candidate pool is exhaustive (nprobe = nlist and

@@ -1,20 +1,23 @@
-"""Calling the partitions: one request to every shard at once, each bounded in time; what
-failed is counted and named, never raised (a missing partition makes an answer partial)."""
+"""Calling the partitions: one request to every shard at once, each bounded in time and in
+bytes, each answer checked (`.answers`); what failed is counted and named, never raised (a
+missing partition makes an answer partial)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from pydantic import BaseModel, ValidationError
 
+from .answers import MAX_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, error_body, fetch
 from .models import ShardFailure
 
-__all__ = ["CALLER_ERRORS", "ClientError", "Fanout", "RouterMetrics", "json_or_text", "shard_message"]
+__all__ = ["CALLER_ERRORS", "ClientError", "Fanout", "RouterMetrics", "shard_message"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +62,23 @@ class Fanout:
     metrics: RouterMetrics
 
     async def call(self, shard: str, method: str, path: str, headers: dict[str, str],
-                   json_body: Optional[dict[str, Any]]) -> httpx.Response | ShardFailure:
+                   json_body: Optional[dict[str, Any]], max_bytes: int = MAX_ANSWER_BYTES
+                   ) -> PartitionAnswer | ShardFailure:
+        """The shard's answer, read whole up to `max_bytes`, or the failure (recorded)."""
         try:
             # wait_for bounds the whole exchange (connect, queueing for a pooled connection,
             # response), which httpx's per-phase timeouts alone do not.
-            response = await asyncio.wait_for(
-                self.client.request(method, shard + path, json=json_body, headers=headers), self.timeout_s
-            )
+            return await asyncio.wait_for(
+                fetch(self.client, method, shard + path, headers=headers, json=json_body, max_bytes=max_bytes),
+                self.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             return self.record_failure(shard, "timeout", f"no answer within {self.timeout_s * 1000:.0f} ms")
         except httpx.TransportError as exc:
             return self.record_failure(shard, "unreachable", f"{type(exc).__name__}: {exc}")
-        return response
+        except AnswerTooLarge as exc:
+            return self.record_failure(shard, "too_large", str(exc))
+        except httpx.DecodingError as exc:  # a Content-Encoding its body does not follow
+            return self.record_failure(shard, "bad_response", f"the answer does not decode: {exc}")
 
     def record_failure(self, shard: str, error: str, message: str) -> ShardFailure:
         self.metrics.shard_failures.labels(shard=shard, error=error).inc()
@@ -78,42 +86,35 @@ class Fanout:
         return ShardFailure(shard=shard, error=error, message=message)
 
     async def search(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                     model: type[BaseModel]) -> tuple[list[Any], list[ShardFailure]]:
-        """POST `body` to every shard at once; returns (parsed answers, failures)."""
+                     check: Callable[[PartitionAnswer, dict[str, Any]], T]) -> tuple[list[T], list[ShardFailure]]:
+        """POST `body` to every shard at once; returns (answers that passed `check`, failures).
+        An answer that fails it (BadAnswer: the wrong shape, a non-finite score, more hits than
+        asked) is that shard failing, as if it had not answered."""
         calls = [self.call(shard, "POST", path, headers, body) for shard in self.shards]
-        answers: list[Any] = []
+        answers: list[T] = []
         failures: list[ShardFailure] = []
         client_errors: list[ClientError] = []
         for shard, outcome in zip(self.shards, await asyncio.gather(*calls)):
             if isinstance(outcome, ShardFailure):
                 failures.append(outcome)
                 continue
-            status = outcome.status_code
+            status = outcome.status
             if status in CALLER_ERRORS:
-                client_errors.append(ClientError(status, json_or_text(outcome)))
+                client_errors.append(ClientError(status, error_body(outcome, "shard_error")))
                 continue
             if status != 200:
                 failures.append(self.record_failure(shard, f"http_{status}", shard_message(outcome)))
                 continue
             try:
-                answers.append(model.model_validate_json(outcome.content))
-            except ValidationError as exc:
-                failures.append(self.record_failure(shard, "bad_response", f"unexpected body: {exc.error_count()} error(s)"))
+                answers.append(check(outcome, body))
+            except BadAnswer as exc:
+                failures.append(self.record_failure(shard, "bad_response", str(exc)))
         if client_errors:
             # Every partition validates the same request the same way: pass the first on.
             raise client_errors[0]
         return answers, failures
 
 
-def json_or_text(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return {"error": "shard_error", "message": response.text[:500]}
-
-
-def shard_message(response: httpx.Response) -> str:
-    body = json_or_text(response)
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return body["message"]
-    return response.reason_phrase or f"HTTP {response.status_code}"
+def shard_message(answer: PartitionAnswer) -> str:
+    """What a failed shard said, in one bounded line."""
+    return str(error_body(answer, "shard_error")["message"])[:500]

@@ -15,7 +15,9 @@ __all__ = ["ShardFailure", "RoutedStats", "RoutedSearchResponse", "RoutedSearchA
 
 class ShardFailure(BaseModel):
     shard: str = Field(description="base URL of the partition that did not answer")
-    error: str = Field(description="timeout, unreachable, http_<status> or bad_response")
+    error: str = Field(description="timeout, unreachable, http_<status>, bad_response (not the answer asked for: "
+                                   "the wrong shape, a non-finite score, more hits than k) or too_large (over the "
+                                   "router's byte limit on an answer)")
     message: str
 
 
@@ -72,8 +74,9 @@ class ShardsBatch(BaseModel):
 
 class PartitionOutcome(BaseModel):
     partition: int
-    status: int = Field(description="the writer's HTTP status (503 when it did not answer, 504 when it timed out)")
-    applied: bool
+    status: int = Field(description="the writer's HTTP status (503 when it did not answer, 504 when it timed out, "
+                                    "502 when its answer was not the write result of the ids sent)")
+    applied: bool = Field(description="true only when the writer's answer listed this part's ids as written")
     generation: Optional[int] = Field(None, description="the generation the part published on its partition")
     upserts: list[str] = Field(description="ids this part upserted (or would have)")
     deletes: list[str] = Field(description="ids this part deleted (or would have)")

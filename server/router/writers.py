@@ -14,6 +14,14 @@ retries exactly the parts that failed. A writer that does not answer makes its p
 with Retry-After; its partition's followers go on serving searches. A write that timed out
 may or may not have been applied: that is a 504 saying so (PUT is safe to repeat).
 
+A write is acknowledged only when the writer's answer checks (`.answers.check_write`): a 200
+or 201 whose body is the server's write result, listing exactly the ids sent, read within
+MAX_SMALL_ANSWER_BYTES. Anything else that claims success (an HTML page from a proxy, a
+result without its lists or with other ids, an answer past the limit) is a 502 `bad_gateway`
+naming the partition and saying the write is not confirmed; a writer's own refusal (4xx, or
+502, 503, 504, 507) is passed on with the partition added; any other status (a 500, a 3xx)
+is a 502. A batch is 200 only when every part checked.
+
 `GET /v1/documents/{id}` goes to the owner's search address only (its followers).
 """
 
@@ -21,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from typing import Any, Callable, Optional
 
@@ -30,13 +37,36 @@ from fastapi.responses import JSONResponse
 
 from espn.partitioning import HASH_NAME, PartitionLayout, owner
 
-from ..schemas import ErrorResponse
+from ..schemas import ErrorResponse, WriteResponse
+from .answers import (MAX_SMALL_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, check_readiness, check_write,
+                      error_body, fetch, retry_after)
 
-__all__ = ["RETRY_AFTER_S", "WriterPool", "body_of", "relay", "writer_error"]
+__all__ = ["RETRY_AFTER_S", "PASSED_ON", "WriteOutcome", "WriterPool", "relay", "writer_error"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2
+
+# A writer's statuses passed on to the client as they are: its refusals (4xx) and what says
+# it could not take the write now (a gateway error, unavailable, a timeout, a full disk).
+# A 500 (a bug), a 501, a 3xx or an unknown status is the router's 502 naming the partition.
+PASSED_ON = frozenset(range(400, 500)) | {502, 503, 504, 507}
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteOutcome:
+    """What became of one write on one partition: `result` only when the writer's answer
+    checked as the write applied; otherwise `body` is an error body naming the partition."""
+
+    partition: int
+    status: int
+    body: dict[str, Any]
+    result: Optional[WriteResponse] = None
+    retry_after: Optional[str] = None
+
+    @property
+    def applied(self) -> bool:
+        return self.result is not None
 
 
 @dataclasses.dataclass
@@ -56,78 +86,104 @@ class WriterPool:
     def owner(self, doc_id: str) -> int:
         return owner(doc_id, self.count)
 
-    async def _verify(self, partition: int) -> Optional[JSONResponse]:
-        """None when the writer reports partition p of S by the hash rule; else the answer to give."""
-        if partition in self.verified:
-            return None
-        url = self.writers[partition]
-        try:
-            response = await asyncio.wait_for(self.client.get(url + "/readyz"), self.timeout_s)
-        except (asyncio.TimeoutError, httpx.TransportError) as exc:
-            return self._down(partition, f"{type(exc).__name__}: {exc}".rstrip(": "))
-        if response.status_code != 200:
-            return self._down(partition, f"/readyz answered {response.status_code}")
-        try:
-            reported = response.json().get("partition") or {}
-        except ValueError:
-            reported = {}
-        layout = PartitionLayout(reported.get("index", -1), reported.get("count", -1), reported.get("by"))
-        expected = PartitionLayout(partition, self.count)
-        if layout != expected:
-            message = (f"writer {url} reports partition {layout.index} of {layout.count} by {layout.by!r}; this router "
-                       f"has it as partition {partition} of {self.count} by {HASH_NAME!r}: check --writers "
-                       "(one URL per partition, in partition order) and the index it serves")
-            self.on_failure(url, "layout_mismatch", message)
-            return writer_error(503, "layout_mismatch", message, partition=partition, retry=False)
-        self.verified.add(partition)
-        return None
-
-    def _down(self, partition: int, why: str) -> JSONResponse:
-        url = self.writers[partition]
-        self.verified.discard(partition)
-        self.on_failure(url, "writer_unavailable", why)
-        return writer_error(503, "writer_unavailable", f"the writer of partition {partition} ({url}) is not available: "
-                      f"{why}; searches go on, retry the write", partition=partition)
-
-    async def send(self, partition: int, method: str, path: str, headers: dict[str, str],
-                   content: bytes) -> httpx.Response | JSONResponse:
-        """The writer's answer, or the router's own (503 down or misconfigured, 504 timed out)."""
-        refused = await self._verify(partition)
-        if refused is not None:
-            return refused
+    async def _get(self, partition: int, method: str, path: str, headers: Optional[dict[str, str]] = None,
+                   content: Optional[bytes] = None) -> PartitionAnswer | WriteOutcome:
+        """The writer's answer within the time and byte limits, or the router's own outcome
+        (503 unreachable, 504 timed out, 502 over the byte limit or undecodable)."""
         url = self.writers[partition]
         try:
             return await asyncio.wait_for(
-                self.client.request(method, url + path, content=content, headers=headers,
-                                         timeout=self.timeout_s), self.timeout_s)
+                fetch(self.client, method, url + path, headers=headers, content=content,
+                      max_bytes=MAX_SMALL_ANSWER_BYTES, timeout_s=self.timeout_s), self.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             self.on_failure(url, "timeout", f"no answer within {self.timeout_s:g} s")
-            return writer_error(504, "write_timeout", f"the writer of partition {partition} ({url}) did not answer within "
-                          f"{self.timeout_s:g} s: the write may or may not have been applied", partition=partition)
+            return writer_error(504, "write_timeout", (
+                f"the writer of partition {partition} ({url}) did not answer {path} within {self.timeout_s:g} s: "
+                "the write may or may not have been applied"), partition=partition)
         except httpx.TransportError as exc:
             return self._down(partition, f"{type(exc).__name__}: {exc}".rstrip(": "))
+        except (AnswerTooLarge, httpx.DecodingError) as exc:
+            return self._bad(partition, path, str(exc))
+
+    async def _verify(self, partition: int) -> Optional[WriteOutcome]:
+        """None when the writer reports partition p of S by the hash rule; else the outcome to give."""
+        if partition in self.verified:
+            return None
+        url = self.writers[partition]
+        answer = await self._get(partition, "GET", "/readyz")
+        if isinstance(answer, WriteOutcome):
+            return answer
+        if answer.status != 200:
+            return self._down(partition, f"/readyz answered {answer.status}")
+        try:
+            reported = check_readiness(answer)
+        except BadAnswer as exc:
+            return self._bad(partition, "/readyz", str(exc), applied="no write was sent")
+        expected = PartitionLayout(partition, self.count)
+        if reported is None or PartitionLayout(reported.index, reported.count, reported.by) != expected:
+            says = ("reports no partition" if reported is None else
+                    f"reports partition {reported.index} of {reported.count} by "
+                    f"{None if reported.by is None else reported.by[:80]!r}")
+            message = (f"writer {url} {says}; this router has it as partition {partition} of {self.count} by "
+                       f"{HASH_NAME!r}: check --writers (one URL per partition, in partition order) and the index "
+                       "it serves")
+            self.on_failure(url, "layout_mismatch", message)
+            return writer_error(503, "layout_mismatch", message, partition=partition)
+        self.verified.add(partition)
+        return None
+
+    def _down(self, partition: int, why: str) -> WriteOutcome:
+        url = self.writers[partition]
+        self.verified.discard(partition)
+        self.on_failure(url, "writer_unavailable", why)
+        return writer_error(503, "writer_unavailable", f"the writer of partition {partition} ({url}) is not "
+                            f"available: {why}; searches go on, retry the write", partition=partition,
+                            retry_after=str(RETRY_AFTER_S))
+
+    def _bad(self, partition: int, path: str, why: str,
+             applied: str = "the write is not confirmed and may or may not have been applied; retry it") -> WriteOutcome:
+        url = self.writers[partition]
+        self.verified.discard(partition)  # check its layout again before the next write
+        self.on_failure(url, "bad_response", f"{path}: {why}")
+        return writer_error(502, "bad_gateway", f"the writer of partition {partition} ({url}) answered {path} "
+                            f"with what is not its answer: {why}; {applied}", partition=partition)
+
+    async def write(self, partition: int, method: str, path: str, headers: dict[str, str], content: bytes,
+                    upserts: list[str], deletes: list[str]) -> WriteOutcome:
+        """Send one write to its partition's writer; applied only when the answer lists exactly
+        `upserts` and `deletes` as written (see the module doc for the statuses)."""
+        refused = await self._verify(partition)
+        if refused is not None:
+            return refused
+        answer = await self._get(partition, method, path, headers, content)
+        if isinstance(answer, WriteOutcome):
+            return answer
+        if 200 <= answer.status < 300:
+            try:
+                result = check_write(answer, upserts, deletes)
+            except BadAnswer as exc:
+                return self._bad(partition, path, str(exc))
+            # PUT: 201 when it created the document, as the server says it.
+            status = 201 if method == "PUT" and result.created else 200
+            return WriteOutcome(partition, status, result.model_dump(mode="json"), result)
+        if answer.status in PASSED_ON:
+            body = {**error_body(answer, "writer_error"), "partition": partition}
+            default = RETRY_AFTER_S if answer.status == 503 else None
+            return WriteOutcome(partition, answer.status, body, retry_after=retry_after(answer, default))
+        return self._bad(partition, path, f"HTTP {answer.status} ({error_body(answer, 'writer_error')['message'][:200]})")
 
 
-def writer_error(status: int, code: str, message: str, *, partition: int, retry: bool = True) -> JSONResponse:
+def writer_error(status: int, code: str, message: str, *, partition: int,
+                 retry_after: Optional[str] = None) -> WriteOutcome:
+    """The router's own outcome for a write it could not confirm: the API's error body, with the partition."""
     body = {**ErrorResponse(error=code, message=message, errors=None).model_dump(exclude_none=True),
             "partition": partition}
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry and status == 503 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return WriteOutcome(partition, status, body, retry_after=retry_after)
 
 
-def body_of(answer: httpx.Response | JSONResponse) -> tuple[int, Any]:
-    if isinstance(answer, JSONResponse):
-        return answer.status_code, json.loads(bytes(answer.body))
-    try:
-        return answer.status_code, answer.json()
-    except ValueError:
-        return answer.status_code, {"error": "writer_error", "message": answer.text[:500]}
-
-
-def relay(answer: httpx.Response | JSONResponse, partition: int) -> JSONResponse:
-    status, body = body_of(answer)
-    headers = {"X-Espn-Partition": str(partition)}
-    retry_after = answer.headers.get("retry-after")
-    if retry_after is not None:
-        headers["Retry-After"] = retry_after
-    return JSONResponse(body, status_code=status, headers=headers)
+def relay(outcome: WriteOutcome) -> JSONResponse:
+    """A single write's outcome as the answer: the checked write result, or the error body."""
+    headers = {"X-Espn-Partition": str(outcome.partition)}
+    if outcome.retry_after is not None:
+        headers["Retry-After"] = outcome.retry_after
+    return JSONResponse(outcome.body, status_code=outcome.status, headers=headers)

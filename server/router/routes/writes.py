@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from espn.errors import InvalidParameterError
 
 from ...errors import METHOD_NOT_ALLOWED_ROUTE, allowed_methods
-from ...schemas import BatchWriteRequest, ErrorResponse, path_doc_id
+from ...schemas import BatchWriteRequest, ErrorResponse, WriteResponse, path_doc_id
 from ..deps import RouterState, get_router_state, router_error
 from ..models import PartitionOutcome, RoutedWriteResponse
-from ..writers import RETRY_AFTER_S, WriterPool, body_of, relay
+from ..writers import RETRY_AFTER_S, WriteOutcome, WriterPool, relay
 
 __all__ = ["router", "no_writes_router"]
 
@@ -28,6 +28,12 @@ router = APIRouter()
 no_writes_router = APIRouter()
 
 _FORWARDED = ("authorization", "x-request-id", "content-type")
+# What the router itself answers for a write it could not confirm (the writer's own refusals,
+# 4xx, are passed on as the server declares them).
+_WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    502: {"model": ErrorResponse, "description": "the writer answered what is not a write result of the ids sent"},
+    503: {"model": ErrorResponse, "description": "the writer is down or holds another partition"},
+    504: {"model": ErrorResponse, "description": "the writer did not answer in time: may or may not be applied"}}
 
 
 def _headers_of(request: Request) -> dict[str, str]:
@@ -43,8 +49,9 @@ async def _single(request: Request, state: RouterState, method: str) -> JSONResp
     writers = state.require_writers()
     partition = writers.owner(doc_id)
     path = "/v1/documents/" + urllib.parse.quote(doc_id, safe="")
-    answer = await writers.send(partition, method, path, _headers_of(request), await request.body())
-    response = relay(answer, partition)
+    upserts, deletes = ([doc_id], []) if method == "PUT" else ([], [doc_id])
+    outcome = await writers.write(partition, method, path, _headers_of(request), await request.body(), upserts, deletes)
+    response = relay(outcome)
     state.observe("write", started, response.status_code)
     return response
 
@@ -67,20 +74,20 @@ def _parts(writers: WriterPool, body: BatchWriteRequest) -> dict[int, dict[str, 
     return parts
 
 
-def _outcome(partition: int, part: dict[str, list[Any]], answer: Any) -> tuple[PartitionOutcome, dict[str, Any]]:
-    status, reply = body_of(answer)
-    applied = status == 200 and isinstance(reply, dict) and "generation" in reply
-    outcome = PartitionOutcome(
-        partition=partition, status=status, applied=applied, generation=reply.get("generation") if applied else None,
+def _outcome(part: dict[str, list[Any]], outcome: WriteOutcome) -> PartitionOutcome:
+    result = outcome.result
+    return PartitionOutcome(
+        partition=outcome.partition, status=outcome.status, applied=result is not None,
+        generation=None if result is None else result.generation,
         upserts=[d["id"] for d in part["upsert"]], deletes=part["delete"],
-        error=None if applied else str(reply.get("error", "writer_error")),
-        message=None if applied else str(reply.get("message", "")))
-    return outcome, reply
+        error=None if result is not None else str(outcome.body.get("error", "writer_error")),
+        message=None if result is not None else str(outcome.body.get("message", "")))
 
 
 @router.post("/v1/documents/batch", response_model=RoutedWriteResponse,
              summary="Upserts and deletes, each part applied on the partition that owns its ids",
-             responses={422: {"model": ErrorResponse}, 503: {"model": RoutedWriteResponse}})
+             responses={422: {"model": ErrorResponse}, 502: {"model": RoutedWriteResponse},
+                        503: {"model": RoutedWriteResponse}, 504: {"model": RoutedWriteResponse}})
 async def write_batch(request: Request, state: RouterState = Depends(get_router_state)) -> JSONResponse:
     started = time.perf_counter()
     try:
@@ -94,22 +101,23 @@ async def write_batch(request: Request, state: RouterState = Depends(get_router_
     order = sorted(parts)
     headers = {**_headers_of(request), "content-type": "application/json"}
     answers = await asyncio.gather(*(
-        writers.send(p, "POST", "/v1/documents/batch", headers, json.dumps(parts[p], ensure_ascii=False).encode())
+        writers.write(p, "POST", "/v1/documents/batch", headers, json.dumps(parts[p], ensure_ascii=False).encode(),
+                      [d["id"] for d in parts[p]["upsert"]], parts[p]["delete"])
         for p in order))
     outcomes, created, replaced, deleted = [], [], [], []
     for p, answer in zip(order, answers):
-        outcome, reply = _outcome(p, parts[p], answer)
-        if outcome.applied:
-            created += reply["created"]
-            replaced += reply["replaced"]
-            deleted += reply["deleted"]
-        outcomes.append(outcome)
+        if answer.result is not None:  # checked: the ids this part was sent, applied
+            created += answer.result.created
+            replaced += answer.result.replaced
+            deleted += answer.result.deleted
+        outcomes.append(_outcome(parts[p], answer))
     failed = [o for o in outcomes if not o.applied]
     result = RoutedWriteResponse(created=created, replaced=replaced, deleted=deleted,
                                  applied=[o.partition for o in outcomes if o.applied],
                                  failed=[o.partition for o in failed], partitions=outcomes)
-    # All applied: 200. Otherwise the first failed part's status, so a client that reads
-    # only the status still sees the write did not all happen; the body says which did.
+    # All applied: 200. Otherwise the first failed part's status (never a 2xx: a part is failed
+    # only with a writer's refusal or the router's 502/503/504), so a client that reads only
+    # the status still sees the write did not all happen; the body says which did.
     status = 200 if not failed else failed[0].status
     headers_out = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
     state.observe("batch_write", started, status)
@@ -117,13 +125,14 @@ async def write_batch(request: Request, state: RouterState = Depends(get_router_
 
 
 @router.put("/v1/documents/{doc_id:path}", summary="Add or replace a document on the partition that owns its id",
-            responses={503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}})
+            response_model=WriteResponse, status_code=201,
+            responses={200: {"model": WriteResponse, "description": "replaced"}, **_WRITE_ERRORS})
 async def put_document(doc_id: str, request: Request, state: RouterState = Depends(get_router_state)) -> JSONResponse:
     return await _single(request, state, "PUT")
 
 
 @router.delete("/v1/documents/{doc_id:path}", summary="Delete a document on the partition that owns its id",
-               responses={503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}})
+               response_model=WriteResponse, responses=_WRITE_ERRORS)
 async def delete_document(doc_id: str, request: Request,
                           state: RouterState = Depends(get_router_state)) -> JSONResponse:
     return await _single(request, state, "DELETE")
