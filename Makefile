@@ -22,12 +22,15 @@ TORCH_BUILD = import torch; print(f"torch {torch.__version__}:", f"the CUDA {tor
 
 .PHONY: install serve-sample test wheel check-wheel check-built-wheel browser bench clean settings-table docs docs-strict
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, pinned (see TORCH_INDEX above).
 	$(PY) -m pip install -q $(TORCH_PIP) $(NO_COMPILE)
 	$(PY) -m pip install -q -e '.[test,bench,docs]' $(NO_COMPILE)
+	# The typed client (its own distribution, clients/python) with the three frameworks' retrievers
+	# and LangChain's standard tests, for tests/test_client.py and tests/test_retrievers.py.
+	$(PY) -m pip install -q -e './clients/python[langchain,llama-index,haystack,test]' $(NO_COMPILE)
 	# Which torch build pip took, asked once numpy is installed (torch imported without numpy warns).
 	@$(PY) -c '$(TORCH_BUILD)'
 	touch $@
@@ -104,6 +107,16 @@ check-built-wheel:
 	# Object storage is an extra: without boto3, --publish is refused in one line, before serving.
 	! $(WHEEL_VENV)/bin/espn serve $(WHEEL_CHECK)/index --publish s3://bucket/prefix 2> $(WHEEL_CHECK)/publish.err
 	grep -q "pip install 'espn\[s3\]'" $(WHEEL_CHECK)/publish.err
+	# The client's wheel (clients/python), no extras, in a venv of its own: it imports with httpx
+	# and pydantic alone (no torch, FAISS or numpy), and a retriever's missing framework is one line.
+	rm -rf $(WHEEL_VENV) && python3 -m venv $(WHEEL_VENV)
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_CHECK)/client-dist ./clients/python
+	$(WHEEL_VENV)/bin/python -m pip install -q $(NO_COMPILE) $(WHEEL_CHECK)/client-dist/espn_client-*.whl
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c 'import importlib.util as u, espn_client; \
+		from espn_client import Client, AsyncClient; \
+		assert not [m for m in ("torch", "faiss", "numpy", "espn") if u.find_spec(m)], "more than httpx and pydantic"'
+	cd /tmp && ! $(CURDIR)/$(WHEEL_VENV)/bin/python -c 'import espn_client.langchain' 2> $(CURDIR)/$(WHEEL_CHECK)/client.err
+	grep -q "pip install 'espn-client\[langchain\]'" $(WHEEL_CHECK)/client.err
 	rm -rf $(WHEEL_VENV) $(WHEEL_CHECK)
 
 # The docs' settings tables, from the settings models (server/settings.py): run after adding a setting.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 from helpers import run_espn, write_scifact_subset  # noqa: E402
+from server_fixtures import ServerProcess, running_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCIFACT = Path(os.environ.get("ESPN_SCIFACT", ROOT.parent / "shared" / "data" / "scifact"))
@@ -119,6 +121,21 @@ def sample_partitions(tmp_path_factory: pytest.TempPathFactory) -> Path:
     a test that writes to a partition copies it first."""
     return built_once(tmp_path_factory, "partitions", lambda out: run_espn(
         "index", SAMPLE_CORPUS, "--out", out, "--partitions", "2", "--no-progress"), leaf="parts")
+
+
+#: The API key of `client_server`.
+CLIENT_API_KEY = "client-test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def client_server(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One `espn serve` shared by tests/test_client.py and tests/test_retrievers.py: a copy of the
+    sample index (the client's tests write to it), API key on, snapshots under a temporary directory."""
+    root = tmp_path_factory.mktemp("client-server")
+    shutil.copytree(sample_index, root / "index")
+    with running_server(root / "index", root, "--snapshot-dir", str(root / "snapshots"), "--batch-wait-ms", "2",
+                        env={"ESPN_API_KEY": CLIENT_API_KEY}, name="client") as server:
+        yield server
 
 
 @pytest.fixture

@@ -1,0 +1,300 @@
+"""What the sync and async clients share: routes, request building, answers to models, retries, chunks.
+
+Each public method of `Client` and `AsyncClient` builds a `Call` here (method, path, body, the
+model of its answer), sends it with its own transport loop, and hands the answer to `Call.parse`.
+The loops differ only in how they wait (time.sleep or asyncio.sleep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import email.utils
+import json
+import random
+import time
+import urllib.parse
+from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar, Union
+
+import httpx
+from pydantic import BaseModel
+
+from .errors import ApiError, api_error
+from .models import (BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
+                     DocumentWrite, Health, Readiness, SearchParams, SearchRequest, SearchResponse, ServerLimits,
+                     SnapshotInfo, SnapshotList, SnapshotRequest, WriteResponse)
+
+__all__ = ["RetryPolicy", "Routes", "Call", "DocumentCalls", "DEFAULT_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "Upsert",
+           "search_params", "search_call", "query_list", "batch_call", "chunks", "chunk_writes", "merge_batches",
+           "limits_from_openapi", "retry_after_s", "auth_headers"]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+#: Seconds for connect, read, write and pool alike; a search of a cold index can take a second.
+DEFAULT_TIMEOUT_S = 30.0
+#: The server's largest request body by default (ESPN_MAX_BODY_BYTES); write helpers stay under it.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+Upsert = Union[DocumentUpsert, Mapping[str, Any]]
+
+
+def user_agent() -> str:
+    return "espn-client/0.1.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """When a request is sent again.
+
+    A 503 (not ready, overloaded, index busy, write failed) or a 507 (disk full) is retried up to
+    `attempts` tries in all, waiting what the answer's `Retry-After` says, or else
+    `backoff_s`, doubled each time up to `max_backoff_s`, with up to 25% jitter. A Retry-After
+    longer than `max_retry_after_s` is not waited for: the error is raised at once (the server
+    says the wait is an operator's). A connection that could not be opened is retried the
+    same way (nothing was sent). Every retried answer means nothing was applied, so writes are
+    retried too. `RetryPolicy(attempts=1)` turns retries off."""
+
+    attempts: int = 4
+    backoff_s: float = 0.25
+    max_backoff_s: float = 8.0
+    max_retry_after_s: float = 60.0
+    statuses: frozenset[int] = frozenset({503, 507})
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts: at least 1 (1 = no retries), got {self.attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < 0 or self.max_retry_after_s < 0:
+            raise ValueError("backoff_s, max_backoff_s and max_retry_after_s must be >= 0")
+
+    def delay_s(self, attempt: int, retry_after_s: Optional[float]) -> Optional[float]:
+        """Seconds to wait before try `attempt + 1` (attempt counts from 1), or None: give up."""
+        if attempt >= self.attempts:
+            return None
+        if retry_after_s is not None:
+            return retry_after_s if retry_after_s <= self.max_retry_after_s else None
+        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        return base * (1.0 + 0.25 * random.random())
+
+
+def retry_after_s(value: Optional[str]) -> Optional[float]:
+    """`Retry-After` in seconds: delay-seconds or an HTTP date (RFC 9110 10.2.3); None if absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class Routes:
+    """The paths of one index. index=None: today's single-index routes (`/v1/search`, ...);
+    index="name": the same routes under `/v1/indexes/{name}/` (a server holding several
+    indexes). Health, readiness, metrics and the OpenAPI document belong to the server."""
+
+    def __init__(self, index: Optional[str] = None) -> None:
+        if index is not None and not index:
+            raise ValueError("index: a name, or None for the server's default index")
+        self.index = index
+        self.v1 = "/v1" if index is None else f"/v1/indexes/{urllib.parse.quote(index, safe='')}"
+
+    @property
+    def search(self) -> str:
+        return f"{self.v1}/search"
+
+    @property
+    def search_batch(self) -> str:
+        return f"{self.v1}/search/batch"
+
+    def document(self, doc_id: str) -> str:
+        # Every byte but unreserved ones escaped ("/" too): the server reads the id from the raw path.
+        if not isinstance(doc_id, str) or not doc_id:
+            raise ValueError(f"doc_id: a non-empty string, got {doc_id!r}")
+        return f"{self.v1}/documents/{urllib.parse.quote(doc_id, safe='')}"
+
+    @property
+    def documents_batch(self) -> str:
+        return f"{self.v1}/documents/batch"
+
+    @property
+    def snapshots(self) -> str:
+        return f"{self.v1}/snapshots"
+
+    health = "/healthz"
+    ready = "/readyz"
+    metrics = "/metrics"
+    openapi = "/openapi.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how its answer becomes a result. ok: statuses that are answers, not errors
+    (readiness: 503 is an answer). retry: False for a call whose 503 is not worth waiting for."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    body: Optional[dict[str, Any]] = None
+    ok: frozenset[int] = frozenset({200, 201})
+    retry: bool = True
+
+    def result(self, response: httpx.Response) -> T:
+        if response.status_code not in self.ok:
+            raise error_of(response)
+        return self.parse(response)
+
+
+def error_of(response: httpx.Response) -> ApiError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    return api_error(response.status_code, body, response.text,
+                     retry_after_s=retry_after_s(response.headers.get("retry-after")),
+                     method=response.request.method, url=str(response.request.url))
+
+
+def model(cls: type[M]) -> Callable[[httpx.Response], M]:
+    """An answer's JSON validated into `cls` (pydantic-core parses the bytes itself)."""
+    return lambda response: cls.model_validate_json(response.content)
+
+
+def search_params(k: Optional[int], filter: Optional[Mapping[str, Any]], mode: Optional[str],
+                  return_text: Optional[bool], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The search parameters as a body, checked by name and type (an unknown name raises ValueError here)."""
+    given = {"k": k, "filter": dict(filter) if filter is not None else None, "mode": mode,
+             "return_text": return_text, **params}
+    return SearchParams.model_validate({name: value for name, value in given.items() if value is not None}).body()
+
+
+def search_call(routes: Routes, query: str, explain: Optional[bool], body: dict[str, Any]) -> Call[SearchResponse]:
+    request = SearchRequest.model_validate({**body, "query": query, "explain": explain})
+    return Call("POST", routes.search, model(SearchResponse), request.model_dump(exclude_none=True))
+
+
+def query_list(queries: Sequence[str]) -> list[str]:
+    if isinstance(queries, str):
+        raise TypeError("queries: a list of query texts, not one string (use search() for one query)")
+    return list(queries)
+
+
+def batch_call(routes: Routes, queries: Sequence[str], body: dict[str, Any]) -> Call[BatchSearchResponse]:
+    request = BatchSearchRequest.model_validate({**body, "queries": query_list(queries)})
+    return Call("POST", routes.search_batch, model(BatchSearchResponse), request.model_dump(exclude_none=True))
+
+
+class DocumentCalls:
+    """The calls of /v1/documents and /v1/snapshots, and the server's own routes."""
+
+    def __init__(self, routes: Routes) -> None:
+        self.routes = routes
+
+    def get(self, doc_id: str) -> Call[Document]:
+        return Call("GET", self.routes.document(doc_id), model(Document))
+
+    def put(self, doc_id: str, text: str, title: str, metadata: Optional[Mapping[str, Any]]) -> Call[WriteResponse]:
+        body = DocumentWrite(text=text, title=title, metadata=dict(metadata) if metadata is not None else None)
+        return Call("PUT", self.routes.document(doc_id), model(WriteResponse), body.model_dump(exclude_none=True))
+
+    def delete(self, doc_id: str) -> Call[WriteResponse]:
+        return Call("DELETE", self.routes.document(doc_id), model(WriteResponse))
+
+    def batch(self, upsert: Iterable[Upsert], delete: Iterable[str]) -> Call[WriteResponse]:
+        request = BatchWriteRequest(upsert=[_upsert(u) for u in upsert], delete=list(delete))
+        return Call("POST", self.routes.documents_batch, model(WriteResponse), request.model_dump(exclude_none=True))
+
+    def create_snapshot(self, name: Optional[str]) -> Call[SnapshotInfo]:
+        return Call("POST", self.routes.snapshots, model(SnapshotInfo), SnapshotRequest(name=name).model_dump())
+
+    def list_snapshots(self) -> Call[list[SnapshotInfo]]:
+        return Call("GET", self.routes.snapshots, lambda r: SnapshotList.model_validate_json(r.content).snapshots)
+
+    def health(self) -> Call[Health]:
+        return Call("GET", self.routes.health, model(Health))
+
+    def ready(self) -> Call[Readiness]:
+        return Call("GET", self.routes.ready, model(Readiness), ok=frozenset({200, 503}), retry=False)
+
+    def metrics(self) -> Call[str]:
+        return Call("GET", self.routes.metrics, lambda r: r.text)
+
+    def limits(self) -> Call[ServerLimits]:
+        return Call("GET", self.routes.openapi, lambda r: limits_from_openapi(r.json()))
+
+
+def _upsert(document: Upsert) -> DocumentUpsert:
+    return document if isinstance(document, DocumentUpsert) else DocumentUpsert.model_validate(dict(document))
+
+
+def limits_from_openapi(document: Mapping[str, Any]) -> ServerLimits:
+    """The live limits a server publishes in its OpenAPI document (server/openapi.py writes the
+    settings into `maxItems`); the defaults where it says nothing."""
+    schemas = document.get("components", {}).get("schemas", {})
+    found: dict[str, int] = {}
+    queries = schemas.get("BatchSearchRequest", {}).get("properties", {}).get("queries", {})
+    if isinstance(queries.get("maxItems"), int):
+        found["max_batch_queries"] = queries["maxItems"]
+    upsert = schemas.get("BatchWriteRequest", {}).get("properties", {}).get("upsert", {})
+    if isinstance(upsert.get("maxItems"), int):
+        found["max_batch_writes"] = upsert["maxItems"]
+    return ServerLimits(**found)
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    if size < 1:
+        raise ValueError(f"chunk_size: at least 1, got {size}")
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def chunk_writes(upsert: Iterable[Upsert], delete: Iterable[str], max_items: int,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> list[tuple[list[DocumentUpsert], list[str]]]:
+    """Upserts and deletes split into batches the server takes: at most `max_items` of each and a
+    body under `max_body_bytes`. An id twice, or both upserted and deleted, raises ValueError
+    (in one batch the server refuses it with a 409; split, it would apply both)."""
+    documents = [_upsert(u) for u in upsert]
+    deletes = list(delete)
+    seen: set[str] = set()
+    for doc_id in [d.id for d in documents] + deletes:
+        if doc_id in seen:
+            raise ValueError(f"id {doc_id!r} is given twice (upserted twice, deleted twice, or both)")
+        seen.add(doc_id)
+    budget = max_body_bytes - 256  # the envelope: {"upsert": [...], "delete": [...]}
+    batches: list[tuple[list[DocumentUpsert], list[str]]] = []
+    current: tuple[list[DocumentUpsert], list[str]] = ([], [])
+    size = 0
+    for kind, item, item_bytes in ([(0, d, len(d.model_dump_json(exclude_none=True)) + 1) for d in documents]
+                                   + [(1, i, len(json.dumps(i)) + 1) for i in deletes]):
+        if item_bytes > budget:
+            raise ValueError(f"a document of {item_bytes} bytes does not fit a request body of {max_body_bytes} bytes "
+                             "(max_body_bytes; the server's ESPN_MAX_BODY_BYTES)")
+        if len(current[kind]) >= max_items or size + item_bytes > budget:
+            batches.append(current)
+            current, size = ([], []), 0
+        current[kind].append(item)  # type: ignore[arg-type]
+        size += item_bytes
+    if current[0] or current[1]:
+        batches.append(current)
+    return batches
+
+
+def merge_batches(parts: Sequence[tuple[int, BatchSearchResponse]]) -> BatchSearchResponse:
+    """Answers of consecutive chunks (each with the position of its first query) as one answer,
+    with `index` counted over the whole list."""
+    responses, errors = [], []
+    for offset, part in parts:
+        for response in part.responses:
+            responses.append(response.model_copy(update={"index": (response.index or 0) + offset}))
+        for error in part.errors:
+            errors.append(error.model_copy(update={"index": error.index + offset}))
+    return BatchSearchResponse(responses=responses, errors=errors)
+
+
+def auth_headers(api_key: Optional[str], headers: Optional[Mapping[str, str]]) -> dict[str, str]:
+    out = {"User-Agent": user_agent(), **(headers or {})}
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("api_key: the server's ESPN_API_KEY, or None when it has none")
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
