@@ -31,14 +31,12 @@ logger = logging.getLogger(__name__)
 _CODES = {
     400: "bad_request",
     401: "unauthorized",
-    403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",
     413: "body_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
-    429: "too_many_requests",
     503: "unavailable",
     507: "insufficient_storage",
 }
