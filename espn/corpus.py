@@ -12,25 +12,57 @@ import io
 import json
 import logging
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Mapping
 
-from .errors import CorpusError
+from .errors import CorpusError, InvalidParameterError
 from .ids import id_problem, quote_id
 from .metadata import check_metadata
 
 __all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
-           "passage_line", "PASSAGE_JOINER"]
+           "passage_line", "PASSAGE_JOINER", "COLBERT_TITLE_JOINER", "COLBERT_FAMILY", "MAX_TITLE_JOINER_CHARS",
+           "default_title_joiner", "check_title_joiner", "index_title_joiner"]
 
 log = logging.getLogger(__name__)
 
 
-#: What joins a passage's title to its text in the string the encoder sees.
+#: What joins a passage's title to its text in the string the encoder sees, where the index
+#: says nothing else: the default of the generic and ColBERTer encoders, and the joiner of every
+#: index built before the joiner was recorded (`index_title_joiner`).
 PASSAGE_JOINER = ". "
+#: The default of ColBERT-family models: PyLate's and Sentence Transformers' BEIR evaluation give
+#: the model `title + " " + text`, so an index built with it holds the vectors their index holds.
+COLBERT_TITLE_JOINER = " "
+#: Encoder kinds whose default joiner is COLBERT_TITLE_JOINER.
+COLBERT_FAMILY = ("colbert", "multivector")
+#: The longest joiner `--title-joiner` takes (it is part of every titled passage the model reads).
+MAX_TITLE_JOINER_CHARS = 16
 
 
-def passage_text(title: str, text: str) -> str:
-    """Title and text joined, the way BEIR baselines encode a passage."""
-    return f"{title}{PASSAGE_JOINER}{text}" if title else text
+def passage_text(title: str, text: str, joiner: str = PASSAGE_JOINER) -> str:
+    """Title and text joined by `joiner` (the index's, `index_title_joiner`); the text alone without a title."""
+    return f"{title}{joiner}{text}" if title else text
+
+
+def default_title_joiner(encoder_kind: str) -> str:
+    """The joiner a new index of this encoder kind uses unless told: a space for ColBERT-family
+    models (their libraries' BEIR evaluation), ". " for the others."""
+    return COLBERT_TITLE_JOINER if encoder_kind in COLBERT_FAMILY else PASSAGE_JOINER
+
+
+def check_title_joiner(joiner: str) -> str:
+    """`--title-joiner` as given, or InvalidParameterError naming it: at most MAX_TITLE_JOINER_CHARS
+    characters, no line breaks (a title that ends a line is another passage layout)."""
+    if not isinstance(joiner, str) or len(joiner) > MAX_TITLE_JOINER_CHARS or any(c in joiner for c in "\r\n"):
+        raise InvalidParameterError(f"--title-joiner must be a string of at most {MAX_TITLE_JOINER_CHARS} characters "
+                                    f"without line breaks, got {joiner!r}")
+    return joiner
+
+
+def index_title_joiner(manifest: Mapping[str, Any]) -> str:
+    """The joiner an index's passages were encoded with: its manifest's `passage.title_joiner`,
+    or PASSAGE_JOINER for an index built before the joiner was recorded."""
+    joiner = (manifest.get("passage") or {}).get("title_joiner")
+    return joiner if isinstance(joiner, str) else PASSAGE_JOINER
 
 
 def passage_line(title: str, text: str, metadata: dict | None) -> str:
@@ -49,7 +81,7 @@ class CorpusDocument:
 
     @property
     def full_text(self) -> str:
-        """Title and text joined, the way BEIR baselines encode a passage."""
+        """Title and text joined by PASSAGE_JOINER (`passage_text` takes an index's own joiner)."""
         return passage_text(self.title, self.text)
 
 

@@ -19,6 +19,7 @@ import faiss
 import numpy as np
 
 from espn.ann import IVFConfig, build_ivf, default_nlist
+from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
@@ -109,6 +110,10 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "search_defaults": default_search_params(ivf.nlist, n_docs),
         "partition": partition_layout.to_json(),
         "source": {"corpus": job["corpus"]},
+        # How a title joins its text in the passages the encoder read (a build from before it
+        # was recorded used PASSAGE_JOINER); `espn add` and explanations read it back
+        # (espn.corpus.index_title_joiner).
+        "passage": {"title_joiner": job.get("passage_joiner", PASSAGE_JOINER)},
     }
     if written.metadata is not None:
         manifest["metadata"] = written.metadata

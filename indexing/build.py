@@ -20,7 +20,8 @@ from typing import Any, Iterator
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.encoders.colbert_checkpoint import checkpoint_format
 from espn.encoders.precomputed import PrecomputedEncoder
-from espn.errors import CorpusError, EspnError, IndexExistsError, InvalidParameterError
+from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
+from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
 from espn.store.format import STORAGE_TYPES
@@ -107,6 +108,8 @@ class BuildConfig:
     progress: bool = True
     text_index: TextConfig | None = dataclasses.field(default_factory=TextConfig)  # None: no full-text index
     first_stage: str | None = None  # None: centroids for encoders without a trained CLS vector, else ivf
+    trust_remote_code: bool = False  # let an hf:/colbert: model that needs its own code run it (recorded in the manifest)
+    title_joiner: str | None = None  # between a BEIR title and its text; None: default_title_joiner(encoder kind)
 
     def validate(self) -> "BuildConfig":
         if not Path(self.corpus).is_file():
@@ -129,6 +132,8 @@ class BuildConfig:
         if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:
             raise InvalidParameterError(f"--first-stage must be one of {', '.join(FIRST_STAGE_KINDS)}, "
                                         f"got {self.first_stage!r}")
+        if self.title_joiner is not None:
+            check_title_joiner(self.title_joiner)
         if self.loader_workers not in (0, 1):
             raise InvalidParameterError("--loader-workers must be 0 or 1 (one tokenising process keeps up with the model)")
         return self
@@ -156,6 +161,9 @@ class BuildConfig:
             "w": self.score_weight,
             "text_index": None if self.text_index is None else self.text_index.validate().to_json(),
             "first_stage": self.first_stage,
+            # only when given, so that a partial build from before the flag existed still resumes
+            **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **({"title_joiner": self.title_joiner} if self.title_joiner is not None else {}),
         }
 
 
@@ -177,26 +185,43 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
         if "encoder_config" in job and work.encoder_dir.is_dir():
             if resumed:
                 log.info("resuming the build in %s", work.path)
-            return load_encoder(work.encoder_dir, job["encoder_config"], device=config.device)
-        encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
-                                    bow_pooling=config.bow_pooling)
-        if encoder.needs_fit:
-            sample = read_sample(config.corpus, config.fit_sample, config.skip_bad)
-            if not sample:
-                raise CorpusError(f"{config.corpus}: the corpus has no documents")
-            # A corpus that is all sample and one chunk is encoded in the fit's own batches:
-            # this process (shard 0 owns chunk 0) embeds it from the fit's forward passes.
-            whole = documents is not None and len(sample) == documents <= config.chunk_size and config.shard == 0
-            encoder.fit(sample, batch_size=config.batch_size, reuse=whole)
+            return load_encoder(work.encoder_dir, job["encoder_config"], device=config.device,
+                                trust_remote_code=config.trust_remote_code)
         staging = work.path / "encoder.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        encoder.save(staging)
+        try:
+            encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
+                                        bow_pooling=config.bow_pooling, trust_remote_code=config.trust_remote_code)
+            joiner = default_title_joiner(encoder.kind) if config.title_joiner is None else config.title_joiner
+            if encoder.needs_fit:
+                sample = read_sample(config.corpus, config.fit_sample, config.skip_bad, joiner)
+                if not sample:
+                    raise CorpusError(f"{config.corpus}: the corpus has no documents")
+                # A corpus that is all sample and one chunk is encoded in the fit's own batches:
+                # this process (shard 0 owns chunk 0) embeds it from the fit's forward passes.
+                whole = documents is not None and len(sample) == documents <= config.chunk_size and config.shard == 0
+                encoder.fit(sample, batch_size=config.batch_size, reuse=whole)
+            shutil.rmtree(staging, ignore_errors=True)
+            encoder.save(staging)
+        except (InvalidParameterError, CorruptModelError):
+            # A refused model or setting: no work of this build exists yet (nothing is encoded
+            # before the encoder is saved), and re-running the command would be refused again.
+            # A crash (anything else) keeps the directory so that the same command resumes.
+            _discard_unstarted(work)
+            raise
         os.replace(staging, work.encoder_dir)
         encoder_config = dict(encoder.config())
         encoder_config.setdefault("learned_weight", encoder.learned_weight)
         encoder_config.setdefault("bow_reduction", encoder.bow_reduction)
-        write_json_atomic(work.job_file, {**job, "encoder_config": encoder_config})
+        # The joiner resolved for this encoder (a job without one, from before it was recorded, used ". ").
+        write_json_atomic(work.job_file, {**job, "encoder_config": encoder_config, "passage_joiner": joiner})
         return encoder
+
+
+def _discard_unstarted(work: WorkDir) -> None:
+    """Remove `OUT.partial/` when it holds no encoded work (only its job file, lock and encoder staging)."""
+    unstarted = {"job.json", "lock", "encoder.tmp"}
+    if work.path.is_dir() and all(child.name in unstarted for child in work.path.iterdir()):
+        work.remove()
 
 
 def build_index(config: BuildConfig) -> dict[str, Any] | None:
@@ -214,6 +239,7 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
         config.corpus, work.path, encoder, chunk_size=config.chunk_size, batch_size=config.batch_size,
         shard=config.shard, num_shards=config.num_shards, skip_bad=config.skip_bad,
         loader_workers=config.loader_workers, progress=config.progress, total_documents=scan.documents,
+        joiner=work.job().get("passage_joiner", PASSAGE_JOINER),
     )
     write_json_atomic(work.marker(config.shard, config.num_shards),
                       {"shard": config.shard, "num_shards": config.num_shards, **totals})

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from espn.corpus import index_title_joiner
 from espn.errors import CorpusError
+from espn.index import read_manifest
 from espn.files import checkpoint
 from espn.live.checks import WriteRequest, WriteResult
 from espn.live.writer import IndexWriter
@@ -47,7 +49,8 @@ def add_corpus(writer: IndexWriter, corpus: Path, *, batch_size: int = 32, loade
         raise CorpusError(f"{corpus}: the corpus has no documents")
     with Staging(writer, "add", wait_s) as work:
         encode_corpus(corpus, work.path, writer.encoder(), batch_size=batch_size, loader_workers=loader_workers,
-                      progress=progress, skip_bad=skip_bad, total_documents=scan.documents)
+                      progress=progress, skip_bad=skip_bad, total_documents=scan.documents,
+                      joiner=index_title_joiner(read_manifest(writer.root)))
         checkpoint("encoded")
         documents = EncodedDocuments.concat([encoded_chunk(read_chunk(work.path, c))
                                              for c in finished_chunks(work.path)])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from espn.encoders import ENCODER_SPECS
+from espn.corpus import COLBERT_TITLE_JOINER, PASSAGE_JOINER
+from espn.encoders import ENCODER_SPECS, TRUST_REMOTE_CODE_HELP
 from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
 from espn.text.config import STEMMER_LANGUAGES
@@ -53,6 +54,7 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
     p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
     p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
     p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")
@@ -75,6 +77,10 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--first-stage", choices=FIRST_STAGE_KINDS, default=None,
                    help="candidate generator: ivf (the CLS vector), centroids (token-level centroid index) or "
                         "union (default: centroids for models without a trained CLS vector, else ivf)")
+    p.add_argument("--title-joiner", default=None, metavar="TEXT",
+                   help="what joins a BEIR title to its text in the passage the model reads (recorded in the "
+                        f"manifest; default {COLBERT_TITLE_JOINER!r} for colbert: models, as PyLate and Sentence "
+                        f"Transformers evaluate BEIR, {PASSAGE_JOINER!r} for the others)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--force", action="store_true", help="replace an existing index at --out")
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")

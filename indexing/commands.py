@@ -51,6 +51,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             num_shards=args.shard[1], partitions=args.partitions, device=args.device,
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
             text_index=None if args.no_text_index else text_config(args), first_stage=args.first_stage,
+            trust_remote_code=args.trust_remote_code, title_joiner=args.title_joiner,
         )
         with keeping_partial(args.out):
             manifest = build_index(config)

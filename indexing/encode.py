@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
 
-from espn.corpus import CorpusDocument, iter_corpus
+from espn.corpus import PASSAGE_JOINER, CorpusDocument, iter_corpus, passage_text
 from espn.encoders import Encoder
 from espn.errors import CorpusError, EspnError
 from espn.live.encoding import reorder_chunk
@@ -38,9 +38,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 log = logging.getLogger(__name__)
 
 
-def read_sample(corpus: Path, count: int, skip_bad: bool) -> list[str]:
-    """The first `count` documents' text: the sample a projection is fitted on (deterministic)."""
-    return [doc.full_text for doc in islice(iter_corpus(corpus, skip_bad=skip_bad), count)]
+def read_sample(corpus: Path, count: int, skip_bad: bool, joiner: str = PASSAGE_JOINER) -> list[str]:
+    """The first `count` documents' text (title and text joined by `joiner`): the sample a
+    projection is fitted on (deterministic)."""
+    return [passage_text(doc.title, doc.text, joiner) for doc in islice(iter_corpus(corpus, skip_bad=skip_bad), count)]
 
 
 def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
@@ -64,8 +65,9 @@ class _TokenisedChunks(IterableDataset):
     """Yields one dict per batch; the last item carries the corpus totals."""
 
     def __init__(self, corpus: Path, encoder: Encoder, chunk_size: int, batch_size: int,
-                 shard: int, num_shards: int, done: frozenset[int], skip_bad: bool) -> None:
-        self.corpus, self.encoder = corpus, encoder
+                 shard: int, num_shards: int, done: frozenset[int], skip_bad: bool,
+                 joiner: str = PASSAGE_JOINER) -> None:
+        self.corpus, self.encoder, self.joiner = corpus, encoder, joiner
         self.chunk_size, self.batch_size = chunk_size, batch_size
         self.shard, self.num_shards, self.done, self.skip_bad = shard, num_shards, done, skip_bad
 
@@ -92,7 +94,7 @@ class _TokenisedChunks(IterableDataset):
             total_chunks = index + 1
             if index % self.num_shards != self.shard or index in self.done:
                 continue
-            texts = [doc.full_text for doc in chunk]
+            texts = [passage_text(doc.title, doc.text, self.joiner) for doc in chunk]
             order = self.encoder.batch_order(texts)
             starts = range(0, len(order), self.batch_size)
             for number, start in enumerate(starts):
@@ -109,13 +111,15 @@ class _TokenisedChunks(IterableDataset):
 
 def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size: int = 1024, batch_size: int = 32,
                   shard: int = 0, num_shards: int = 1, skip_bad: bool = False, loader_workers: int = 1,
-                  progress: bool = True, total_documents: int | None = None) -> dict[str, int]:
+                  progress: bool = True, total_documents: int | None = None,
+                  joiner: str = PASSAGE_JOINER) -> dict[str, int]:
     """Write this shard's missing chunk files; returns {"documents": N, "chunks": C} of the whole corpus.
 
-    total_documents (from the scan pass) gives the progress bar its total and ETA.
+    total_documents (from the scan pass) gives the progress bar its total and ETA; joiner: what
+    joins a title to its text in the passage the encoder reads (the index's, recorded in its manifest).
     """
     done = frozenset(finished_chunks(work_dir))
-    dataset = _TokenisedChunks(corpus, encoder, chunk_size, batch_size, shard, num_shards, done, skip_bad)
+    dataset = _TokenisedChunks(corpus, encoder, chunk_size, batch_size, shard, num_shards, done, skip_bad, joiner)
     cuda = torch.cuda.is_available() and str(getattr(encoder, "device", "cpu")).startswith("cuda")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # fast tokenizers deadlock-warn after fork
     loader = DataLoader(dataset, batch_size=None, num_workers=loader_workers, pin_memory=cuda,

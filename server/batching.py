@@ -157,19 +157,34 @@ class MicroBatcher(Generic[R]):
 
     async def submit_many(self, queries: Sequence[str], params: Mapping[str, Any]) -> list[BatchedResult[R]]:
         """Search several queries with the same parameters; they may share batches with others.
+        The first query's failure, if any, is raised.
 
         With `fair_chunk`, a larger request queues one chunk at a time, behind whatever
         arrived while its previous chunk ran.
         """
+        results: list[BatchedResult[R]] = []
+        for outcome in await self.submit_each(queries, params, stop_at_failure=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(outcome)
+        return results
+
+    async def submit_each(self, queries: Sequence[str], params: Mapping[str, Any], *,
+                          stop_at_failure: bool = False) -> list[Union[BatchedResult[R], Exception]]:
+        """`submit_many`, with each query's failure in its place instead of raised (the others
+        answered). stop_at_failure: no further chunk is queued after a chunk with a failure."""
         chunk = self._fair_chunk
         if chunk is None or len(queries) <= chunk:
             return await self._submit_now(queries, params)
-        results: list[BatchedResult[R]] = []
+        outcomes: list[Union[BatchedResult[R], Exception]] = []
         for start in range(0, len(queries), chunk):
-            results += await self._submit_now(queries[start : start + chunk], params)
-        return results
+            outcomes += await self._submit_now(queries[start : start + chunk], params)
+            if stop_at_failure and any(isinstance(one, Exception) for one in outcomes):
+                break
+        return outcomes
 
-    async def _submit_now(self, queries: Sequence[str], params: Mapping[str, Any]) -> list[BatchedResult[R]]:
+    async def _submit_now(self, queries: Sequence[str],
+                          params: Mapping[str, Any]) -> list[Union[BatchedResult[R], Exception]]:
         if self._closing or self._dispatcher is None or self._dispatcher.done():
             raise BatcherClosedError("the search queue is closed")
         if self._pending + len(queries) > self._max_pending:
@@ -197,14 +212,15 @@ class MicroBatcher(Generic[R]):
         # (gather would add two loop turns to every answer); return_exceptions: a failed batch
         # must not leave the other futures' exceptions unretrieved.
         if len(futures) == 1:
-            return [await futures[0]]
+            try:
+                return [await futures[0]]
+            except Exception as exc:  # noqa: BLE001 - the caller decides (submit_many raises it)
+                return [exc]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        results: list[BatchedResult[R]] = []
         for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            results.append(outcome)
-        return results
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # a cancellation is the request's, not a query's
+        return list(outcomes)  # type: ignore[arg-type]  # Exceptions and results only, checked above
 
     async def close(self) -> None:
         """Stop taking queries, search everything already queued, wait for it."""

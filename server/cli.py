@@ -20,10 +20,8 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import types
 from pathlib import Path
 from typing import Any, Optional
@@ -35,6 +33,7 @@ from espn.live.status import read_only_reason
 
 from . import connections
 from .logs import logging_config
+from .metrics_dir import MetricsDir, remove_stale as remove_stale_metrics_dirs
 from .settings import ENV_PREFIX, ROUTER_ENV_PREFIX, RouterSettings, ServerSettings, settings_error_line
 from .settings_doc import add_flags, environment_help, settings_of
 
@@ -61,7 +60,7 @@ SERVE_GROUPS = (
                                 "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
     ("replication", ("publish", "publish_interval_s", "publish_keep", "follow", "follow_interval_s",
                      "snapshot_dir")),
-    ("operations", ("log_level", "warmup", "metrics_port")),
+    ("operations", ("log_level", "warmup", "metrics_port", "trust_remote_code")),
 )
 
 # The app factory, named by whatever name this package is installed under (espn_server).
@@ -225,17 +224,22 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     settings = _decide_read_only(settings)
     _announce(settings)
-    multiproc_dir: Optional[str] = None
+    multiproc_dir: Optional[MetricsDir] = None
     if (settings.workers > 1 or settings.metrics_port is not None) and MULTIPROC_ENV not in os.environ:
-        # Each worker writes its metric samples here; /metrics aggregates them all.
-        multiproc_dir = tempfile.mkdtemp(prefix="espn-metrics-")
-        os.environ[MULTIPROC_ENV] = multiproc_dir
+        # Each worker writes its metric samples here; /metrics aggregates them all. What a
+        # server killed with SIGKILL left in the temporary directory goes first.
+        removed = remove_stale_metrics_dirs()
+        if removed:
+            print(json.dumps({"event": "stale metric directories removed", "paths": [str(p) for p in removed]}),
+                  file=sys.stderr, flush=True)
+        multiproc_dir = MetricsDir()
+        os.environ[MULTIPROC_ENV] = str(multiproc_dir.path)
     try:
         return _serve(settings)
     finally:
         if multiproc_dir is not None:
             os.environ.pop(MULTIPROC_ENV, None)
-            shutil.rmtree(multiproc_dir, ignore_errors=True)
+            multiproc_dir.close()
 
 
 def _serve(settings: ServerSettings) -> int:

@@ -299,7 +299,9 @@ class SearchResponse(BaseModel):
 
 class QueryError(BaseModel):
     index: int = Field(description="the query's position in the request")
-    error: str = Field(description="invalid_query, or the code the query would have had alone")
+    error: str = Field(description="invalid_query (the query cannot be searched as given), internal_error (its "
+                       "search failed inside the server; the server's log has the traceback), or the code the "
+                       "query would have had alone")
     message: str
 
 
@@ -336,6 +338,9 @@ class ReadinessResponse(HealthResponse):
     partition: Optional[dict[str, Any]] = Field(
         default=None, description="which partition of how many this index is, and the rule that places ids "
                                   "(`index`, `count`, `by`); the router checks it before it sends a write")
+    trust_remote_code: Optional[bool] = Field(
+        default=None, description="whether the index's encoder runs Python code from its model directory (built and "
+                                  "served with --trust-remote-code)")
 
 
 class ErrorResponse(BaseModel):

@@ -5,7 +5,8 @@ public API only, and nothing of HTTP beyond the request's options.
 
 Every query goes through the micro-batcher (`batching.MicroBatcher`): concurrent requests
 of several parameter sets are tokenised and encoded in one batch, then each group is
-searched with its own parameters (a failure stays in its group).
+searched with its own parameters (a failure stays in its group, and a query the library
+refuses is that query's alone: `espn.search.isolation.search_each`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 from espn import Searcher
-from espn.errors import DocumentNotFoundError
+from espn.errors import DocumentNotFoundError, InvalidParameterError
 from espn.search.explain import can_explain
 from espn.filters import canonical_filter
 from espn.lease import LiveSearcher
 from espn.prefetch import PrefetchEstimates
+from espn.search.isolation import search_each
 from espn.search.lexical import require_text
 from espn.results import Document, QueryResult
 
@@ -37,26 +39,25 @@ from .metrics import ServerMetrics
 from .schemas import SearchOptions
 from .settings import ServerSettings
 
-__all__ = ["Answers", "QueriesRefused", "SearchService", "open_searcher"]
+__all__ = ["Answers", "SearchService", "open_searcher"]
 
 logger = logging.getLogger(__name__)
-
-
-class QueriesRefused(Exception):
-    """The search refused a batch of queries (InvalidParameterError) after the request's own checks passed."""
-
-    def __init__(self, cause: ValueError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 @dataclasses.dataclass(frozen=True)
 class Answers:
     """One request's results, in query order, with what the response needs beside them."""
 
-    results: list[BatchedResult[QueryResult]]
+    results: list[BatchedResult[QueryResult]]  # the answered queries, in query order
     documents: Optional[dict[str, Document]]  # the hits' passages, when return_text asked for them
     engine: str  # the reader's I/O engine, for a searcher whose stats do not name it
+    #: isolate: where each of `results` stands among the request's queries (empty: all of them, in order).
+    answered: list[int] = dataclasses.field(default_factory=list)
+    #: isolate: position -> the library's refusal of that query (its own, after the request's checks passed).
+    refused: dict[int, InvalidParameterError] = dataclasses.field(default_factory=dict)
+    #: isolate: positions whose search failed for another reason (a bug, a failed read): logged with
+    #: its traceback here, answered as that query's `internal_error` entry without the details.
+    failed: list[int] = dataclasses.field(default_factory=list)
 
 
 def open_searcher(settings: ServerSettings) -> Searcher:
@@ -64,7 +65,7 @@ def open_searcher(settings: ServerSettings) -> Searcher:
     # N workers x all cores each would oversubscribe the CPU; give each its share.
     torch.set_num_threads(settings.effective_torch_threads)
     return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
-                         reader_options=settings.reader_open_options())
+                         reader_options=settings.reader_open_options(), trust_remote_code=settings.trust_remote_code)
 
 
 def _mean_text_bytes(searcher: Searcher) -> float:
@@ -73,15 +74,26 @@ def _mean_text_bytes(searcher: Searcher) -> float:
     return size / max(1, searcher.num_documents)
 
 
-def _one_by_one(searcher: Searcher, queries: list[str], params: Mapping[str, Any]) -> list[Any]:
-    """Each query of a refused group searched alone: its result, or the exception for its own waiter."""
-    out: list[Any] = []
-    for query in queries:
-        try:
-            out += searcher.search([query], **params)
-        except ValueError as exc:
-            out.append(exc)
-    return out
+def _isolated(outcomes: list[BatchedResult[QueryResult] | Exception]
+              ) -> tuple[list[BatchedResult[QueryResult]], list[int], dict[int, InvalidParameterError], list[int]]:
+    """(results, their positions, refusals by position, failed positions) of a batch's outcomes.
+    A failure that is not the library's refusal (a bug, a failed read) is logged once with its
+    traceback, never shown to the client as a bad query nor turned into the whole batch's 500."""
+    results, answered, refused, failed = [], [], {}, []
+    logged: set[int] = set()
+    for i, one in enumerate(outcomes):
+        if isinstance(one, InvalidParameterError):
+            refused[i] = one
+        elif isinstance(one, Exception):
+            failed.append(i)
+            if id(one) not in logged:  # a group's failure reaches each of its queries: one log line
+                logged.add(id(one))
+                logger.error("internal error searching a batch's query %d: %s", i, one,
+                             exc_info=(type(one), one, one.__traceback__))
+        else:
+            results.append(one)
+            answered.append(i)
+    return results, answered, refused, failed
 
 
 class SearchService:
@@ -144,17 +156,17 @@ class SearchService:
         """Search `queries` with the request's options through the micro-batcher.
 
         The request holds the generation it started on (a newer one swapped in meanwhile leaves
-        it open until then). isolate: a refusal by the search itself (after the request's checks)
-        is raised as QueriesRefused, so a batch can tell it from a refusal of the request.
+        it open until then). isolate: a query the search itself refuses (InvalidParameterError,
+        after the request's checks) is kept in `Answers.refused` and the others are answered;
+        without it the refusal is raised (a 422 of the request). Any other failure is raised, or,
+        with isolate, logged with its traceback and kept in `Answers.failed`.
         """
         with self._lease() as searcher:
             kwargs = await self._checked_kwargs(searcher, len(queries), options, explain)
-            try:
-                results = await self.batcher.submit_many(queries, kwargs)
-            except ValueError as exc:  # InvalidParameterError of the search itself: a query's, not the request's
-                if not isolate:
-                    raise
-                raise QueriesRefused(exc) from exc
+            if isolate:
+                results, answered, refused, failed = _isolated(await self.batcher.submit_each(queries, kwargs))
+            else:
+                results, answered, refused, failed = await self.batcher.submit_many(queries, kwargs), [], {}, []
             engine = searcher.reader.engine
         documents: Optional[dict[str, Document]] = None
         if options.return_text:
@@ -162,7 +174,7 @@ class SearchService:
             documents = await asyncio.to_thread(self._documents, wanted)
         # The next loop turn: after this request's answer is written (the route sends it in this one).
         asyncio.get_running_loop().call_soon(self._observe_queries, results)
-        return Answers(results, documents, engine)
+        return Answers(results, documents, engine, answered, refused, failed)
 
     def _observe_queries(self, results: list[BatchedResult[QueryResult]]) -> None:
         for item in results:
@@ -262,22 +274,28 @@ class SearchService:
             if embeddings is not None and group_texts is not None:
                 rows = slice(start, start + len(group_texts))
                 start += len(group_texts)
+            shared = None if rows is None or embeddings is None else embeddings[rows]
+
+            def run(picked: list[int], queries: list[str] = queries, params: Mapping[str, Any] = params,
+                    shared: Any = shared) -> list[QueryResult]:
+                # The shared encode serves the whole group; a query searched alone encodes itself.
+                whole = len(picked) == len(queries)
+                return searcher.search([queries[i] for i in picked], embeddings=shared if whole else None, **params)
+
             try:
-                results = searcher.search(queries, embeddings=None if rows is None or embeddings is None else
-                                          embeddings[rows], **params)
-            except ValueError as exc:  # InvalidParameterError: one query's refusal is only that query's
-                outcomes.append(_one_by_one(searcher, queries, params) if len(queries) > 1 else exc)
-                continue
-            except Exception as exc:  # noqa: BLE001 - handed to this group's waiters
+                # One query's refusal is only that query's (its waiter gets it); the others are answered.
+                results: list[Any] = search_each(run, len(queries))
+            except Exception as exc:  # noqa: BLE001 - not a query's fault: handed to this group's waiters
                 outcomes.append(exc)
                 continue
-            if results and rows is not None:  # the shared encode, in this call's stage times
-                stage_ms = results[0].stats.stage_ms
+            answered = [r for r in results if not isinstance(r, BaseException)]
+            if len(answered) == len(queries) and rows is not None:  # the shared encode, in this call's stage times
+                stage_ms = answered[0].stats.stage_ms
                 stage_ms["encode"] = round(encode_ms, 3)
                 stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
-            if results:
-                stats = results[0].stats
-                measured.append((len(queries), stats.stage_ms, stats.waves, stats.waves_skipped))
+            if answered:
+                stats = answered[0].stats
+                measured.append((len(answered), stats.stage_ms, stats.waves, stats.waves_skipped))
             outcomes.append(results)
         if measured:
             self._measured.append((measured, searcher.reader.describe().get("record_cache"),

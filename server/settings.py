@@ -167,6 +167,9 @@ class ServerSettings(BaseSettings):
     metrics_port: Optional[int] = Field(
         None, ge=1, le=65535, description="serve /metrics on this port only, not on the API port; unset: on the API "
                                           "port")
+    trust_remote_code: bool = Field(False, description="open an index built with --trust-remote-code: run Python "
+                                                      "code from its model directory (without it such an index is "
+                                                      "refused at start-up, never asked about)")
 
     @field_validator("index")
     @classmethod

@@ -2,8 +2,11 @@
 
 It holds the group committer (espn.live.commit.GroupCommit over an espn.live LiveIndex),
 made at the first write (its encoder loads in its thread), and starts a compaction in a
-background thread once the policy asks for one. Routes get it through `deps.get_writes`
-and know nothing of the writer.
+background thread once the policy asks for one. It owns that thread: `close` (the app's
+lifespan, at shutdown) lets a running compaction finish and joins it before the committer
+publishes what was accepted and stops, then closes the writer, whose side indexes remove
+their work directories (`live/stage-text-*`). Routes get it through `deps.get_writes` and
+know nothing of the writer.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-from espn.errors import EspnError
+from espn.errors import EspnError, IndexLockedError
 from espn.lease import LiveSearcher
 from espn.live.checks import NewDocument, WriteLimits, WriteResult
 from espn.live.commit import GroupCommit, lower_priority
@@ -45,13 +48,22 @@ class WriteService:
 
         self.committer = GroupCommit(LiveIndex(settings.index, limits=self.limits), wait_s=settings.write_wait_s,
                                      nice=settings.write_nice, max_queued=settings.write_queue, on_publish=serve_it)
-        self._compacting = False
+        self._lock = threading.Lock()  # guards the compaction thread and `_closed`
+        self._compaction: threading.Thread | None = None
+        self._closed = False
 
     def warmup(self) -> None:
         """Load what the first write would (the document encoder: a second of CPU, more on a busy
         machine) and encode one passage, nothing published, so that the first write is as fast
-        as the next."""
+        as the next. Also removes what a stopped server left in live/ (a staging directory
+        whose owner is gone), when no other writer holds the lock at this moment (else that
+        writer's own recovery does it)."""
         self.committer.index.encode([NewDocument("warm-up", "a passage that warms the write path")])
+        try:
+            with self.committer.index.locked(0.0):  # taking the writer lock recovers what a dead writer left
+                pass
+        except IndexLockedError:
+            pass
 
     def submit(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> "concurrent.futures.Future[WriteResult]":
         """Queue one write; a bad one is refused here (InvalidParameterError), before it is queued."""
@@ -68,10 +80,14 @@ class WriteService:
         small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
         only for the swap. One compaction per index at a time: when another worker's is running,
         this one is one log line."""
-        if self._compacting or not self.policy.due(read_current(self.settings.index)):
-            return
-        self._compacting = True
-        threading.Thread(target=self._compact, name="espn-compact", daemon=True).start()
+        with self._lock:
+            if self._closed or (self._compaction is not None and self._compaction.is_alive()):
+                return
+            if not self.policy.due(read_current(self.settings.index)):
+                return
+            # Not a daemon: `close` joins it, so that the process never ends in the middle of a compaction.
+            self._compaction = threading.Thread(target=self._compact, name="espn-compact")
+            self._compaction.start()
 
     def _swap(self, run: Callable[[], int]) -> int:
         """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
@@ -90,8 +106,16 @@ class WriteService:
             logger.exception("compaction failed")
         finally:
             compactor.close()  # its side indexes' writers (a text engine's) go with it
-            self._compacting = False
 
     def close(self) -> None:
-        """Publish what was accepted, then stop the committer's threads."""
+        """Let a running compaction finish (its swap runs on the committer's thread) and join it,
+        publish what was accepted and stop the committer's threads, then close the writer (its
+        side indexes remove their work directories). Idempotent."""
+        with self._lock:
+            self._closed = True  # no compaction starts from now on
+            compaction = self._compaction
+        if compaction is not None and compaction.is_alive():
+            logger.info("waiting for the running compaction to finish")
+            compaction.join()
         self.committer.close()
+        self.committer.index.close()

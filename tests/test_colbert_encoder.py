@@ -41,8 +41,9 @@ HIDDEN = 32
 
 
 def _sample_passages() -> list[str]:
+    """The passages a ColBERT index encodes: title, a space, text (its default --title-joiner, PyLate's BEIR passage)."""
     rows = [json.loads(line) for line in SAMPLE.open()]
-    return [f"{row['title']}. {row['text']}" if row.get("title") else row["text"] for row in rows]
+    return [f"{row['title']} {row['text']}" if row.get("title") else row["text"] for row in rows]
 
 
 @pytest.fixture(scope="module")

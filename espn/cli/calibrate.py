@@ -27,7 +27,8 @@ log = logging.getLogger("espn")
 def cmd_calibrate(args: argparse.Namespace) -> int:
     options = reader_options(args)
     queries, qrels = read_queries(args.queries), read_qrels(args.qrels)
-    searcher = Searcher.open(args.index, reader=args.reader, reader_options=options)
+    searcher = Searcher.open(args.index, reader=args.reader, reader_options=options,
+                             trust_remote_code=args.trust_remote_code)
     queries = [(qid, text) for qid, text in queries if qid in qrels]
     if not queries:
         raise InvalidParameterError(f"--qrels {args.qrels}: no query of --queries has judgements in it")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..encoders import TRUST_REMOTE_CODE_HELP
 from ..evaluation import DEFAULT_MEASURES
 from ..search.hybrid import FUSIONS, MODES, HybridParams
 from ..text.query import SYNTAXES
@@ -47,6 +48,7 @@ def register_search(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", 
                    "query token's MaxSim contribution and the passage span it matched")
     p.add_argument("--filter", metavar="JSON", help='metadata filter every hit satisfies, e.g. '
                    '\'{"topic": "oceans", "year": {"gte": 2000}}\' (see espn.filters)')
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     add_search_params(p, readers)
     add_mode_params(p)
     p.set_defaults(handler=run_command)
@@ -92,6 +94,7 @@ def register_calibrate(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
                    "fusions 'mix' and 'zscore') instead of w, and make the best of mix, zscore and rrf the default "
                    "fusion; needs a full-text index")
     p.add_argument("--reader", choices=readers, help="embedding reader (default: kvikio with CUDA, else posix)")
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
     add_reader_options(p)
     p.set_defaults(handler=run_command)
 

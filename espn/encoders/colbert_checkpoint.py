@@ -5,24 +5,22 @@ encoder that runs them is `espn.encoders.colbert`, whose module doc describes bo
 from __future__ import annotations
 
 import dataclasses
-import json
 import string
 from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import parse_qsl
 
 import torch
-from safetensors.torch import load_file
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, RefusedInputError
+from ..untrusted import inside_root
+from .model_files import NOT_COPIED, check_remote_code, load_weights, model_file, read_model_json
 
 __all__ = ["ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "read_colbert_ai", "read_pylate",
-           "refuse_remote_code", "SETTING_NAMES", "WEIGHT_FILES", "NOT_COPIED", "COLBERT_AI_DEFAULTS", "PYLATE_DEFAULTS"]
+           "refuse_remote_code", "SETTING_NAMES", "SETTING_RANGES", "WEIGHT_FILES", "NOT_COPIED", "COLBERT_AI_DEFAULTS",
+           "PYLATE_DEFAULTS", "MIN_LENGTH", "MAX_PREFIX_CHARS", "MAX_SKIPLIST_WORDS", "MAX_SKIPLIST_WORD_CHARS"]
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-#: Files never needed to encode (other frameworks' weights, training state, exports).
-NOT_COPIED = ("*.onnx", "onnx", "openvino", "*.msgpack", "*.h5", "*.ot", "optimizer.pt", "scheduler.pt",
-               "training_args.bin", "rng_state*.pth", ".git", "*.md", "runs", "checkpoint-*")
 
 #: colbert-ai's ColBERTConfig defaults (colbert/infra/config/settings.py) for what artifact.metadata lacks.
 COLBERT_AI_DEFAULTS: dict[str, Any] = {
@@ -50,6 +48,28 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _DENSE_TYPES = ("pylate.models.Dense.Dense", "pylate.models.Dense", "sentence_transformers.models.Dense",
                 "sentence_transformers.models.Dense.Dense")
 _TRANSFORMER_TYPES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Transformer.Transformer")
+#: The fewest tokens a query or document may have: [CLS], the marker, [SEP].
+MIN_LENGTH = 3
+#: A marker is one token of the vocabulary ("[Q] ", "[unused0]"); its spelling is bounded.
+MAX_PREFIX_CHARS = 64
+#: The skiplist is punctuation by default (32 words); a longer list is a stop-word list at most.
+MAX_SKIPLIST_WORDS = 4096
+MAX_SKIPLIST_WORD_CHARS = 64
+#: The range of every setting, as `espn index --help` and the docs quote it. The lengths' upper
+#: bound is the backbone's: config.json's max_position_embeddings (or the tokenizer's
+#: model_max_length where lower); a query pads to query_length, so 10^9 would pad every query to
+#: 10^9 tokens.
+SETTING_RANGES = {
+    "query_prefix": f"a token of the tokenizer, at most {MAX_PREFIX_CHARS} characters (empty: no marker)",
+    "document_prefix": f"a token of the tokenizer, at most {MAX_PREFIX_CHARS} characters (empty: no marker)",
+    "query_length": f"an integer in [{MIN_LENGTH}, the backbone's max_position_embeddings]",
+    "document_length": f"an integer in [{MIN_LENGTH}, the backbone's max_position_embeddings]",
+    "do_query_expansion": "a boolean (1/0/true/false)",
+    "attend_to_expansion_tokens": "a boolean (1/0/true/false)",
+    "skiplist_words": f"comma-separated, at most {MAX_SKIPLIST_WORDS} words of at most "
+                      f"{MAX_SKIPLIST_WORD_CHARS} characters",
+    "do_lower_case": "a boolean (1/0/true/false)",
+}
 
 
 def checkpoint_format(path: str | Path) -> str | None:
@@ -81,10 +101,11 @@ def parse_spec(location: str) -> tuple[str, dict[str, Any]]:
 
 
 def _read_json(path: Path) -> Any:
+    """A JSON file of a checkpoint, bounded (espn.encoders.model_files) before it is parsed."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
+        return read_model_json(path, "colbert")
+    except OSError as exc:
+        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc.strerror or exc})") from None
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -98,14 +119,40 @@ def _as_bool(name: str, value: Any) -> bool:
     raise InvalidParameterError(f"{name} must be a boolean (1/0/true/false), got {value!r}")
 
 
-def _as_length(name: str, value: Any) -> int:
+def _as_length(name: str, value: Any, limit: int | None = None) -> int:
+    if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+        raise InvalidParameterError(f"{name} must be an integer, got {value!r}")
     try:
-        length = int(value)
+        length = int(str(value).strip()) if not isinstance(value, (int, float)) else int(value)
     except (TypeError, ValueError):
-        raise InvalidParameterError(f"{name} must be an integer, got {value!r}") from None
-    if length < 3:
-        raise InvalidParameterError(f"{name} must be >= 3 ([CLS], marker, [SEP]), got {length}")
+        raise InvalidParameterError(f"{name} must be an integer, got {str(value)[:40]!r}") from None
+    if length < MIN_LENGTH:
+        raise InvalidParameterError(f"{name} must be >= {MIN_LENGTH} ([CLS], marker, [SEP]), got {length}")
+    if limit is not None and length > limit:
+        raise InvalidParameterError(f"{name} must be in [{MIN_LENGTH}, {limit}] (the backbone's "
+                                    f"max_position_embeddings), got {length}")
     return length
+
+
+def _as_prefix(name: str, value: Any) -> str:
+    text = str(value)
+    if len(text) > MAX_PREFIX_CHARS:
+        raise InvalidParameterError(f"{name} must be a token of at most {MAX_PREFIX_CHARS} characters, "
+                                    f"got {len(text)} characters")
+    return text
+
+
+def _as_words(value: Any) -> tuple[str, ...]:
+    words = [w for w in value.split(",") if w] if isinstance(value, str) else value
+    if not isinstance(words, (list, tuple)):
+        raise InvalidParameterError(f"skiplist_words must be a list of words, got {type(words).__name__}")
+    if len(words) > MAX_SKIPLIST_WORDS:
+        raise InvalidParameterError(f"skiplist_words must hold at most {MAX_SKIPLIST_WORDS} words, got {len(words)}")
+    long = next((str(w) for w in words if len(str(w)) > MAX_SKIPLIST_WORD_CHARS), None)
+    if long is not None:
+        raise InvalidParameterError(f"skiplist_words: each word at most {MAX_SKIPLIST_WORD_CHARS} characters, "
+                                    f"got one of {len(long)}")
+    return tuple(str(w) for w in words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,24 +177,25 @@ class ColBERTSettings:
     strip: bool = False
 
     @classmethod
-    def resolve(cls, format: str, found: Mapping[str, Any], overrides: Mapping[str, Any]) -> "ColBERTSettings":
-        """The checkpoint's settings (`found`, in PyLate's names) with the user's `overrides` on top."""
+    def resolve(cls, format: str, found: Mapping[str, Any], overrides: Mapping[str, Any],
+                max_length: int | None = None) -> "ColBERTSettings":
+        """The checkpoint's settings (`found`, in PyLate's names) with the user's `overrides` on top,
+        each in its SETTING_RANGES range; max_length: the backbone's position limit (lengths above
+        it are refused)."""
         merged = {**found, **overrides}
-        words = merged.get("skiplist_words", list(string.punctuation))
-        if isinstance(words, str):
-            words = [w for w in words.split(",") if w]
+        words = _as_words(merged.get("skiplist_words", list(string.punctuation)))
         expansion = _as_bool("do_query_expansion", merged.get("do_query_expansion", True))
         return cls(
             format=format,
-            query_prefix=str(merged.get("query_prefix", "")),
-            document_prefix=str(merged.get("document_prefix", "")),
-            query_length=_as_length("query_length", merged.get("query_length", 32)),
-            document_length=_as_length("document_length", merged.get("document_length", 180)),
+            query_prefix=_as_prefix("query_prefix", merged.get("query_prefix", "")),
+            document_prefix=_as_prefix("document_prefix", merged.get("document_prefix", "")),
+            query_length=_as_length("query_length", merged.get("query_length", 32), max_length),
+            document_length=_as_length("document_length", merged.get("document_length", 180), max_length),
             do_query_expansion=expansion,
             # PyLate: "If we do not do query expansion, we do not attend to the expansion tokens".
             attend_to_expansion_tokens=expansion and _as_bool("attend_to_expansion_tokens",
                                                               merged.get("attend_to_expansion_tokens", False)),
-            skiplist_words=tuple(str(w) for w in words),
+            skiplist_words=words,
             skiplist_rule="encode" if format == "colbert-ai" else "token",
             do_lower_case=_as_bool("do_lower_case", merged.get("do_lower_case", False)),
             strip=format == "pylate",  # sentence-transformers strips each text before tokenising
@@ -177,24 +225,23 @@ class DenseLayer:
 
 
 def _load_state(directory: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `directory`'s model.safetensors or pytorch_model.bin (read without pickle code)."""
+    """The tensors of `directory`'s model.safetensors or pytorch_model.bin (read as data: a pickle
+    naming anything but tensors is refused in one line, espn.encoders.model_files)."""
     for name in WEIGHT_FILES:
-        path = directory / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
+        real = model_file(directory, name, "colbert")
+        if real is not None:
+            return load_weights(real, "colbert", name)
     raise InvalidParameterError(f"{directory}: no model.safetensors or pytorch_model.bin")
 
 
-def refuse_remote_code(directory: Path) -> None:
-    config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else None
-    if config is None:
+def refuse_remote_code(directory: Path, trust_remote_code: bool = False) -> bool:
+    """Refuse a backbone that needs its own code (an auto_map, a model_type transformers does not
+    ship) unless `trust_remote_code`; returns whether its code will run."""
+    if model_file(directory, "config.json", "colbert") is None:
         raise InvalidParameterError(f"{directory}: config.json missing; not a Hugging Face model directory")
-    if config.get("auto_map"):
-        raise InvalidParameterError(
-            f"{directory}: the backbone needs remote code (config.json auto_map {sorted(config['auto_map'])}); "
-            "espn loads only architectures transformers ships (BERT, ModernBERT, XLM-RoBERTa, ...)")
+    if not isinstance(_read_json(directory / "config.json"), dict):
+        raise RefusedInputError(f"colbert: refused, {directory / 'config.json'} is not a JSON object")
+    return check_remote_code(directory, trust_remote_code, "colbert")
 
 
 def read_colbert_ai(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
@@ -249,7 +296,8 @@ def read_pylate(path: Path) -> tuple[dict[str, Any], list[DenseLayer], Path]:
     backbone: Path | None = None
     chain: list[DenseLayer] = []
     for module in modules:
-        kind, where = str(module.get("type", "")), path / str(module.get("path", ""))
+        kind = str(module.get("type", ""))
+        where = inside_root(path, str(module.get("path", "")), f"colbert: {path / 'modules.json'}", RefusedInputError)
         if kind in _TRANSFORMER_TYPES and backbone is None and not chain:
             backbone = where
         elif kind in _DENSE_TYPES and backbone is not None:

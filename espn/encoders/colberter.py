@@ -41,10 +41,8 @@ downloaded at run time; a Hub name is fetched once by ``from_pretrained`` and
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -61,6 +59,7 @@ from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 from .colberter_checkpoint import (DISTILBERT_BASE_UNCASED, TOKENIZER_FILES, CheckpointError, ColBERTerModel,
                                    check_supported, distilbert_config, load_strict, read_checkpoint, read_config,
                                    resolve_checkpoint)
+from .model_files import check_tokenizer_files, copy_model_dir
 
 __all__ = [
     "ColBERTerEncoder",
@@ -229,13 +228,16 @@ class ColBERTerEncoder(Encoder):
             raise CheckpointError(f"{directory}: no tokenizer (tokenizer.json or vocab.txt); copy the tokenizer "
                                   "files of the checkpoint's base model (distilbert-base-uncased) there")
 
+        check_tokenizer_files(directory, "colberter")  # a file that is not a tokenizer: one line naming it
         # config.json is ColBERTer's, not a tokenizer's; transformers warns about its model_type.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            return DistilBertTokenizerFast.from_pretrained(str(directory), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{directory}: cannot load the tokenizer: {exc}") from exc
+            return DistilBertTokenizerFast.from_pretrained(str(directory), local_files_only=True,
+                                                           trust_remote_code=False)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{directory}: cannot load the tokenizer: {detail}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
 
@@ -408,11 +410,10 @@ class ColBERTerEncoder(Encoder):
 
     def save(self, directory: Path) -> None:
         """Copy config, weights and tokenizer files into `directory/model`: the index loads offline."""
-        target = Path(directory) / "model"
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", self.weights_file, *TOKENIZER_FILES):
-            if (self.source / name).is_file():
-                shutil.copy2(self.source / name, target / name)  # follows Hub-cache symlinks
+        names = {"config.json", self.weights_file, *TOKENIZER_FILES}
+        # Regular files only; a Hub-cache snapshot's links are followed into its blobs/, no further.
+        copy_model_dir(self.source, Path(directory) / "model", "colberter",
+                       keep=lambda relative: len(relative.parts) == 1 and relative.name in names)
 
     @classmethod
     def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "ColBERTerEncoder":

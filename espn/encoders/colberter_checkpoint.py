@@ -4,18 +4,17 @@ directory, or a Hub snapshot fetched at load). The encoder is `espn.encoders.col
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from huggingface_hub import snapshot_download
-from safetensors.torch import load_file
 from torch import nn
 from transformers import DistilBertConfig, DistilBertModel
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, RefusedInputError
+from .model_files import load_weights, model_file, read_model_json, scan_model_dir
 
 __all__ = ["CheckpointError", "ColBERTerModel", "DISTILBERT_BASE_UNCASED", "TOKENIZER_FILES", "check_supported",
            "distilbert_config", "load_strict", "read_checkpoint", "read_config", "resolve_checkpoint"]
@@ -90,13 +89,17 @@ class ColBERTerModel(nn.Module):
 
 
 def read_config(directory: Path) -> dict[str, Any]:
+    """config.json, after the directory's files are checked (kinds, links, sizes: espn.encoders.model_files)."""
     path = directory / "config.json"
-    if not path.is_file():
+    scan_model_dir(directory, "colberter")
+    if model_file(directory, "config.json", "colberter") is None:
         raise CheckpointError(f"{directory}: not a ColBERTer checkpoint (config.json missing)")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+        config = read_model_json(path, "colberter")
+    except RefusedInputError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return config
@@ -138,22 +141,11 @@ def check_supported(config: Mapping[str, Any], source: Path) -> None:
 def read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
     """The state dict of a checkpoint directory (safetensors preferred) and the file it came from."""
     for name in _WEIGHT_FILES:
-        path = directory / name
-        if not path.is_file():
+        real = model_file(directory, name, "colberter")
+        if real is None:
             continue
-        try:
-            if name.endswith(".safetensors"):
-
-                return dict(load_file(str(path), device="cpu")), name
-            # weights_only: a pickle checkpoint cannot run code while it loads.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 -- torch/safetensors raise many types for a bad file
-            raise CheckpointError(f"{path}: cannot read the checkpoint: {exc}") from exc
-        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-            state = state["state_dict"]
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{path}: expected a state dict of tensors")
-        return dict(state), name
+        # Read as data only: a pickle naming anything but tensors is refused in one line.
+        return load_weights(real, "colberter", name), name
     if (directory / "pytorch_model.bin.index.json").is_file() or (directory / "model.safetensors.index.json").is_file():
         raise CheckpointError(f"{directory}: sharded checkpoints are not supported; merge the shards into one file")
     raise CheckpointError(f"{directory}: no weights ({' or '.join(_WEIGHT_FILES)})")

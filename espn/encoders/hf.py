@@ -19,7 +19,6 @@ of similar length, so short queries are not padded to the longest.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -30,6 +29,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
 from .onnx import checked_query_graph
 from .weights import verify_model_files
 
@@ -99,25 +99,40 @@ class HFEncoder(Encoder):
         threads: int | None = None,
         cache_dir: Path | None = None,
         weights_sha256: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         """query_backend: "onnx" (ONNX Runtime, CPU), "torch", or "auto" (onnx on a CPU where
         onnxruntime is installed); threads: its intra-op threads (None: torch's setting when
         the first query is encoded); cache_dir: where its graph is cached (None: the default,
-        ~/.cache/espn/onnx); weights_sha256: the weights' hash when known (the manifest's)."""
+        ~/.cache/espn/onnx); weights_sha256: the weights' hash when known (the manifest's);
+        trust_remote_code: allow a model that needs its own Python code (`--trust-remote-code`);
+        without it such a directory is refused in one line, whatever stdin holds."""
         from transformers import AutoConfig, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a weight-loading bar per worker process is noise
 
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
+        if not self.model_dir.is_dir() or model_file(self.model_dir, "config.json", "hf") is None:
             raise InvalidParameterError(f"no Hugging Face model in {self.model_dir} (config.json missing)")
+        # Files, links, sizes, remote code, tokenizer and weights checked before transformers reads them.
+        #: Whether the model's own code runs (allowed by --trust-remote-code; in the manifest).
+        self.trust_remote_code = check_model_dir(self.model_dir, trust_remote_code, "hf")
         self.name = name or self.model_dir.name
         self.device = _auto_device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        with loading(self.model_dir, "the tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir),
+                                                           trust_remote_code=self.trust_remote_code)
         self._model: torch.nn.Module | None = None  # loaded on first use: see `model`
         self._model_lock = threading.Lock()
-        self.hidden = int(AutoConfig.from_pretrained(str(self.model_dir)).hidden_size)
+        with loading(self.model_dir, "the model configuration"):
+            self.hidden = int(AutoConfig.from_pretrained(str(self.model_dir),
+                                                         trust_remote_code=self.trust_remote_code).hidden_size)
+        limit = position_limit(read_model_json(self.model_dir / "config.json", "hf"), self.tokenizer)
+        for label, value in (("max_length", max_length), ("query_max_length", query_max_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= (limit or value):
+                raise InvalidParameterError(f"hf: {label} must be an integer in [1, {limit}] (the model's "
+                                            f"max_position_embeddings), got {value!r}")
         self.max_length = max_length
         self.query_max_length = query_max_length
         self.d_cls = self.hidden
@@ -146,11 +161,15 @@ class HFEncoder(Encoder):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
-                        bow_pooling: str = "tokens") -> "HFEncoder":
+                        bow_pooling: str = "tokens", trust_remote_code: bool = False) -> "HFEncoder":
         if path is None:
             return cls(default_model_dir(), bow_dim=bow_dim, device=device, name="all-MiniLM-L6-v2",
                        bow_pooling=bow_pooling)
-        return cls(Path(path), bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
+        # The default lengths, lowered to a model with fewer positions (a longer one is refused).
+        limit = _config_positions(Path(path))
+        return cls(Path(path), bow_dim=bow_dim, device=device, bow_pooling=bow_pooling,
+                   trust_remote_code=trust_remote_code, max_length=min(256, limit or 256),
+                   query_max_length=min(128, limit or 128))
 
     # -- tokenisation ----------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
@@ -232,7 +251,9 @@ class HFEncoder(Encoder):
                 if self._model is None:
                     from transformers import AutoModel
 
-                    self._model = AutoModel.from_pretrained(str(self.model_dir)).to(self.device).eval()
+                    with loading(self.model_dir, "the model"):
+                        model = AutoModel.from_pretrained(str(self.model_dir), trust_remote_code=self.trust_remote_code)
+                    self._model = model.to(self.device).eval()
         return self._model
 
     @property
@@ -378,20 +399,23 @@ class HFEncoder(Encoder):
             "bow_reduction": self.bow_reduction,
             "bow_pooling": self.bow_pooling,
             "weights_sha256": sha256_file(weights) if weights else None,
+            **({"trust_remote_code": True} if self.trust_remote_code else {}),
         }
 
     def save(self, directory: Path) -> None:
-        """Copy the model and tokenizer next to the projection: the index is self-contained."""
+        """Copy the model and tokenizer next to the projection: the index is self-contained. Regular
+        files only, links only within the model directory (espn.encoders.model_files); a model
+        that runs its own code (--trust-remote-code) takes its .py files along."""
         directory = Path(directory)
         (directory / "model").mkdir(parents=True, exist_ok=True)
-        for name in _MODEL_FILES:
-            if (self.model_dir / name).is_file():
-                shutil.copy2(self.model_dir / name, directory / "model" / name)
+        copy_model_dir(self.model_dir, directory / "model", "hf", keep=lambda relative: len(relative.parts) == 1 and (
+            relative.name in _MODEL_FILES or (self.trust_remote_code and relative.suffix == ".py")))
         if self.projection is not None:
             np.save(directory / "projection.npy", self.projection)
 
     @classmethod
-    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None) -> "HFEncoder":
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
+             trust_remote_code: bool = False) -> "HFEncoder":
         directory = Path(directory)
         projection = np.load(directory / config["projection"]) if config.get("projection") else None
         return cls(
@@ -404,7 +428,17 @@ class HFEncoder(Encoder):
             name=config.get("name"),
             bow_pooling=str(config.get("bow_pooling", "tokens")),
             weights_sha256=config.get("weights_sha256"),
+            trust_remote_code=trust_remote_code,
         )
+
+
+def _config_positions(model_dir: Path) -> int | None:
+    """config.json's max_position_embeddings (bounded read), None where absent or unreadable (the
+    constructor then says why)."""
+    if not model_dir.is_dir() or model_file(model_dir, "config.json", "hf") is None:
+        return None
+    config = read_model_json(model_dir / "config.json", "hf")
+    return position_limit(config) if isinstance(config, dict) else None
 
 
 def _batch_key(tokens: Mapping[str, Any]) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from espn.corpus import passage_line, passage_text
+from espn.corpus import PASSAGE_JOINER, passage_line, passage_text
 from espn.encoders import DocumentEmbeddings, Encoder
 
 __all__ = ["EncodedDocuments", "encode_documents", "reorder_chunk"]
@@ -54,10 +54,11 @@ class EncodedDocuments:
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
-                     batch_size: int = 32) -> EncodedDocuments:
+                     batch_size: int = 32, joiner: str = PASSAGE_JOINER) -> EncodedDocuments:
     """Encode (id, title, text, metadata) documents in this thread, in memory: the online write
-    path (no corpus or chunk files). Batches are bucketed by length as in the build."""
-    texts = [passage_text(title, text) for _, title, text, _ in documents]
+    path (no corpus or chunk files). Batches are bucketed by length as in the build; a title
+    joins its text with `joiner`, the index's (`espn.corpus.index_title_joiner`)."""
+    texts = [passage_text(title, text, joiner) for _, title, text, _ in documents]
     order = encoder.batch_order(texts)
     parts = []
     for start in range(0, len(order), batch_size):

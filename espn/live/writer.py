@@ -44,6 +44,7 @@ from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
 from espn.errors import IndexLockedError, InvalidParameterError, ReadOnlyIndexError
 from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json_atomic
+from espn.corpus import index_title_joiner
 from espn.index import read_manifest
 from espn.partitioning import PartitionLayout
 from espn.generations import LIVE_DIR, Generation, TombstoneFile, read_current
@@ -77,7 +78,10 @@ class IndexWriter:
                  side_indexes: Sequence[SideIndex] = ()) -> None:
         self.root = Path(root).absolute()
         # read_manifest: a clear error for a path that is no index
-        self.partition = PartitionLayout.from_manifest(read_manifest(self.root))
+        manifest = read_manifest(self.root)
+        self.partition = PartitionLayout.from_manifest(manifest)
+        # How a title joins its text, as the build encoded the index's passages (manifest `passage`).
+        self.title_joiner = index_title_joiner(manifest)
         self._encoder = encoder
         self.limits = limits
         self.side_indexes = list(side_indexes)
@@ -203,7 +207,7 @@ class IndexWriter:
         if not documents:
             return None
         return encode_documents(self.encoder(), [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
-                                batch_size)
+                                batch_size, joiner=self.title_joiner)
 
     def publish(self, requests: Sequence[WriteRequest], encoded: Sequence[EncodedDocuments | None],
                 wait_s: float = 0.0) -> list[WriteResult | Exception]:

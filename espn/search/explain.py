@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..corpus import PASSAGE_JOINER, passage_text
+from ..corpus import PASSAGE_JOINER, index_title_joiner, passage_text
 from ..encoders import Encoder, QueryEmbeddings
 from ..encoders.base import VectorSpans
 from ..errors import InvalidParameterError
@@ -44,15 +44,16 @@ def can_explain(encoder: Encoder | None) -> None:
             f"explain: this index's encoder ({kind}) cannot map its vectors back to text; search without explain")
 
 
-def passage_spans(title: str, text: str, spans: Sequence[tuple[int, int]]) -> tuple[PassageSpan, ...]:
-    """Spans in the encoded passage (`passage_text(title, text)`) -> spans of its fields.
+def passage_spans(title: str, text: str, spans: Sequence[tuple[int, int]],
+                  joiner: str = PASSAGE_JOINER) -> tuple[PassageSpan, ...]:
+    """Spans in the encoded passage (`passage_text(title, text, joiner)`, `joiner` the index's) -> spans of its fields.
 
     A span is placed in the field where it starts and clipped to it (tokenizers never join
     characters across the joiner's punctuation and space, so clipping is a safeguard).
     """
     if not title:
         return tuple(PassageSpan("text", start, min(end, len(text))) for start, end in spans)
-    joiner_start, text_start = len(title), len(title) + len(PASSAGE_JOINER)
+    joiner_start, text_start = len(title), len(title) + len(joiner)
     out = []
     for start, end in spans:
         if start < joiner_start:
@@ -133,8 +134,9 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
         vectors, row_docs = vectors.cpu(), records.docs.copy()
         rows = records.rows_of(numbers)
     stored = [context.docs.get(int(number)) for number in docs]  # (title, text) per unique document
+    joiner = index_title_joiner(context.manifest)  # the passages as the encoder read them
     with context.tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
-        passages = [passage_text(title, text) for title, text in stored]
+        passages = [passage_text(title, text, joiner) for title, text in stored]
         doc_spans = encoder.vector_spans(passages)
         query_spans = encoder.vector_spans(list(queries), is_query=True)
         query_labels = encoder.vector_labels(list(queries), is_query=True)
@@ -175,7 +177,7 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
                 similarity=similarity,
                 contribution=similarity * scale,
                 vector=vector,
-                spans=passage_spans(title, text, spans[vector]) if vector >= 0 else (),
+                spans=passage_spans(title, text, spans[vector], joiner) if vector >= 0 else (),
                 kind=kind,
             )
             for q_span, (kind, label), similarity, vector in zip(q_spans, labels, similarities, vector_ids)

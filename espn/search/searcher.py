@@ -93,7 +93,7 @@ class Searcher:
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
              with_encoder: bool = True, early_rerank: bool | None = None,
              reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
-             filter_cache_bytes: int = 512 << 20) -> "Searcher":
+             filter_cache_bytes: int = 512 << 20, trust_remote_code: bool = False) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
 
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
@@ -103,17 +103,25 @@ class Searcher:
         (`espn.prefetch.PrefetchModel`: reads the scan still to come hides, less the wave's
         own costs) is at least this (0: always).
         filter_cache_bytes: budget of the compiled-filter cache (masks and sub-indexes).
+        trust_remote_code: let an index built with --trust-remote-code run its model's code
+        (espn.encoders.load_encoder refuses it otherwise).
         """
         view = open_view(path, verify=verify)
         try:
             index = view.base
-            encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device) if with_encoder else None
+            encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device,
+                                   trust_remote_code=trust_remote_code) if with_encoder else None
             return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
                        reader_options=reader_options, min_hidden_ms=min_hidden_ms,
                        filter_cache_bytes=filter_cache_bytes, view=view, token=current_token(Path(path)))
         except BaseException:
             view.close()
             raise
+
+    def published_token(self) -> tuple[int, int]:
+        """The token of the generation published now (one stat of live/CURRENT); `refresh` opens
+        a newer Searcher when it differs from this one's. This one's own without a live index."""
+        return current_token(self.view.root) if self.view is not None else self._token
 
     def refresh(self) -> "Searcher | None":
         """A Searcher over the live index's newest generation, sharing this one's encoder, or None

@@ -40,6 +40,7 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
         mode=None if searcher is None else "read-only" if state.read_only else "read-write",
         replication=state.replication(),
         partition=PartitionLayout.from_manifest(searcher.manifest).to_json() if searcher is not None else None,
+        trust_remote_code=None if searcher is None else searcher.manifest["encoder"].get("trust_remote_code") is True,
     ).model_dump(mode="json", exclude_none=True)
     if state.ready:
         return JSONResponse(body)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from espn.errors import InvalidParameterError
 from espn.params import has_text
 from espn.results import Document, QueryResult
 
@@ -30,7 +31,7 @@ from ..schemas import (
     SearchResponse,
     SearchStatsModel,
 )
-from ..search_service import QueriesRefused, SearchService
+from ..search_service import SearchService
 
 router = APIRouter(prefix="/v1/search", tags=["search"])
 
@@ -64,7 +65,7 @@ async def search(body: SearchRequest, request: Request, service: SearchService =
 
 async def search_one(service: SearchService, request: Request, body: SearchRequest) -> Response:
     """The route's work, also run by `server.search_fast_path` for the requests it takes."""
-    (response,) = await _search(service, request, [body.query], body, explain=bool(body.explain))
+    (response,), _, _ = await _search(service, request, [body.query], body, explain=bool(body.explain))
     return _json(response)
 
 
@@ -74,7 +75,9 @@ async def search_batch(
     body: BatchSearchRequest, request: Request, service: SearchService = Depends(get_search)
 ) -> Response:
     """One query's failure is that query's: a blank or too long text, or one the search
-    refuses, is an entry of `errors`; every other query is answered."""
+    refuses, is an `invalid_query` entry of `errors`; a failure that is not a refusal (a bug, a
+    failed read) is an `internal_error` entry, its traceback in the server's log; every other
+    query is answered."""
     limit = service.settings.max_batch_queries
     if len(body.queries) > limit:
         raise ApiError(422, f"queries: at most {limit} queries per batch, got {len(body.queries)}",
@@ -83,19 +86,20 @@ async def search_batch(
               for i, problem in enumerate(map(_text_problem, body.queries)) if problem is not None]
     failed = {e.index for e in errors}
     rows = [i for i in range(len(body.queries)) if i not in failed]
-    answered: list[tuple[int, SearchResponse]] = []
+    responses: list[SearchResponse] = []
     if not rows:  # no text to search: the request's own parameters are still checked
         await service.check(body)
     else:
-        try:
-            answered = list(zip(rows, await _search(service, request, [body.queries[i] for i in rows], body,
-                                                    isolate=True)))
-        except QueriesRefused:  # some query's fault: searched alone, each answers for itself
-            answered, refused = await _search_alone(service, request, body, rows)
-            errors += refused
-    for i, response in answered:
-        response.index = i
-    return _json(BatchSearchResponse(responses=[r for _, r in answered], errors=sorted(errors, key=lambda e: e.index)))
+        # The library searches each query alone when it refuses the batch (espn.search.isolation):
+        # a refused query is that query's entry of `errors`, the others are answered.
+        responses, refused, failed = await _search(service, request, [body.queries[i] for i in rows], body,
+                                                   rows=rows)
+        errors += [QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {exc}")
+                   for i, exc in refused.items()]
+        errors += [QueryError(index=i, error="internal_error", message=f"queries[{i}]: the search failed inside the "
+                              "server (not the query's fault); its traceback is in the server's log, retry or report it")
+                   for i in failed]
+    return _json(BatchSearchResponse(responses=responses, errors=sorted(errors, key=lambda e: e.index)))
 
 
 def _text_problem(query: str) -> Optional[str]:
@@ -107,29 +111,30 @@ def _text_problem(query: str) -> Optional[str]:
     return None
 
 
-async def _search_alone(service: SearchService, request: Request, body: BatchSearchRequest,
-                        rows: list[int]) -> tuple[list[tuple[int, SearchResponse]], list[QueryError]]:
-    answered, errors = [], []
-    for i in rows:
-        try:
-            (response,) = await _search(service, request, [body.queries[i]], body, isolate=True)
-        except QueriesRefused as refused:
-            errors.append(QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {refused.cause}"))
-            continue
-        answered.append((i, response))
-    return answered, errors
-
-
 async def _search(service: SearchService, request: Request, queries: Sequence[str], options: SearchOptions,
-                  explain: bool = False, isolate: bool = False) -> list[SearchResponse]:
-    """The queries searched by the service, as responses; the request's log line names its batch sizes."""
+                  explain: bool = False, rows: Optional[Sequence[int]] = None
+                  ) -> tuple[list[SearchResponse], dict[int, InvalidParameterError], list[int]]:
+    """The queries searched by the service, as responses; the request's log line names its batch
+    sizes. rows (a batch: each query's position in the request): a query the search refuses is
+    isolated, returned by its row beside the responses of the others, whose `index` is their row;
+    so is a query whose search failed otherwise (its row in the list returned last)."""
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
-    answers = await service.search(queries, options, explain=explain, isolate=isolate)
-    responses = [_to_response(query, item, answers.documents, answers.engine)
-                 for query, item in zip(queries, answers.results)]
+    answers = await service.search(queries, options, explain=explain, isolate=rows is not None)
+    refused: dict[int, InvalidParameterError] = {}
+    failed: list[int] = []
+    if rows is not None:
+        responses = [_to_response(queries[at], item, answers.documents, answers.engine)
+                     for at, item in zip(answers.answered, answers.results)]
+        for at, response in zip(answers.answered, responses):
+            response.index = rows[at]
+        refused = {rows[at]: exc for at, exc in answers.refused.items()}
+        failed = [rows[at] for at in answers.failed]
+    else:
+        responses = [_to_response(query, item, answers.documents, answers.engine)
+                     for query, item in zip(queries, answers.results)]
     batch_sizes = sorted({item.batch_size for item in answers.results})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
-    return responses
+    return responses, refused, failed
 
 
 def _to_response(query: str, item: BatchedResult[QueryResult], documents: Optional[dict[str, Document]],

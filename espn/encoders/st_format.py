@@ -1,0 +1,69 @@
+"""Which checkpoints are Sentence Transformers 6's own MultiVectorEncoder saves (read without loading them).
+
+Kept apart from `espn.encoders.multivector` (which loads the library and the model) so that the
+encoder registry can route a spec without importing either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameterError
+
+__all__ = ["is_sentence_transformers_save", "OWN_LOADER_TYPES"]
+
+#: The modules.json types espn's own PyLate loader (espn.encoders.colbert_checkpoint) runs: a
+#: Transformer, then Dense modules. A chain with anything else goes to Sentence Transformers.
+OWN_LOADER_TYPES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Transformer.Transformer",
+                    "pylate.models.Dense.Dense", "pylate.models.Dense", "sentence_transformers.models.Dense",
+                    "sentence_transformers.models.Dense.Dense")
+#: config_sentence_transformers.json and modules.json are a few hundred bytes; a larger one is no save of ours.
+_MAX_JSON_BYTES = 1 << 20
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as file:
+            raw = file.read(_MAX_JSON_BYTES + 1)
+        if len(raw) > _MAX_JSON_BYTES:
+            raise InvalidParameterError(f"{path}: larger than {_MAX_JSON_BYTES} bytes; not a model configuration")
+        return json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from None
+
+
+def is_sentence_transformers_save(path: str | Path) -> bool:
+    """Whether `path` is a multi-vector checkpoint for Sentence Transformers 6 to load:
+
+    - its own MultiVectorEncoder format: `"model_type": "MultiVectorEncoder"` in
+      config_sentence_transformers.json, or a modules.json naming a
+      `sentence_transformers.multi_vector_encoder` module (the MultiVectorMask, a token pooling);
+    - a ColBERT modules.json chain (it has a Dense module) with a module other than the
+      Transformer -> Dense chain espn's own PyLate loader runs (OWN_LOADER_TYPES).
+
+    Never a single-vector save (a config_sentence_transformers.json `model_type` other than
+    MultiVectorEncoder or PyLate's ColBERT), which the library would extend with a random projection,
+    and never a colbert-ai checkpoint (artifact.metadata), which espn's own loader reads."""
+    path = Path(path)
+    if (path / "artifact.metadata").is_file():
+        return False
+    st_config = path / "config_sentence_transformers.json"
+    if st_config.is_file():
+        found = _read_json(st_config)
+        kind = found.get("model_type") if isinstance(found, dict) else None
+        if kind == "MultiVectorEncoder":
+            return True
+        if kind is not None and kind != "ColBERT":
+            return False
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return False
+    found = _read_json(modules)
+    if not isinstance(found, list):
+        return False
+    types = [str(m.get("type", "")) for m in found if isinstance(m, dict)]
+    if any(t.startswith("sentence_transformers.multi_vector_encoder.") for t in types):
+        return True
+    return any(t.split(".")[-1] == "Dense" for t in types) and any(t not in OWN_LOADER_TYPES for t in types)
