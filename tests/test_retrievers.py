@@ -35,7 +35,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 AUTH = {"Authorization": f"Bearer {CLIENT_API_KEY}"}
 QUERY = "what causes ocean tides"
 #: One filter in espn's language and in each framework's.
-ESPN_FILTER = {"and": [{"topic": {"in": ["oceans", "weather"]}}, {"year": {"gte": 2000}}]}
+METADATA_FILTER = {"and": [{"topic": {"in": ["oceans", "weather"]}}, {"year": {"gte": 2000}}]}
 LLAMA_FILTERS = MetadataFilters(filters=[MetadataFilter(key="topic", operator=FilterOperator.IN,
                                                         value=["oceans", "weather"]),
                                          MetadataFilter(key="year", operator=FilterOperator.GTE, value=2000)],
@@ -118,12 +118,12 @@ def _langchain_rows(documents: list[Any]) -> list[dict]:
 
 
 def test_langchain_returns_what_http_returns(url: str, raw: httpx.Client) -> None:
-    retriever = espn_langchain.EspnRetriever.from_url(url, api_key=CLIENT_API_KEY, k=5, filter=ESPN_FILTER)
-    assert _langchain_rows(retriever.invoke(QUERY)) == expected(raw, 5, ESPN_FILTER)
+    retriever = espn_langchain.EspnRetriever.from_url(url, api_key=CLIENT_API_KEY, k=5, filter=METADATA_FILTER)
+    assert _langchain_rows(retriever.invoke(QUERY)) == expected(raw, 5, METADATA_FILTER)
     # Per call: k, the filter, explain and any search parameter pass through.
     assert _langchain_rows(retriever.invoke(QUERY, k=3, filter=None, explain=True, mode="hybrid")) == expected(
         raw, 3, explain=True, mode="hybrid")
-    assert _langchain_rows(asyncio.run(retriever.ainvoke(QUERY, nprobe=2))) == expected(raw, 5, ESPN_FILTER, nprobe=2)
+    assert _langchain_rows(asyncio.run(retriever.ainvoke(QUERY, nprobe=2))) == expected(raw, 5, METADATA_FILTER, nprobe=2)
     only_sync = espn_langchain.EspnRetriever(client=Client(url, api_key=CLIENT_API_KEY), k=2, fetch_metadata=False,
                                              return_text=False)
     documents = asyncio.run(only_sync.ainvoke(QUERY))  # LangChain's default: the sync search in a thread
@@ -141,7 +141,7 @@ def test_llama_index_returns_what_http_returns(url: str, raw: httpx.Client) -> N
     client, async_client = Client(url, api_key=CLIENT_API_KEY), AsyncClient(url, api_key=CLIENT_API_KEY)
     retriever = espn_llama_index.EspnRetriever(client, async_client=async_client, similarity_top_k=5,
                                                filters=LLAMA_FILTERS)
-    want = expected(raw, 5, ESPN_FILTER)
+    want = expected(raw, 5, METADATA_FILTER)
     assert _llama_rows(retriever.retrieve(QUERY)) == want
     assert _llama_rows(asyncio.run(retriever.aretrieve(QUERY))) == want
     explained = espn_llama_index.EspnRetriever(client, similarity_top_k=3, explain=True,
@@ -179,7 +179,7 @@ def _haystack_rows(documents: list[Any]) -> list[dict]:
 def test_haystack_returns_what_http_returns(url: str, raw: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ESPN_API_KEY", CLIENT_API_KEY)  # the default Secret reads it
     retriever = espn_haystack.EspnRetriever(url=url, top_k=5, filters=HAYSTACK_FILTERS)
-    want = expected(raw, 5, ESPN_FILTER)
+    want = expected(raw, 5, METADATA_FILTER)
     assert _haystack_rows(retriever.run(query=QUERY)["documents"]) == want
     assert _haystack_rows(asyncio.run(retriever.run_async(query=QUERY))["documents"]) == want
     # Run-time filters replace the component's (FilterPolicy.REPLACE); top_k per run.
