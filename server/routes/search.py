@@ -84,21 +84,21 @@ async def search_batch(
                        code="invalid_request")
     errors = [QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {problem}")
               for i, problem in enumerate(map(_text_problem, body.queries)) if problem is not None]
-    failed = {e.index for e in errors}
-    rows = [i for i in range(len(body.queries)) if i not in failed]
+    unsearchable = {e.index for e in errors}
+    rows = [i for i in range(len(body.queries)) if i not in unsearchable]
     responses: list[SearchResponse] = []
     if not rows:  # no text to search: the request's own parameters are still checked
         await service.check(body)
     else:
         # The library searches each query alone when it refuses the batch (espn.search.isolation):
         # a refused query is that query's entry of `errors`, the others are answered.
-        responses, refused, failed = await _search(service, request, [body.queries[i] for i in rows], body,
+        responses, refused, broken = await _search(service, request, [body.queries[i] for i in rows], body,
                                                    rows=rows)
         errors += [QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {exc}")
                    for i, exc in refused.items()]
         errors += [QueryError(index=i, error="internal_error", message=f"queries[{i}]: the search failed inside the "
                               "server (not the query's fault); its traceback is in the server's log, retry or report it")
-                   for i in failed]
+                   for i in broken]
     return _json(BatchSearchResponse(responses=responses, errors=sorted(errors, key=lambda e: e.index)))
 
 
