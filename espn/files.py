@@ -106,8 +106,8 @@ def lock_is_free(path: Path, unlink: bool = False) -> bool:
 def remove_path(path: Path) -> None:
     """Remove a file or a tree; gone already is fine (a staging directory's owner removes it
     itself, without the writer lock, between a listing of its parent and this call)."""
-    try:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:  # a symbolic link is unlinked, never followed (rmtree refuses one; its target is not ours)
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     except FileNotFoundError:
         pass
 

@@ -42,22 +42,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from .errors import IndexCorruptError
-from .files import sha256_file
+from .files import lock_is_free, sha256_file
 from .index import IndexDirectory, read_manifest
 from .metadata import MetadataColumns, schema_of
+from .untrusted import load_json, read_bounded
 
 __all__ = [
     "LIVE_DIR",
     "CURRENT",
     "GENERATION_FORMAT",
+    "MAX_RECORD_BYTES",
+    "MAX_CURRENT_BYTES",
+    "RECORD_NAME",
     "SEGMENT_FILES",
     "ByteRange",
     "SegmentInfo",
@@ -67,6 +72,8 @@ __all__ = [
     "current_token",
     "read_current",
     "read_generation",
+    "record_number",
+    "check_recorded",
     "held_generation",
     "hold_current",
     "read_tombstones",
@@ -79,6 +86,16 @@ CURRENT = "CURRENT"
 GENERATION_FORMAT = 2
 #: Files of a delta segment (its records live in the base's embeddings.bin).
 SEGMENT_FILES = ("ann.faiss", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
+#: The most bytes a generation record (live/gen-N.json, or one on object storage with its
+#: pieces) may hold before it is parsed: a record lists files (about 150 bytes each), so this is
+#: room for some 100,000 of them, and parsing it costs a bounded ~100 MB at worst.
+MAX_RECORD_BYTES = 16 << 20
+#: The most bytes live/CURRENT (and LATEST on object storage) may hold: one record name.
+MAX_CURRENT_BYTES = 1024
+#: What live/CURRENT and LATEST may name: a generation record, gen-NNNNNN.json.
+RECORD_NAME = re.compile(r"gen-(\d{6})\.json\Z")
+# What live/ holds that belongs to a generation (records, bases, segments, side indexes, tombstones).
+_NUMBERED = re.compile(r"(?:gen|base|seg|text|tomb)-(\d{6})(?:\.json|\.npy)?\Z")
 
 
 
@@ -255,23 +272,105 @@ def current_token(root: Path) -> tuple[int, int]:
 
 
 def read_current(root: Path | str) -> Generation:
-    """The published generation (generation 0 when the index was never written to)."""
+    """The published generation (generation 0 when the index was never written to).
+
+    live/CURRENT is read as data from outside: a regular file of at most MAX_CURRENT_BYTES
+    naming a record (`gen-NNNNNN.json`), never a path. Without it the index is generation 0
+    only when that can be true: a `live/` holding a record past the first (`gen-000002.json`
+    or later, which a writer commits only after CURRENT exists) means CURRENT was lost, and
+    generation 0 would drop every write since the build: IndexCorruptError instead (the
+    writer's crash recovery would otherwise remove those writes' files)."""
     root = Path(root)
-    current = root / LIVE_DIR / CURRENT
-    if not current.is_file():
+    live = root / LIVE_DIR
+    current = live / CURRENT
+    try:
+        raw = read_bounded(current, str(current), max_bytes=MAX_CURRENT_BYTES, error=IndexCorruptError)
+    except IndexCorruptError:
+        if os.path.lexists(current):
+            raise
+        later = [name for name in _numbered(live) if name.startswith("gen-") and int(name[4:10]) > 1]
+        if later:
+            raise IndexCorruptError(f"{current}: missing, but live/ holds {later[-1]} (written after a CURRENT "
+                                    "existed): the generation recorded is lost, and generation 0 would drop every "
+                                    "write since the build; restore the index from a snapshot or object storage")
         return _generation_zero(root)
-    name = current.read_text().strip()
-    return read_generation(root / LIVE_DIR / name)
+    name = raw.decode("utf-8", "replace").strip()
+    if not RECORD_NAME.match(name):
+        raise IndexCorruptError(f"{current}: names {name[:80]!r}, not a generation record (gen-NNNNNN.json)")
+    return read_generation(live / name)
+
+
+def record_number(name: str) -> int | None:
+    """N of a record name gen-NNNNNN.json, None for any other name."""
+    match = RECORD_NAME.match(name)
+    return int(match[1]) if match else None
+
+
+def check_recorded(root: Path | str) -> Generation:
+    """The current generation, checked to be the one the index records (what `espn verify`
+    and a restore from a snapshot check, stricter than `read_current`): without live/CURRENT,
+    live/ holds no generation record or generation file at all (not even the first write's,
+    which only a crash between its record and CURRENT leaves, and the next writer removes);
+    with it, no record newer than the one it names. IndexCorruptError in one line otherwise."""
+    root = Path(root)
+    live = root / LIVE_DIR
+    if os.path.islink(live):
+        raise IndexCorruptError(f"{live}: refused, a symbolic link (links are not followed)")
+    generation = read_current(root)
+    numbered = _numbered(live)
+    newer = [name for name in numbered if name.startswith("gen-") and int(name[4:10]) > generation.number]
+    if generation.number == 0 and numbered:
+        problem = (f"{live / CURRENT}: missing, but live/ holds {numbered[-1]}: either the generation recorded is "
+                   "lost (generation 0 would drop every write since the build) or a first write crashed before "
+                   "it was published (the next writer removes it)")
+    elif newer:
+        problem = (f"{live / CURRENT}: names generation {generation.number}, but live/ holds {newer[-1]}, a newer "
+                   "record: CURRENT was set back, or a write crashed before it was published (the next writer "
+                   "removes it)")
+    else:
+        return generation
+    if _writer_active(live):
+        return generation  # a writer is publishing: its record comes before CURRENT moves
+    raise IndexCorruptError(problem)
+
+
+def _writer_active(live: Path) -> bool:
+    """Whether a writer holds live/LOCK now (only a regular file is opened: a FIFO would hang)."""
+    try:
+        if not stat.S_ISREG(os.lstat(live / "LOCK").st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    return not lock_is_free(live / "LOCK")
+
+
+def _numbered(live: Path) -> list[str]:
+    """The names in live/ that belong to a generation, sorted by number ([] without live/)."""
+    try:
+        names = os.listdir(live)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(int(match[1]), name) for name in names if (match := _NUMBERED.match(name))]
+    return [name for _, name in sorted(found)]
 
 
 def read_generation(path: Path) -> Generation:
-    """A generation record; IndexCorruptError naming the file when it cannot be read."""
+    """A generation record; IndexCorruptError naming the file when it cannot be read. Read as
+    data from outside: a regular file (no link, no FIFO) of at most MAX_RECORD_BYTES, nested at
+    most MAX_JSON_DEPTH levels, whose number is the one its name says."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        raise IndexCorruptError(f"{path}: missing (live/CURRENT names it)")
+    raw = read_bounded(path, str(path), max_bytes=MAX_RECORD_BYTES, error=IndexCorruptError)
+    obj = load_json(raw, str(path), max_bytes=MAX_RECORD_BYTES, error=IndexCorruptError)
     try:
-        return Generation.from_json(json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        raise IndexCorruptError(f"{path}: missing (live/CURRENT names it)") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise IndexCorruptError(f"{path}: unreadable generation file ({exc})") from None
+        generation = Generation.from_json(obj)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise IndexCorruptError(f"{path}: unreadable generation file ({type(exc).__name__}: {exc})") from None
+    expected = record_number(path.name)
+    if expected is not None and generation.number != expected:
+        raise IndexCorruptError(f"{path}: records generation {generation.number}, not the {expected} its name says")
+    return generation
 
 
 def hold_current(root: Path) -> tuple[Generation, int]:
@@ -280,7 +379,8 @@ def hold_current(root: Path) -> tuple[Generation, int]:
         generation = read_current(root)
         lock_path = root / ("manifest.json" if generation.number == 0 else f"{LIVE_DIR}/{generation.file_name}")
         try:
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            # Not blocking: a FIFO swapped in after the record was read must not hang the open.
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             continue  # collected between reading CURRENT and opening it: read CURRENT again
         fcntl.flock(fd, fcntl.LOCK_SH)

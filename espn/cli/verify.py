@@ -1,16 +1,22 @@
-"""`espn verify`: check every file of an index (its base and every delta segment of the
-current generation) against the checksums its manifests record."""
+"""`espn verify`: check that the generation on disk is the one the index records (`live/CURRENT`
+present wherever live/ holds a generation, naming a record whose number is its own and no newer
+one) and every file of it (its base and every delta segment) against the checksums its
+manifests record."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
+from ..generations import check_recorded
 from ..segments import open_view
 
 __all__ = ["cmd_verify"]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.index):
+        check_recorded(args.index)  # a lost live/CURRENT reads as generation 0: never "verified"
     view = open_view(args.index, verify="full")  # the base and every delta segment of the current generation
     view.close()
     generation = view.generation

@@ -8,7 +8,6 @@ go on (espn.live.snapshot). Off unless the directory is configured.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +15,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from espn.generations import read_current
-from espn.live.snapshot import snapshot
+from espn.live.snapshot import default_name, snapshot
 
 from ..deps import AppState, get_state
 from ..errors import ApiError
@@ -31,7 +30,8 @@ class SnapshotRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Optional[str] = Field(None, pattern=SNAPSHOT_NAME,
-                                description="directory name under --snapshot-dir; default snapshot-<UTC time>")
+                                description="directory name under --snapshot-dir; default snapshot-<UTC time to the "
+                                            "millisecond>-<random suffix>, unique")
 
 
 class SnapshotInfo(BaseModel):
@@ -65,7 +65,7 @@ def _directory(state: AppState) -> Path:
                         507: {"model": ErrorResponse, "description": "the disk is full (nothing was kept)"}})
 async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState = Depends(get_state)) -> SnapshotInfo:
     directory = _directory(state)
-    name = (body.name if body is not None else None) or time.strftime("snapshot-%Y%m%dT%H%M%SZ", time.gmtime())
+    name = (body.name if body is not None else None) or default_name()  # to the ms, with a random suffix: never 409
     # The library claims the name before it copies anything (a second request for it gets a
     # ConflictError, 409) and renames the copy into place only once it verifies; a full disk
     # is a StorageFullError (507) with nothing left behind.

@@ -5,13 +5,14 @@ from __future__ import annotations
 import calendar
 import contextlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from espn.errors import EspnError, IndexLockedError, ObjectStoreError
-from espn.generations import read_current
+from espn.generations import LIVE_DIR, read_current
 
 from ..writer import IndexWriter
 from .restore import fetch_piece
@@ -91,18 +92,38 @@ class Follower:
         if remote.number <= read_current(self.index).number:
             return None
         what = self.where.url(f"generations/{name}")
+        self._drop_links()
         writer = IndexWriter(self.index)  # no side index: the pieces fetched hold them
         try:
             with writer.locked(0.0) as current:
                 if remote.number <= current.number:
                     return None
+                # Whole files this index holds already, by content: a piece with the same bytes under
+                # another path (a rewritten base's encoder) is linked, not fetched and stored again.
+                local = {needed.sha256: needed.path for needed in current.needed_files()
+                         if needed.sha256 is not None and needed.range is None and not needed.path.endswith("embeddings.bin")}
                 for piece in sorted(pieces, key=lambda p: p.start):  # a file's ranges in order
-                    fetch_piece(client, self.where, self.index, piece, what)
+                    fetch_piece(client, self.where, self.index, piece, what, local)
                 writer.commit(remote)
         except IndexLockedError:
             return None  # another worker of this server is fetching it
         log.info("following %s: generation %d fetched and served", self.url, remote.number)
         return remote.number
+
+    def _drop_links(self) -> None:
+        """Remove symbolic links from live/ (a follower's directory holds only what it fetched):
+        never followed, not by the writer's recovery either; what they stood for is fetched again."""
+        live = self.index / LIVE_DIR
+        try:
+            entries = list(os.scandir(live))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.is_symlink():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                log.warning("following %s: %s is a symbolic link, not a file this follower fetched; removed (not "
+                            "followed), what it stood for is fetched again", self.url, entry.path)
 
     def status(self) -> dict[str, Any]:
         """What /readyz reports: the local and the source's generation, the lag, and staleness

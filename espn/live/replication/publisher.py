@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from espn.errors import EspnError, IndexCorruptError, InvalidParameterError
+from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, RefusedInputError
 from espn.files import checkpoint, sha256_file
 from espn.generations import held_generation, read_current
+from espn.untrusted import read_json_file
 
 from .retention import apply_retention
 from .store import (ObjectStoreUrl, OncePerCause, RangeReader, failure_cause, latest_name, make_client, naming_failures,
@@ -140,8 +141,18 @@ class Publisher:
         if self._thread is not None:
             self._thread.join(60)
         if self._owns_lock():
-            with contextlib.suppress(Exception):
+            try:
                 self.publish_once()
+            except Exception as exc:  # noqa: BLE001 - shutting down: say what the store lacks, then stop
+                error = str(exc) if isinstance(exc, EspnError) else failure_cause(exc)
+                number: object = "?"
+                with contextlib.suppress(Exception):
+                    number = read_current(self.index).number
+                log.warning("publishing %s to %s at shutdown: the final upload failed: %s (generation %s is "
+                            "committed here but not on the store; the next `espn serve --publish` or `espn "
+                            "publish` uploads it)", self.index, self.url, error, number)
+                with contextlib.suppress(Exception):
+                    self._record(error=error)
             os.close(self._lock_fd)
             self._lock_fd = -1
 
@@ -236,10 +247,11 @@ class Publisher:
         self._stored, self._checked_at = stored, time.monotonic()
 
     def _published(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self._state_path.read_text()))
-        except (OSError, ValueError):
+        try:  # a small file of this publisher's, read like anything on disk: bounded, a regular file
+            state = read_json_file(self._state_path, "publish state", max_bytes=64 << 10)
+        except (OSError, RefusedInputError):
             return {}
+        return dict(state) if isinstance(state, dict) else {}
 
     def _record(self, generation: int | None = None, error: str | None = None, lost: bool = False) -> None:
         """live/PUBLISHED: the generation the store holds whole (None once it lost it), the last error."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.files import fsync_path, sha256_file
 from espn.layout import inside_index
 from espn.segments import open_view
+from espn.untrusted import inside_root, open_regular
 
 from ..snapshot import new_directory, write_generation_record
 from .store import CHUNK_BYTES, ObjectStoreUrl, Piece, latest_name, make_client, naming_failures, read_record
@@ -52,15 +54,31 @@ def restore_from_store(url: str, dest: Path, generation: int | None = None) -> i
     return published.number
 
 
-def fetch_piece(client: Any, where: ObjectStoreUrl, root: Path, piece: Piece, what: str) -> int:
+def fetch_piece(client: Any, where: ObjectStoreUrl, root: Path, piece: Piece, what: str,
+                local: Mapping[str, str] | None = None) -> int:
     """Make `root / piece.path` hold the piece's bytes; the bytes fetched (0: already there).
 
     The blob lands in a scratch file beside its target and is renamed into place (or, for a
     range of embeddings.bin, appended past the file's end) only after its size and sha256
-    match: an existing file is never overwritten by unverified bytes."""
+    match: an existing file is never overwritten by unverified bytes. `local`: sha256 -> path
+    of whole files the index holds already (its current generation's); a piece with the same
+    bytes is hard-linked from there instead of fetched (a rewritten base's encoder: stored once)."""
     target = inside_index(root, piece.path, what)
-    if target.exists():
-        size = target.stat().st_size
+    try:
+        info: os.stat_result | None = os.lstat(target)
+    except FileNotFoundError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        if stat.S_ISDIR(info.st_mode):
+            raise IndexCorruptError(f"{what}: piece {piece.path!r}: {target} is a directory here; the generation is "
+                                    "not fetched")
+        # A link (or a FIFO) where an index file belongs is never read or followed: it goes, the piece is fetched.
+        log.warning("%s: not a regular file (%s); removed, its piece is fetched again", target,
+                    "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a special file")
+        target.unlink()
+        info = None
+    if info is not None:
+        size = info.st_size
         if piece.appended and size >= piece.stop:
             return 0  # fetched with an earlier generation (what lies past the published end is truncated on recovery)
         if not piece.appended and size == piece.size and (not piece.path.endswith("manifest.json")
@@ -75,14 +93,42 @@ def fetch_piece(client: Any, where: ObjectStoreUrl, root: Path, piece: Piece, wh
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_name(f"{target.name}.{piece.sha256[:16]}.fetch.tmp")
     try:
+        if not piece.appended and local and piece.sha256 in local and _link_local(root, local[piece.sha256], piece,
+                                                                                  scratch):
+            os.replace(scratch, target)
+            return 0
         _download(client, where, piece, scratch, what)
-        if piece.appended and target.exists():
+        if piece.appended and info is not None:
             _append_from(scratch, target, piece)
         else:
             os.replace(scratch, target)
     finally:
         scratch.unlink(missing_ok=True)
     return piece.size
+
+
+def _link_local(root: Path, path: str, piece: Piece, scratch: Path) -> bool:
+    """Hard-link the local file `root / path` to `scratch` if it is a regular file inside `root`
+    holding exactly the piece's bytes (size and sha256 checked); False where it is not or cannot be."""
+    try:
+        source = inside_root(root, path, "a local copy", error=IndexCorruptError)
+        fd, info = open_regular(source, "a local copy", error=IndexCorruptError)
+    except IndexCorruptError:
+        return False
+    try:
+        if info.st_size != piece.size or sha256_file(source) != piece.sha256:
+            return False
+        try:
+            os.link(source, scratch, follow_symlinks=False)
+        except OSError:
+            return False  # another filesystem, or none with links: fetched instead
+        linked = os.lstat(scratch)
+        if (linked.st_dev, linked.st_ino) != (info.st_dev, info.st_ino):
+            scratch.unlink()
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def _download(client: Any, where: ObjectStoreUrl, piece: Piece, scratch: Path, what: str) -> None:

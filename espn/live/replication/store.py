@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
 import re
@@ -36,7 +35,8 @@ from typing import Any, Iterator
 from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, ObjectStoreError
 from espn.files import sha256_file
 from espn.layout import check_generation_layout, check_index_path
-from espn.generations import Generation
+from espn.generations import MAX_CURRENT_BYTES, MAX_RECORD_BYTES, RECORD_NAME, Generation, record_number
+from espn.untrusted import load_json
 
 __all__ = ["ObjectStoreUrl", "Piece", "is_store_url", "make_client", "failure_cause", "naming_failures",
            "object_exists", "read_object", "latest_name", "read_record", "checked_record", "pieces_of", "RangeReader",
@@ -45,7 +45,6 @@ __all__ = ["ObjectStoreUrl", "Piece", "is_store_url", "make_client", "failure_ca
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
-_RECORD_NAME = re.compile(r"gen-\d{6}\.json\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
@@ -161,26 +160,39 @@ def object_exists(client: Any, where: ObjectStoreUrl, name: str) -> bool:
             raise
 
 
-def read_object(client: Any, where: ObjectStoreUrl, name: str) -> bytes | None:
-    """The object's bytes, None when it does not exist."""
+def read_object(client: Any, where: ObjectStoreUrl, name: str, max_bytes: int) -> bytes | None:
+    """The object's bytes, None when it does not exist; an object of more than `max_bytes` is
+    IndexCorruptError, found from its length before any byte is read (and never read past
+    `max_bytes + 1` bytes, whatever the store says its length is)."""
     from botocore.exceptions import ClientError
 
     with naming_failures(f"reading {where.url(name)}"):
         try:
-            return bytes(client.get_object(Bucket=where.bucket, Key=where.key(name))["Body"].read())
+            response = client.get_object(Bucket=where.bucket, Key=where.key(name))
         except ClientError as exc:
             if is_missing(exc):
                 return None
             raise
+        body = response["Body"]
+        try:
+            length = response.get("ContentLength")
+            data = b"" if isinstance(length, int) and length > max_bytes else bytes(body.read(max_bytes + 1))
+        finally:
+            body.close()  # the rest of a refused object is never downloaded
+    if isinstance(length, int) and length > max_bytes:
+        raise IndexCorruptError(f"{where.url(name)}: refused, {length} bytes (at most {max_bytes}); nothing was fetched")
+    if len(data) > max_bytes:
+        raise IndexCorruptError(f"{where.url(name)}: refused, over {max_bytes} bytes; nothing was fetched")
+    return data
 
 
 def latest_name(client: Any, where: ObjectStoreUrl) -> str | None:
     """The record LATEST names (gen-NNNNNN.json sorts by number), or None before the first publish."""
-    body = read_object(client, where, "LATEST")
+    body = read_object(client, where, "LATEST", MAX_CURRENT_BYTES)
     if body is None:
         return None
     name = body.decode("utf-8", "replace").strip()
-    if not _RECORD_NAME.match(name):
+    if not RECORD_NAME.match(name):
         raise IndexCorruptError(f"{where.url('LATEST')}: names {name[:80]!r}, not a generation record "
                                 "(gen-NNNNNN.json); nothing was fetched")
     return name
@@ -189,15 +201,17 @@ def latest_name(client: Any, where: ObjectStoreUrl) -> str | None:
 def read_record(client: Any, where: ObjectStoreUrl, name: str) -> tuple[Generation, list[Piece]] | None:
     """The generation record generations/`name`, parsed and checked against the index layout
     (`checked_record`) before anything it names is fetched; None when it does not exist."""
-    body = read_object(client, where, f"generations/{name}")
+    body = read_object(client, where, f"generations/{name}", MAX_RECORD_BYTES)
     if body is None:
         return None
     what = where.url(f"generations/{name}")
-    try:
-        record = json.loads(body)
-    except ValueError as exc:
-        raise IndexCorruptError(f"{what}: not valid JSON ({exc}); the generation is not fetched") from None
-    return checked_record(record, what)
+    # Its size is bounded above; its depth is checked before the parser sees it.
+    record = load_json(body, what, max_bytes=MAX_RECORD_BYTES, error=IndexCorruptError)
+    generation, pieces = checked_record(record, what)
+    if record_number(name) not in (None, generation.number):
+        raise IndexCorruptError(f"{what}: records generation {generation.number}, not the one its name says; "
+                                "the generation is not fetched")
+    return generation, pieces
 
 
 def checked_record(record: Any, what: str) -> tuple[Generation, list[Piece]]:
