@@ -21,6 +21,7 @@ from espn.errors import EspnError
 from espn.lease import LiveSearcher
 from espn.live.replication.follower import Follower
 from espn.live.replication.publisher import Publisher
+from espn.live.snapshot import remove_leftovers
 from espn.live.status import read_only_reason
 
 from . import connections
@@ -103,6 +104,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     state.metrics.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
+    if settings.snapshot_dir is not None:  # what snapshots killed with an earlier server left
+        removed = await asyncio.to_thread(remove_leftovers, settings.snapshot_dir)
+        if removed:
+            logger.info("removed leftovers of killed snapshots", extra={"removed": removed})
     if settings.follow is not None:
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     if settings.publish is not None:

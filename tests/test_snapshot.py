@@ -134,11 +134,17 @@ def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_ackno
     import httpx
     from server_fixtures import running_server
 
+    from espn.live.snapshot import CLAIM_MARKER
+
     key = "k" * 32
     headers = {"Authorization": f"Bearer {key}"}
+    killed = tmp_path / "snaps" / "killed-before.partial"  # what a snapshot killed with an earlier server left
+    killed.mkdir(parents=True)
+    (killed / CLAIM_MARKER).touch()
     with running_server(index, tmp_path, "--snapshot-dir", str(tmp_path / "snaps"), "--no-warmup",
                         env={"ESPN_API_KEY": key}) as server:
         base = server.base_url
+        assert not killed.exists()  # removed when the server started
         assert HTTP.post(f"{base}/v1/snapshots", timeout=30).status_code == 401
         acknowledged: dict[str, int] = {}
         stop = threading.Event()
