@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from espn.choices import ENCODER_SPECS, STEMMER_LANGUAGES, TRUST_REMOTE_CODE_HELP
 from espn.corpus import COLBERT_TITLE_JOINER, PASSAGE_JOINER
-from espn.encoders import ENCODER_SPECS, TRUST_REMOTE_CODE_HELP
 from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
-from espn.text.config import STEMMER_LANGUAGES
 
 __all__ = ["register", "run_command"]
 

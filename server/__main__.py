@@ -11,11 +11,12 @@ def main() -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from espn.cli import CliParser  # entry point: only once OMP_WAIT_POLICY is set (above)
 
-    from .cli import add_serve_arguments, run_serve  # entry point, as espn.cli
+    from .cli import add_serve_arguments, run_command  # entry point, as espn.cli
 
     parser = CliParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
     add_serve_arguments(parser)
-    return run_serve(parser.parse_args())
+    parser.set_defaults(command="serve")
+    return run_command(parser.parse_args())
 
 
 if __name__ == "__main__":

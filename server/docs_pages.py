@@ -7,6 +7,8 @@
 - docs/reference/openapi.json and the operations of docs/reference/http-api.md: the OpenAPI
   document of a server with its default settings and no API key, rendered as Markdown, so
   the page reads offline with no JavaScript renderer;
+- the request limits of docs/guides/operating-limits.md: each limit of the library (and so of
+  the command line) beside the HTTP one, read from the constants that define them;
 - the Layout of docs/architecture.md: a tree of the packages espn/, indexing/ and server/,
   one line per module, from the first sentence of each module's docstring.
 
@@ -30,12 +32,17 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from espn.cli import build_parser
+from espn.ids import MAX_ID_BYTES
+from espn.params import MAX_K
+from espn.search.hybrid import MAX_LEXICAL_K
+from espn.search.validation import MAX_QUERY_CHARS
 
 from .app import build_app
+from .schemas import MAX_HTTP_K, MAX_HTTP_LEXICAL_K
 from .settings import ServerSettings
 from .settings_doc import replace_blocks, write_readme
 
-__all__ = ["cli_reference", "openapi_document", "http_reference", "layout_tree", "write_pages"]
+__all__ = ["cli_reference", "openapi_document", "http_reference", "limits_table", "layout_tree", "write_pages"]
 
 #: argparse wraps --help to the terminal's width: a fixed width keeps the page the same everywhere.
 _HELP_COLUMNS = "100"
@@ -158,6 +165,26 @@ def http_reference(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def limits_table() -> str:
+    """Markdown: the limits a request meets in the library (and `espn search`, `espn add`) and over
+    HTTP, one row per concept; where they differ, the HTTP constant has its own name and why."""
+    rows = [
+        ("query text", f"{MAX_QUERY_CHARS:,} characters", "the same", "`espn.search.validation.MAX_QUERY_CHARS`", ""),
+        ("document id", f"{MAX_ID_BYTES:,} UTF-8 bytes", "the same, refused in the library's words",
+         "`espn.ids.MAX_ID_BYTES`", ""),
+        ("results per query (`k`)", f"{MAX_K:,}", f"{MAX_HTTP_K:,}", "`espn.params.MAX_K`, "
+         "`espn_server.schemas.MAX_HTTP_K`", "a response is built whole in memory and sent as one JSON body, and "
+         "a batch multiplies it"),
+        ("lexical candidates (`lexical_k`)", f"{MAX_LEXICAL_K:,}", f"{MAX_HTTP_LEXICAL_K:,}",
+         "`espn.search.hybrid.MAX_LEXICAL_K`, `espn_server.schemas.MAX_HTTP_LEXICAL_K`",
+         "each is read and MaxSim-scored within the request, and `espn route` asks every partition for its "
+         "whole pool"),
+    ]
+    lines = ["| limit | library and CLI | HTTP | constants | why HTTP differs |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    return "\n".join(lines)
+
+
 def _summary(path: Path) -> str:
     """The first sentence of a module's docstring, on one line, cut at a word near _SUMMARY_CHARS."""
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
@@ -199,6 +226,7 @@ def write_pages(docs: Path, check: bool = False) -> list[Path]:
     document = openapi_document()
     pages = {docs / "reference" / "cli.md": {"cli": cli_reference()},
              docs / "reference" / "http-api.md": {"operations": http_reference(document)},
+             docs / "guides" / "operating-limits.md": {"limits": limits_table()},
              docs / "architecture.md": {"layout": layout_tree(docs.resolve().parent)}}
     changed = [path for path, blocks in pages.items() if replace_blocks(path, blocks, "generated", check)]
     settings = docs / "reference" / "settings.md"  # its own markers and writer (settings_doc)

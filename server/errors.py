@@ -82,6 +82,23 @@ def _jsonable_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _json_position(body: Any, position: int) -> str:
+    """Where the JSON parser stopped, " at line L, column C (byte B)", said as the end of the body
+    when it got there (a body cut short: a missing brace is found only after the last byte).
+
+    `position` is json's, a character index into the decoded `body` (FastAPI hands over the text);
+    the byte is counted in UTF-8, as the client sent it."""
+    if isinstance(body, (bytes, bytearray)):
+        body = bytes(body).decode("utf-8", "replace")
+    if not isinstance(body, str) or not 0 <= position <= len(body):
+        return f" at character {position}"
+    line = body.count("\n", 0, position) + 1
+    column = position - (body.rfind("\n", 0, position) + 1) + 1
+    byte = len(body[:position].encode("utf-8", "surrogatepass"))
+    end = ", the end of the body: is it cut short?" if position == len(body) else ""
+    return f" at line {line}, column {column} (byte {byte}{end})"
+
+
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
@@ -89,7 +106,7 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
         if error.get("type") == "json_invalid":
             reason = (error.get("ctx") or {}).get("error", "JSON decode error")
             position = list(error.get("loc", ()))[-1:]
-            where = f" at byte {position[0]}" if position and isinstance(position[0], int) else ""
+            where = _json_position(exc.body, position[0]) if position and isinstance(position[0], int) else ""
             return error_response(400, "malformed_json", f"request body is not valid JSON: {reason}{where}")
     content_type = request.headers.get("content-type", "")
     if request.method in ("POST", "PUT") and "json" not in content_type.lower() and any(

@@ -12,9 +12,12 @@ them would admit requests the server refuses; this adds them:
 - `filter` names only the index's metadata fields, each with the operators and values its
   type takes (espn.filters), so an unknown field or a wrong type is outside the schema.
 
-The bearer scheme and its 401 appear only when ESPN_API_KEY is set (build_app adds them to
-the /v1 routers). The document is rebuilt when the served generation changes, since a write
-may add metadata fields.
+Every operation also declares what the server's middleware and handlers send on any route, in
+the shape they send it (`ErrorResponse`): 408 when a request body does not arrive within
+ESPN_BODY_TIMEOUT_S (server.middleware.BodyLimitMiddleware), and its 422 is the handler's
+`ErrorResponse`, never FastAPI's `HTTPValidationError` (server.errors). The bearer scheme and
+its 401 appear only when ESPN_API_KEY is set (build_app adds them to the /v1 routers). The
+document is rebuilt when the served generation changes, since a write may add metadata fields.
 """
 
 from __future__ import annotations
@@ -85,6 +88,28 @@ def _add_limits(document: dict[str, Any], app: FastAPI) -> None:
         properties["filter"]["anyOf"] = [_FILTER_REF, {"type": "null"}]
 
 
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+#: What the middleware sends on any route, whatever the route declares.
+_EVERY_ROUTE = {"408": "the request body did not arrive whole within ESPN_BODY_TIMEOUT_S (the connection is closed)"}
+_VALIDATION = "the request does not meet the schema (code `invalid_request`): the message names the field"
+
+
+def _declare_sent_errors(document: dict[str, Any]) -> None:
+    """Each operation's errors as the server sends them (see the module doc)."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status, description in _EVERY_ROUTE.items():
+                responses.setdefault(status, {"description": description})
+                responses[status]["content"] = {"application/json": {"schema": _ERROR_REF}}
+            invalid = responses.get("422")
+            if invalid is not None and "HTTPValidationError" in str(invalid):
+                responses["422"] = {"description": _VALIDATION, "content": {"application/json": {"schema": _ERROR_REF}}}
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's, now referred to by nothing
+        schemas.pop(name, None)
+
+
 def add_contract(app: FastAPI) -> None:
     """Serve the document with the limits above as /openapi.json (and to /docs)."""
     cache: dict[str, Any] = {}
@@ -96,6 +121,7 @@ def add_contract(app: FastAPI) -> None:
             return cache["document"]
         document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         _add_limits(document, app)
+        _declare_sent_errors(document)
         cache.update(key=key, document=document)
         return document
 

@@ -21,12 +21,14 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
-from espn.params import MAX_CANDIDATES, MAX_PROBE, NO_TEXT_PATTERN, has_text
-from espn.ids import decode_doc_id, id_problem
+from espn.params import MAX_CANDIDATES, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK, NO_TEXT_PATTERN, has_text
+from espn.ids import MAX_ID_BYTES, decode_doc_id, id_problem
+from espn.search.validation import MAX_QUERY_CHARS
 
 __all__ = [
     "MAX_QUERY_CHARS",
-    "MAX_K",
+    "MAX_HTTP_K",
+    "MAX_ID_BYTES",
     "MAX_BATCH_QUERIES",
     "SearchOptions",
     "SearchRequest",
@@ -46,17 +48,22 @@ __all__ = [
     "ErrorResponse",
 ]
 
-MAX_QUERY_CHARS = 4096
-MAX_K = 1000
+# The same limits as the library's where the concept is the same: a query's characters
+# (espn.search.validation.MAX_QUERY_CHARS) and an id's UTF-8 bytes (espn.ids.MAX_ID_BYTES).
+#: Results per query over HTTP: below the library's `espn.params.MAX_K` (10,000), because a
+#: response is built whole in memory and sent as one JSON body: 1,000 hits with their
+#: titles and texts are already megabytes, and a batch multiplies them
+#: (docs/guides/operating-limits.md).
+MAX_HTTP_K = 1000
 # Hard ceiling of the schema; ServerSettings.max_batch_queries (<= this) is the live limit.
 MAX_BATCH_QUERIES = 10_000
-MAX_DOC_ID_CHARS = 512
-# Ids written over HTTP: 128 characters are at most 512 UTF-8 bytes, the index's limit.
-MAX_WRITE_ID_CHARS = 128
 # An explanation holds one entry per query token per hit: explained responses stay small.
 MAX_EXPLAIN_K = 100
-# Lexical candidates of a hybrid search are read and MaxSim-scored: bounded like rerank_count's work.
-MAX_LEXICAL_K = 1000
+#: Lexical candidates of a hybrid search over HTTP: below the library's
+#: `espn.search.hybrid.MAX_LEXICAL_K` (10,000), because each one the dense side did not find is
+#: read from the SSD and MaxSim-scored within the request, and `espn route` asks every partition
+#: of a hybrid search for its whole pool (docs/guides/operating-limits.md).
+MAX_HTTP_LEXICAL_K = 1000
 
 # Python's str.isspace() characters, spelled out: a JSON Schema pattern is an ECMA regex,
 # whose \s is another set, and the library tests blankness with str.strip().
@@ -114,9 +121,14 @@ def _has_text(value: str) -> str:
 # A query: what the search accepts (espn.params.has_text), stated in the schema as well.
 QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS,
                                  json_schema_extra={"not": {"pattern": NO_TEXT_PATTERN}}), AfterValidator(_has_text)]
-WriteId = Annotated[str, Field(min_length=1, max_length=MAX_WRITE_ID_CHARS,
-                               json_schema_extra={"pattern": WRITE_ID_PATTERN}), AfterValidator(check_write_id)]
-DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
+# An id's limit is the library's, in UTF-8 bytes, checked by check_write_id in the library's words;
+# JSON Schema counts characters, so the schema states the bound it implies (a byte is at most a
+# character) and a longer id gets the library's message, not pydantic's.
+ID_SCHEMA: dict[str, Any] = {"maxLength": MAX_ID_BYTES, "pattern": WRITE_ID_PATTERN}
+#: How the docs and the schema's descriptions name the limit.
+ID_LIMIT = f"at most {MAX_ID_BYTES} UTF-8 bytes"
+WriteId = Annotated[str, Field(min_length=1, json_schema_extra=ID_SCHEMA), AfterValidator(check_write_id)]
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_BYTES)]
 
 
 class SearchOptions(BaseModel):
@@ -124,16 +136,16 @@ class SearchOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    k: Integer = Field(10, ge=1, le=MAX_K, description="results per query")
+    k: Integer = Field(10, ge=1, le=MAX_HTTP_K, description="results per query")
     # Bounds inside the Optional: on the outer Field they would not reach the integer branch of the schema.
     nprobe: Optional[Annotated[int, Field(ge=1, le=1 << 20), _INTEGRAL]] = Field(
         None, description="IVF clusters visited (<= nlist)")
     prefetch_step: Optional[float] = Field(
         None, gt=0.0, le=1.0, allow_inf_nan=False, description="fraction of nprobe after which prefetching starts"
     )
-    prefetch_k: Optional[Annotated[int, Field(ge=0, le=10_000), _INTEGRAL]] = Field(
+    prefetch_k: Optional[Annotated[int, Field(ge=0, le=MAX_PREFETCH_K), _INTEGRAL]] = Field(
         None, description="candidates each prefetch wave reads")
-    rerank_count: Optional[Annotated[int, Field(ge=0, le=10_000), _INTEGRAL]] = Field(
+    rerank_count: Optional[Annotated[int, Field(ge=0, le=MAX_RERANK), _INTEGRAL]] = Field(
         None, description="candidates re-ranked with MaxSim")
     prefetch_waves: Optional[Annotated[int, Field(ge=1, le=1000), _INTEGRAL]] = Field(
         None, description="most prefetch waves (1 = one prefetch)")
@@ -160,7 +172,7 @@ class SearchOptions(BaseModel):
     fusion: Optional[Literal["rrf", "mix", "zscore"]] = Field(
         None, description="hybrid: reciprocal rank fusion, the min-max normalised mix of the two scores, or the "
                           "z-score normalised mix (default: the index's)")
-    lexical_k: Optional[Annotated[int, Field(ge=1, le=MAX_LEXICAL_K), _INTEGRAL]] = Field(
+    lexical_k: Optional[Annotated[int, Field(ge=1, le=MAX_HTTP_LEXICAL_K), _INTEGRAL]] = Field(
         None, description="hybrid: candidates from the lexical side")
     rrf_k: Optional[Annotated[int, Field(ge=1, le=100_000), _INTEGRAL]] = Field(None, description="hybrid: the RRF constant")
     mix_weight: Optional[float] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
@@ -393,8 +405,7 @@ class DocumentWrite(BaseModel):
 
 
 class DocumentUpsert(DocumentWrite):
-    id: WriteId = Field(description=f"external id: at most {MAX_WRITE_ID_CHARS} characters, no surrounding "
-                                    "whitespace, no control characters")
+    id: WriteId = Field(description=f"external id: {ID_LIMIT}, no surrounding whitespace, no control characters")
 
 
 class BatchWriteRequest(BaseModel):

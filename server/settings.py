@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from espn.choices import READER_NAMES
+
 __all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
            "RESERVED_DESCRIPTORS"]
@@ -38,9 +40,6 @@ MIN_API_KEY_CHARS = 16
 # whitespace is stripped and other bytes are not portable.
 _API_KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")
 
-# Mirrors espn.store.READERS; checked against the real registry in `_check_reader`
-# when the library can be imported, so the two cannot drift silently.
-READER_NAMES = ("posix", "kvikio", "mmap", "memory")
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
@@ -52,7 +51,7 @@ class ServerSettings(BaseSettings):
 
     # What to serve.
     index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json)")
-    reader: Optional[str] = Field(None, description="embedding reader (posix, kvikio, mmap, memory); unset: kvikio "
+    reader: Optional[str] = Field(None, description=f"embedding reader ({', '.join(READER_NAMES)}); unset: kvikio "
                                                     "with CUDA, else posix")
     device: Optional[str] = Field(None, description="torch device for MaxSim; unset: the library's choice")
 
@@ -196,15 +195,8 @@ class ServerSettings(BaseSettings):
     def _check_reader(cls, value: Optional[str]) -> Optional[str]:
         if value in (None, "", "auto"):
             return None
-        names: tuple[str, ...] = READER_NAMES
-        try:  # the library's registry is the source of truth when it is importable
-            from espn.store import READERS
-
-            names = tuple(READERS)
-        except ImportError:
-            pass
-        if value not in names:
-            raise ValueError(f"reader must be one of {', '.join(names)}, got {value!r}")
+        if value not in READER_NAMES:  # espn.store.READERS by name (tests/test_cli.py checks they agree)
+            raise ValueError(f"reader must be one of {', '.join(READER_NAMES)}, got {value!r}")
         return value
 
     @field_validator("api_key")

@@ -18,6 +18,7 @@ import threading
 from typing import Callable, Sequence
 
 from espn.errors import EspnError, IndexLockedError
+from espn.generations import LIVE_DIR
 from espn.lease import LiveSearcher
 from espn.live.checks import NewDocument, WriteLimits, WriteResult
 from espn.live.commit import GroupCommit, lower_priority
@@ -59,6 +60,8 @@ class WriteService:
         whose owner is gone), when no other writer holds the lock at this moment (else that
         writer's own recovery does it)."""
         self.committer.index.encode([NewDocument("warm-up", "a passage that warms the write path")])
+        if not (self.committer.index.root / LIVE_DIR).is_dir():
+            return  # never written to: nothing to recover, and serving it must leave it as it was
         try:
             with self.committer.index.locked(0.0):  # taking the writer lock recovers what a dead writer left
                 pass

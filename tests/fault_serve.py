@@ -43,7 +43,7 @@ if os.environ.get("ESPN_TEST_PAUSE_AT"):
         if name == step and not paused:
             paused.append(name)
             Path(marker).touch()
-            time.sleep(float(seconds))
+            time.sleep(float(seconds))  # the pause injected at that step (the marker says it began)
 
     espn.files._checkpoint = checkpoint
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import hashlib
 import json
@@ -77,10 +78,11 @@ def run_threads(work: Callable[[int], None], n: int = 8) -> None:
         raise AssertionError(errors)
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0, interval_s: float = 0.1,
-               ignore: tuple[type[BaseException], ...] = ()) -> None:
-    """Poll `check` until it holds; AssertionError naming `what` after `timeout_s`. Errors of the
-    types in `ignore` (a server not answering yet) count as "not yet"."""
+def wait_until(check: Callable[[], object], what: str | Callable[[], str], timeout_s: float = 60.0,
+               interval_s: float = 0.1, ignore: tuple[type[BaseException], ...] = ()) -> None:
+    """Poll `check` until it holds; AssertionError naming `what` after `timeout_s` (a callable
+    `what` is asked then: a log tail as it is at the timeout). Errors of the types in `ignore`
+    (a server not answering yet) count as "not yet"; any other error of `check` ends the wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -89,4 +91,14 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0, in
         except ignore:
             pass
         time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+
+
+async def wait_until_async(check: Callable[[], object], what: str, timeout_s: float = 60.0,
+                           interval_s: float = 0.001) -> None:
+    """`wait_until` inside an event loop: polls `check` between steps of the loop's other tasks."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval_s)

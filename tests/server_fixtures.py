@@ -11,11 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import httpx
+from helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -60,15 +60,13 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-6000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if HTTP.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+            return HTTP.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200
+
+        wait_until(ready, lambda: f"the server to be ready ({timeout:.0f} s):\n{self.log()[-6000:]}",
+                   timeout_s=timeout, interval_s=0.2, ignore=(httpx.HTTPError,))
 
     def terminate(self, timeout: float = 30.0) -> Optional[int]:
         """SIGTERM, wait, then SIGKILL the whole process group if it is still there."""

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from espn.index import IndexDirectory
 
-from helpers import CONTENT_FILES, digest, run_espn, write_jsonl
+from helpers import CONTENT_FILES, digest, run_espn, wait_until, write_jsonl
 
 
 @pytest.mark.slow
@@ -24,12 +23,16 @@ def test_kill_9_then_rerun_gives_the_same_index(scifact_index: Path, scifact_sub
             "--nlist", "4", "--no-progress"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     chunks = out.with_name("resumed.partial") / "chunks"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and len(list(chunks.glob("*.npz"))) < 2:
+
+    def two_chunks_written() -> bool:
         assert proc.poll() is None, "the build ended before it could be killed"
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+        return len(list(chunks.glob("*.npz"))) >= 2
+
+    try:
+        wait_until(two_chunks_written, "the build's second chunk", timeout_s=300, interval_s=0.2)
+    finally:  # a timeout too leaves no build running
+        proc.kill()  # SIGKILL (and nothing once the build is reaped)
+        proc.wait()
     done_before = len(list(chunks.glob("*.npz")))
     assert 2 <= done_before < 5 and not out.exists(), "a killed build must leave no index at --out"
 
@@ -81,10 +84,17 @@ def _build_until_a_chunk(scifact_subset: Path, out: Path) -> tuple[subprocess.Po
             "--nlist", "4", "--no-progress"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     chunks = out.with_name(out.name + ".partial") / "chunks"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and len(list(chunks.glob("*.npz"))) < 1:
+
+    def a_chunk_written() -> bool:
         assert proc.poll() is None, f"the build ended early: {proc.communicate()[1][-2000:]}"
-        time.sleep(0.2)
+        return len(list(chunks.glob("*.npz"))) >= 1
+
+    try:
+        wait_until(a_chunk_written, "the build's first chunk", timeout_s=300, interval_s=0.2)
+    except BaseException:  # a timeout leaves no build running
+        proc.kill()
+        proc.wait()
+        raise
     workers = psutil.Process(proc.pid).children()
     assert workers, "the build runs its tokeniser in a DataLoader worker process"
     return proc, workers

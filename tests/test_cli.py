@@ -8,8 +8,10 @@ to add four INFO lines to every error. The set of subcommands covered must equal
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +19,15 @@ from typing import Iterator
 
 import pytest
 
+from espn.choices import READER_NAMES
 from espn.cli import OWN_LOGGERS, build_parser, main
+from espn.search.validation import MAX_QUERY_CHARS
+from espn.store import READERS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOWHERE = "/nonexistent/espn-index"
+#: What `espn --help` must not wait for: each takes from 0.1 to 2 s to import.
+HEAVY = ("torch", "faiss", "tantivy", "transformers", "uvicorn")
 
 
 @pytest.fixture()
@@ -139,3 +146,46 @@ def test_search_with_qrels_searches_the_queries_it_judges(sample_index: Path, tm
     searched = {line.split()[0] for line in run.read_text().splitlines()}
     assert searched == judged and f"searching the {len(judged)} of {len(rows) + 1} queries" in done.stdout
     assert "nDCG@10" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["search", "--help"], ["index", "--help"], ["serve", "--help"]],
+                         ids=" ".join)
+def test_help_imports_no_heavy_library(argv: list[str]) -> None:
+    """The parsers' choices and defaults come from light modules (espn.choices, the settings); the
+    commands' code, which imports torch, FAISS, tantivy and uvicorn, loads only when one runs."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "espn.cli", *argv], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "usage: espn" in done.stdout, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "espn.cli.app" in imported  # the lines are there to read
+    heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY)
+    assert not heavy, f"`espn {' '.join(argv)}` imports {heavy[:10]}"
+
+
+def test_the_reader_choices_are_the_readers() -> None:
+    assert READER_NAMES == tuple(sorted(READERS))
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading_the_index(sample_index: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _espn("serve", str(sample_index), "--host", "127.0.0.1", "--port", str(port))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [f"espn serve: error: port {port} on 127.0.0.1 is in use (another server?); "
+                                        "stop it or give another --port (ESPN_PORT)"]
+
+
+def test_a_batch_whose_only_query_is_refused_says_so(isolated: None, sample_index: Path, tmp_path: Path,
+                                                     capfd: pytest.CaptureFixture) -> None:
+    """A 1 MB query: refused naming its id and the limit; no queries/s figure for a batch that searched nothing."""
+    queries = tmp_path / "huge.jsonl"
+    queries.write_text(json.dumps({"_id": "huge", "text": "word " * 200_000}) + "\n")
+    code = main(["search", str(sample_index), "--queries", str(queries), "--out", str(tmp_path / "run.trec")])
+    out, err = capfd.readouterr()
+    assert code == 1, err
+    assert "queries/s" not in out and "wrote 0 lines for 0 queries" in out, out
+    assert [line for line in err.splitlines() if "espn search: error:" in line] == [
+        f"espn search: error: query huge: the query has 999999 characters; at most {MAX_QUERY_CHARS}",
+        "espn search: error: no query was searched: the only query was refused (huge; why above)"], err

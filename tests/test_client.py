@@ -317,7 +317,7 @@ def loopback(cue: Cue) -> Iterator[str]:
             self.rfile.read(length)
             cue.requests.append((time.monotonic(), self.command, self.path, self.headers.get("Authorization", "")))
             status, headers, body, delay = cue.answers.pop(0) if len(cue.answers) > 1 else cue.answers[0]
-            time.sleep(delay)
+            time.sleep(delay)  # a slow answer, scripted by the test: not synchronisation
             payload = json.dumps(body).encode()
             self.send_response(status)
             for name, value in {"Content-Type": "application/json", **headers}.items():

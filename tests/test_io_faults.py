@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 from test_store import LAYOUTS, Store, assert_batch_equal, direct_io_supported, random_counts, write_store
 
 from espn.store import PosixReader
@@ -75,7 +76,9 @@ def open_posix(store: Store, engine: str, depth: int = 8, limits: IoLimits | Non
 def assert_clean(reader: PosixReader) -> None:
     """Every buffer is back and unquarantined, no claim is left, and no byte of a free buffer
     changed since it was given back (a late write by the kernel would show here)."""
-    time.sleep(0.02)  # a stray write still in the device queue would land by now
+    # Not synchronisation: a correct engine has no write left to wait for, so there is no event to
+    # wait on. The pause gives a buggy one's stray write, still in the device queue, time to land.
+    time.sleep(0.02)
     reader.buffer_pool.check()
     stats = reader.buffer_pool.stats()
     assert stats["in_use"] == 0 and stats["quarantined"] == 0, stats
@@ -130,7 +133,7 @@ class Slow(FaultInjector):
         self.seconds = seconds
 
     def syscall(self, name: str) -> int:
-        time.sleep(self.seconds)
+        time.sleep(self.seconds)  # the slowness injected, not synchronisation
         return 0
 
 
@@ -212,11 +215,12 @@ def test_a_read_that_never_completes_is_cancelled_at_the_time_limit() -> None:
         assert info.value.errno == errno.ETIMEDOUT and "pipe:" in str(info.value) and "0.3 s" in str(info.value)
         assert pending.drained  # cancelled (IORING_OP_ASYNC_CANCEL) and reaped: the buffer is free
         os.write(w, b"late")
-        time.sleep(0.05)
-        assert (buffer == CANARY).all()  # the cancelled read never wrote
         out = np.frombuffer(mmap.mmap(-1, 4096), dtype=np.uint8)
         assert engine.submit(r, zero, zero + 4, out, zero).wait().tolist() == [4]  # the ring goes on
+        # The pipe gives its bytes once, to the first read waiting: the new read got them, so the
+        # cancelled one was no longer waiting and can never write (no pause needed to see it).
         assert out[:4].tobytes() == b"late"
+        assert (buffer == CANARY).all()  # the cancelled read never wrote
     finally:
         engine.close()
         os.close(r)
@@ -301,7 +305,7 @@ def test_closing_the_reader_from_another_thread_waits_for_the_reads_in_flight(st
     baseline = open_descriptors()
     reader = open_posix(store, engine, depth=2)
     docs = np.arange(len(store.records))
-    submitted, closing = threading.Event(), threading.Event()
+    submitted = threading.Event()
     outcome: dict[str, object] = {}
 
     def search() -> None:
@@ -309,8 +313,8 @@ def test_closing_the_reader_from_another_thread_waits_for_the_reads_in_flight(st
             with inject_faults(Slow(0.001)):
                 pending = reader.submit(docs)  # many extents, two in flight at a time
                 submitted.set()
-                closing.wait(10)
-                time.sleep(0.1)  # the closer is now waiting for these reads
+                # close() refuses new reads first, then waits for these: it has begun.
+                wait_until(lambda: reader.closed, "the reader to start closing", timeout_s=10, interval_s=0.005)
                 outcome["batch"] = pending.result()
             try:
                 reader.submit(docs[:3])
@@ -322,7 +326,6 @@ def test_closing_the_reader_from_another_thread_waits_for_the_reads_in_flight(st
     worker = threading.Thread(target=search)
     worker.start()
     assert submitted.wait(10)
-    closing.set()
     reader.close()  # from this thread, while the worker's wave is in flight
     worker.join(30)
     assert "error" not in outcome, outcome.get("error")

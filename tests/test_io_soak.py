@@ -100,7 +100,7 @@ def test_a_search_interrupted_part_way_leaves_no_read_behind(sample_index: Path,
         assert faults.fired == 1
         assert ranking(s.search_embeddings(batch, k=10, prefetch_step=0.2)) == want
         assert isinstance(s.reader, PosixReader)
-        time.sleep(0.02)
+        time.sleep(0.02)  # not synchronisation: a buggy engine's stray write, still queued, would land by now
         s.reader.buffer_pool.check()
         stats = s.reader.buffer_pool.stats()
         assert stats["in_use"] == 0 and stats["quarantined"] == 0, stats
@@ -231,7 +231,7 @@ def test_soak_searches_swaps_closes_and_transient_errors(sample_index: Path, que
     assert not errors, errors[:3]
     assert not wrong, wrong[:3]
     assert counts["searches"] > 50 and counts["swaps"] >= 3 and weather.injected > 50, (counts, weather.injected)
-    time.sleep(0.05)
+    time.sleep(0.05)  # not synchronisation: a buggy engine's stray write, still queued, would land by now
     pools = [reader.buffer_pool.stats() for reader in readers]
     assert all(p["in_use"] == 0 and p["quarantined"] == 0 for p in pools), pools
     assert LEDGER.outstanding() == 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
-from helpers import run_threads
+from helpers import run_threads, wait_until
 
 from espn.generations import read_current
+from espn.ids import MAX_ID_BYTES, id_problem
 from server_fixtures import HTTP, running_server
 
 API_KEY = "live-index-test-key-0123456789"
@@ -51,13 +52,14 @@ def _search_everywhere(server, query: str, times: int = 6) -> list[list[str]]:
 def test_every_worker_warms_its_write_path_before_it_is_ready(live_server) -> None:
     """The write path's encoder loads before /readyz says ready, in each worker: loaded by the
     first write instead, it cost that write 4 s on an idle machine and past 10 s on CI."""
-    deadline = time.monotonic() + 120  # /readyz answered once the first worker was ready; the other may still warm
-    while True:
+    def logged() -> list[str]:
         messages = [json.loads(line).get("msg") for line in live_server.log().splitlines() if line.startswith('{"ts"')]
-        events = [m for m in messages if m in ("write path warmed", "ready")]
-        if events.count("ready") == 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return [m for m in messages if m in ("write path warmed", "ready")]
+
+    # /readyz answered once the first worker was ready; the other may still warm.
+    wait_until(lambda: logged().count("ready") == 2, lambda: f"both workers to be ready: {logged()}", timeout_s=120,
+               interval_s=0.2)
+    events = logged()
     assert events.count("ready") == 2 and events.count("write path warmed") == 2, events
     for n in (1, 2):  # the n-th worker to be ready had warmed its write path before
         assert events[:_nth_index(events, "ready", n)].count("write path warmed") >= n, events
@@ -175,6 +177,26 @@ def test_ids_differing_only_in_normalisation_are_different_documents(live_server
     assert HTTP.get(f"{url}/{decomposed}", headers=AUTH).json()["text"] == "decomposed"
 
 
+def test_every_id_the_library_takes_is_written_over_http(live_server) -> None:
+    """One id limit for `espn add` and HTTP: espn.ids.MAX_ID_BYTES UTF-8 bytes, refused in the library's words."""
+    url = f"{live_server.base_url}/v1/documents"
+    for doc_id in ("i" * MAX_ID_BYTES, "é" * (MAX_ID_BYTES // 2)):  # 512 bytes of 1-byte and of 2-byte characters
+        assert id_problem(doc_id) is None
+        response = HTTP.put(f"{url}/{quote(doc_id)}", json={"text": "the longest id"}, headers=AUTH, timeout=120)
+        assert response.status_code == 201, response.text
+        assert HTTP.get(f"{url}/{quote(doc_id)}", headers=AUTH, timeout=60).json()["id"] == doc_id
+    before = read_current(live_server.index)
+    for doc_id in ("i" * (MAX_ID_BYTES + 1), "é" * (MAX_ID_BYTES // 2 + 1)):
+        said = id_problem(doc_id)
+        assert said is not None and "UTF-8 bytes long" in said
+        put = HTTP.put(f"{url}/{quote(doc_id)}", json={"text": "too long an id"}, headers=AUTH, timeout=60)
+        batch = HTTP.post(f"{url}/batch", json={"upsert": [{"id": doc_id, "text": "too long an id"}]}, headers=AUTH,
+                          timeout=60)
+        for response in (put, batch):
+            assert response.status_code == 422 and said in response.json()["message"], response.text
+    assert read_current(live_server.index) == before
+
+
 def test_concurrent_writes_are_published_together(live_server) -> None:
     """12 writers at once: every write answered after it is visible in both workers, in fewer
     generations than writes (those that arrive while one publishes share the next)."""
@@ -224,9 +246,8 @@ def test_background_compaction_merges_deltas(live_server) -> None:
         response = HTTP.put(f"{live_server.base_url}/v1/documents/c-{i}", json={"text": f"compaction probe {i}"},
                              headers=AUTH, timeout=120)
         assert response.status_code in (200, 201), response.text
-    deadline = time.monotonic() + 60
-    while len(read_current(live_server.index).segments) > 3 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: len(read_current(live_server.index).segments) <= 3, "the background compaction",
+               timeout_s=60, interval_s=0.5)
     current = read_current(live_server.index)
     assert len(current.segments) <= 3 and any(s.documents > 1 for s in current.segments)
     for i in range(4):

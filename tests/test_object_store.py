@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +18,7 @@ from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.live.replication.publisher import publish
 from espn.live.replication.restore import restore_from_store
+from helpers import wait_until
 
 pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -165,9 +165,7 @@ def test_the_writers_publisher_uploads_each_generation_once_and_keeps_writing_wh
         writer.upsert([NewDocument("p3", "written while the store was away")])
     publisher.start()
     try:
-        deadline = time.monotonic() + 30
-        while not second.status()["stale"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: second.status()["stale"], "the writer to report the store stale", timeout_s=30)
         status = second.status()
         assert status["stale"] and status["lag_generations"] == 1 and status["last_error"]
         monkeypatch.undo()  # the store is back

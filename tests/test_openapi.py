@@ -11,6 +11,7 @@ operation in the fuzzing phases, at most 8 queries and 8 writes per batch reques
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -61,6 +62,36 @@ def _operations(document: dict) -> list[tuple[str, dict]]:
     return [(f"{method.upper()} {path}", op) for path, item in document["paths"].items() for method, op in item.items()]
 
 
+#: Routes that write to the index: a full disk (507) and a busy writer or full queue (503) are theirs.
+WRITE_ROUTES = ("PUT /v1/documents/{doc_id}", "DELETE /v1/documents/{doc_id}", "POST /v1/documents/batch")
+
+
+def _schema_of(response: dict) -> str:
+    schema = response.get("content", {}).get("application/json", {}).get("schema", {})
+    return str(schema.get("$ref", "")).rsplit("/", 1)[-1]
+
+
+def test_every_error_is_declared_with_the_shape_it_is_sent_in() -> None:
+    """The server's handlers send every 4xx/5xx as ErrorResponse (server.errors), the body-timeout
+    middleware answers 408 on any route, and the write routes can fail with 503 and 507."""
+    from espn_server.docs_pages import openapi_document
+
+    document = openapi_document()
+    assert "HTTPValidationError" not in json.dumps(document)
+    for name, op in _operations(document):
+        responses = op["responses"]
+        for status, response in responses.items():
+            if int(status) >= 400 and (name, status) != ("GET /readyz", "503"):  # /readyz answers 503 with its body
+                assert _schema_of(response) == "ErrorResponse", (name, status, response)
+        assert "408" in responses, name
+        if "requestBody" in op:
+            assert {"400", "413", "415", "422"} <= set(responses), (name, sorted(responses))
+    operations = dict(_operations(document))
+    for name in WRITE_ROUTES:
+        assert {"503", "507"} <= set(operations[name]["responses"]), (name, sorted(operations[name]["responses"]))
+    assert "507" in operations["POST /v1/snapshots"]["responses"]
+
+
 def test_security_is_declared_as_configured(servers: dict[str, ServerProcess]) -> None:
     open_doc, keyed_doc = _document(servers["open"]), _document(servers["keyed"])
     assert "securitySchemes" not in open_doc.get("components", {})
@@ -94,8 +125,16 @@ def test_the_key_is_checked_before_the_body_is_read(servers: dict[str, ServerPro
     assert HTTP.get(f"{servers['keyed'].base_url}/readyz").status_code == 200  # operations stay open
 
 
+#: Schemathesis' statuses that reject a request it made invalid, and 413: an invalid request it
+#: generates can be larger than ESPN_MAX_BODY_BYTES, which the server refuses before reading it.
+REJECTIONS = ("400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx")
+
+
 def _schemathesis(server: ServerProcess, tmp_path: Path, *args: str) -> None:
-    done = subprocess.run([str(BIN / "st"), "run", f"{server.base_url}/openapi.json", "--checks", "all", "--seed", "1",
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f"[checks.negative_data_rejection]\nexpected-statuses = {json.dumps(list(REJECTIONS))}\n")
+    done = subprocess.run([str(BIN / "st"), "--config-file", str(config), "run", f"{server.base_url}/openapi.json",
+                           "--checks", "all", "--seed", "1",
                            "--max-examples", "5", "--workers", "1", "--request-timeout", "60", "--no-color", *args],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-2000:]

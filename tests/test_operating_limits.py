@@ -26,6 +26,7 @@ import pytest
 
 from espn_server.logs import JsonFormatter, RepeatFilter
 from espn_server.settings import ServerSettings, default_max_connections
+from helpers import wait_until
 from server_fixtures import BIN, HTTP, free_port, running_server
 
 
@@ -49,6 +50,18 @@ def _read_all(sock: socket.socket, timeout: float) -> bytes:
             out += chunk
     except (socket.timeout, ConnectionResetError):
         pass
+    return out
+
+
+def _read_head(sock: socket.socket, timeout: float) -> bytes:
+    """Bytes up to the first blank line: one response head (an interim "100 Continue" has no body)."""
+    sock.settimeout(timeout)
+    out = b""
+    while not out.endswith(b"\r\n\r\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        out += chunk
     return out
 
 
@@ -116,9 +129,10 @@ def test_past_the_cap_with_every_connection_busy_a_new_one_gets_503(index: Path,
         for _ in range(4):
             sock = _connect(server.port)
             sock.sendall(b"POST /v1/search HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: 50\r\n\r\n{")
+                         b"expect: 100-continue\r\ncontent-length: 50\r\n\r\n{")
             busy.append(sock)
-        time.sleep(0.5)
+        for sock in busy:  # "100 Continue": the server read its headers and reads its body, so it is busy
+            assert _read_head(sock, 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
         refused = _connect(server.port)
         answer = _read_all(refused, 5)
         assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
@@ -175,15 +189,15 @@ def _start_router(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen
         process = subprocess.Popen([str(BIN / "espn"), "route", "--shards", f"http://127.0.0.1:{free_port()}",
                                     "--timeout-ms", "300", "--host", "127.0.0.1", "--port", str(port)],
                                    stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None, log.read_text()[-2000:]
-        try:
-            HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-            return process, port, log
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.3)
+
+    def listening() -> bool:
+        assert process.poll() is None, log.read_text()[-2000:]  # not ignored: a router that exited fails at once
+        HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        return True
+
+    wait_until(listening, lambda: f"espn route to listen:\n{log.read_text()[-2000:]}", timeout_s=60, interval_s=0.3,
+               ignore=(httpx.TransportError,))
+    return process, port, log
 
 
 @pytest.fixture
@@ -218,9 +232,15 @@ def test_the_router_takes_the_servers_key_answers_401_before_parsing_and_logs_no
     passed = HTTP.post(f"{base}/v1/search?secret=hunter2", json={"query": "q"}, headers=keyed, timeout=10)
     assert passed.status_code == 503 and passed.json()["error"] == "no_shard_answered"  # past the key: no shard runs
     assert HTTP.get(f"{base}/healthz", timeout=10).status_code == 200  # health needs no key
-    time.sleep(0.5)
+
+    def access_lines() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{") and '"request"' in line]
+
+    # The access line follows the answer: wait for the last request's (the /healthz above).
+    wait_until(lambda: any(line["path"] == "/healthz" for line in access_lines()), "the router's /healthz access line",
+               timeout_s=10, interval_s=0.05)
     text = log.read_text()
-    access = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"request"' in line]
+    access = access_lines()
     assert {line["status"] for line in access} >= {401, 503}
     assert all(line["path"] == "/v1/search" or line["path"] == "/healthz" for line in access)
     assert key not in text and "hunter2" not in text and "api_key" not in text

@@ -24,10 +24,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from espn_server.cli import run_route
+from espn_server.commands import run_route
 from espn_server.router import RouterSettings, build_router_app, fuse_hits, merge_hits
 from espn_server.schemas import SearchHit
-from helpers import write_scifact_subset
+from helpers import wait_until, write_scifact_subset
 from server_fixtures import HTTP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ class FakeShard:
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.delay_s)  # a slow partition, simulated: not synchronisation
         self.answered += 1
         if request.url.path == "/readyz":
             return httpx.Response(200 if self.ready else 503, json={"status": "ready" if self.ready else "starting"})
@@ -332,16 +332,13 @@ class Server:
             )
 
     def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.process.poll() is not None:
                 pytest.fail(f"espn serve exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                if HTTP.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"espn serve not ready in time:\n{self.log.read_text()[-3000:]}")
+            return HTTP.get(self.url + "/readyz", timeout=2).status_code == 200
+
+        wait_until(ready, lambda: f"espn serve to be ready:\n{self.log.read_text()[-3000:]}",
+                   timeout_s=max(0.0, deadline - time.monotonic()), interval_s=0.5, ignore=(httpx.TransportError,))
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -486,15 +483,14 @@ def test_espn_route_command_serves_health_and_readiness(tmp_path: Path) -> None:
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def listening() -> bool:
             assert process.poll() is None, f"espn route exited:\n{log.read_text()[-2000:]}"
-            try:
-                health = HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"espn route did not listen:\n{log.read_text()[-2000:]}"
-                time.sleep(0.3)
+            HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+            return True
+
+        wait_until(listening, lambda: f"espn route to listen:\n{log.read_text()[-2000:]}", timeout_s=60,
+                   interval_s=0.3, ignore=(httpx.TransportError,))
+        health = HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
         assert health.status_code == 200
         ready = HTTP.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
         assert ready.status_code == 503 and ready.json()["detail"] == "0 of 1 shard(s) ready"

@@ -44,7 +44,7 @@ class FakeWriter:
         if request.url.path == "/readyz":
             return httpx.Response(200, json={"status": "ready", "partition": self.layout})
         if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.delay_s)  # a slow writer, simulated: not synchronisation
         if self.status != 200:
             return httpx.Response(self.status, json={"error": "x", "message": "boom"}, headers={"Retry-After": "7"})
         if request.url.path == "/v1/documents/batch":

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from espn import InvalidParameterError, Searcher
-from espn.search.context import Timer as _Timer
+from espn.search.context import Timer
+from espn.search.dense import search_dense
 
 QUERIES = [
     "How do volcanoes form?", "What causes tides in the ocean?", "best way to store vegetables",
@@ -86,7 +87,7 @@ def test_cost_model_skips_waves_that_cannot_hide_anything(searcher: Searcher, sa
 
 def test_min_hidden_ms_is_checked(sample_index: Path) -> None:
     with Searcher.open(sample_index, min_hidden_ms=0.5) as s:
-        assert s._prefetch.may_pay(0.6) and not s._prefetch.may_pay(0.4)
+        assert s.context.prefetch.may_pay(0.6) and not s.context.prefetch.may_pay(0.4)
     with pytest.raises(InvalidParameterError, match="min_hidden_ms"):
         Searcher.open(sample_index, min_hidden_ms=-1)
 
@@ -215,7 +216,7 @@ def test_allowed_mask_is_applied_inside_the_ann_search(searcher: Searcher) -> No
     allowed = np.zeros(searcher.num_documents, dtype=bool)
     allowed[::3] = True
     params = searcher.params(k=10, nprobe=searcher.nlist, rerank_count=50)
-    results = searcher._search(embeddings, params, _Timer(), allowed=allowed)
+    results = search_dense(searcher.context, embeddings, params, Timer(), allowed=allowed)
     reference = searcher.search_exhaustive(embeddings, k=10, rerank_count=50, allowed=allowed)
     for result, ref in zip(results, reference):
         numbers = [searcher.ids.internal(h.doc_id) for h in result.hits]

@@ -22,10 +22,11 @@ from typing import Any, Callable, Mapping
 import httpx
 import pytest
 
+from espn.search.validation import MAX_QUERY_CHARS
 from espn_server.batching import BatcherClosedError, MicroBatcher, QueueFullError
 from espn_server.settings import ServerSettings
 
-from helpers import wait_until
+from helpers import wait_until, wait_until_async
 from server_fixtures import HTTP, ServerProcess, running_server
 
 API_KEY = "test-key-0123456789abcdef"
@@ -61,7 +62,7 @@ class _RecordingSearch:
         with self.lock:
             self.calls.append((list(queries), dict(params)))
             self.threads.append(threading.get_ident())
-        time.sleep(self.delay)
+        time.sleep(self.delay)  # the search's own work, simulated: not synchronisation
         if self.fail_on is not None and self.fail_on in queries:
             raise ValueError(f"bad query {self.fail_on!r}")
         return [(query, dict(params)) for query in queries]
@@ -161,7 +162,7 @@ def test_batcher_rejects_when_full_and_after_close() -> None:
 
     async def go(batcher: MicroBatcher) -> None:
         first = asyncio.ensure_future(batcher.submit_many(["a", "b", "c"], {}))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop, no time: the task queues its queries (its first step)
         with pytest.raises(QueueFullError):
             await batcher.submit_many(["d", "e"], {})
         assert len(await first) == 3
@@ -177,7 +178,7 @@ def test_batcher_close_drains_queued_queries() -> None:
 
     async def go(batcher: MicroBatcher) -> list:
         jobs = [asyncio.ensure_future(batcher.submit(f"q{i}", {})) for i in range(6)]
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop, no time: the tasks queue their queries
         await batcher.close()  # long wait window, but closing flushes at once
         return [job.result().result[0] for job in jobs]
 
@@ -189,7 +190,7 @@ def test_batcher_drops_cancelled_queries() -> None:
 
     async def go(batcher: MicroBatcher) -> None:
         gone = asyncio.ensure_future(batcher.submit("gone", {}))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop, no time: the task queues its query
         gone.cancel()
         assert (await batcher.submit("stays", {})).result[0] == "stays"
 
@@ -216,8 +217,7 @@ def test_a_batcher_batches_what_queues_while_a_search_runs() -> None:
 
     async def go(batcher: MicroBatcher) -> list:
         first = asyncio.ensure_future(batcher.submit("first", {}))
-        while not search.calls:  # the first call is running
-            await asyncio.sleep(0.005)
+        await wait_until_async(lambda: search.calls, "the first call to run", timeout_s=10)
         rest = await asyncio.gather(*(batcher.submit(f"q{i}", {}) for i in range(5)))
         return [(await first).batch_size] + [item.batch_size for item in rest]
 
@@ -248,7 +248,7 @@ def test_a_lone_query_runs_on_the_loop_only_while_nothing_else_queues() -> None:
         behind = await asyncio.gather(batcher.submit("b1", {}), batcher.submit("b2", {}))  # together: a batch of 2
         await first
         soon = await batcher.submit("soon", {})  # within quiet_s of that batch: on the thread
-        await asyncio.sleep(quiet_s * 1.2)
+        await asyncio.sleep(quiet_s * 1.2)  # not synchronisation: quiet_s, the timer under test, must pass
         await batcher.submit("quiet again", {})
         return loop_thread, [item.batch_size for item in behind], soon.batch_size
 
@@ -574,7 +574,7 @@ BAD_INPUTS = [
     ("response over budget", "POST", "/v1/search/batch", {"queries": ["q"] * 200, "k": 1000, "return_text": True},
      None, 422, "over_budget"),
     ("nprobe > nlist", "POST", "/v1/search", {"query": "x", "nprobe": 1 << 20}, None, 422, "invalid_parameter"),
-    ("query too long", "POST", "/v1/search", {"query": "x" * 5000}, None, 422, "invalid_request"),
+    ("query too long", "POST", "/v1/search", {"query": "x" * (MAX_QUERY_CHARS + 1)}, None, 422, "invalid_request"),
     ("10 MB body", "POST", "/v1/search", b'{"query": "' + b"a" * (10 << 20) + b'"}', "application/json", 413,
      "body_too_large"),
     ("invalid UTF-8", "POST", "/v1/search", b'{"query": "caf\xe9 \xff"}', "application/json", 400, "invalid_utf8"),
@@ -690,14 +690,9 @@ def _sigterm_during_a_long_batch(server: ServerProcess, queries: int = 256, k: i
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        text = HTTP.get(f"{base}/metrics").text
-        if _metric(text, "espn_http_requests_in_flight", endpoint="/v1/search/batch") >= 1:
-            break
-        time.sleep(0.005)
-    else:
-        pytest.fail("the batch request never showed as in flight")
+    wait_until(lambda: _metric(HTTP.get(f"{base}/metrics").text, "espn_http_requests_in_flight",
+                               endpoint="/v1/search/batch") >= 1,
+               "the batch request to show as in flight", timeout_s=30, interval_s=0.005)
     os.kill(server.pid, signal.SIGTERM)
     thread.join(120)
     return outcome["response"]
@@ -758,13 +753,15 @@ def test_metrics_move(client: httpx.Client) -> None:
 def test_request_log_is_one_json_line_per_request(client: httpx.Client, server) -> None:
     response = client.post("/v1/search", json={"query": QUERIES[2]}, headers={"X-Request-ID": "trace-abc.123"})
     assert response.headers["x-request-id"] == "trace-abc.123"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-        mine = [line for line in lines if line.get("request_id") == "trace-abc.123"]
-        if mine:
-            break
-        time.sleep(0.1)
+
+    def logged() -> list[dict]:
+        return [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+
+    # The access line follows the answer.
+    wait_until(lambda: any(line.get("request_id") == "trace-abc.123" for line in logged()),
+               "the request's access line", timeout_s=5)
+    lines = logged()
+    mine = [line for line in lines if line.get("request_id") == "trace-abc.123"]
     assert len(mine) == 1
     (line,) = mine
     assert line["status"] == 200 and line["endpoint"] == "/v1/search" and line["queries"] == 1
@@ -840,7 +837,7 @@ def test_a_big_batch_cannot_starve_a_small_request() -> None:
 
     async def scenario(batcher: MicroBatcher) -> int:
         big = asyncio.ensure_future(batcher.submit_many([f"big{i}" for i in range(64)], {"k": 10}))
-        await asyncio.sleep(0.02)  # the big request's first chunk is running
+        await wait_until_async(lambda: search.calls, "the big request's first chunk to run", timeout_s=10)
         await batcher.submit("small", {"k": 10})
         calls_before_small = next(i for i, (queries, _) in enumerate(search.calls) if "small" in queries)
         await big
@@ -851,34 +848,40 @@ def test_a_big_batch_cannot_starve_a_small_request() -> None:
     assert sum(len(queries) for queries, _ in search.calls) == 65
 
 
-def test_an_idle_server_searches_at_once_and_batches_what_queues(sample_index: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def open_server(sample_index: Path, tmp_path_factory: pytest.TempPathFactory):
+    """All interfaces, no API key, a 1 s batch wait: one start serves the two tests below (each
+    server start costs 10 s and more on a 2-core machine)."""
+    with running_server(sample_index, tmp_path_factory.mktemp("open"), "--host", "0.0.0.0", "--batch-wait-ms",
+                        "1000", name="open") as running:
+        yield running
+
+
+def test_an_idle_server_searches_at_once_and_batches_what_queues(open_server: ServerProcess) -> None:
     """Over real HTTP: a 1 s batch wait is never spent by a query that finds the server idle, and
     concurrent requests that arrive while a search runs share the next search call."""
-    with running_server(sample_index, tmp_path, "--batch-wait-ms", "1000", name="continuous") as server:
-        url = f"{server.base_url}/v1/search"
-        alone = HTTP.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
-        assert alone.status_code == 200, alone.text
-        assert alone.json()["stats"]["batch_size"] == 1 and alone.json()["stats"]["queue_ms"] < 500
-        # Eight clients at once, in up to five bursts: on a loaded machine one burst's requests can
-        # reach an idle server one by one; batching that never happens fails all five.
-        together: list[httpx.Response] = []
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            for _ in range(5):
-                together += pool.map(lambda i: HTTP.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
-                                                          timeout=60), range(8))
-                if max(response.json()["stats"]["batch_size"] for response in together) > 1:
-                    break
+    url = f"{open_server.base_url}/v1/search"
+    alone = HTTP.post(url, json={"query": QUERIES[0], "k": 3}, timeout=60)
+    assert alone.status_code == 200, alone.text
+    assert alone.json()["stats"]["batch_size"] == 1 and alone.json()["stats"]["queue_ms"] < 500
+    # Eight clients at once, in up to five bursts: on a loaded machine one burst's requests can
+    # reach an idle server one by one; batching that never happens fails all five.
+    together: list[httpx.Response] = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            together += pool.map(lambda i: HTTP.post(url, json={"query": QUERIES[i % len(QUERIES)], "k": 3},
+                                                      timeout=60), range(8))
+            if max(response.json()["stats"]["batch_size"] for response in together) > 1:
+                break
     assert all(response.status_code == 200 for response in together)
     assert max(response.json()["stats"]["batch_size"] for response in together) > 1
 
 
-def test_serving_on_all_interfaces_without_a_key_warns(sample_index: Path, tmp_path: Path) -> None:
-    with running_server(sample_index, tmp_path, "--host", "0.0.0.0", name="open") as server:
-        log = server.log()
-    warnings = [json.loads(line) for line in log.splitlines() if '"unauthenticated"' in line]
+def test_serving_on_all_interfaces_without_a_key_warns(open_server: ServerProcess, server: ServerProcess) -> None:
+    """Warned once at start on all interfaces without a key; never with a key (the module's server)."""
+    warnings = [json.loads(line) for line in open_server.log().splitlines() if '"unauthenticated"' in line]
     assert len(warnings) == 1 and "ESPN_API_KEY" in warnings[0]["message"]
-    with running_server(sample_index, tmp_path, env={"ESPN_API_KEY": API_KEY}, name="closed") as server:
-        assert "unauthenticated" not in server.log()
+    assert "unauthenticated" not in server.log()
 
 
 def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_every_other_espn_variable_is_documented() -> None:
 
 
 def test_flags_become_the_settings_they_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from espn_server.cli import _overrides
+    from espn_server.commands import _overrides
 
     (tmp_path / "manifest.json").write_text("{}")
     args = build_parser().parse_args(["serve", str(tmp_path), "--write-wait-s", "3.5", "--compact-max-segments", "2",

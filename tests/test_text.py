@@ -194,7 +194,7 @@ _CRASHING_WRITER = textwrap.dedent("""
     writer = TextWriter(root / "work", root / "gen1", TextConfig())
     writer.apply([TextDocument(100, "common", "never published")], [5])
     print("committed", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # not synchronisation: the writer stays, unpublished, until the test kills it
 """)
 
 

@@ -20,8 +20,8 @@ import logging
 import sys
 from typing import Callable, Sequence, cast
 
+from ..choices import READER_NAMES
 from ..errors import EspnError
-from ..store import READERS
 from ..live import parsers as live_parsers
 from .parsers import register_calibrate, register_search, register_verify, run_command
 from .common import COMMANDS_GROUP, CliParser, UsageError, configure_logging, one_line
@@ -37,7 +37,7 @@ log = logging.getLogger("espn")
 def register_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Every subcommand, in the order `espn --help` lists them: the library's own, then the
     entry points' (the build job, the server)."""
-    readers = sorted(READERS)
+    readers = sorted(READER_NAMES)
     register_search(sub, readers)
     register_calibrate(sub, readers)
     register_verify(sub)

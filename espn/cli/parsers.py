@@ -3,7 +3,8 @@ to their code, `run_command`.
 
 The commands import FAISS, the encoders and the index code at their top; they load only
 when a command runs, after `espn.cli.app.run` has configured logging, so `-v` shows the
-lines those libraries log as they load, and `espn --help` does not wait for them.
+lines those libraries log as they load, and `espn --help` does not wait for them. The
+choices and defaults shown here come from `espn.choices`, which imports none of them.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..encoders import TRUST_REMOTE_CODE_HELP
+from ..choices import (DEFAULT_FUSION, DEFAULT_LEXICAL_K, DEFAULT_MIX_WEIGHT, DEFAULT_RRF_K, FUSIONS, MODES, SYNTAXES,
+                       TRUST_REMOTE_CODE_HELP)
 from ..evaluation import DEFAULT_MEASURES
-from ..search.hybrid import FUSIONS, MODES, HybridParams
-from ..text.query import SYNTAXES
 from .common import add_reader_options
 
 __all__ = ["register_search", "register_calibrate", "register_verify", "add_search_params", "add_mode_params",
@@ -71,13 +71,13 @@ def add_mode_params(p: argparse.ArgumentParser) -> None:
     g.add_argument("--query-syntax", choices=SYNTAXES, help="lexical and hybrid: plain (default: every character is "
                    'text, never an operator) or simple ("phrases", +required, -excluded; what it cannot read is '
                    "read as text)")
-    defaults = HybridParams()
     g.add_argument("--fusion", choices=FUSIONS, help=f"hybrid: {', '.join(FUSIONS)} (default: the index's, "
-                   f"{defaults.fusion} unless `espn calibrate --hybrid` chose another)")
-    g.add_argument("--lexical-k", type=int, help=f"hybrid: candidates from the lexical side (default {defaults.lexical_k})")
-    g.add_argument("--rrf-k", type=int, help=f"hybrid: the RRF constant (default {defaults.rrf_k})")
+                   f"{DEFAULT_FUSION} unless `espn calibrate --hybrid` chose another)")
+    g.add_argument("--lexical-k", type=int,
+                   help=f"hybrid: candidates from the lexical side (default {DEFAULT_LEXICAL_K})")
+    g.add_argument("--rrf-k", type=int, help=f"hybrid: the RRF constant (default {DEFAULT_RRF_K})")
     g.add_argument("--mix-weight", type=float, help="hybrid: the dense side's weight in mix and zscore (default: the "
-                   f"index's, {defaults.mix_weight:.2f} unless `espn calibrate --hybrid` fitted another)")
+                   f"index's, {DEFAULT_MIX_WEIGHT:.2f} unless `espn calibrate --hybrid` fitted another)")
     g.add_argument("--no-union", action="store_true",
                    help="hybrid: do not MaxSim-score what only the lexical side found")
 

@@ -175,8 +175,10 @@ def _report(args: argparse.Namespace, run: _Run, queries: list[tuple[str, str]],
     if explain_out is not None:
         _write_explanations(explain_out, run.explained)
         print(f"wrote explanations of {len(run.explained)} hits to {explain_out}")
+    searched = len(queries) - len(run.failed)  # the refused ones cost nothing: they are no part of the rate
+    rate = f"{searched / elapsed:.1f} queries/s, " if searched else ""
     print(f"wrote {sum(map(len, run.ranked.values()))} lines for {len(run.ranked)} queries to {args.out} "
-          f"({len(queries) / elapsed:.1f} queries/s, reader={reader_name})")
+          f"({rate}reader={reader_name})")
     if run.latencies:
         p50, p95, p99 = np.percentile(run.latencies, [50, 95, 99])
         print(f"batch latency (batch size {args.batch_size}): p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms; "
@@ -187,8 +189,13 @@ def _report(args: argparse.Namespace, run: _Run, queries: list[tuple[str, str]],
             print(f"{measure}\t{value:.4f}")
     if run.failed:
         failed = run.failed
-        print(f"espn search: error: {len(failed)} of {len(queries)} queries failed ({', '.join(list(failed)[:10])}"
-              f"{', ...' if len(failed) > 10 else ''}); the run file holds the other {len(run.ranked)}", file=sys.stderr)
+        named = f"{', '.join(list(failed)[:10])}{', ...' if len(failed) > 10 else ''}"
+        if not searched:
+            which = "the only query was" if len(failed) == 1 else f"all {len(failed)} queries were"
+            print(f"espn search: error: no query was searched: {which} refused ({named}; why above)", file=sys.stderr)
+        else:
+            print(f"espn search: error: {len(failed)} of {len(queries)} queries failed ({named}); the run file holds "
+                  f"the other {len(run.ranked)}", file=sys.stderr)
         return 1
     return 0
 

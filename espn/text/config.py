@@ -10,14 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ..choices import STEMMER_LANGUAGES
 from ..errors import InvalidParameterError
 
 __all__ = ["TextConfig", "STEMMER_LANGUAGES", "STOP_WORD_LANGUAGES", "TOKENIZER_NAME"]
 
-#: Languages Tantivy's Snowball stemmer knows.
-STEMMER_LANGUAGES = ("arabic", "danish", "dutch", "english", "finnish", "french", "german", "greek", "hungarian",
-                     "italian", "norwegian", "portuguese", "romanian", "russian", "spanish", "swedish", "tamil",
-                     "turkish")
 #: Languages Tantivy ships a stop-word list for.
 STOP_WORD_LANGUAGES = ("danish", "dutch", "english", "finnish", "french", "german", "hungarian", "italian",
                        "norwegian", "portuguese", "russian", "spanish", "swedish")

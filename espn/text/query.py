@@ -26,13 +26,12 @@ import dataclasses
 import re
 from typing import Literal
 
+from ..choices import SYNTAXES
 from ..errors import InvalidParameterError
 
 __all__ = ["Clause", "LexicalQuery", "QuerySyntaxError", "SYNTAXES", "check_syntax", "parse_query"]
 
 Occur = Literal["should", "must", "must_not"]
-#: The query syntaxes: plain text (the default) and the opt-in simple syntax.
-SYNTAXES = ("plain", "simple")
 _WORDS = re.compile(r"\S+")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from espn.params import DEFAULT_RERANK_COUNT
 from espn.search.hybrid import HybridParams, fuse
 
-from ..schemas import MAX_EXPLAIN_K, MAX_K, SearchHit, SearchOptions, SearchResponse
+from ..schemas import MAX_EXPLAIN_K, MAX_HTTP_K, SearchHit, SearchOptions, SearchResponse
 from .models import RoutedSearchResponse, RoutedStats, ShardFailure
 
 __all__ = ["merge_hits", "fuse_hits", "fan_out_body", "merge_responses"]
@@ -75,7 +75,7 @@ def fan_out_body(body: SearchOptions) -> dict[str, Any]:
     """What the partitions are asked: a hybrid search asks each for its whole pool."""
     out = body.model_dump(exclude_none=True)
     if body.mode == "hybrid":
-        out["k"] = MAX_EXPLAIN_K if out.get("explain") else MAX_K
+        out["k"] = MAX_EXPLAIN_K if out.get("explain") else MAX_HTTP_K
     return out
 
 

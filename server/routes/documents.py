@@ -25,7 +25,7 @@ from pydantic import AfterValidator
 
 from ..deps import AppState, get_search, get_state, get_writes
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
-from ..schemas import (MAX_DOC_ID_CHARS, MAX_WRITE_ID_CHARS, WRITE_ID_PATTERN, BatchWriteRequest, DocumentResponse,
+from ..schemas import (ID_LIMIT, ID_SCHEMA, BatchWriteRequest, DocumentResponse,
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
 from ..search_service import SearchService
 from ..writes import NewDocument, WriteResult
@@ -52,12 +52,13 @@ _WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     422: {**_ERROR, "description": "a field out of bounds, or the schema not met (nothing is written)"},
     503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S, the write "
                                    "queue is full, or the index is not open (Retry-After)"},
+    507: {**_ERROR, "description": "the disk is full: nothing of this write is kept (Retry-After)"},
 }
 # Every id an index holds obeys the write rules (the build and the writer refuse others), so
 # reads and deletes state the same pattern: a schema-valid id is never refused.
-StoredId = Annotated[str, Path(min_length=1, max_length=MAX_DOC_ID_CHARS, json_schema_extra={"pattern": WRITE_ID_PATTERN},
-                               description="external document id (UTF-8; no surrounding whitespace, no control "
-                                           "characters)"),
+StoredId = Annotated[str, Path(min_length=1, json_schema_extra=ID_SCHEMA,
+                               description=f"external document id ({ID_LIMIT}; no surrounding whitespace, "
+                                           "no control characters)"),
                      AfterValidator(check_write_id)]
 
 
@@ -103,9 +104,9 @@ async def put_document(
     body: DocumentWrite,
     request: Request,
     response: Response,
-    doc_id: Annotated[str, Path(min_length=1, max_length=MAX_WRITE_ID_CHARS, json_schema_extra={"pattern": WRITE_ID_PATTERN},
-                                description=f"external document id: at most {MAX_WRITE_ID_CHARS} characters, no "
-                                            "surrounding whitespace, no control characters"),
+    doc_id: Annotated[str, Path(min_length=1, json_schema_extra=ID_SCHEMA,
+                                description=f"external document id: {ID_LIMIT}, no surrounding whitespace, no "
+                                            "control characters"),
                       AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:

