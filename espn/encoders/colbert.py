@@ -47,10 +47,10 @@ from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
-from .colbert_checkpoint import (SETTING_NAMES, WEIGHT_FILES, ColBERTSettings, DenseLayer, checkpoint_format,
+from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
 from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
-from .onnx import checked_query_graph
+from .onnx import QueryGraphOwner, checked_query_graph
 
 __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
 
@@ -63,7 +63,7 @@ def _insert_after_cls(values: torch.Tensor, fill: int) -> torch.Tensor:
     return torch.cat([values[:, :1], column, values[:, 1:]], dim=1)
 
 
-class ColBERTEncoder(Encoder):
+class ColBERTEncoder(QueryGraphOwner, Encoder):
     """A ColBERT checkpoint's query and document token vectors, scored by MaxSim (sum)."""
 
     kind = "colbert"
@@ -284,13 +284,6 @@ class ColBERTEncoder(Encoder):
         return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
 
     # -- ONNX queries ----------------------------------------------------------------
-    def _query_graph(self) -> Any:
-        if self._graph is None:
-            with self._graph_lock:
-                if self._graph is None:
-                    self._graph = self._make_graph() or False
-        return self._graph or None
-
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all kept positions)."""
         refusal = None
@@ -304,7 +297,7 @@ class ColBERTEncoder(Encoder):
 
     # -- persistence -----------------------------------------------------------------
     def _weights_file(self) -> Path | None:
-        return next((self.backbone_dir / f for f in WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
+        return weights_file(self.backbone_dir)
 
     def config(self) -> dict[str, Any]:
         weights = self._weights_file()

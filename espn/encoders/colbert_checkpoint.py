@@ -17,7 +17,7 @@ from ..untrusted import inside_root
 from .model_files import NOT_COPIED, check_remote_code, load_weights, model_file, read_model_json
 
 __all__ = ["ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "read_colbert_ai", "read_pylate",
-           "refuse_remote_code", "SETTING_NAMES", "SETTING_RANGES", "WEIGHT_FILES", "NOT_COPIED", "COLBERT_AI_DEFAULTS",
+           "refuse_remote_code", "SETTING_NAMES", "SETTING_RANGES", "WEIGHT_FILES", "weights_file", "NOT_COPIED", "COLBERT_AI_DEFAULTS",
            "PYLATE_DEFAULTS", "MIN_LENGTH", "MAX_PREFIX_CHARS", "MAX_SKIPLIST_WORDS", "MAX_SKIPLIST_WORD_CHARS"]
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -222,6 +222,11 @@ class DenseLayer:
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
         return DenseLayer(self.weight.to(device), move(self.bias), self.activation, move(self.residual),
                           self.use_residual)
+
+
+def weights_file(directory: Path) -> Path | None:
+    """The first of WEIGHT_FILES in `directory`, None where it has neither."""
+    return next((Path(directory) / name for name in WEIGHT_FILES if (Path(directory) / name).is_file()), None)
 
 
 def _load_state(directory: Path) -> dict[str, torch.Tensor]:

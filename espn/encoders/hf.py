@@ -29,8 +29,9 @@ import torch
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
-from .onnx import checked_query_graph
+from .onnx import QueryGraphOwner, checked_query_graph
 from .weights import verify_model_files
 
 __all__ = ["HFEncoder", "default_model_dir"]
@@ -81,7 +82,7 @@ def _auto_device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class HFEncoder(Encoder):
+class HFEncoder(QueryGraphOwner, Encoder):
     kind = "hf"
     bow_reduction = "mean"
 
@@ -260,14 +261,6 @@ class HFEncoder(Encoder):
     def model_loaded(self) -> bool:
         return self._model is not None
 
-    def _query_graph(self) -> Any:
-        """The ONNX Runtime graph for queries, made on first use; None where queries run on torch."""
-        if self._graph is None:
-            with self._graph_lock:
-                if self._graph is None:
-                    self._graph = self._make_graph() or False
-        return self._graph or None
-
     def _make_graph(self) -> Any:
         weights = self._weights_file()
         probe = self.tokenizer(["a probe of the exported graph", "two"], padding=True, return_tensors="pt")
@@ -285,8 +278,7 @@ class HFEncoder(Encoder):
         return f"{self.name}: onnxruntime {onnxruntime.__version__} fp32, {graph.threads} threads"
 
     def _weights_file(self) -> Path | None:
-        return next((self.model_dir / f for f in ("model.safetensors", "pytorch_model.bin")
-                     if (self.model_dir / f).is_file()), None)
+        return weights_file(self.model_dir)
 
     @torch.inference_mode()
     def _forward(self, tokens: Mapping[str, Any], graph: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

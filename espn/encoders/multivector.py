@@ -45,9 +45,9 @@ from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
-from .colbert_checkpoint import WEIGHT_FILES
+from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
-from .onnx import checked_query_graph
+from .onnx import QueryGraphOwner, checked_query_graph
 from .st_format import is_sentence_transformers_save
 
 __all__ = ["SentenceTransformersEncoder", "is_sentence_transformers_save", "QUERY_BACKENDS"]
@@ -66,7 +66,7 @@ def _read_json(path: Path) -> Any:
         raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
 
 
-class SentenceTransformersEncoder(Encoder):
+class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     """A MultiVectorEncoder checkpoint's query and document vectors, as its own encode gives them."""
 
     kind = "multivector"
@@ -244,13 +244,6 @@ class SentenceTransformersEncoder(Encoder):
                   else "") for kind, _, token in row] for row in self._positions(texts, is_query)]
 
     # -- ONNX queries ----------------------------------------------------------------
-    def _query_graph(self) -> Any:
-        if self._graph is None:
-            with self._graph_lock:
-                if self._graph is None:
-                    self._graph = self._make_graph() or False
-        return self._graph or None
-
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all scored positions)."""
         backbone = self.backbone.auto_model
@@ -273,7 +266,7 @@ class SentenceTransformersEncoder(Encoder):
 
     # -- persistence -----------------------------------------------------------------
     def _weights_file(self) -> Path | None:
-        return next((self.backbone_dir / f for f in WEIGHT_FILES if (self.backbone_dir / f).is_file()), None)
+        return weights_file(self.backbone_dir)
 
     def config(self) -> dict[str, Any]:
         weights = self._weights_file()

@@ -26,6 +26,7 @@ import io
 import logging
 import os
 import tempfile
+import threading
 import warnings
 from importlib.metadata import version
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 
 from ..errors import InvalidParameterError
 
-__all__ = ["OnnxEncoderGraph", "checked_query_graph", "onnx_unavailable_reason", "default_cache_dir", "GRAPH_TOLERANCE"]
+__all__ = ["OnnxEncoderGraph", "QueryGraphOwner", "checked_query_graph", "onnx_unavailable_reason", "default_cache_dir", "GRAPH_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,26 @@ class OnnxEncoderGraph:
         got = self.hidden_states(input_ids, attention_mask)
         valid = attention_mask.bool() if positions is None else positions.bool()
         return float((got - expected.float()).abs()[valid].max())
+
+
+class QueryGraphOwner:
+    """What an encoder with an ONNX query path shares: its graph, made once on first use by its
+    `_make_graph` (None there: queries run on torch), however many threads ask at once. The
+    encoder sets `_graph = None` and `_graph_lock` in its __init__."""
+
+    _graph: Any
+    _graph_lock: threading.Lock
+
+    def _make_graph(self) -> Any:
+        raise NotImplementedError
+
+    def _query_graph(self) -> Any:
+        """The ONNX Runtime graph for queries, made on first use; None where queries run on torch."""
+        if self._graph is None:
+            with self._graph_lock:
+                if self._graph is None:
+                    self._graph = self._make_graph() or False
+        return self._graph or None
 
 
 def checked_query_graph(load_model: Callable[[], torch.nn.Module], name: str, query_backend: str, device: str,
