@@ -25,7 +25,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import faiss
 import numpy as np
@@ -202,15 +202,19 @@ class TokenCentroids:
         bow [B, L, d] float32 query token vectors, mask [B, L] bool; allowed [N] bool: the
         documents a result may hold (deleted ones never are), None: all.
         """
+        return list(self.iter_candidates(bow, mask, probe, depth, allowed))
+
+    def iter_candidates(self, bow: np.ndarray, mask: np.ndarray, probe: int, depth: int,
+                        allowed: np.ndarray | None = None) -> Iterator[np.ndarray]:
+        """`candidates`, query by query: a search starts reading one query's candidates while
+        the next is ranked."""
         batch, length, d = bow.shape
         probe = max(1, min(probe, len(self.centroids)))
         tokens = np.ascontiguousarray(bow.reshape(batch * length, d), dtype=np.float32)
         scores, nearest = self._quantizer.search(tokens, probe)  # [B·L, probe], best first
-        out = []
         for i in range(batch):
             rows = np.flatnonzero(mask[i]) + i * length
-            out.append(self._rank(scores[rows], nearest[rows], depth, allowed))
-        return out
+            yield self._rank(scores[rows], nearest[rows], depth, allowed)
 
     def _rank(self, scores: np.ndarray, nearest: np.ndarray, depth: int, allowed: np.ndarray | None) -> np.ndarray:
         """One query: scores, nearest [Lq, probe] -> the top `depth` documents."""

@@ -9,6 +9,7 @@ The live-index test uses the offline MiniLM encoder on 48 sample documents.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -25,6 +26,8 @@ from espn.generations import read_current
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
+from espn.store.engines import FaultInjector, inject_faults
+from espn.store.engines.base import LEDGER
 
 D = 32
 N_DOCS = 1500
@@ -199,3 +202,44 @@ def test_live_writes_are_found_deleted_ones_are_not_and_compaction_rebuilds(mini
         assert compacted.live is None and len(compacted.centroids.parts) == 1  # type: ignore[union-attr]
         hits = compacted.search([query], k=5)[0].hits
         assert hits[0].doc_id == "new-elephant" and runner_up not in _ranking(hits)
+
+
+class _FailSecondWave(FaultInjector):
+    """The second batch of read results fails with EIO (a disk error in a later wave)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def results(self, engine: str, lengths: np.ndarray, results: np.ndarray) -> np.ndarray:
+        self.batches += 1
+        return np.full_like(results, -errno.EIO) if self.batches == 2 else results
+
+
+def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(built: Path, collection: dict) -> None:
+    """prefetch on: each query's candidates are read as soon as the stage has ranked it, in
+    waves scored as they arrive; off: one read after the stage. Same candidates, same ranking;
+    a wave that fails fails the search and leaves no buffer or read behind."""
+    queries = collection["queries"]
+    with Searcher.open(built, with_encoder=False, reader="posix") as searcher:
+        assert searcher.reader.io_bound
+        after = searcher.search_embeddings(queries, k=10, prefetch=False)
+        for wave in (4, 64):
+            beside = searcher.search_embeddings(queries, k=10, prefetch_k=wave)
+            for a, b in zip(beside, after):
+                assert [(h.doc_id, h.score) for h in a.hits] == [(h.doc_id, h.score) for h in b.hits]
+            # each candidate read once; waves may read a block two neighbours share twice
+            assert sum(r.stats.prefetched + r.stats.missed for r in beside) == sum(r.stats.missed for r in after)
+            assert beside[0].stats.waves >= len(queries) and after[0].stats.waves == 0
+            assert sum(r.stats.bytes_read for r in beside) >= sum(r.stats.bytes_read for r in after)
+            # every query's reads but the last one's started while the stage ranked the next
+            assert sum(r.stats.prefetched for r in beside) > 0 and beside[0].stats.hit_rate > 0.5
+        assert after[0].stats.prefetched == 0 and after[0].stats.hit_rate == 0.0
+        single = searcher.search_embeddings(queries[np.arange(1)], k=10, prefetch_k=4)
+        assert [h.doc_id for h in single[0].hits] == [h.doc_id for h in after[0].hits]
+        assert single[0].stats.prefetched == 0  # one query: its waves overlap the scoring, not the stage
+        with inject_faults(_FailSecondWave()), pytest.raises(OSError, match="EIO"):
+            searcher.search_embeddings(queries, k=10, prefetch_k=4)
+        stats = searcher.reader.buffer_pool.stats()
+        assert stats["in_use"] == 0 and stats["quarantined"] == 0 and LEDGER.outstanding() == 0, stats
+        again = searcher.search_embeddings(queries, k=10)
+        assert [[h.doc_id for h in r.hits] for r in again] == [[h.doc_id for h in r.hits] for r in after]

@@ -9,7 +9,7 @@ centroid index plus the postings of each delta segment, computed once per segmen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ..maxsim import QueryScoring
 from ..params import SearchParams
 from ..results import QueryResult, SearchStats
 from ..segments import LiveView, RecordTable
-from ..store import Reader
+from ..store import PendingRead, Reader
 from .context import SearchContext, Timer
 from .filtered import FilteredDocs
 from .scoring import ExtraDocs, Scored, rank_hits, score_pairs, share
@@ -69,22 +69,40 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
                      extra: ExtraDocs | None,
                      pools: list[Scored] | None) -> list[QueryResult]:
     """The centroid first stage, then exact MaxSim of every candidate read from the records.
-    Same contract as `espn.search.dense.search_dense`."""
+    Same contract as `espn.search.dense.search_dense`.
+
+    With a reader that waits on storage (`Reader.io_bound`) and `prefetch` on, each query's
+    candidates start reading as soon as the stage has ranked them, best estimate first, in
+    waves of `wave_size`: while the stage ranks the batch's next query, and while earlier
+    waves are scored. prefetch=False reads every candidate after the stage, in one read;
+    both score the same candidates exactly, so they rank alike."""
     if context.centroids is None:
         raise InvalidParameterError(f"first_stage {stage.kind!r} needs a centroid index, and this index has "
                                     f"none (build it with `espn index --first-stage centroids`)")
     batch = len(q)
     xq = np.ascontiguousarray(q.cls, dtype=np.float32)
     queries = QueryScoring.from_arrays(xq, q.bow, q.mask)
-    per_query = centroid_candidates(context, q, xq, params, stage, _candidate_mask(context, allowed, filtered), timer)
-    if extra is not None:  # hybrid's lexical documents: scored with the rest (read again: one read)
-        extra_docs, extra_records = extra.result()
-        if extra_records is not None:
-            extra_records.release()
-        per_query = [np.union1d(docs, np.asarray(more, dtype=np.int64))
-                     for docs, more in zip(per_query, list(extra_docs) + [np.zeros(0, np.int64)] * batch)]
-    scores, bytes_read, ios = _score_candidates(context, queries, per_query, timer)
-    timer.lap("maxsim")
+    early = params.prefetch and params.wave_size > 0 and context.reader.io_bound
+    reads = CandidateReads(context, params.wave_size if early else 0)
+    try:
+        per_query = []
+        for docs in centroid_candidates(context, q, xq, params, stage,
+                                        _candidate_mask(context, allowed, filtered), timer):
+            per_query.append(docs)
+            reads.take(docs)
+        reads.stage_ended()
+        if extra is not None:  # hybrid's lexical documents: scored with the rest (read again: one read)
+            extra_docs, extra_records = extra.result()
+            if extra_records is not None:
+                extra_records.release()
+            per_query = [np.union1d(docs, np.asarray(more, dtype=np.int64))
+                         for docs, more in zip(per_query, list(extra_docs) + [np.zeros(0, np.int64)] * batch)]
+        for docs in per_query:
+            reads.take(docs)
+        scores = reads.score(queries, per_query, timer)
+    except BaseException:
+        reads.discard()
+        raise
     bounds = np.cumsum([0] + [len(d) for d in per_query])
     out = []
     for i, found in enumerate(per_query):
@@ -95,13 +113,90 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
             pools.append((np.asarray(found, dtype=np.int64), cls_scores, bow_scores))
     timer.lap("aggregate")
     stage_ms = timer.total()
-    # No prefetcher runs beside this stage (every candidate is read after it): hit rate 0.
+    read = len(reads.submitted)
     return [QueryResult(hits=hits, stats=SearchStats(
-        stage_ms=stage_ms, hit_rate=0.0, bytes_read=share(bytes_read, i, batch), ios=share(ios, i, batch),
-        prefetched=0, missed=len(per_query[i]), engine=context.reader.engine,
+        stage_ms=stage_ms, hit_rate=reads.prefetched / max(1, read), bytes_read=share(reads.bytes_read, i, batch),
+        ios=share(reads.ios, i, batch), prefetched=share(reads.prefetched, i, batch),
+        missed=share(read - reads.prefetched, i, batch), waves=reads.n_waves if reads.wave_size else 0,
+        engine=context.reader.engine,
         matched=None if filtered is None else filtered.matches,
         filter_path=None if filtered is None else "all" if filtered.matches >= context.live_count else "centroids"))
         for i, hits in enumerate(out)]
+
+
+class CandidateReads:
+    """The candidates' reads, in waves of documents in the order the stage ranked them, each
+    scored as soon as it has arrived while the later ones are still in flight.
+
+    `prefetched` counts the documents whose reads started while the stage was still ranking
+    (the batch's later queries); with one query the waves overlap the scoring only."""
+
+    def __init__(self, context: SearchContext, wave_size: int) -> None:
+        self.context = context
+        self.wave_size = wave_size  # 0: one read of every candidate, once the stage has ended
+        self.waves: list[tuple[np.ndarray, PendingRead]] = []  # (sorted doc numbers, their read)
+        self.submitted = np.zeros(0, dtype=np.int64)  # sorted
+        self.held: list[np.ndarray] = []  # wave_size 0: the candidates, read at the stage's end
+        self.stage_over = False
+        self.before_last_query = self.prefetched = self.bytes_read = self.ios = self.n_waves = 0
+
+    def take(self, docs: np.ndarray) -> None:
+        """Read the candidates not read yet (`docs` best first)."""
+        docs = np.asarray(docs, dtype=np.int64)
+        if self.wave_size == 0 and not self.stage_over:
+            self.held.append(docs)
+            return
+        if not self.stage_over:
+            self.before_last_query = len(self.submitted)
+        new = docs[~np.isin(docs, self.submitted)]
+        step = self.wave_size or max(1, len(new))
+        for at in range(0, len(new), step):
+            self._submit(np.unique(new[at: at + step]))
+
+    def stage_ended(self) -> None:
+        """The stage has ranked every query: what was read so far was read beside it."""
+        self.prefetched = self.before_last_query  # the last query's reads started after the stage
+        self.stage_over = True
+        if self.held:
+            held, self.held = self.held, []
+            self.take(np.concatenate(held))
+
+    def _submit(self, docs: np.ndarray) -> None:
+        if not len(docs):
+            return
+        self.waves.append((docs, self.context.reader.submit(docs)))
+        self.n_waves += 1
+        self.submitted = np.union1d(self.submitted, docs)
+
+    def score(self, queries: QueryScoring, per_query: list[np.ndarray], timer: Timer) -> np.ndarray:
+        """[2, P] exact CLS and MaxSim of every (query, candidate) pair in order, wave by wave."""
+        n_docs = self.context.num_documents
+        keys = np.concatenate([i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(per_query)]
+                              + [np.zeros(0, np.int64)])
+        scores = np.zeros((2, len(keys)), dtype=np.float32)
+        if not len(keys):
+            return scores
+        wave_docs = np.concatenate([docs for docs, _ in self.waves] + [np.zeros(0, np.int64)])
+        wave_ids = np.repeat(np.arange(len(self.waves)), [len(docs) for docs, _ in self.waves])
+        order = np.argsort(wave_docs, kind="stable")
+        wave_of_key = wave_ids[order][np.searchsorted(wave_docs[order], keys % n_docs)]
+        for wave in range(len(self.waves)):
+            _, read = self.waves[0]
+            self.waves.pop(0)  # handed over: released by its RecordBatch, whatever happens
+            with read.records() as records:
+                timer.lap("miss_read")
+                self.bytes_read, self.ios = self.bytes_read + records.bytes_read, self.ios + records.ios
+                picked = np.flatnonzero(wave_of_key == wave)
+                if len(picked):
+                    scores[:, picked] = score_pairs(self.context, queries, records, keys[picked], n_docs)
+                timer.lap("maxsim")
+        return scores
+
+    def discard(self) -> None:
+        """A search that failed part-way: wait for its reads without using them."""
+        waves, self.waves = self.waves, []
+        for _, read in waves:
+            read.discard()
 
 
 def _candidate_mask(context: SearchContext, allowed: np.ndarray | None,
@@ -116,34 +211,23 @@ def _candidate_mask(context: SearchContext, allowed: np.ndarray | None,
 
 
 def centroid_candidates(context: SearchContext, q: QueryEmbeddings, xq: np.ndarray, params: SearchParams,
-                        stage: FirstStageConfig, mask: np.ndarray | None, timer: Timer) -> list[np.ndarray]:
-    """Per query, the doc numbers to score: the centroid estimate's top, and for "union" the IVF's."""
+                        stage: FirstStageConfig, mask: np.ndarray | None, timer: Timer) -> Iterator[np.ndarray]:
+    """Per query, as each is ranked, the doc numbers to score, best estimate first: the centroid
+    estimate's top, and for "union" the IVF's after them."""
     assert context.centroids is not None
-    depth = max(stage.candidates, params.k)
-    per_query = context.centroids.candidates(np.asarray(q.bow, dtype=np.float32), np.asarray(q.mask, dtype=bool),
-                                             stage.probe, depth, mask)
-    timer.lap("first_stage")
+    labels = None
     if stage.kind == "union" and params.rerank_count > 0:
         selector = None if mask is None else (context.live_selector if mask is context.live
                                               else bitmap_selector(mask))
         coarse_scores, lists = coarse_assign(context.ann, xq, params.nprobe)
         _, labels = search_preassigned(context.ann, xq, params.rerank_count, lists, coarse_scores, selector)
-        per_query = [np.union1d(docs, found[found >= 0]) for docs, found in zip(per_query, labels)]
         timer.lap("ann")
-    return per_query
-
-
-def _score_candidates(context: SearchContext, queries: QueryScoring, per_query: list[np.ndarray],
-                      timer: Timer) -> tuple[np.ndarray, int, int]:
-    """[2, P] exact CLS and MaxSim of every (query, candidate) pair in order; bytes read, ios."""
-    n_docs = context.num_documents
-    keys = np.concatenate([i * n_docs + np.asarray(docs, dtype=np.int64) for i, docs in enumerate(per_query)])
-    docs = np.unique(keys % n_docs)
-    scores = np.zeros((2, len(keys)), dtype=np.float32)
-    bytes_read = ios = 0
-    if len(keys):
-        with context.reader.submit(docs).records() as records:
-            timer.lap("miss_read")
-            bytes_read, ios = records.bytes_read, records.ios
-            scores = score_pairs(context, queries, records, keys, n_docs)
-    return scores, bytes_read, ios
+    depth = max(stage.candidates, params.k)
+    ranked = context.centroids.iter_candidates(np.asarray(q.bow, dtype=np.float32), np.asarray(q.mask, dtype=bool),
+                                               stage.probe, depth, mask)
+    for i, docs in enumerate(ranked):
+        if labels is not None:
+            found = labels[i][labels[i] >= 0]
+            docs = np.concatenate([docs, found[~np.isin(found, docs)]])
+        yield docs
+    timer.lap("first_stage")
