@@ -38,7 +38,7 @@ from espn.store.buffers import BufferPool
 from espn.store.engines import (ENGINES, FaultInjector, IoLimits, OwnershipError, ReadError, StoreClosedError,
                                 inject_faults, open_engine)
 from espn.store.engines import uring as uring_module
-from espn.store.engines.base import CANARY, LEDGER
+from espn.store.engines.ownership import CANARY, LEDGER
 
 LAYOUT = LAYOUTS[1]  # 4096-byte blocks, records of up to ~3 blocks
 AVAILABLE = [name for name, cls in ENGINES.items() if cls.unavailable_reason() is None]

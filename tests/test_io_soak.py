@@ -26,7 +26,8 @@ from espn.corpus import read_queries
 from espn.encoders import QueryEmbeddings
 from espn.store import PosixReader
 from espn.store.engines import ENGINES, FaultInjector, StoreClosedError, inject_faults
-from espn.store.engines.base import LEDGER, TRANSIENT_ERRNOS
+from espn.store.engines.errors import TRANSIENT_ERRNOS
+from espn.store.engines.ownership import LEDGER
 from espn.live.live_index import LiveIndex
 
 ROOT = Path(__file__).resolve().parents[1]

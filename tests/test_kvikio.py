@@ -32,7 +32,7 @@ import espn.store.kvikio as kvikio_module
 from espn.errors import IndexCorruptError
 from espn.store import KvikioReader, default_reader_name, open_reader
 from espn.store.engines import StoreClosedError
-from espn.store.engines.base import LEDGER
+from espn.store.engines.ownership import LEDGER
 from espn.store.kvikio import DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_TASK_SIZE, DeviceBufferPool
 
 

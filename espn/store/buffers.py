@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .engines.base import CANARY, ReturnGuard
+from .engines.ownership import CANARY, ReturnGuard
 
 __all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES"]
 
@@ -38,7 +38,7 @@ class BufferPool:
     off the read path. Buffers are kept in power-of-two size classes up to `retain_bytes`
     in total; beyond that a released buffer is dropped.
 
-    Every buffer that comes back passes the ownership check (`engines.base.ReturnGuard`):
+    Every buffer that comes back passes the ownership check (`engines.ownership.ReturnGuard`):
     one that a read in flight still targets is quarantined, never reused, until the read
     drains (an OwnershipError under the strict policy, unless the caller said so).
     """
@@ -161,7 +161,7 @@ class DeviceBufferPool:
     ready, a new one is allocated, unless the pool already holds `retain_bytes`: then it
     waits for the oldest event of the class (the only host wait the pool ever does).
     A buffer released beyond the cap is freed once its event has completed; one that a
-    read still targets is quarantined (`engines.base.ReturnGuard`).
+    read still targets is quarantined (`engines.ownership.ReturnGuard`).
     """
 
     def __init__(self, device: torch.device, retain_bytes: int = DEFAULT_DEVICE_POOL_BYTES) -> None:

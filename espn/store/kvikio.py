@@ -98,7 +98,8 @@ import torch
 
 from ..errors import BackendUnavailableError, IndexCorruptError, InvalidParameterError
 from .buffers import BufferPool, DeviceBufferPool
-from .engines.base import LEDGER, StoreClosedError
+from .engines.errors import StoreClosedError
+from .engines.ownership import LEDGER
 from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import StoreLayout
 from .kvikio_config import (DEFAULT_BOUNCE_BUFFER_SIZE, DEFAULT_GDS_THRESHOLD, DEFAULT_NTHREADS, DEFAULT_TASK_SIZE,

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError
-from .engines.base import current_faults
+from .engines.faults import current_faults
 from .format import StoreLayout
 from .gather import gather_records
 from .records import Buffer, ReadBatch, RecordBatch

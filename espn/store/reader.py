@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
-from .engines.base import StoreClosedError
+from .engines.errors import StoreClosedError
 from .format import RECORD_DTYPE, StoreLayout, record_nbytes
 from .pending import DeferredFetch, Fetch, PendingRead
 from .records import Buffer, ReadBatch

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import InvalidParameterError
 from .pending import Fetch, PendingRead
 from .reader import Reader
-from .engines.base import StoreClosedError
+from .engines.errors import StoreClosedError
 
 __all__ = ["FrequencySketch", "CachedReader", "SLOT_PERCENTILE", "with_record_cache"]
 

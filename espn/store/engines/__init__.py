@@ -12,8 +12,11 @@ import logging
 
 from ...errors import BackendUnavailableError, InvalidParameterError
 from .aio import AioEngine
-from .base import (EngineRead, EngineUnavailable, FaultInjector, IoLimits, OwnershipError, OwnershipPolicy, ReadEngine,
-                   ReadError, StoreClosedError, inject_faults, set_ownership_policy)
+from .base import EngineRead, ReadEngine
+from .errors import EngineUnavailable, OwnershipError, ReadError, StoreClosedError
+from .faults import FaultInjector, inject_faults
+from .limits import IoLimits
+from .ownership import OwnershipPolicy, set_ownership_policy
 from .threads import ThreadsEngine
 from .uring import UringEngine
 

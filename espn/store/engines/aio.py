@@ -34,7 +34,9 @@ import sys
 
 import numpy as np
 
-from .base import TRANSIENT_ERRNOS, IoLimits, current_faults
+from .errors import TRANSIENT_ERRNOS
+from .faults import current_faults
+from .limits import IoLimits
 from .kernel_queue import KernelQueue
 from .native import NativeEngine, probe_read
 from .submission import WITHDRAWN, QueueBroken

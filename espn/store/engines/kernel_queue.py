@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import IoLimits, ReadError, StoreClosedError, current_faults, describe_fd
+from .errors import ReadError, StoreClosedError, describe_fd
+from .faults import current_faults
+from .limits import IoLimits
 from .submission import INDEX_MASK, SID_SHIFT, QueueBroken, Submission
 
 __all__ = ["KernelQueue", "fork_generation"]

@@ -48,7 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import EngineRead, IoLimits, ReadEngine, StoreClosedError, check_extents
+from .base import EngineRead, ReadEngine, check_extents
+from .errors import StoreClosedError
+from .limits import IoLimits
 from .kernel_queue import KernelQueue, fork_generation
 from .submission import MAX_EXTENT_BYTES
 

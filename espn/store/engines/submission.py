@@ -9,7 +9,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .base import LEDGER, TRANSIENT_ERRNOS, EngineRead, IoLimits, ReadError, buffer_span, describe_fd, realign
+from .base import EngineRead, buffer_span, realign
+from .errors import TRANSIENT_ERRNOS, ReadError, describe_fd
+from .limits import IoLimits
+from .ownership import LEDGER
 
 __all__ = ["QueueBroken", "Submission", "SubmissionQueue", "MAX_EXTENT_BYTES", "WITHDRAWN", "SID_SHIFT", "INDEX_MASK"]
 

@@ -22,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from .base import (LEDGER, TRANSIENT_ERRNOS, EngineRead, IoLimits, ReadEngine, ReadError, StoreClosedError,
-                   buffer_span, check_extents, current_faults, describe_fd, realign)
+from .base import EngineRead, ReadEngine, buffer_span, check_extents, realign
+from .errors import TRANSIENT_ERRNOS, ReadError, StoreClosedError, describe_fd
+from .faults import current_faults
+from .limits import IoLimits
+from .ownership import LEDGER
 
 __all__ = ["ThreadsEngine", "read_fully"]
 

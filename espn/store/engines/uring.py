@@ -67,7 +67,10 @@ from typing import Any
 
 import numpy as np
 
-from .base import TRANSIENT_ERRNOS, EngineUnavailable, InvalidParameterError, IoLimits, current_faults
+from ...errors import InvalidParameterError
+from .errors import TRANSIENT_ERRNOS, EngineUnavailable
+from .faults import current_faults
+from .limits import IoLimits
 from .kernel_queue import KernelQueue
 from .native import NativeEngine, probe_read
 from .submission import WITHDRAWN, QueueBroken
