@@ -27,7 +27,7 @@ from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.store.engines import FaultInjector, inject_faults
-from espn.store.engines.base import LEDGER
+from espn.store.engines.ownership import LEDGER
 
 D = 32
 N_DOCS = 1500
