@@ -21,6 +21,7 @@ records against the same centroids (`assign_documents`) when a generation is ope
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ import numpy as np
 
 from .errors import IndexCorruptError, InvalidParameterError
 from .mapped import map_npy
+from .maxsim_native import centroid_estimate_native, load_kernel
 from .params import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
 
 __all__ = [
@@ -196,16 +198,17 @@ class TokenCentroids:
         return int(self.centroids.nbytes + sum(p.nbytes for p in self.parts))
 
     def candidates(self, bow: np.ndarray, mask: np.ndarray, probe: int, depth: int,
-                   allowed: np.ndarray | None = None) -> list[np.ndarray]:
+                   allowed: np.ndarray | None = None, n_docs: int | None = None) -> list[np.ndarray]:
         """Per query, the `depth` best doc numbers (int64, best first) by the centroid estimate.
 
         bow [B, L, d] float32 query token vectors, mask [B, L] bool; allowed [N] bool: the
-        documents a result may hold (deleted ones never are), None: all.
+        documents a result may hold (deleted ones never are), None: all; n_docs: N where it is
+        known (else found in the postings, once).
         """
-        return list(self.iter_candidates(bow, mask, probe, depth, allowed))
+        return list(self.iter_candidates(bow, mask, probe, depth, allowed, n_docs))
 
     def iter_candidates(self, bow: np.ndarray, mask: np.ndarray, probe: int, depth: int,
-                        allowed: np.ndarray | None = None) -> Iterator[np.ndarray]:
+                        allowed: np.ndarray | None = None, n_docs: int | None = None) -> Iterator[np.ndarray]:
         """`candidates`, query by query: a search starts reading one query's candidates while
         the next is ranked."""
         batch, length, d = bow.shape
@@ -214,14 +217,36 @@ class TokenCentroids:
         scores, nearest = self._quantizer.search(tokens, probe)  # [B·L, probe], best first
         for i in range(batch):
             rows = np.flatnonzero(mask[i]) + i * length
-            yield self._rank(scores[rows], nearest[rows], depth, allowed)
+            yield self._rank(scores[rows], nearest[rows], depth, allowed, n_docs)
 
-    def _rank(self, scores: np.ndarray, nearest: np.ndarray, depth: int, allowed: np.ndarray | None) -> np.ndarray:
+    def _rank(self, scores: np.ndarray, nearest: np.ndarray, depth: int, allowed: np.ndarray | None,
+              n_docs: int | None = None) -> np.ndarray:
         """One query: scores, nearest [Lq, probe] -> the top `depth` documents."""
         n_tokens, probe = nearest.shape
         if n_tokens == 0:
             return np.zeros(0, np.int64)
         gains = scores - scores[:, -1:]  # above each token's lowest probed score (its missing estimate)
+        lib = load_kernel()
+        found = None if lib is None else centroid_estimate_native(
+            lib, [(part.offsets, part.docs) for part in self.parts], len(self.centroids), nearest, gains, allowed,
+            len(allowed) if allowed is not None else n_docs if n_docs is not None else self.n_docs)
+        unique_docs, totals = found if found is not None else self._estimate(nearest, gains, allowed)
+        if len(unique_docs) > depth:
+            top = np.argpartition(-totals, depth - 1)[:depth]
+        else:
+            top = np.arange(len(unique_docs))
+        top = top[np.argsort(-totals[top], kind="stable")]
+        return unique_docs[top]
+
+    @functools.cached_property
+    def n_docs(self) -> int:
+        """One past the highest document number the postings name."""
+        return max((int(part.docs.max()) + 1 for part in self.parts if len(part.docs)), default=0)
+
+    def _estimate(self, nearest: np.ndarray, gains: np.ndarray,
+                  allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The estimate without the native kernel: (documents met, sorted; their totals)."""
+        n_tokens, probe = nearest.shape
         token_of = np.repeat(np.arange(n_tokens, dtype=np.int64), probe)
         flat_c, flat_gain = nearest.ravel(), gains.ravel()
         docs_parts, token_parts, gain_parts = [], [], []
@@ -237,7 +262,7 @@ class TokenCentroids:
             token_parts.append(np.repeat(token_of, sizes))
             gain_parts.append(np.repeat(flat_gain, sizes))
         if not docs_parts:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
         docs, token, gain = np.concatenate(docs_parts), np.concatenate(token_parts), np.concatenate(gain_parts)
         if allowed is not None:
             keep = allowed[docs]
@@ -249,13 +274,7 @@ class TokenCentroids:
         first = np.ones(len(key), dtype=bool)
         first[1:] = key[1:] != key[:-1]
         unique_docs, inverse = np.unique(key[first] // n_tokens, return_inverse=True)
-        totals = np.bincount(inverse, weights=gain[first])
-        if len(unique_docs) > depth:
-            top = np.argpartition(-totals, depth - 1)[:depth]
-        else:
-            top = np.arange(len(unique_docs))
-        top = top[np.argsort(-totals[top], kind="stable")]
-        return unique_docs[top]
+        return unique_docs, np.bincount(inverse, weights=gain[first])
 
 
 def build_token_centroids(out: Path, vectors_of: Any, n_docs: int, n_tokens: int,

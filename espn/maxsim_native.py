@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_kernel", "kernel_path", "score_pairs_native", "DTYPE_CODES"]
+__all__ = ["load_kernel", "kernel_path", "score_pairs_native", "centroid_estimate_native", "DTYPE_CODES"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ def load_kernel() -> ctypes.CDLL | None:
     fn = lib.espn_score_pairs
     fn.restype = ctypes.c_int
     fn.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P]
+    estimate = getattr(lib, "espn_centroid_estimate", None)
+    if estimate is not None:
+        estimate.restype = _I64
+        estimate.argtypes = [_I64, _P, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64]
     return lib
 
 
@@ -91,3 +95,39 @@ def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarra
     if status != 0:
         raise ValueError(f"the MaxSim kernel refused its input (dtype {dtype!r}, stride {stride})")
     return out_cls, out_bow
+
+
+def centroid_estimate_native(lib: ctypes.CDLL, parts: list[tuple[np.ndarray, np.ndarray]], n_centroids: int,
+                             nearest: np.ndarray, gains: np.ndarray, allowed: np.ndarray | None,
+                             n_docs: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The centroid estimate of one query (`espn/native/centroid_estimate.c`): the documents
+    met (sorted) and their totals (float64), or None where the library predates the kernel.
+
+    parts: each segment's postings (offsets [C + 1] int64, docs [nnz] int32); nearest [Lq, probe]
+    int64 and gains [Lq, probe] float32, best first; allowed [n_docs] bool or None.
+    """
+    if getattr(lib, "espn_centroid_estimate", None) is None:
+        return None
+    parts = [(np.ascontiguousarray(o, dtype=np.int64), np.ascontiguousarray(d, dtype=np.int32)) for o, d in parts]
+    nearest = np.ascontiguousarray(nearest, dtype=np.int64)
+    gains = np.ascontiguousarray(gains, dtype=np.float32)
+    flat = nearest.ravel()
+    valid = flat[(flat >= 0) & (flat < n_centroids)]
+    capacity = max(1, min(n_docs, sum(int((o[valid + 1] - o[valid]).sum()) for o, _ in parts)))
+    mask = None if allowed is None else np.ascontiguousarray(allowed, dtype=np.uint8)
+    stamp = np.zeros(n_docs, dtype=np.int32)  # zero pages: only what the lists touch is ever written
+    totals = np.zeros(n_docs, dtype=np.float64)
+    touched = np.empty(capacity, dtype=np.int64)
+    offsets = (ctypes.c_void_p * len(parts))(*[_ptr(o) for o, _ in parts])
+    docs = (ctypes.c_void_p * len(parts))(*[_ptr(d) for _, d in parts])
+    count = lib.espn_centroid_estimate(len(parts), ctypes.cast(offsets, _P), ctypes.cast(docs, _P), n_centroids,
+                                       nearest.shape[0], nearest.shape[1], _ptr(nearest), _ptr(gains),
+                                       None if mask is None else _ptr(mask), n_docs, _ptr(stamp), _ptr(totals),
+                                       _ptr(touched), capacity)
+    if count == -2:
+        raise ValueError("a centroid posting names a document outside the index")
+    if count < 0:
+        raise ValueError("the centroid estimate ran out of room (its capacity is computed above: a bug)")
+    met = np.sort(touched[:count])
+    return met, totals[met]
+

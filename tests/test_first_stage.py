@@ -20,7 +20,7 @@ import pytest
 from espn import Searcher
 from espn.encoders import QueryEmbeddings
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids
+from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids, postings_from_pairs
 from espn.index import read_manifest
 from espn.generations import read_current
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
@@ -243,3 +243,40 @@ def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(bui
         assert stats["in_use"] == 0 and stats["quarantined"] == 0 and LEDGER.outstanding() == 0, stats
         again = searcher.search_embeddings(queries, k=10)
         assert [[h.doc_id for h in r.hits] for r in again] == [[h.doc_id for h in r.hits] for r in after]
+
+
+def test_the_native_estimate_ranks_exactly_as_the_numpy_one(built: Path, collection: dict, index: Path) -> None:
+    """espn/native/centroid_estimate.c against the numpy estimate: the same candidates in the
+    same order and the same totals, with and without an allowed mask, over a base and a delta."""
+    from espn.maxsim_native import centroid_estimate_native, load_kernel
+
+    lib = load_kernel()
+    assert lib is not None, "the native kernels are built by `make install` (setup.py)"
+    queries = collection["queries"]
+    with Searcher.open(index, with_encoder=False) as searcher:
+        doomed = [str(d) for d in range(0, N_DOCS, 7)]
+    with LiveIndex.open(index) as writer:
+        writer.delete(doomed)
+    with Searcher.open(index, with_encoder=False) as searcher:
+        assert searcher.centroids is not None and searcher.live is not None
+        rng = np.random.default_rng(3)  # a second segment's postings, as a delta's would be
+        n_centroids = len(searcher.centroids.centroids)
+        delta = postings_from_pairs(rng.integers(0, n_centroids, 4000), rng.integers(0, N_DOCS, 4000), n_centroids)
+        centroids = searcher.centroids.with_parts([delta])
+        bow = np.asarray(queries.bow, dtype=np.float32)
+        scores, nearest = centroids._quantizer.search(bow.reshape(-1, D), 16)
+        for allowed in (None, searcher.live):
+            for i in range(len(queries)):
+                rows = slice(i * 12, (i + 1) * 12)
+                gains = scores[rows] - scores[rows, -1:]
+                native = centroid_estimate_native(lib, [(p.offsets, p.docs) for p in centroids.parts],
+                                                  len(centroids.centroids), nearest[rows], gains, allowed,
+                                                  searcher.num_documents)
+                assert native is not None
+                docs, totals = centroids._estimate(nearest[rows], gains, allowed)
+                np.testing.assert_array_equal(native[0], docs)
+                np.testing.assert_array_equal(native[1], totals)
+        damaged = [(centroids.parts[0].offsets, np.full_like(centroids.parts[0].docs, N_DOCS * 10))]
+        with pytest.raises(ValueError, match="outside the index"):
+            centroid_estimate_native(lib, damaged, len(centroids.centroids), nearest[:12], scores[:12],
+                                     None, searcher.num_documents)

@@ -224,7 +224,7 @@ def centroid_candidates(context: SearchContext, q: QueryEmbeddings, xq: np.ndarr
         timer.lap("ann")
     depth = max(stage.candidates, params.k)
     ranked = context.centroids.iter_candidates(np.asarray(q.bow, dtype=np.float32), np.asarray(q.mask, dtype=bool),
-                                               stage.probe, depth, mask)
+                                               stage.probe, depth, mask, context.num_documents)
     for i, docs in enumerate(ranked):
         if labels is not None:
             found = labels[i][labels[i] >= 0]
