@@ -1,6 +1,10 @@
-"""Reads beside the centroid stage (waves scored as they arrive) against one read after it.
+"""Reads beside the centroid stage (waves scored as they arrive) against one read after it,
+and this checkout against an older one, side by side.
 
     python -m benchmarks.bench_centroid_reads --index .espn/pf/index --queries .espn/pf/queries.npz
+    git worktree add /tmp/base <commit>
+    python -m benchmarks.bench_centroid_reads --index .espn/pf/index --queries .espn/pf/queries.npz \
+        --baseline /tmp/base
 
 The index: SciFact through a ColBERT checkpoint with the centroid first stage (the one
 `benchmarks.bench_first_stage --model colbert` builds, with the build's default records);
@@ -9,11 +13,18 @@ Per reader (posix, memory), one process measures both arms interleaved, round by
 (`prefetch=True` with the default wave size, `prefetch=False`): single-query p50 over the
 first `--queries-n` queries, batch-32 throughput, bytes read per query, and whether the two
 arms rank alike (they must: both score the same candidates exactly).
+
+With `--baseline CHECKOUT` each round also runs one child process per checkout (the older
+one first, then this one), each timing the default search (single-query p50 and batch-32
+QPS per reader) on the same index and queries: the ratio is taken round by round.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,16 +81,76 @@ def measure(index: Path, reader: str, queries: Any, n: int, rounds: int) -> dict
                for arm, v in out.items()}}
 
 
+def child(index: Path, queries: Any, n: int) -> dict[str, Any]:
+    """The default search of whichever espn is imported: per reader, single-query p50 and batch-32 QPS."""
+    from espn import Searcher
+
+    out: dict[str, Any] = {}
+    for reader in ("posix", "memory"):
+        with Searcher.open(index, reader=reader, verify="none", with_encoder=False) as searcher:
+            searcher.search_embeddings(queries[np.arange(min(n, len(queries)))], k=10)  # warm-up
+            times = []
+            for i in range(n):
+                started = time.perf_counter()
+                searcher.search_embeddings(queries[np.arange(i, i + 1)], k=10)
+                times.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            for a in range(0, len(queries), 32):
+                searcher.search_embeddings(queries[np.arange(a, min(a + 32, len(queries)))], k=10)
+            out[reader] = {"p50_ms": median(times), "qps": len(queries) / (time.perf_counter() - started)}
+    return out
+
+
+def side_by_side(baseline: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Round by round, a child on the baseline checkout and one on this checkout."""
+    here = Path(__file__).resolve().parents[1]
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):
+        got = {}
+        for name, checkout in (("baseline", baseline.resolve()), ("this", here)):
+            env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{here}", "OMP_WAIT_POLICY": "PASSIVE"}
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--index", str(args.index.resolve()),
+                                   "--queries", str(args.queries.resolve()), "--queries-n", str(args.queries_n)],
+                                  env=env, cwd=checkout, capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} child failed: {proc.stderr[-800:]}")
+            got[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rounds.append(got)
+    summary: dict[str, Any] = {"rounds": rounds}
+    for reader in ("posix", "memory"):
+        summary[reader] = {
+            "baseline_p50_ms": median([r["baseline"][reader]["p50_ms"] for r in rounds]),
+            "this_p50_ms": median([r["this"][reader]["p50_ms"] for r in rounds]),
+            "p50_ratio": median([r["this"][reader]["p50_ms"] / r["baseline"][reader]["p50_ms"] for r in rounds]),
+            "baseline_qps": median([r["baseline"][reader]["qps"] for r in rounds]),
+            "this_qps": median([r["this"][reader]["qps"] for r in rounds]),
+            "qps_ratio": median([r["this"][reader]["qps"] / r["baseline"][reader]["qps"] for r in rounds])}
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index", type=Path, required=True)
     p.add_argument("--queries", type=Path, required=True, help=".npz of query embeddings (ids, cls, bow, mask)")
     p.add_argument("--queries-n", type=int, default=100, help="queries timed one by one per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--baseline", type=Path, default=None, help="a checkout of an older espn (git worktree add)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     queries = _queries(args.queries)
+    if args.child:
+        print(json.dumps(child(args.index, queries, args.queries_n)))
+        return 0
     info = machine()
     results: dict[str, Any] = {"machine": info, "index": str(args.index), "readers": {}}
+    if args.baseline is not None:
+        results["side_by_side"] = side_by_side(args.baseline, args)
+        print(machine_line(info))
+        print(markdown_table(["reader", "baseline p50 ms", "this p50 ms", "p50 ratio (median of rounds)",
+                              "baseline QPS", "this QPS", "QPS ratio"],
+                             [[reader, got["baseline_p50_ms"], got["this_p50_ms"], got["p50_ratio"],
+                               got["baseline_qps"], got["this_qps"], got["qps_ratio"]]
+                              for reader, got in results["side_by_side"].items() if reader != "rounds"]))
     rows = []
     for reader in ("posix", "memory"):
         got = measure(args.index, reader, queries, args.queries_n, args.rounds)

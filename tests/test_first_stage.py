@@ -216,11 +216,12 @@ class _FailSecondWave(FaultInjector):
 
 
 def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(built: Path, collection: dict) -> None:
-    """prefetch on: each query's candidates are read as soon as the stage has ranked it, in
-    waves scored as they arrive; off: one read after the stage. Same candidates, same ranking;
+    """prefetch on: each query's candidates are read as soon as the stage has ranked it (a
+    single query's in waves scored as they arrive); off: one read after the stage. Same candidates, same ranking;
     a wave that fails fails the search and leaves no buffer or read behind."""
     queries = collection["queries"]
-    with Searcher.open(built, with_encoder=False, reader="posix") as searcher:
+    # min_hidden_ms=0: the prefetch model takes every wave (its outcome check is off)
+    with Searcher.open(built, with_encoder=False, reader="posix", min_hidden_ms=0) as searcher:
         assert searcher.reader.io_bound
         after = searcher.search_embeddings(queries, k=10, prefetch=False)
         for wave in (4, 64):
@@ -229,7 +230,7 @@ def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(bui
                 assert [(h.doc_id, h.score) for h in a.hits] == [(h.doc_id, h.score) for h in b.hits]
             # each candidate read once; waves may read a block two neighbours share twice
             assert sum(r.stats.prefetched + r.stats.missed for r in beside) == sum(r.stats.missed for r in after)
-            assert beside[0].stats.waves >= len(queries) and after[0].stats.waves == 0
+            assert beside[0].stats.waves > 1 and after[0].stats.waves == 0
             assert sum(r.stats.bytes_read for r in beside) >= sum(r.stats.bytes_read for r in after)
             # every query's reads but the last one's started while the stage ranked the next
             assert sum(r.stats.prefetched for r in beside) > 0 and beside[0].stats.hit_rate > 0.5

@@ -8,6 +8,7 @@ centroid index plus the postings of each delta segment, computed once per segmen
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,7 +19,7 @@ from ..encoders import QueryEmbeddings
 from ..errors import InvalidParameterError
 from ..first_stage import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
 from ..maxsim import QueryScoring
-from ..params import SearchParams
+from ..params import MAX_CANDIDATES, SearchParams
 from ..results import QueryResult, SearchStats
 from ..segments import LiveView, RecordTable
 from ..store import PendingRead, Reader
@@ -72,18 +73,24 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
     Same contract as `espn.search.dense.search_dense`.
 
     With a reader that waits on storage (`Reader.io_bound`) and `prefetch` on, each query's
-    candidates start reading as soon as the stage has ranked them, best estimate first, in
-    waves of `wave_size`: while the stage ranks the batch's next query, and while earlier
-    waves are scored. prefetch=False reads every candidate after the stage, in one read;
-    both score the same candidates exactly, so they rank alike."""
+    candidates may start reading as soon as the stage has ranked them, best estimate first:
+    a batch's query in one read while the stage ranks the next, a single query in waves of
+    `wave_size` scored while the later ones are still in flight. The prefetch model's
+    outcome check (`espn.prefetch`) keeps this arm only while its searches are not slower
+    than those that read every candidate in one read after the stage (the other arm, and
+    prefetch=False). Both score the same candidates exactly, so they rank alike."""
     if context.centroids is None:
         raise InvalidParameterError(f"first_stage {stage.kind!r} needs a centroid index, and this index has "
                                     f"none (build it with `espn index --first-stage centroids`)")
     batch = len(q)
     xq = np.ascontiguousarray(q.cls, dtype=np.float32)
     queries = QueryScoring.from_arrays(xq, q.bow, q.mask)
-    early = params.prefetch and params.wave_size > 0 and context.reader.io_bound
-    reads = CandidateReads(context, params.wave_size if early else 0)
+    # Reads beside the stage, where the reader waits on storage and the outcome check
+    # (`PrefetchModel.may_wave`) has not found them slower than one read after it.
+    followed = context.prefetch.may_wave() if params.prefetch and params.wave_size > 0 and \
+        context.reader.io_bound else None
+    reads = CandidateReads(context, (params.wave_size if batch == 1 else MAX_CANDIDATES) if followed else 0)
+    started = time.perf_counter()
     try:
         per_query = []
         for docs in centroid_candidates(context, q, xq, params, stage,
@@ -103,6 +110,8 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
     except BaseException:
         reads.discard()
         raise
+    if followed is not None:
+        context.prefetch.observe_outcome(followed, (time.perf_counter() - started) * 1000 / batch)
     bounds = np.cumsum([0] + [len(d) for d in per_query])
     out = []
     for i, found in enumerate(per_query):
