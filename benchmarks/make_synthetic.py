@@ -3,6 +3,7 @@
     python -m benchmarks.make_synthetic --out /tmp/espn-synth-2m              # 2 M docs (default)
     python -m benchmarks.make_synthetic --out /tmp/espn-synth --docs 20000    # small
     python -m benchmarks.make_synthetic --out /tmp/msmarco-scale --docs 8841823   # MS MARCO v1 scale
+    python -m benchmarks.make_synthetic --out /tmp/espn-synth-pages --pages 50000  # page images (issue 47)
 
 Geometry: the "centres" are the real MiniLM outputs of the SciFact corpus, read from a
 built SciFact index (`--source`, default .espn/scifact-index): its CLS vectors projected by
@@ -24,6 +25,15 @@ The index is written through the real build path: chunk files (`indexing.chunks.
 write_chunk`) into the build's work directory, then `indexing.build.merge_index`
 (the normal assembler: RecordWriter, IVF training, manifest, atomic publish). It is
 streaming: memory stays at one chunk whatever `--docs` is.
+
+Page mode (`--pages N`): N page records of exactly `--patches` (1030) 128-d vectors each, the
+output of a ColPali-class model (1,024 patches of a 448-px page and 6 special tokens), so
+about 264 KB a page in fp16: 50,000 pages are 13 GB of records. Chunks default to 256 pages
+(about 135 MB of fp32 vectors while a chunk is drawn). The patches are drawn as the BOW
+vectors are, from a real document's bag with jitter, so a page repeats near-identical
+vectors as real pages repeat their background patches; where the source's vectors are
+narrower than the request they are first carried into the wider space by a random
+isometry (dot products unchanged; the jitter fills the other dimensions).
 """
 
 from __future__ import annotations
@@ -59,10 +69,21 @@ def _normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
 
 
-def load_centres(source: Path, d_cls: int, d_bow: int, project: bool = True) -> dict[str, np.ndarray]:
+def _widen(x: np.ndarray, d: int, seed: int) -> np.ndarray:
+    """x [N, D] carried into d >= D dimensions by a random isometry (orthonormal columns): norms and
+    dot products are unchanged, so the geometry is the source's."""
+    if x.shape[1] >= d:
+        return x
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((d, x.shape[1])))  # [d, D]
+    return (x @ q.T).astype(np.float32)
+
+
+def load_centres(source: Path, d_cls: int, d_bow: int, project: bool = True,
+                 widen: bool = False) -> dict[str, np.ndarray]:
     """Real CLS [C, d_cls] and flattened BOW [V, d_bow] (+ per-centre offsets) from a built index.
 
-    project=False keeps the source encoder's own space (d_cls, d_bow: the source's)."""
+    project=False keeps the source encoder's own space (d_cls, d_bow: the source's).
+    widen: a source narrower than d_cls or d_bow is carried into them (`_widen`) instead of refused."""
     from espn.index import IndexDirectory
     from espn.store import open_reader
     from espn.store.format import StoreLayout
@@ -94,6 +115,8 @@ def load_centres(source: Path, d_cls: int, d_bow: int, project: bool = True) -> 
         bow_p = _normalize((bow - mean_b) @ comp_b)
     else:
         cls_p, bow_p = _normalize(cls), _normalize(bow)
+    if widen:
+        cls_p, bow_p = _widen(cls_p, d_cls, seed=1), _widen(bow_p, d_bow, seed=2)
     if cls_p.shape[1] < d_cls or bow_p.shape[1] < d_bow:
         raise SystemExit(f"--source has d_cls={cls.shape[1]}, d_bow={bow.shape[1]}: too small for the request")
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -169,8 +192,9 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
              min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
              nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
              cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False,
-             source_encoder: bool = False) -> dict:
-    """text: also write passages (`TextMixer`) and build the full-text index, and write the
+             source_encoder: bool = False, patches: int | None = None) -> dict:
+    """patches: page mode, every document has exactly this many BOW vectors (the module's docstring).
+    text: also write passages (`TextMixer`) and build the full-text index, and write the
     title of each query's centre document as its text (`OUT.query_texts.jsonl`).
     source_encoder: the vectors stay in the source index's space and the index takes its
     encoder (int8 records, as `espn index` writes them), so queries are encoded from text at
@@ -190,7 +214,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     source_manifest = json.loads((Path(source) / "manifest.json").read_text())
     if source_encoder:
         d_cls, d_bow = source_manifest["encoder"]["d_cls"], source_manifest["encoder"]["d_bow"]
-    centres = load_centres(source, d_cls, d_bow, project=not source_encoder)
+    centres = load_centres(source, d_cls, d_bow, project=not source_encoder, widen=patches is not None)
     log.info("%d real centres, %d real BOW vectors from %s", len(centres["cls"]), len(centres["bow"]), source)
 
     mixer = TextMixer(source, centres["doc"]) if text else None
@@ -214,7 +238,8 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         gen_started = time.perf_counter()
         for c in range(n_chunks):
             n = min(chunk_size, docs - c * chunk_size)
-            counts = draw_counts(rng, n, mean_bow, min_bow, max_bow)
+            counts = (np.full(n, patches, np.int64) if patches is not None
+                      else draw_counts(rng, n, mean_bow, min_bow, max_bow))
             sources: list[np.ndarray] = []
             cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix, sources)
             ids = [f"d{i}" for i in range(c * chunk_size, c * chunk_size + n)]
@@ -248,6 +273,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         "generate_s": gen_s, "assemble_s": asm_s, "total_s": time.perf_counter() - started,
         "docs_per_s_generate": docs / gen_s, "docs_per_s_total": docs / (time.perf_counter() - started),
         "params": {"d_cls": d_cls, "d_bow": d_bow, "mean_bow": mean_bow, "min_bow": min_bow, "max_bow": max_bow,
+                   "patches": patches,
                    "cls_noise": cls_noise, "bow_noise": bow_noise, "mix": mix, "seed": seed, "source": str(source)},
     }
     (out.with_name(out.name + ".synthetic.json")).write_text(json.dumps(info, indent=1))
@@ -293,15 +319,19 @@ def main(argv: list[str] | None = None) -> int:
                         "add_synthetic_metadata) and update its manifest")
     p.add_argument("--docs", type=int, default=2_000_000, help="documents (default 2M; 8841823 = MS MARCO v1)")
     p.add_argument("--quick", action="store_true", help="20,000 documents")
+    p.add_argument("--pages", type=int, default=None, metavar="N",
+                   help="page mode instead of --docs: N pages of --patches vectors each (--d-bow 128, --chunk-size 256 "
+                        "unless given)")
+    p.add_argument("--patches", type=int, default=1030, help="vectors per page in page mode (ColPali at 448 px: 1030)")
     p.add_argument("--source", type=Path, default=SCIFACT_INDEX, help="built index whose vectors give the geometry")
     p.add_argument("--queries", type=int, default=2000)
     p.add_argument("--d-cls", type=int, default=128)
-    p.add_argument("--d-bow", type=int, default=32)
+    p.add_argument("--d-bow", type=int, default=None, help="default 32, 128 with --pages")
     p.add_argument("--mean-bow", type=float, default=30.0)
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: the assembler's, ~4*sqrt(N))")
     p.add_argument("--ann", choices=("flat", "pq"), default="pq",
                    help="IVF-PQ by default: an IVF-Flat of 128-d fp32 CLS would hold 0.5 KB/doc in RAM")
-    p.add_argument("--chunk-size", type=int, default=16384)
+    p.add_argument("--chunk-size", type=int, default=None, help="default 16384, 256 with --pages")
     p.add_argument("--cls-noise", type=float, default=1.5, help="CLS jitter (norm of the noise vector)")
     p.add_argument("--bow-noise", type=float, default=0.5, help="BOW jitter (norm of the noise vector)")
     p.add_argument("--mix", type=float, default=0.5, help="weight of the second real centre in a CLS vector")
@@ -318,11 +348,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         p.error("--out is required (or --add-metadata INDEX)")
-    docs = 20_000 if args.quick else args.docs
-    info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=args.d_bow, mean_bow=args.mean_bow,
-                    queries=args.queries, chunk_size=args.chunk_size, nlist=args.nlist, ann=args.ann,
+    pages = args.pages is not None
+    if pages and (args.pages < 1 or args.patches < 1):
+        p.error("--pages and --patches must be positive")
+    docs = args.pages if pages else 20_000 if args.quick else args.docs
+    d_bow = args.d_bow if args.d_bow is not None else 128 if pages else 32
+    chunk_size = args.chunk_size if args.chunk_size is not None else 256 if pages else 16384
+    info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=d_bow, mean_bow=args.mean_bow,
+                    queries=args.queries, chunk_size=chunk_size, nlist=args.nlist, ann=args.ann,
                     seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix,
-                    text=args.text, source_encoder=args.source_encoder)
+                    text=args.text, source_encoder=args.source_encoder, patches=args.patches if pages else None)
     print(json.dumps(info))
     return 0
 
