@@ -9,7 +9,7 @@ tests/test_cli.py checks that `READER_NAMES` names the readers of `espn.store.RE
 from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
-           "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES"]
+           "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
 READER_NAMES = ("kvikio", "memory", "mmap", "posix")
@@ -21,7 +21,13 @@ ENCODER_SPECS = (
     "colbert:PATH[?setting=value&...]: a ColBERT checkpoint (Sentence Transformers 6 MultiVectorEncoder, PyLate or "
     "colbert-ai format), scored by its MaxSim",
     "colberter:PATH: a ColBERTer checkpoint",
+    "visual:PATH: a ColPali-class checkpoint (page images in, text queries; colbert:PATH picks it too)",
 )
+
+#: `espn index --dpi` on a page corpus: (lowest, highest, default) resolution PDF pages are rendered at;
+#: espn.pages' MIN_DPI, MAX_DPI, DEFAULT_DPI (tests/test_visual.py checks they agree), here so that
+#: `espn index --help` does not load PDFium and Pillow.
+PAGE_DPI = (36, 600, 144)
 
 #: `--trust-remote-code` of `espn index`, `espn serve` and `espn search`.
 TRUST_REMOTE_CODE_HELP = ("run Python code from the model directory when the model needs it (config.json auto_map, "

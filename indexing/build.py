@@ -20,20 +20,23 @@ from typing import Any, Iterator
 from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.encoders.colbert_checkpoint import checkpoint_format
 from espn.encoders.precomputed import PrecomputedEncoder
+from espn.encoders.st_format import is_visual_save
 from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
+from espn.pages import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
 from espn.store.format import STORAGE_TYPES
 from espn.text.config import TextConfig
 
 from .assemble import assemble, publish
 from .encode import encode_corpus, read_sample
+from .pages import encode_page_corpus
 from .precomputed import import_embeddings
 from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial"]
+__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial", "check_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,11 @@ def default_pool_factor(encoder: str) -> int:
     a ColBERT checkpoint's scores should be its reference's (PyLate's default is no pooling;
     docs/guides/colbert-models.md gives what pooling costs), so 1."""
     kind, _, location = encoder.partition(":")
-    if kind in ("colberter", "colbert"):
+    if kind in ("colberter", "colbert", "visual"):
         return 1
-    if kind == "hf" and location and checkpoint_format(location.partition("?")[0]) is not None:
-        return 1  # encoder_from_spec loads it as colbert:
+    if kind == "hf" and location and (checkpoint_format(location.partition("?")[0]) is not None
+                                      or is_visual_save(location.partition("?")[0])):
+        return 1  # encoder_from_spec loads it as colbert: (or visual:)
     return DEFAULT_POOL_FACTOR
 
 
@@ -110,10 +114,17 @@ class BuildConfig:
     first_stage: str | None = None  # None: centroids for encoders without a trained CLS vector, else ivf
     trust_remote_code: bool = False  # let an hf:/colbert: model that needs its own code run it (recorded in the manifest)
     title_joiner: str | None = None  # between a BEIR title and its text; None: default_title_joiner(encoder kind)
+    dpi: int = DEFAULT_DPI  # a page corpus: the resolution PDF pages are rendered at
+
+    @property
+    def pages(self) -> bool:
+        """Whether the corpus is pages (a folder of images or PDFs, a PDF, a JSONL of images)."""
+        return is_page_corpus(Path(self.corpus))
 
     def validate(self) -> "BuildConfig":
-        if not Path(self.corpus).is_file():
-            raise CorpusError(f"{self.corpus}: no such file")
+        if not Path(self.corpus).is_file() and not (Path(self.corpus).is_dir() and self.pages):
+            raise CorpusError(f"{self.corpus}: no such file" if not Path(self.corpus).exists() else
+                              f"{self.corpus}: a folder without images or PDFs (a text corpus is one file)")
         if not 0 <= self.shard < self.num_shards:
             raise InvalidParameterError(f"--shard must be I/N with 0 <= I < N, got {self.shard}/{self.num_shards}")
         for name, low in (("chunk_size", 1), ("batch_size", 1), ("fit_sample", 1), ("partitions", 1), ("pq_m", 1)):
@@ -132,6 +143,8 @@ class BuildConfig:
         if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:
             raise InvalidParameterError(f"--first-stage must be one of {', '.join(FIRST_STAGE_KINDS)}, "
                                         f"got {self.first_stage!r}")
+        if not MIN_DPI <= self.dpi <= MAX_DPI:
+            raise InvalidParameterError(f"--dpi must be in [{MIN_DPI}, {MAX_DPI}], got {self.dpi}")
         if self.title_joiner is not None:
             check_title_joiner(self.title_joiner)
         if self.loader_workers not in (0, 1):
@@ -164,6 +177,7 @@ class BuildConfig:
             # only when given, so that a partial build from before the flag existed still resumes
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
             **({"title_joiner": self.title_joiner} if self.title_joiner is not None else {}),
+            **({"pages": True, "dpi": self.dpi} if self.pages else {}),
         }
 
 
@@ -191,6 +205,7 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
         try:
             encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
                                         bow_pooling=config.bow_pooling, trust_remote_code=config.trust_remote_code)
+            check_modality(encoder, config.pages, config.corpus)
             joiner = default_title_joiner(encoder.kind) if config.title_joiner is None else config.title_joiner
             if encoder.needs_fit:
                 sample = read_sample(config.corpus, config.fit_sample, config.skip_bad, joiner)
@@ -217,6 +232,17 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
         return encoder
 
 
+def check_modality(encoder: Encoder, pages: bool, corpus: Path) -> None:
+    """A page corpus needs an encoder of images, a text corpus one of text: one line otherwise."""
+    visual = getattr(encoder, "modality", "text") == "image"
+    if pages and not visual:
+        raise InvalidParameterError(f"{corpus} is a page corpus (images or PDFs) but the {encoder.kind} encoder reads "
+                                    "text: give a ColPali-class checkpoint (--encoder colbert:DIR or visual:DIR)")
+    if visual and not pages:
+        raise InvalidParameterError(f"{corpus}: a visual index takes pages: give a folder of images or PDFs, a PDF, "
+                                    "or a JSONL of {\"_id\", \"image\"} records, not a text corpus")
+
+
 def _discard_unstarted(work: WorkDir) -> None:
     """Remove `OUT.partial/` when it holds no encoded work (only its job file, lock and encoder staging)."""
     unstarted = {"job.json", "lock", "encoder.tmp"}
@@ -229,6 +255,8 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
     config.validate()
     out = Path(config.out).absolute()
     _check_out(out, config.partitions, config.force)
+    if config.pages:
+        return _build_pages(config, out)
     # Every line parsed and ids checked before the model loads: seconds, not an encode.
     scan = scan_corpus(config.corpus, config.skip_bad)
     if scan.documents == 0:
@@ -241,6 +269,30 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
         loader_workers=config.loader_workers, progress=config.progress, total_documents=scan.documents,
         joiner=work.job().get("passage_joiner", PASSAGE_JOINER),
     )
+    write_json_atomic(work.marker(config.shard, config.num_shards),
+                      {"shard": config.shard, "num_shards": config.num_shards, **totals})
+    if config.num_shards > 1:
+        log.info("shard %d/%d encoded; run `espn index-merge --out %s` once every shard is done",
+                 config.shard, config.num_shards, out)
+        return None
+    return merge_index(out, partitions=config.partitions, force=config.force)
+
+
+def _build_pages(config: BuildConfig, out: Path) -> dict[str, Any] | None:
+    """build_index for a page corpus: pages rendered and encoded by the visual encoder into the same
+    chunk files, then the same merge (ids are unique by construction or checked by the reader)."""
+    pages = count_pages(Path(config.corpus))
+    if pages == 0:
+        raise CorpusError(f"{config.corpus}: the corpus has no pages")
+    work = WorkDir(out)
+    encoder = _prepare_encoder(config, work, pages)
+    check_modality(encoder, True, config.corpus)  # a resumed build's saved encoder, too
+    totals = encode_page_corpus(config.corpus, work.path, encoder, dpi=config.dpi,  # type: ignore[arg-type]
+                                chunk_size=config.chunk_size, batch_size=config.batch_size, shard=config.shard,
+                                num_shards=config.num_shards, skip_bad=config.skip_bad,
+                                loader_workers=config.loader_workers, progress=config.progress, total_pages=pages)
+    if totals["documents"] == 0:
+        raise CorpusError(f"{config.corpus}: the corpus has no readable pages")
     write_json_atomic(work.marker(config.shard, config.num_shards),
                       {"shard": config.shard, "num_shards": config.num_shards, **totals})
     if config.num_shards > 1:

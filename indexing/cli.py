@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from espn.choices import ENCODER_SPECS, STEMMER_LANGUAGES, TRUST_REMOTE_CODE_HELP
+from espn.choices import ENCODER_SPECS, PAGE_DPI, STEMMER_LANGUAGES, TRUST_REMOTE_CODE_HELP
 from espn.corpus import COLBERT_TITLE_JOINER, PASSAGE_JOINER
 from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
@@ -49,8 +49,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 
 def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV)")
-    p.add_argument("corpus", type=Path, nargs="?", help="corpus file (omit with --embeddings)")
+    p = sub.add_parser("index", help="build an index from a corpus (BEIR corpus.jsonl[.gz] or id<TAB>text TSV) or "
+                                     "from pages (a folder of images or PDFs, a PDF, a JSONL of images)")
+    p.add_argument("corpus", type=Path, nargs="?",
+                   help="corpus file, or pages for a ColPali-class --encoder (omit with --embeddings)")
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
     p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
@@ -80,6 +82,9 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                    help="what joins a BEIR title to its text in the passage the model reads (recorded in the "
                         f"manifest; default {COLBERT_TITLE_JOINER!r} for colbert: models, as PyLate and Sentence "
                         f"Transformers evaluate BEIR, {PASSAGE_JOINER!r} for the others)")
+    p.add_argument("--dpi", type=int, default=PAGE_DPI[2],
+                   help=f"pages: the resolution PDF pages are rendered at, {PAGE_DPI[0]} to {PAGE_DPI[1]} "
+                        f"(default {PAGE_DPI[2]})")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--force", action="store_true", help="replace an existing index at --out")
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")

@@ -5,7 +5,10 @@ Specs accepted by `espn index --encoder`:
   hf:PATH             any local Hugging Face encoder directory (BERT-like)
   colberter:PATH      a ColBERTer checkpoint directory (or Hub name where a network exists)
   colbert:PATH        a ColBERT checkpoint directory, colbert-ai or PyLate format, scored by its MaxSim;
-                      settings the checkpoint lacks as colbert:PATH?query_length=32&attend_to_expansion_tokens=1
+                      settings the checkpoint lacks as colbert:PATH?query_length=32&attend_to_expansion_tokens=1;
+                      a checkpoint whose documents are page images (ColPali-class) loads as visual:PATH
+  visual:PATH         a ColPali-class checkpoint (Sentence Transformers save with an image modality):
+                      pages in, text queries
 
 A model directory is data (espn.encoders.model_files): one that needs its own Python code is
 refused unless `trust_remote_code` (`--trust-remote-code` on `espn index`, recorded in the
@@ -23,7 +26,7 @@ from ..choices import ENCODER_SPECS, TRUST_REMOTE_CODE_HELP
 from ..errors import IndexCorruptError, InvalidParameterError, RefusedInputError
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings
 from .colbert_checkpoint import checkpoint_format
-from .st_format import is_sentence_transformers_save
+from .st_format import is_sentence_transformers_save, is_visual_save
 
 __all__ = ["Encoder", "DocumentEmbeddings", "QueryEmbeddings", "ENCODERS", "ENCODER_SPECS", "encoder_class",
            "encoder_from_spec", "load_encoder", "TRUST_REMOTE_CODE_HELP"]
@@ -37,6 +40,7 @@ ENCODERS: dict[str, str] = {
     "colbert": "espn.encoders.colbert:ColBERTEncoder",
     "multivector": "espn.encoders.multivector:SentenceTransformersEncoder",
     "precomputed": "espn.encoders.precomputed:PrecomputedEncoder",
+    "visual": "espn.encoders.visual:VisualEncoder",
 }
 
 
@@ -48,8 +52,12 @@ def encoder_class(kind: str) -> type[Encoder]:
 
 
 def _colbert_kind(location: str) -> str:
-    """"multivector" for a Sentence Transformers 6 save (loaded by that library), else "colbert"."""
-    return "multivector" if is_sentence_transformers_save(location.partition("?")[0]) else "colbert"
+    """"visual" for a checkpoint whose documents are page images, "multivector" for another Sentence
+    Transformers 6 save (both loaded by that library), else "colbert"."""
+    path = location.partition("?")[0]
+    if is_visual_save(path):
+        return "visual"
+    return "multivector" if is_sentence_transformers_save(path) else "colbert"
 
 
 def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None,
@@ -62,6 +70,10 @@ def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None 
         return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
             None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
     if kind == "hf" and location:
+        if is_visual_save(location.partition("?")[0]):  # never encode page images' model with the text recipe
+            log.warning("%s holds a model of page images: loading it as --encoder visual:%s", location, location)
+            return encoder_class("visual").from_pretrained(  # type: ignore[attr-defined]
+                location, device=device, trust_remote_code=trust_remote_code)
         found = checkpoint_format(location)
         if found is not None:  # never encode a ColBERT checkpoint with the generic recipe
             log.warning("%s holds a %s ColBERT checkpoint: loading it as --encoder colbert:%s", location, found, location)
@@ -74,8 +86,11 @@ def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None 
     if kind == "colbert" and location:
         return encoder_class(_colbert_kind(location)).from_pretrained(  # type: ignore[attr-defined]
             location, device=device, trust_remote_code=trust_remote_code)
-    raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH', 'colbert:PATH' or 'colberter:PATH', "
-                                f"got {spec!r}")
+    if kind == "visual" and location:
+        return encoder_class("visual").from_pretrained(  # type: ignore[attr-defined]
+            location, device=device, trust_remote_code=trust_remote_code)
+    raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH', 'colbert:PATH', 'colberter:PATH' or "
+                                f"'visual:PATH', got {spec!r}")
 
 
 def load_encoder(directory: Path, config: Mapping[str, Any], device: str | None = None,

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidParameterError
 
-__all__ = ["is_sentence_transformers_save", "OWN_LOADER_TYPES"]
+__all__ = ["is_sentence_transformers_save", "is_visual_save", "OWN_LOADER_TYPES"]
 
 #: The modules.json types espn's own PyLate loader (espn.encoders.colbert_checkpoint) runs: a
 #: Transformer, then Dense modules. A chain with anything else goes to Sentence Transformers.
@@ -67,3 +67,32 @@ def is_sentence_transformers_save(path: str | Path) -> bool:
     if any(t.startswith("sentence_transformers.multi_vector_encoder.") for t in types):
         return True
     return any(t.split(".")[-1] == "Dense" for t in types) and any(t not in OWN_LOADER_TYPES for t in types)
+
+
+def is_visual_save(path: str | Path) -> bool:
+    """Whether `path` is a multi-vector checkpoint whose documents are page images (ColPali, ColQwen,
+    ColModernVBert): a Sentence Transformers save whose first module (the Transformer) declares an
+    `image` modality in its sentence_bert_config.json, or a transformers-native late-interaction
+    retriever (config.json `architectures` ending in `ForRetrieval`, which the library loads with
+    text and image modalities). Read without loading the model."""
+    path = Path(path)
+    if is_sentence_transformers_save(path):
+        modules = path / "modules.json"
+        where = ""
+        if modules.is_file():
+            found = _read_json(modules)
+            first = [m for m in found if isinstance(m, dict)] if isinstance(found, list) else []
+            if first:
+                where = str(min(first, key=lambda m: int(m.get("idx", 0))).get("path", ""))
+        if Path(where).is_absolute() or ".." in Path(where).parts:
+            return False  # the loader refuses it, naming the module
+        settings = path / where / "sentence_bert_config.json"
+        found = _read_json(settings) if settings.is_file() else {}
+        modalities = found.get("modality_config") if isinstance(found, dict) else None
+        return isinstance(modalities, dict) and "image" in modalities
+    config = path / "config.json"
+    if (path / "modules.json").is_file() or not config.is_file():
+        return False
+    found = _read_json(config)
+    architectures = found.get("architectures") if isinstance(found, dict) else None
+    return isinstance(architectures, list) and any(str(a).endswith("ForRetrieval") for a in architectures)

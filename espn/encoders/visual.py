@@ -1,0 +1,147 @@
+"""Page images: ColPali-class checkpoints (ColPali, ColQwen2, ColModernVBert), encoded by Sentence Transformers 6.
+
+A visual checkpoint is a Sentence Transformers `MultiVectorEncoder` save whose Transformer
+module takes images (`modality_config` with an `image` entry; `espn.encoders.st_format.is_visual_save`),
+or a transformers-native `*ForRetrieval` directory that the library reads the same way. It is
+loaded as `espn.encoders.multivector` loads text checkpoints (the model directory checked as data
+first, no remote code unless allowed, offline), and encodes exactly as the library does:
+
+- queries are text, through the model's processor and forward (`encode_query`);
+- documents are pages, PIL images through the processor and forward (`encode_document` on
+  images): one vector per image patch plus the visual prompt's tokens, as many as the library
+  gives (ColPali at 448 px: 1,024 patches and 6 prompt tokens);
+- text documents are refused: the processor of these models renders any text as a query.
+
+The stored CLS vector is the normalised mean of a page's vectors, for the first stage only; the
+score is the model's MaxSim. On a GPU the model runs under autocast in bfloat16 where the card has
+it, else float16 (that path cannot run on the CPU-only test machines: it is exercised by
+benchmarks/bench_gpu.py style runs only); on a CPU in float32, identical to the library's encode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from PIL import Image
+from sentence_transformers.util import batch_to_device
+
+from ..errors import InvalidParameterError
+from .base import DocumentEmbeddings, Encoder
+from .multivector import SentenceTransformersEncoder
+from .st_format import is_visual_save
+
+__all__ = ["VisualEncoder", "TEXT_DOCUMENTS_REFUSED"]
+
+TEXT_DOCUMENTS_REFUSED = ("a visual index takes pages: give a folder of images or PDFs, a PDF, or a JSONL of "
+                          "{\"_id\", \"image\"} records, not text documents (a ColPali-class model reads any text "
+                          "as a query)")
+
+
+class VisualEncoder(SentenceTransformersEncoder):
+    """Text queries and page images through one ColPali-class model, as its library encodes them.
+
+    encode_queries(texts)  -> QueryEmbeddings  (bow [B, L, d] float32, mask [B, L])
+    encode_pages(images)   -> DocumentEmbeddings (bow [sum(counts), d] float32, one row per patch
+                              or prompt vector of each page; cls [n, d] the normalised mean)
+    """
+
+    kind = "visual"
+    #: What the build reads for this encoder: pages, not passages (indexing.build checks it).
+    modality = "image"
+
+    def __init__(self, checkpoint_dir: str | Path, device: str | None = None, name: str | None = None,
+                 query_backend: str = "torch", weights_sha256: str | None = None,
+                 trust_remote_code: bool = False) -> None:
+        """As SentenceTransformersEncoder; query_backend is always "torch" (the ONNX export takes
+        BERT-like text backbones only)."""
+        if not is_visual_save(checkpoint_dir):
+            raise InvalidParameterError(f"visual: {checkpoint_dir} is not a checkpoint whose documents are images "
+                                        "(a Sentence Transformers save with an image modality, or a transformers "
+                                        "*ForRetrieval model)")
+        del query_backend
+        super().__init__(checkpoint_dir, device=device, name=name, query_backend="torch",
+                         weights_sha256=weights_sha256, trust_remote_code=trust_remote_code)
+        # bf16 keeps fp32's range (no overflow in the vision tower); fp16 where the card lacks it.
+        self.autocast_dtype = (torch.bfloat16 if self.device.startswith("cuda") and torch.cuda.is_bf16_supported()
+                               else torch.float16)
+
+    @classmethod
+    def from_pretrained(cls, location: str | Path, device: str | None = None,
+                        trust_remote_code: bool = False) -> "VisualEncoder":
+        path, _, query = str(location).partition("?")
+        if query:
+            raise InvalidParameterError(f"visual: {path} is a Sentence Transformers save, whose settings are its own; "
+                                        f"drop ?{query}")
+        return cls(Path(path), device=device, trust_remote_code=trust_remote_code)
+
+    # -- preprocessing ---------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
+        if not is_query:
+            raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
+        return super().tokenize(texts, is_query=True)
+
+    def batch_order(self, texts: Sequence[str]) -> list[int]:
+        return list(range(len(texts)))  # every page has the same number of patches: nothing to bucket
+
+    def preprocess_pages(self, images: Sequence[Image.Image]) -> Mapping[str, Any]:
+        """The processor's output for a batch of pages (pixel values, the visual prompt's ids), as
+        `encode_document` makes it; picklable, so it may run in a loader worker."""
+        if not images:
+            raise InvalidParameterError("encode_pages needs at least one page")
+        for image in images:
+            if not isinstance(image, Image.Image):
+                raise InvalidParameterError(f"a page must be a PIL image, got {type(image).__name__}")
+        features = dict(self.model.preprocess([image.convert("RGB") if image.mode != "RGB" else image
+                                               for image in images],
+                                              prompt=self.prompts["document"], task="document"))
+        features["task"] = "document"
+        return features
+
+    # -- model -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, tokens: Mapping[str, Any], graph: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> vectors [B, T, D] float32, keep [B, T] bool (the scoring mask the pipeline leaves)."""
+        del graph  # queries run on torch
+        task = str(tokens["task"])
+        features = batch_to_device({k: v for k, v in tokens.items() if k != "task"}, torch.device(self.device))
+        with torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.device.startswith("cuda")):
+            features = self.model(features, task=task)
+        return features["token_embeddings"].float(), features["attention_mask"].bool()
+
+    def embed_pages(self, features: Mapping[str, Any]) -> DocumentEmbeddings:
+        """Vectors of pages preprocessed by `preprocess_pages`."""
+        if features.get("task") != "document" or "pixel_values" not in features:
+            raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
+        vectors, keep = self._run(features)
+        return DocumentEmbeddings(cls=self._mean_cls(vectors, keep), bow=vectors[keep].cpu().numpy(),
+                                  counts=keep.sum(1).to(torch.int32).cpu().numpy())
+
+    def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
+        return self.embed_pages(tokens)
+
+    def encode_documents(self, texts: Sequence[str]) -> DocumentEmbeddings:
+        raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
+
+    def encode_pages(self, images: Sequence[Image.Image]) -> DocumentEmbeddings:
+        """Page images -> their patch vectors, as `MultiVectorEncoder.encode_document(images)` gives them."""
+        return self.embed_pages(self.preprocess_pages(images))
+
+    # -- explanations ----------------------------------------------------------------
+    # The base's: no text spans (can_explain refuses `explain` in one line). The processor bakes its query
+    # prefix and augmentation tokens into the text it tokenises, and a page's vectors are patches:
+    # per-patch explanations (grid positions, a heatmap) are issue 47's next step, not this encoder's yet.
+    vector_spans = Encoder.vector_spans  # type: ignore[assignment]
+    vector_labels = Encoder.vector_labels  # type: ignore[assignment]
+
+    # -- persistence -----------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "modality": self.modality}
+
+    @classmethod
+    def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
+             trust_remote_code: bool = False) -> "VisualEncoder":
+        return cls(Path(directory) / "model", device=device, name=config.get("name"),
+                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)
+
