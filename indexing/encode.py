@@ -31,7 +31,7 @@ from espn.live.encoding import reorder_chunk
 
 from .chunks import finished_chunks, write_chunk
 
-__all__ = ["encode_corpus", "read_sample", "die_with_parent"]
+__all__ = ["encode_corpus", "read_sample", "die_with_parent", "worker_death_is_one_line"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -130,7 +130,7 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
     total, initial = _shard_progress(total_documents, chunk_size, shard, num_shards, done)
     desc = "encode" if num_shards == 1 else f"encode shard {shard + 1} of {num_shards}"
     with tqdm(total=total, initial=initial, unit="doc", unit_scale=True, desc=desc, disable=not progress,
-              mininterval=1.0) as bar, _worker_death_is_one_line():
+              mininterval=1.0) as bar, worker_death_is_one_line():
         for item in loader:
             if "error" in item:
                 raise CorpusError(item["error"]) if item["kind"] == "CorpusError" else EspnError(item["error"])
@@ -154,7 +154,7 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
 
 
 @contextlib.contextmanager
-def _worker_death_is_one_line() -> Iterator[None]:
+def worker_death_is_one_line() -> Iterator[None]:
     """A worker that died (OOM killer, kill) becomes one clear error.
 
     The DataLoader notices through SIGCHLD and raises RuntimeError wherever the main

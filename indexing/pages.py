@@ -34,7 +34,7 @@ from espn.errors import CorpusError, EspnError
 from espn.pages import DEFAULT_DPI, Page, iter_pages
 
 from .chunks import finished_chunks, write_chunk
-from .encode import _worker_death_is_one_line as worker_death_is_one_line  # the text build's, shared
+from .encode import worker_death_is_one_line  # the text build's, shared
 from .encode import die_with_parent
 
 __all__ = ["PageEncoder", "encode_page_corpus", "page_text", "page_metadata"]

@@ -22,13 +22,11 @@ to 149k IOPS; at 149k this engine made 79%, the reader at depth 64 80%). Most of
 per read is the kernel's (virtio submission and completion), which fio pays too; the
 issue's 2 us target holds for the engine's own (user-space) share only.
 
-One ring per submitting thread (`threading.local`), made on the thread's first `submit`
-and released by `close()`: with IORING_SETUP_SINGLE_ISSUER and DEFER_TASKRUN (kernel 6.1+)
-only that thread may submit and reap, so `wait()` must run on the submitting thread
-(the reader's contract already says so). Rings are made with SQ entries = depth rounded
-up to a power of two and the kernel's default CQ of twice that; at most `depth` reads are
-in flight per ring, so the CQ never overflows; larger submissions are handed over in
-slices as completions free slots.
+One ring per submitting thread (`threading.local`), made at its first `submit`, released
+by `close()`: with IORING_SETUP_SINGLE_ISSUER and DEFER_TASKRUN (6.1+) only that thread may
+submit and reap, so `wait()` runs on it. SQ entries = depth rounded up to a power of two,
+the CQ twice that; at most `depth` reads in flight per ring, so the CQ never overflows;
+larger submissions go in slices as completions free slots.
 
 Memory ordering, as liburing does it: the SQ tail is a plain store (the kernel reads it
 inside our own `io_uring_enter`, in program order after our SQE stores, since we use no
@@ -45,9 +43,8 @@ Failures: see `native.py`. `_exchange` retries EAGAIN, EBUSY, ENOMEM and EINTR f
 `io_uring_enter` (and a call that took nothing) after reaping and a pause, at most
 `IoLimits.max_retries` times in a row; then the SQEs the kernel never consumed are taken
 back (the SQ tail rewound to the kernel's head: without SQPOLL nothing else reads them)
-and their reads fail with that errno. Waits carry a timeout (IORING_ENTER_EXT_ARG, 5.11),
-so a read that never completes ends in IORING_OP_ASYNC_CANCEL (IORING_ASYNC_CANCEL_ANY,
-5.19) and ETIMEDOUT instead of a hang.
+and their reads fail with that errno. Waits carry a timeout (IORING_ENTER_EXT_ARG, 5.11): a
+read that never completes ends in IORING_ASYNC_CANCEL_ANY (5.19) and ETIMEDOUT, not a hang.
 """
 
 from __future__ import annotations
@@ -70,8 +67,8 @@ import numpy as np
 from ...errors import InvalidParameterError
 from .errors import TRANSIENT_ERRNOS, EngineUnavailable
 from .faults import current_faults
-from .limits import IoLimits
 from .kernel_queue import KernelQueue
+from .limits import IoLimits
 from .native import NativeEngine, probe_read
 from .submission import WITHDRAWN, QueueBroken
 from .uring_abi import (ARCHES, CQE_DTYPE, IORING_ASYNC_CANCEL_ANY, IORING_ENTER_EXT_ARG, IORING_ENTER_GETEVENTS,
