@@ -18,11 +18,9 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from espn.errors import EspnError
-from espn.lease import LiveSearcher
 from espn.live.replication.follower import Follower
 from espn.live.replication.publisher import Publisher
 from espn.live.snapshot import remove_leftovers
-from espn.live.status import read_only_reason
 
 from . import connections
 from .deps import AppState, declare_api_key, get_writes
@@ -32,10 +30,10 @@ from .metrics import ServerMetrics
 from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
 from .openapi import add_contract
 from .page import add_search_page
-from .routes import documents, health, search, snapshots
+from .indexes import IndexRegistry, IndexRoutes, close_index, open_index
+from .routes import documents, health, indexes, search, snapshots
 from .schemas import ErrorResponse
 from .search_fast_path import SearchFastPath
-from .search_service import SearchService, open_searcher
 from .settings import ServerSettings
 
 __all__ = ["build_app", "create_app"]
@@ -48,14 +46,6 @@ def _version() -> str:
         return importlib.metadata.version("espn")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def _read_only(settings: ServerSettings) -> bool:
-    """Without `espn serve` (which decides it once): read-only when the index cannot be written."""
-    reason = read_only_reason(settings.index)
-    if reason is not None:
-        logger.warning("serving read-only: %s; writes get 409", reason)
-    return reason is not None
 
 
 async def _warm(state: AppState) -> None:
@@ -95,12 +85,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the index (failing start-up if it cannot), warm it in the background, drain at exit."""
     state: AppState = app.state.espn
     settings = state.settings
+    registry = state.indexes
+    assert registry is not None  # build_app made it
     state.metrics.ready.set(0)
-    searcher = await asyncio.to_thread(open_searcher, settings)
-    state.read_only = settings.read_only if settings.read_only is not None else _read_only(settings)
-    state.live = LiveSearcher(searcher)
-    service = state.search = SearchService(state.live, settings, state.metrics)
-    service.start()
+    await open_index(state, registry.encoders)
+    searcher = state.require_live().current
     reader = searcher.reader.describe()
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     state.metrics.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
@@ -115,6 +104,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                                     settings.publish_keep).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
+    registry.start(settings.index_idle_close_s)
     try:
         yield
     finally:
@@ -124,12 +114,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.wait([warm])
         if state.follower is not None:
             await asyncio.to_thread(state.follower.stop)
-        await service.close()
-        if state.writes is not None:  # what was accepted is published before the index closes
-            await asyncio.to_thread(state.writes.close)
-        if state.publisher is not None:  # ... and uploaded, when the store answers
-            await asyncio.to_thread(state.publisher.stop)
-        state.require_live().close()
+        await registry.close()  # the other indexes: each publishes what it accepted
+        # Searches what is queued, publishes what was accepted (and uploads it), closes the index.
+        await close_index(state, registry.encoders)
         state.metrics.close()
         logger.info("index closed")
 
@@ -147,7 +134,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
     add_offline_docs(app)
     add_search_page(app)
     metrics = ServerMetrics()
-    app.state.espn = AppState(settings=settings, metrics=metrics)
+    state = app.state.espn = AppState(settings=settings, metrics=metrics)
+    registry = state.indexes = IndexRegistry(state, settings, metrics)
 
     register_exception_handlers(app)
     # With a key, the bearer scheme and its 401 are part of every /v1 operation's contract;
@@ -159,6 +147,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.include_router(search.router, dependencies=protected, responses=unauthorized)
     app.include_router(documents.router, dependencies=protected, responses=unauthorized)
     app.include_router(snapshots.router, dependencies=protected, responses=unauthorized)
+    app.include_router(indexes.router, dependencies=protected, responses=unauthorized)
     app.include_router(health.router)
     if settings.metrics_port is None:  # else the parent process serves it on its own port
         app.include_router(health.metrics_router)
@@ -169,6 +158,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
     # key is checked before the body is read; a CORS preflight is answered without the key; a
     # valid single search skips FastAPI's request handling (SearchFastPath), nothing else.
     app.add_middleware(SearchFastPath, state=app.state.espn, handlers=app.exception_handlers)
+    app.add_middleware(IndexRoutes, registry=registry)  # /v1/indexes/{name}/search -> /v1/search of that index
     app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:
@@ -181,7 +171,7 @@ def build_app(settings: ServerSettings) -> FastAPI:
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
         )
     # The API routes themselves (not the included-router wrappers) give the endpoint labels.
-    api_routes = [*search.router.routes, *documents.router.routes, *health.router.routes,
+    api_routes = [*search.router.routes, *documents.router.routes, *indexes.router.routes, *health.router.routes,
                   *health.metrics_router.routes]
     app.add_middleware(AccessMiddleware, metrics=metrics, routes=api_routes)
     return app

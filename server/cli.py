@@ -21,6 +21,7 @@ __all__ = ["add_serve_arguments", "add_route_arguments", "register", "run_comman
 # `espn serve --help` groups its flags thus; a field named in no group is listed under
 # "other settings" (server/settings_doc.py makes one flag per ServerSettings field).
 SERVE_GROUPS = (
+    ("indexes", ("indexes", "index_idle_close_s")),
     ("listening", ("host", "port", "workers", "preload", "graceful_timeout_s")),
     ("connections", ("max_connections", "header_timeout_s", "body_timeout_s", "keep_alive_s")),
     ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "inline_search_ms",
@@ -65,6 +66,6 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `espn serve`: INDEX, then one flag per ServerSettings field (its ESPN_* variable)."""
     (index,) = [s for s in settings_of(ServerSettings) if s.name == "index"]
-    parser.add_argument("index", type=Path, metavar="INDEX", help=index.help)
+    parser.add_argument("index", type=Path, metavar="INDEX", nargs="?", help=index.help)
     add_flags(parser, ServerSettings, SERVE_GROUPS)
     parser.epilog = environment_help(ServerSettings)

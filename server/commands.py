@@ -1,4 +1,4 @@
-"""`espn serve INDEX` and `espn route`: flags -> ESPN_* environment -> settings -> uvicorn workers.
+"""`espn serve INDEX [--index NAME=PATH ...]` and `espn route`: flags -> ESPN_* environment -> settings -> uvicorn workers.
 
 Their parsers are server.cli's; this module loads only when one of them runs. The settings
 are validated and printed once, here; uvicorn then starts `espn_server.app:create_app` as
@@ -130,7 +130,8 @@ def _check_before_start(settings: ServerSettings) -> Optional[str]:
     if problem is not None:
         return f"espn serve: error: {problem}"
     try:
-        open_view(settings.index, verify="fast").close()
+        for path in settings.index_map().values():  # every index opens lazily in the workers: check them now
+            open_view(path, verify="fast").close()
     except (EspnError, ValueError, OSError) as error:
         return f"espn serve: error: {error}"
     if settings.publish is not None or settings.follow is not None:

@@ -22,8 +22,10 @@ from .writes import WriteService
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
     from espn.lease import LiveSearcher
 
+    from .indexes import IndexRegistry
 
-__all__ = ["AppState", "get_state", "get_search", "get_writes", "declare_api_key"]
+
+__all__ = ["AppState", "INDEX_STATE_KEY", "state_of", "get_state", "get_search", "get_writes", "declare_api_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,14 @@ class AppState:
     writes: Optional[WriteService] = None  # made at the first write (get_writes)
     follower: Optional[Follower] = None  # --follow: fetches what the writer publishes to object storage
     publisher: Optional[Publisher] = None  # --publish: uploads each generation to object storage
+    name: str = "default"  # the index's name (/v1/indexes/{name}/...)
+    lazy: bool = False  # opens at its first request and closes when idle (every index but the default)
+    indexes: Optional["IndexRegistry"] = None  # the default index's state: every index the app holds
+    encoder_key: Optional[str] = None  # its share of server.shared_encoders, released when it closes
+    in_flight: int = 0  # requests inside its routes now (an index closes only at 0)
+    last_used: float = 0.0  # time.monotonic() of its last request's end
+    closing: bool = False  # set (on the loop) before an idle close starts: requests wait for it and reopen
+    documents: Optional[int] = None  # its documents when it last was open
 
     def replication(self) -> Optional[dict[str, Any]]:
         """A follower's or a publishing writer's status (same lag and staleness keys), or None."""
@@ -62,8 +72,17 @@ class AppState:
 # The dependencies are coroutines: FastAPI runs a plain `def` dependency in its thread pool, a
 # thread hop per request (measured: 0.4 ms of a search's 3.9 ms of HTTP overhead) for what is
 # an attribute read.
+#: The ASGI scope key under which server.indexes puts the state of the index a request names.
+INDEX_STATE_KEY = "espn.index_state"
+
+
+def state_of(default: AppState, scope: Any) -> AppState:
+    """The state of the index a request is for: the one /v1/indexes/{name}/... named, else the default."""
+    return scope.get(INDEX_STATE_KEY) or default
+
+
 async def get_state(request: Request) -> AppState:
-    return request.app.state.espn
+    return state_of(request.app.state.espn, request.scope)
 
 
 async def get_search(request: Request) -> SearchService:

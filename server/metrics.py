@@ -57,9 +57,28 @@ class ServerMetrics:
         self._add_search_metrics(self.registry)
         self._add_storage_metrics(self.registry)
         self._add_replication_metrics(self.registry)
+        self._add_index_metrics(self.registry)
         self.ready = Gauge(
             "espn_ready", "1 when the index is open and warmed", multiprocess_mode="livemin", registry=self.registry
         )
+
+    def _add_index_metrics(self, reg: Optional[CollectorRegistry]) -> None:
+        """Per named index (`--index NAME=PATH`): open or closed, its documents, its requests."""
+        self.index_open = Gauge(
+            "espn_index_open", "1 while the index is open (workers holding it open)", ["index"],
+            multiprocess_mode="livesum", registry=reg,
+        )
+        self.index_documents = Gauge(
+            "espn_index_documents", "documents searchable in the index (when it last opened, wrote or closed)",
+            ["index"], multiprocess_mode="livemax", registry=reg,
+        )
+        self.index_requests = Counter(
+            "espn_index_requests", "requests to /v1/indexes/{name}/...", ["index"], registry=reg,
+        )
+
+    def set_index(self, name: str, is_open: bool, documents: int) -> None:
+        self.index_open.labels(name).set(1 if is_open else 0)
+        self.index_documents.labels(name).set(documents)
 
     def _add_http_metrics(self, reg: Optional[CollectorRegistry]) -> None:
         """The requests, their latency and those in flight, per endpoint."""

@@ -77,6 +77,9 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+_INDEX_PREFIX = "/v1/indexes/"  # server.indexes.INDEX_PREFIX (it imports this module)
+
+
 class AccessMiddleware:
     """Counts, times and logs every HTTP request (one structured line each); sets X-Request-ID.
 
@@ -93,6 +96,12 @@ class AccessMiddleware:
 
     def _endpoint(self, scope: Scope) -> str:
         # The template ("/v1/documents/{doc_id}"), never the raw path: bounded label cardinality.
+        path = scope["path"]
+        if path.startswith(_INDEX_PREFIX):  # /v1/indexes/{name}/search: the template of /v1/search under it
+            _, sep, tail = path[len(_INDEX_PREFIX):].partition("/")
+            if sep and tail:
+                inner = self._endpoint({**scope, "path": "/v1/" + tail})
+                return "/v1/indexes/{name}/" + inner[len("/v1/"):] if inner.startswith("/v1/") else inner
         key = (scope["method"], scope["path"])
         known = self._static.get(key)
         if known is not None:

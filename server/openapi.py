@@ -22,6 +22,7 @@ document is rebuilt when the served generation changes, since a write may add me
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 from fastapi import FastAPI
@@ -110,6 +111,39 @@ def _declare_sent_errors(document: dict[str, Any]) -> None:
         schemas.pop(name, None)
 
 
+#: The routes every index also has under /v1/indexes/{name}/ (server.indexes.INDEX_ROUTES).
+_PER_INDEX = ("/v1/search", "/v1/documents", "/v1/snapshots")
+_NAME_PARAMETER: dict[str, Any] = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "title": "Name"},
+                   "description": "the index's name (`espn serve --index NAME=PATH`; GET /v1/indexes lists them)"}
+_PER_INDEX_NOTE = ("The same operation on the index `name` (an unknown name is a 404 `not_found`). The limits that "
+                   "depend on the index (nprobe's maximum, first_stage, the filter's fields) are stated in this "
+                   "document for the default index.")
+
+
+def _add_index_routes(document: dict[str, Any], names: list[str]) -> None:
+    """Each operation of the default index, again under /v1/indexes/{name}/ (server.indexes);
+    `name` takes the names of the indexes this server holds."""
+    paths = document.get("paths", {})
+    parameter = copy.deepcopy(_NAME_PARAMETER)
+    parameter["schema"] = {**parameter["schema"], "enum": names}
+    for operation in paths.get("/v1/indexes/{name}", {}).values():  # GET /v1/indexes/{name}
+        for param in operation.get("parameters", []):
+            if param.get("name") == "name":
+                param["schema"]["enum"] = names
+    for path in [p for p in paths if p.startswith(_PER_INDEX)]:
+        copied: dict[str, Any] = {}
+        for method, operation in paths[path].items():
+            operation = copy.deepcopy(operation)
+            operation["operationId"] = f"{operation.get('operationId', method + path)}_index"
+            operation["parameters"] = [copy.deepcopy(parameter), *operation.get("parameters", [])]
+            operation["tags"] = ["indexes"]
+            operation["description"] = _PER_INDEX_NOTE
+            operation.setdefault("responses", {}).setdefault(
+                "404", {"description": "no index with this name", "content": {"application/json": {"schema": _ERROR_REF}}})
+            copied[method] = operation
+        paths["/v1/indexes/{name}" + path[len("/v1"):]] = copied
+
+
 def add_contract(app: FastAPI) -> None:
     """Serve the document with the limits above as /openapi.json (and to /docs)."""
     cache: dict[str, Any] = {}
@@ -121,6 +155,8 @@ def add_contract(app: FastAPI) -> None:
             return cache["document"]
         document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         _add_limits(document, app)
+        registry = app.state.espn.indexes
+        _add_index_routes(document, list(registry.states) if registry is not None else ["default"])
         _declare_sent_errors(document)
         cache.update(key=key, document=document)
         return document

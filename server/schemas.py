@@ -31,6 +31,8 @@ __all__ = [
     "MAX_ID_BYTES",
     "MAX_BATCH_QUERIES",
     "SearchOptions",
+    "IndexInfo",
+    "IndexListResponse",
     "SearchRequest",
     "BatchSearchRequest",
     "SearchHit",
@@ -128,7 +130,9 @@ ID_SCHEMA: dict[str, Any] = {"maxLength": MAX_ID_BYTES, "pattern": WRITE_ID_PATT
 #: How the docs and the schema's descriptions name the limit.
 ID_LIMIT = f"at most {MAX_ID_BYTES} UTF-8 bytes"
 WriteId = Annotated[str, Field(min_length=1, json_schema_extra=ID_SCHEMA), AfterValidator(check_write_id)]
-DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_BYTES)]
+# An id to delete: the schema states the write rule (every stored id obeys it, so no other id can be
+# deleted); the writer checks it and answers 422 `invalid_parameter` naming what is wrong.
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_BYTES, json_schema_extra={"pattern": WRITE_ID_PATTERN})]
 
 
 class SearchOptions(BaseModel):
@@ -353,6 +357,28 @@ class ReadinessResponse(HealthResponse):
     trust_remote_code: Optional[bool] = Field(
         default=None, description="whether the index's encoder runs Python code from its model directory (built and "
                                   "served with --trust-remote-code)")
+    indexes: Optional[list["IndexInfo"]] = Field(
+        default=None, description="with several indexes (`--index NAME=PATH`): each one's state in this worker; "
+                                  "readiness is the default index's")
+
+
+class IndexInfo(BaseModel):
+    """One index a server holds (GET /v1/indexes, /readyz)."""
+
+    name: str = Field(description="its name: the index's routes are under /v1/indexes/{name}/")
+    default: bool = Field(description="the default index, also served by /v1/search, /v1/documents, ...")
+    open: bool = Field(description="open in the worker that answered (indexes open on their first request and "
+                                   "close after ESPN_INDEX_IDLE_CLOSE_S without one)")
+    documents: int = Field(description="documents searchable: now when open, else when it last closed (or as built)")
+    generation: Optional[int] = Field(default=None, description="the live-index generation served, when open")
+    encoder: str = Field(description="the encoder's kind and model name from the index's manifest, e.g. hf:all-MiniLM-L6-v2")
+    mode: Optional[str] = Field(default=None, description='"read-write" or "read-only", when open')
+
+
+class IndexListResponse(BaseModel):
+    """GET /v1/indexes."""
+
+    indexes: list[IndexInfo] = Field(description="every index this server holds, the default first")
 
 
 class ErrorResponse(BaseModel):
@@ -436,3 +462,6 @@ class WriteResponse(BaseModel):
     created: list[str]
     replaced: list[str]
     deleted: list[str]
+
+
+ReadinessResponse.model_rebuild()  # its `indexes` names IndexInfo, defined after it

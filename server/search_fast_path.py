@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .deps import AppState
+from .deps import AppState, state_of
 from .middleware import read_body, replay_body
 from .routes.search import search_one
 from .schemas import SearchRequest
@@ -60,7 +60,7 @@ class SearchFastPath:
             return
         request = Request(scope, receive)
         try:
-            response = await search_one(self.state.require_search(), request, options)
+            response = await search_one(state_of(self.state, scope).require_search(), request, options)
         except Exception as exc:
             handler = self._handler(exc)
             if handler is None:

@@ -18,11 +18,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from espn import Searcher
+from espn.encoders import Encoder
 from espn.errors import DocumentNotFoundError, InvalidParameterError
 from espn.search.explain import can_explain
 from espn.filters import canonical_filter
@@ -60,12 +62,15 @@ class Answers:
     failed: list[int] = dataclasses.field(default_factory=list)
 
 
-def open_searcher(settings: ServerSettings) -> Searcher:
-    """The served index's Searcher, with this worker's share of the cores for torch."""
+def open_searcher(settings: ServerSettings,
+                  encoder_loader: Optional[Callable[[Path, Mapping[str, Any]], Encoder]] = None) -> Searcher:
+    """The served index's Searcher, with this worker's share of the cores for torch.
+    encoder_loader: hands out the encoder (server.shared_encoders); None: the index loads its own."""
     # N workers x all cores each would oversubscribe the CPU; give each its share.
     torch.set_num_threads(settings.effective_torch_threads)
     return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
-                         reader_options=settings.reader_open_options(), trust_remote_code=settings.trust_remote_code)
+                         reader_options=settings.reader_open_options(), trust_remote_code=settings.trust_remote_code,
+                         encoder_loader=encoder_loader)
 
 
 def _mean_text_bytes(searcher: Searcher) -> float:

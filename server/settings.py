@@ -28,6 +28,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from espn.choices import READER_NAMES
 
+from .index_names import default_index_path, resolve_indexes, split_entries
+
 __all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
            "RESERVED_DESCRIPTORS"]
@@ -50,7 +52,17 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     # What to serve.
-    index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json)")
+    index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json); "
+                                    "the default index, served by /v1/search, /v1/documents, ...; unset: the "
+                                    "--index named `default`, else the first --index")
+    indexes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="more indexes, each served under /v1/indexes/NAME/...: NAME=PATH, or PATH (the default index), "
+                    "or a directory whose subdirectories are indexes (each named after its subdirectory); "
+                    "JSON list or comma-separated")
+    index_idle_close_s: float = Field(0.0, ge=0.0, le=7 * 86400.0,
+                                      description="close an index other than the default after this many seconds "
+                                                  "without a request (it opens again on the next one); 0: never")
     reader: Optional[str] = Field(None, description=f"embedding reader ({', '.join(READER_NAMES)}); unset: kvikio "
                                                     "with CUDA, else posix")
     device: Optional[str] = Field(None, description="torch device for MaxSim; unset: the library's choice")
@@ -204,16 +216,33 @@ class ServerSettings(BaseSettings):
     def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
         return check_api_key(value)
 
+    @field_validator("indexes", mode="before")
+    @classmethod
+    def _split_indexes(cls, value: Any) -> Any:
+        return split_entries(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_index(cls, data: Any) -> Any:
+        """Without INDEX, the default index is the --index named `default`, else the first one."""
+        if isinstance(data, dict) and data.get("index") in (None, "") and data.get("indexes"):
+            data = {**data, "index": default_index_path(split_entries(data["indexes"]))}
+        return data
+
+    @model_validator(mode="after")
+    def _check_indexes(self) -> "ServerSettings":
+        if len(self.index_map()) > 1 and (self.follow is not None or self.publish is not None):
+            raise ValueError("--follow and --publish replicate one index: serve several indexes without them")
+        return self
+
+    def index_map(self) -> dict[str, Path]:
+        """Every index served, by name, the default index first (resolved directories)."""
+        return resolve_indexes(self.index, self.indexes)
+
     @field_validator("cors_origins", mode="before")
     @classmethod
     def _split_origins(cls, value: Any) -> Any:
-        # ESPN_CORS_ORIGINS may be a JSON list or a comma-separated string.
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [origin.strip() for origin in text.split(",") if origin.strip()]
-        return value
+        return split_entries(value)  # ESPN_CORS_ORIGINS may be a JSON list or a comma-separated string
 
     @model_validator(mode="after")
     def _check_replication(self) -> "ServerSettings":

@@ -36,7 +36,11 @@ FLAG_NAMES = {
     "graceful_timeout_s": "--graceful-timeout",
     "cors_origins": "--cors-origin",
     "read_only": "--read-only",  # unset means "detect"; the flag forces read-only
+    "indexes": "--index",  # repeatable: NAME=PATH
+    "index_idle_close_s": "--index-idle-close",
 }
+#: Metavars that the field's name does not give.
+METAVARS = {"indexes": "[NAME=]PATH"}
 #: Read from the environment only: a flag would show the secret in `ps`.
 ENV_ONLY = frozenset({"api_key"})
 #: Given as the command's positional argument (INDEX), not as a flag.
@@ -167,7 +171,8 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups
                 value = "false" if setting.flag.startswith("--no-") else "true"
                 group.add_argument(setting.flag, dest=name, action="store_const", const=value, help=help_text)
             elif setting.kind == "list":
-                group.add_argument(setting.flag, dest=name, action="append", metavar=name.split("_")[-1].upper().rstrip("S"),
+                group.add_argument(setting.flag, dest=name, action="append",
+                                   metavar=METAVARS.get(name, name.split("_")[-1].upper().rstrip("S")),
                                    help=help_text + "; repeatable")
             elif setting.kind == "choice":
                 group.add_argument(setting.flag, dest=name, choices=setting.choices, help=help_text)

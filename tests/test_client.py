@@ -47,6 +47,7 @@ MODELS = {
     models.BatchSearchResponse: "BatchSearchResponse", models.Document: "DocumentResponse",
     models.WriteResponse: "WriteResponse", models.Health: "HealthResponse", models.Readiness: "ReadinessResponse",
     models.SnapshotInfo: "SnapshotInfo", models.SnapshotList: "SnapshotList", models.ErrorBody: "ErrorResponse",
+    models.IndexInfo: "IndexInfo", models.IndexList: "IndexListResponse",
 }
 
 
@@ -167,6 +168,9 @@ def _every_route_sync(espn: Client) -> None:
     snapshot = espn.create_snapshot("client-sync")
     assert snapshot.name == "client-sync" and snapshot.generation >= 1
     assert "client-sync" in [s.name for s in espn.list_snapshots()]
+    (index,) = espn.list_indexes()  # one index: the default, named `default`
+    assert (index.name, index.default, index.open) == ("default", True, True)
+    assert espn.get_index("default") == index
 
 
 async def _every_route_async(espn: AsyncClient) -> None:
@@ -187,19 +191,50 @@ async def _every_route_async(espn: AsyncClient) -> None:
     assert len(await espn.write_many(delete=["client-async-b"])) == 1
     assert (await espn.create_snapshot("client-async")).name == "client-async"
     assert "client-async" in [s.name for s in await espn.list_snapshots()]
+    assert [i.name for i in await espn.list_indexes()] == ["default"]
+    assert (await espn.get_index("default")).default
     assert (await espn.limits()).max_batch_queries == 256
+
+
+def _every_index_route_sync(espn: Client) -> None:
+    """The routes of one index under /v1/indexes/{name}/ (the client made with index=NAME)."""
+    assert len(espn.search(QUERY, k=2).results) == 2
+    assert [r.index for r in espn.search_batch([QUERY, "speed of light"], k=2).responses] == [0, 1]
+    assert espn.get_document("s0001").title == "The Sun"
+    assert espn.put_document("client-named", "Sea otters use tools.").created == ["client-named"]
+    assert espn.delete_document("client-named").deleted == ["client-named"]
+    assert espn.write_documents(upsert=[{"id": "client-named-b", "text": "Tsunamis."}]).created
+    assert espn.write_documents(delete=["client-named-b"]).deleted == ["client-named-b"]
+    assert espn.create_snapshot("client-named-sync").name == "client-named-sync"
+    assert "client-named-sync" in [s.name for s in espn.list_snapshots()]
+
+
+async def _every_index_route_async(espn: AsyncClient) -> None:
+    assert len((await espn.search(QUERY, k=2)).results) == 2
+    assert len((await espn.search_batch([QUERY], k=2)).responses) == 1
+    assert (await espn.get_document("s0001")).title == "The Sun"
+    assert (await espn.put_document("client-named-a", "Sea otters use tools.")).created == ["client-named-a"]
+    assert (await espn.delete_document("client-named-a")).deleted == ["client-named-a"]
+    assert (await espn.write_documents(delete=[], upsert=[{"id": "client-named-c", "text": "Tides."}])).created
+    assert (await espn.write_documents(delete=["client-named-c"])).deleted == ["client-named-c"]
+    assert (await espn.create_snapshot("client-named-async")).name == "client-named-async"
+    assert "client-named-async" in [s.name for s in await espn.list_snapshots()]
 
 
 def test_every_route_sync_and_async_covers_the_openapi_document(server, openapi) -> None:
     sync_sent, async_sent = Recorder(), Recorder()
     with httpx.Client(event_hooks={"request": [sync_sent.hook]}) as http, \
-            Client(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn:
+            Client(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn, \
+            Client(server.base_url, api_key=CLIENT_API_KEY, http_client=http, index="default") as named:
         _every_route_sync(espn)
+        _every_index_route_sync(named)
 
     async def run() -> None:
         async with httpx.AsyncClient(event_hooks={"request": [async_sent.ahook]}) as http:
-            async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn:
+            async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn, \
+                    AsyncClient(server.base_url, api_key=CLIENT_API_KEY, http_client=http, index="default") as named:
                 await _every_route_async(espn)
+                await _every_index_route_async(named)
 
     asyncio.run(run())
     assert not sync_sent.covered(openapi), "routes of /openapi.json the sync client did not reach"

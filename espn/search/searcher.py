@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import faiss
 import numpy as np
@@ -92,7 +92,8 @@ class Searcher:
     def open(cls, path: str | Path, reader: str | None = None, device: str | None = None, verify: str = "auto",
              with_encoder: bool = True, early_rerank: bool | None = None,
              reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
-             filter_cache_bytes: int = 512 << 20, trust_remote_code: bool = False) -> "Searcher":
+             filter_cache_bytes: int = 512 << 20, trust_remote_code: bool = False,
+             encoder_loader: Callable[[Path, Mapping[str, Any]], Encoder] | None = None) -> "Searcher":
         """Open and validate an index. reader: posix, kvikio, mmap or memory (None = best available).
 
         reader_options go to the reader: for posix `io_engine` ("io_uring", "aio", "threads",
@@ -104,12 +105,19 @@ class Searcher:
         filter_cache_bytes: budget of the compiled-filter cache (masks and sub-indexes).
         trust_remote_code: let an index built with --trust-remote-code run its model's code
         (espn.encoders.load_encoder refuses it otherwise).
+        encoder_loader: called with the index's `encoder/` directory and manifest entry instead of
+        `espn.encoders.load_encoder` (a server holding several indexes of one model hands out
+        the one it loaded; it checks trust_remote_code itself).
         """
         view = open_view(path, verify=verify)
         try:
             index = view.base
-            encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device,
-                                   trust_remote_code=trust_remote_code) if with_encoder else None
+            encoder = None
+            if with_encoder and encoder_loader is not None:
+                encoder = encoder_loader(index.file("encoder"), index.manifest["encoder"])
+            elif with_encoder:
+                encoder = load_encoder(index.file("encoder"), index.manifest["encoder"], device=device,
+                                       trust_remote_code=trust_remote_code)
             return cls(index, encoder, reader_name=reader, device=device, early_rerank=early_rerank,
                        reader_options=reader_options, min_hidden_ms=min_hidden_ms,
                        filter_cache_bytes=filter_cache_bytes, view=view, token=current_token(Path(path)))

@@ -18,6 +18,7 @@ from ..middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from ..settings import RouterSettings
 from .deps import RouterState, router_error
 from .fanout import ClientError, Fanout, RouterMetrics
+from .index_path import RouterIndexRoutes
 from .routes import documents, health, search, writes
 from .writers import WriterPool
 
@@ -89,6 +90,7 @@ def _add_middleware(app: FastAPI, settings: RouterSettings) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
+    app.add_middleware(RouterIndexRoutes)  # inside the key check: /v1/indexes/{name}/... needs the key too
     app.add_middleware(AccessMiddleware, metrics=None, routes=app.router.routes)
 
 

@@ -13,6 +13,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from .answers import MAX_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, error_body, fetch
+from .index_path import shard_path
 from .models import ShardFailure
 
 __all__ = ["CALLER_ERRORS", "ClientError", "Fanout", "RouterMetrics", "shard_message"]
@@ -69,7 +70,8 @@ class Fanout:
             # wait_for bounds the whole exchange (connect, queueing for a pooled connection,
             # response), which httpx's per-phase timeouts alone do not.
             return await asyncio.wait_for(
-                fetch(self.client, method, shard + path, headers=headers, json=json_body, max_bytes=max_bytes),
+                fetch(self.client, method, shard + shard_path(path), headers=headers, json=json_body,
+                      max_bytes=max_bytes),
                 self.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             return self.record_failure(shard, "timeout", f"no answer within {self.timeout_s * 1000:.0f} ms")
@@ -99,7 +101,8 @@ class Fanout:
                 failures.append(outcome)
                 continue
             status = outcome.status
-            if status in CALLER_ERRORS:
+            # A 404 for a named index (/v1/indexes/{name}/...): the shards do not hold that index.
+            if status in CALLER_ERRORS or (status == 404 and shard_path(path) != path):
                 client_errors.append(ClientError(status, error_body(outcome, "shard_error")))
                 continue
             if status != 200:

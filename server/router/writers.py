@@ -40,6 +40,7 @@ from espn.partitioning import HASH_NAME, PartitionLayout, owner
 from ..schemas import ErrorResponse, WriteResponse
 from .answers import (MAX_SMALL_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, check_readiness, check_write,
                       error_body, fetch, retry_after)
+from .index_path import shard_path
 
 __all__ = ["RETRY_AFTER_S", "PASSED_ON", "WriteOutcome", "WriterPool", "relay", "writer_error"]
 
@@ -93,7 +94,7 @@ class WriterPool:
         url = self.writers[partition]
         try:
             return await asyncio.wait_for(
-                fetch(self.client, method, url + path, headers=headers, content=content,
+                fetch(self.client, method, url + shard_path(path), headers=headers, content=content,
                       max_bytes=MAX_SMALL_ANSWER_BYTES, timeout_s=self.timeout_s), self.timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             self.on_failure(url, "timeout", f"no answer within {self.timeout_s:g} s")

@@ -41,6 +41,7 @@ async def readyz(state: AppState = Depends(get_state)) -> Response:
         replication=state.replication(),
         partition=PartitionLayout.from_manifest(searcher.manifest).to_json() if searcher is not None else None,
         trust_remote_code=None if searcher is None else searcher.manifest["encoder"].get("trust_remote_code") is True,
+        indexes=state.indexes.describe() if state.indexes is not None and len(state.indexes.states) > 1 else None,
     ).model_dump(mode="json", exclude_none=True)
     if state.ready:
         return JSONResponse(body)

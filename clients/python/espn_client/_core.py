@@ -19,7 +19,7 @@ import httpx
 from pydantic import BaseModel
 
 from .errors import ApiError, api_error
-from .models import (BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
+from .models import (IndexInfo, IndexList, BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, Health, Readiness, SearchParams, SearchRequest, SearchResponse, ServerLimits,
                      SnapshotInfo, SnapshotList, SnapshotRequest, WriteResponse)
 
@@ -121,6 +121,13 @@ class Routes:
     def snapshots(self) -> str:
         return f"{self.v1}/snapshots"
 
+    indexes = "/v1/indexes"  # the server's, whichever index this client is for
+
+    def named_index(self, name: str) -> str:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name: a non-empty string, got {name!r}")
+        return f"/v1/indexes/{urllib.parse.quote(name, safe='')}"
+
     health = "/healthz"
     ready = "/readyz"
     metrics = "/metrics"
@@ -209,6 +216,12 @@ class DocumentCalls:
 
     def list_snapshots(self) -> Call[list[SnapshotInfo]]:
         return Call("GET", self.routes.snapshots, lambda r: SnapshotList.model_validate_json(r.content).snapshots)
+
+    def list_indexes(self) -> Call[list[IndexInfo]]:
+        return Call("GET", self.routes.indexes, lambda r: IndexList.model_validate_json(r.content).indexes)
+
+    def get_index(self, name: str) -> Call[IndexInfo]:
+        return Call("GET", self.routes.named_index(name), model(IndexInfo))
 
     def health(self) -> Call[Health]:
         return Call("GET", self.routes.health, model(Health))

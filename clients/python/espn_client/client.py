@@ -17,7 +17,7 @@ from ._core import (DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, Call, DocumentCal
                     auth_headers, batch_call, chunk_writes, chunks, merge_batches, query_list, search_call,
                     search_params)
 from .errors import ApiError, RequestTimeoutError, TransportError
-from .models import (BatchSearchResponse, Document, Health, Readiness, SearchResponse, ServerLimits, SnapshotInfo,
+from .models import (IndexInfo, BatchSearchResponse, Document, Health, Readiness, SearchResponse, ServerLimits, SnapshotInfo,
                      WriteResponse)
 
 __all__ = ["Client"]
@@ -174,6 +174,14 @@ class Client:
     def list_snapshots(self) -> list[SnapshotInfo]:
         """GET /v1/snapshots."""
         return self._send(self._calls.list_snapshots())
+
+    def list_indexes(self) -> list[IndexInfo]:
+        """GET /v1/indexes: every index the server holds (name, documents, encoder, open), the default first."""
+        return self._send(self._calls.list_indexes())
+
+    def get_index(self, name: str) -> IndexInfo:
+        """GET /v1/indexes/{name}: one index (a 404 `NotFoundError` for a name the server does not hold)."""
+        return self._send(self._calls.get_index(name))
 
     def health(self) -> Health:
         """GET /healthz: the process answers."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "SearchParams", "SearchRequest", "BatchSearchRequest", "DocumentWrite", "DocumentUpsert", "BatchWriteRequest",
     "SnapshotRequest", "PassageSpan", "TokenMatch", "Explanation", "LexicalMatch", "SearchHit", "SearchStats",
-    "SearchResponse", "QueryError", "BatchSearchResponse", "Document", "WriteResponse", "Health", "Readiness",
+    "SearchResponse", "QueryError", "BatchSearchResponse", "Document", "WriteResponse", "Health", "Readiness", "IndexInfo", "IndexList",
     "SnapshotInfo", "SnapshotList", "ErrorBody", "ServerLimits",
 ]
 
@@ -218,6 +218,22 @@ class Health(_Result):
     reader: Optional[dict[str, Any]] = None
 
 
+class IndexInfo(_Result):
+    """One index of a server that holds several (GET /v1/indexes, /readyz)."""
+
+    name: str
+    default: bool
+    open: bool
+    documents: int
+    generation: Optional[int] = None
+    encoder: str
+    mode: Optional[str] = None
+
+
+class IndexList(_Result):
+    indexes: list[IndexInfo]
+
+
 class Readiness(Health):
     """GET /readyz (200 when ready, 503 while starting, warming or draining)."""
 
@@ -226,6 +242,7 @@ class Readiness(Health):
     replication: Optional[dict[str, Any]] = None
     partition: Optional[dict[str, Any]] = None
     trust_remote_code: Optional[bool] = None
+    indexes: Optional[list[IndexInfo]] = None
 
     @property
     def ready(self) -> bool:
