@@ -281,3 +281,21 @@ def test_the_native_estimate_ranks_exactly_as_the_numpy_one(built: Path, collect
         with pytest.raises(ValueError, match="outside the index"):
             centroid_estimate_native(lib, damaged, len(centroids.centroids), nearest[:12], scores[:12],
                                      None, searcher.num_documents)
+
+
+def test_the_centroid_reads_benchmark_runs_both_arms_and_a_baseline_checkout(
+        built: Path, collection: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """benchmarks.bench_centroid_reads on the tiny index: both arms rank alike, and the
+    side-by-side path runs a child per checkout (this one standing in for the baseline)."""
+    from benchmarks import bench_centroid_reads, common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    queries = collection["queries"]
+    npz = tmp_path / "queries.npz"
+    np.savez(npz, ids=np.arange(len(queries)).astype(str), cls=queries.cls, bow=queries.bow, mask=queries.mask)
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--index", str(built), "--queries", str(npz), "--rounds", "1", "--queries-n", "3"]
+    assert bench_centroid_reads.main(argv + ["--baseline", str(root)]) == 0
+    payload = json.loads((tmp_path / "centroid_reads.json").read_text())
+    assert all(payload["readers"][reader]["alike"] for reader in ("posix", "memory"))
+    assert payload["side_by_side"]["posix"]["p50_ratio"] > 0 and "|---" in capsys.readouterr().out
