@@ -6,9 +6,10 @@ and this checkout against an older one, side by side.
     python -m benchmarks.bench_centroid_reads --index .espn/pf/index --queries .espn/pf/queries.npz \
         --baseline /tmp/base
 
-The index: SciFact through a ColBERT checkpoint with the centroid first stage (the one
-`benchmarks.bench_first_stage --model colbert` builds, with the build's default records);
-the queries: their embeddings in an .npz (ids, cls, bow, mask), so encoding is excluded.
+The index: SciFact through MiniLM written as a PyLate checkpoint (`benchmarks.make_colbert_checkpoint`),
+built with `--encoder colbert:` and the build's defaults (int8 records, the centroid first
+stage), into `--work` once; the queries: their embeddings in an .npz (ids, cls, bow, mask),
+so encoding is excluded. `--index` and `--queries` take any other pair.
 Per reader (posix, memory), one process measures both arms interleaved, round by round
 (`prefetch=True` with the default wave size, `prefetch=False`): single-query p50 over the
 first `--queries-n` queries, batch-32 throughput, bytes read per query, and whether the two
@@ -36,7 +37,7 @@ from benchmarks.common import set_omp_env
 
 set_omp_env()  # before torch and faiss are imported: see benchmarks.common.OMP_ENV
 
-from benchmarks.common import machine, machine_line, markdown_table, median, write_results
+from benchmarks.common import SCIFACT, machine, machine_line, markdown_table, median, write_results
 
 ARMS = {"beside the stage": True, "after the stage": False}
 
@@ -52,7 +53,8 @@ def measure(index: Path, reader: str, queries: Any, n: int, rounds: int) -> dict
     from espn import Searcher
 
     out: dict[str, Any] = {arm: {"single_ms": [], "batch_qps": [], "bytes": [], "hit_rate": []} for arm in ARMS}
-    with Searcher.open(index, reader=reader, verify="none", with_encoder=False) as searcher:
+    # min_hidden_ms=0: the prefetch model takes every wave (no outcome check), so the arm is measured itself
+    with Searcher.open(index, reader=reader, verify="none", with_encoder=False, min_hidden_ms=0) as searcher:
         rankings: dict[str, list[list[str]]] = {}
         for arm, prefetch in ARMS.items():  # warm-up, and the rankings compared
             results = searcher.search_embeddings(queries[np.arange(min(n, len(queries)))], k=10, prefetch=prefetch)
@@ -79,6 +81,32 @@ def measure(index: Path, reader: str, queries: Any, n: int, rounds: int) -> dict
                      "bytes_per_query": float(np.mean(v["bytes"])), "batch_hit_rate": median(v["hit_rate"]),
                      "rounds_single_ms": v["single_ms"], "rounds_qps": v["batch_qps"]}
                for arm, v in out.items()}}
+
+
+def prepare(work: Path, data: Path) -> tuple[Path, Path]:
+    """SciFact indexed through the MiniLM PyLate checkpoint, and its queries' embeddings (once)."""
+    from benchmarks.make_colbert_checkpoint import write_checkpoint
+    from espn import Searcher
+    from espn.corpus import read_queries
+    from espn.encoders import QueryEmbeddings
+    from espn_indexing.build import BuildConfig, build_index
+
+    index, npz, checkpoint = work / "index", work / "queries.npz", work / "minilm-colbert"
+    if not (checkpoint / "modules.json").is_file():
+        write_checkpoint(checkpoint)
+    if not (index / "manifest.json").is_file():
+        build_index(BuildConfig(corpus=data / "corpus.jsonl.gz", out=index, encoder=f"colbert:{checkpoint}",
+                                loader_workers=0, progress=False, device="cpu", force=True))
+    if not npz.is_file():
+        queries = read_queries(data / "queries.jsonl")
+        with Searcher.open(index, verify="none") as searcher:
+            parts = [searcher.encode([text for _, text in queries[a: a + 256]]) for a in range(0, len(queries), 256)]
+        width = max(p.bow.shape[1] for p in parts)
+        q = QueryEmbeddings(np.concatenate([p.cls for p in parts]),
+                            np.concatenate([np.pad(p.bow, ((0, 0), (0, width - p.bow.shape[1]), (0, 0))) for p in parts]),
+                            np.concatenate([np.pad(p.mask, ((0, 0), (0, width - p.mask.shape[1]))) for p in parts]))
+        np.savez(npz, ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
+    return index, npz
 
 
 def child(index: Path, queries: Any, n: int) -> dict[str, Any]:
@@ -130,13 +158,22 @@ def side_by_side(baseline: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--index", type=Path, required=True)
-    p.add_argument("--queries", type=Path, required=True, help=".npz of query embeddings (ids, cls, bow, mask)")
+    p.add_argument("--work", type=Path, default=None, help="build SciFact's index and query file here once")
+    p.add_argument("--data", type=Path, default=SCIFACT, help="BEIR SciFact directory (with --work)")
+    p.add_argument("--index", type=Path, default=None)
+    p.add_argument("--queries", type=Path, default=None, help=".npz of query embeddings (ids, cls, bow, mask)")
     p.add_argument("--queries-n", type=int, default=100, help="queries timed one by one per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", type=Path, default=None, help="a checkout of an older espn (git worktree add)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.work is not None:
+        if not (args.data / "corpus.jsonl.gz").is_file():
+            print(f"no SciFact at {args.data} (give --data or set ESPN_SCIFACT)", file=sys.stderr)
+            return 2
+        args.index, args.queries = prepare(args.work, args.data)
+    if args.index is None or args.queries is None:
+        p.error("give --work, or --index and --queries")
     queries = _queries(args.queries)
     if args.child:
         print(json.dumps(child(args.index, queries, args.queries_n)))
