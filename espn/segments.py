@@ -31,7 +31,7 @@ from .errors import DocumentNotFoundError, IndexCorruptError
 from .files import sha256_file
 from .generations import LIVE_DIR, Generation, SegmentInfo, generation_schema, hold_current, read_tombstones
 from .index import DocStore, IdMap, IndexDirectory
-from .lease import Shared
+from .refcount import Shared
 from .metadata import MetadataColumns, SegmentedColumns
 from .results import Document
 

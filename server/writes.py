@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from espn.errors import EspnError, IndexLockedError
 from espn.generations import LIVE_DIR
-from espn.lease import LiveSearcher
+from espn.search.live_searcher import LiveSearcher
 from espn.live.checks import NewDocument, WriteLimits, WriteResult
 from espn.live.commit import GroupCommit, lower_priority
 from espn.live.compaction import CompactionPolicy, CompactionRunningError

@@ -243,7 +243,7 @@ class Searcher:
 
     def close(self) -> None:
         """Release what this Searcher holds; what it shares with other generations closes with
-        the last of them. Call it once no search runs on it (espn.lease.LiveSearcher does)."""
+        the last of them. Call it once no search runs on it (espn.search.live_searcher.LiveSearcher does)."""
         self._resources.close()
         if self.view is not None:
             self.view.close()

@@ -1,9 +1,7 @@
-"""Lifetimes by reference count, never by a timer.
+"""The Searcher of a live index's newest generation, lent out one search at a time: lifetimes
+by reference count, never by a timer.
 
-`Shared` is a resource with several holders that is closed by whichever holder releases it
-last (the opened base of a live index, shared by every generation over it). `LiveSearcher`
-lends out the Searcher of a live index's newest generation: a search holds a lease for
-as long as it runs; `refresh()` swaps in a newer generation, and the Searcher it
+A search holds a lease on it for as long as it runs; `refresh()` swaps in a newer generation, and the Searcher it
 replaces is closed when its last lease ends, at once if none is out. So a server that
 takes a write every second holds one or two generations, not one per write for a minute,
 and nothing a closed Searcher held (reader, maps, locks) is used after it closed.
@@ -20,12 +18,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from .search.searcher import Searcher
+from .searcher import Searcher
 
-__all__ = ["Shared", "LiveSearcher", "RETRY_FIRST_S", "RETRY_MAX_S"]
+__all__ = ["LiveSearcher", "RETRY_FIRST_S", "RETRY_MAX_S"]
 
 log = logging.getLogger(__name__)
 
@@ -36,43 +33,12 @@ RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 
 
-class Shared:
-    """A reference count with a close action: `acquire()` for every holder, `release()` once
-    by each; the last release runs `on_close` (exactly once)."""
-
-    def __init__(self, on_close: Callable[[], None]) -> None:
-        self._on_close = on_close
-        self._holders = 1  # the creator holds it
-        self._lock = threading.Lock()
-
-    @property
-    def closed(self) -> bool:
-        return self._holders == 0
-
-    def acquire(self) -> bool:
-        """Take one more hold; False when it is already closed (the caller opens its own)."""
-        with self._lock:
-            if self._holders == 0:
-                return False
-            self._holders += 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                raise RuntimeError("released more often than acquired")
-            self._holders -= 1
-            last = self._holders == 0
-        if last:
-            self._on_close()
-
-
 class _Entry:
     """One Searcher and the leases out on it."""
 
     __slots__ = ("searcher", "leases", "retired")
 
-    def __init__(self, searcher: "Searcher") -> None:
+    def __init__(self, searcher: Searcher) -> None:
         self.searcher, self.leases, self.retired = searcher, 0, False
 
 
@@ -94,7 +60,7 @@ class LiveSearcher:
     previous Searcher, which closes when its last lease ends. Thread-safe.
     """
 
-    def __init__(self, searcher: "Searcher") -> None:
+    def __init__(self, searcher: Searcher) -> None:
         self._entry = _Entry(searcher)
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
@@ -102,13 +68,13 @@ class LiveSearcher:
         self._failure: _Failure | None = None  # the newest generation would not open: retried on a back-off
 
     @property
-    def current(self) -> "Searcher":
+    def current(self) -> Searcher:
         """The newest Searcher, without a lease: for what outlives no search (its generation,
         its manifest, a description of its reader)."""
         return self._entry.searcher
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator["Searcher"]:
+    def lease(self) -> Iterator[Searcher]:
         """The newest Searcher, kept open until the block ends."""
         with self._lock:
             if self._closed:
