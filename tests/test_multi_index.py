@@ -27,6 +27,9 @@ from server_fixtures import HTTP, ServerProcess, running_server
 KEY = "multi-index-test-key-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 IDLE_S = 1.5
+#: Served under `ulimit -n` of this (as tests/test_live_server.py): an index opened and closed
+#: again and again must give its descriptors back.
+FD_LIMIT = 256
 QUERY = {"query": "the speed of light in a vacuum", "k": 5}
 
 
@@ -41,7 +44,7 @@ def root(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _serve(root: Path, name: str) -> Any:
     return running_server(root / "indexes" / "a", root, "--index", str(root / "indexes"), "--index-idle-close",
                           str(IDLE_S), "--snapshot-dir", str(root / "snapshots"), env={"ESPN_API_KEY": KEY},
-                          name=name)
+                          name=name, fd_limit=FD_LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -138,16 +141,35 @@ def test_readiness_and_metrics_report_each_index(server: ServerProcess) -> None:
     assert 'endpoint="/v1/indexes/{name}/search"' in metrics
 
 
+def _open_descriptors(server: ServerProcess) -> int:
+    """Descriptors of `espn serve` and its workers."""
+    import psutil
+
+    process = psutil.Process(server.pid)
+    return sum(p.num_fds() for p in [process, *process.children(recursive=True)])
+
+
+def _wait_closed(server: ServerProcess, name: str) -> None:
+    deadline = time.monotonic() + 30
+    while _indexes(server)[name]["open"]:
+        assert time.monotonic() < deadline, f"index {name} did not close when idle"
+        time.sleep(0.3)
+
+
 def test_an_idle_index_closes_and_reopens_with_the_same_answers(server: ServerProcess) -> None:
     before = _ids(_post(server, "/v1/indexes/b/search", QUERY))
-    deadline = time.monotonic() + 30
-    while _indexes(server)["b"]["open"]:
-        assert time.monotonic() < deadline, "index b did not close when idle"
-        time.sleep(0.3)
+    _wait_closed(server, "b")
     assert _indexes(server)["a"]["open"]  # the default index stays open
     assert _ids(_post(server, "/v1/indexes/b/search", QUERY)) == before
     assert _indexes(server)["b"]["open"]
     assert _get(server, "/v1/indexes/b/documents/only-in-b").status_code == 200
+    # Closed and reopened again and again under the descriptor limit: nothing is left open.
+    _wait_closed(server, "b")
+    closed = _open_descriptors(server)
+    for _ in range(3):
+        assert _ids(_post(server, "/v1/indexes/b/search", QUERY)) == before
+        _wait_closed(server, "b")
+    assert _open_descriptors(server) <= closed + 2, (closed, _open_descriptors(server))
 
 
 def test_snapshots_are_per_index(server: ServerProcess, root: Path) -> None:
