@@ -74,8 +74,15 @@ def is_visual_save(path: str | Path) -> bool:
     ColModernVBert): a Sentence Transformers save whose first module (the Transformer) declares an
     `image` modality in its sentence_bert_config.json, or a transformers-native late-interaction
     retriever (config.json `architectures` ending in `ForRetrieval`, which the library loads with
-    text and image modalities). Read without loading the model."""
-    path = Path(path)
+    text and image modalities). Read without loading the model; a file it cannot read (too
+    large, not JSON) answers False, and the loader then refuses it in its own words."""
+    try:
+        return _declares_images(Path(path))
+    except InvalidParameterError:
+        return False
+
+
+def _declares_images(path: Path) -> bool:
     if is_sentence_transformers_save(path):
         modules = path / "modules.json"
         where = ""
