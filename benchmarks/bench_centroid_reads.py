@@ -85,10 +85,9 @@ def measure(index: Path, reader: str, queries: Any, n: int, rounds: int) -> dict
 
 def prepare(work: Path, data: Path) -> tuple[Path, Path]:
     """SciFact indexed through the MiniLM PyLate checkpoint, and its queries' embeddings (once)."""
+    from benchmarks.bench_first_stage import save_query_embeddings
     from benchmarks.make_colbert_checkpoint import write_checkpoint
-    from espn import Searcher
     from espn.corpus import read_queries
-    from espn.encoders import QueryEmbeddings
     from espn_indexing.build import BuildConfig, build_index
 
     index, npz, checkpoint = work / "index", work / "queries.npz", work / "minilm-colbert"
@@ -98,14 +97,7 @@ def prepare(work: Path, data: Path) -> tuple[Path, Path]:
         build_index(BuildConfig(corpus=data / "corpus.jsonl.gz", out=index, encoder=f"colbert:{checkpoint}",
                                 loader_workers=0, progress=False, device="cpu", force=True))
     if not npz.is_file():
-        queries = read_queries(data / "queries.jsonl")
-        with Searcher.open(index, verify="none") as searcher:
-            parts = [searcher.encode([text for _, text in queries[a: a + 256]]) for a in range(0, len(queries), 256)]
-        width = max(p.bow.shape[1] for p in parts)
-        q = QueryEmbeddings(np.concatenate([p.cls for p in parts]),
-                            np.concatenate([np.pad(p.bow, ((0, 0), (0, width - p.bow.shape[1]), (0, 0))) for p in parts]),
-                            np.concatenate([np.pad(p.mask, ((0, 0), (0, width - p.mask.shape[1]))) for p in parts]))
-        np.savez(npz, ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
+        save_query_embeddings(index, read_queries(data / "queries.jsonl"), npz)
     return index, npz
 
 

@@ -111,8 +111,6 @@ def build_colbert(work: Path, docs: list[dict[str, Any]], queries: Sequence[tupl
     indexed with `--encoder colbert:` (fp16, unpooled: the model's own MaxSim; the first stage is
     the build's default for a model without a trained CLS), the queries encoded into an .npz."""
     from benchmarks.make_colbert_checkpoint import write_checkpoint
-    from espn import Searcher
-    from espn.encoders import QueryEmbeddings
     from espn_indexing.build import BuildConfig, build_index
 
     index = work / "index"
@@ -127,16 +125,23 @@ def build_colbert(work: Path, docs: list[dict[str, Any]], queries: Sequence[tupl
         build_index(BuildConfig(corpus=corpus, out=index, encoder=f"colbert:{checkpoint}", pool_factor=1,
                                 bow_dtype="float16", loader_workers=0, progress=False, device="cpu", force=True))
         print(f"indexed {len(docs)} documents in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    if (work / "queries.npz").is_file():
-        return index
+    if not (work / "queries.npz").is_file():
+        save_query_embeddings(index, queries, work / "queries.npz")
+    return index
+
+
+def save_query_embeddings(index: Path, queries: Sequence[tuple[str, str]], out: Path) -> None:
+    """The queries encoded by the index's own encoder, as an .npz (ids, cls, bow, mask)."""
+    from espn import Searcher
+    from espn.encoders import QueryEmbeddings
+
     with Searcher.open(index, verify="none") as searcher:
         parts = [searcher.encode([text for _, text in queries[a : a + 256]]) for a in range(0, len(queries), 256)]
     width = max(p.bow.shape[1] for p in parts)
     q = QueryEmbeddings(np.concatenate([p.cls for p in parts]),
                         np.concatenate([np.pad(p.bow, ((0, 0), (0, width - p.bow.shape[1]), (0, 0))) for p in parts]),
                         np.concatenate([np.pad(p.mask, ((0, 0), (0, width - p.mask.shape[1]))) for p in parts]))
-    np.savez(work / "queries.npz", ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
-    return index
+    np.savez(out, ids=np.array([qid for qid, _ in queries]), cls=q.cls, bow=q.bow, mask=q.mask)
 
 
 def exhaustive_scores(searcher: Any, queries: Any, block: int = 1024) -> np.ndarray:

@@ -269,13 +269,7 @@ def build_index(config: BuildConfig) -> dict[str, Any] | None:
         loader_workers=config.loader_workers, progress=config.progress, total_documents=scan.documents,
         joiner=work.job().get("passage_joiner", PASSAGE_JOINER),
     )
-    write_json_atomic(work.marker(config.shard, config.num_shards),
-                      {"shard": config.shard, "num_shards": config.num_shards, **totals})
-    if config.num_shards > 1:
-        log.info("shard %d/%d encoded; run `espn index-merge --out %s` once every shard is done",
-                 config.shard, config.num_shards, out)
-        return None
-    return merge_index(out, partitions=config.partitions, force=config.force)
+    return _shard_done(config, work, out, totals)
 
 
 def _build_pages(config: BuildConfig, out: Path) -> dict[str, Any] | None:
@@ -293,6 +287,11 @@ def _build_pages(config: BuildConfig, out: Path) -> dict[str, Any] | None:
                                 loader_workers=config.loader_workers, progress=config.progress, total_pages=pages)
     if totals["documents"] == 0:
         raise CorpusError(f"{config.corpus}: the corpus has no readable pages")
+    return _shard_done(config, work, out, totals)
+
+
+def _shard_done(config: BuildConfig, work: WorkDir, out: Path, totals: dict[str, Any]) -> dict[str, Any] | None:
+    """Mark this shard encoded; merge now when it is the only one (the index's manifest), else None."""
     write_json_atomic(work.marker(config.shard, config.num_shards),
                       {"shard": config.shard, "num_shards": config.num_shards, **totals})
     if config.num_shards > 1:
