@@ -16,6 +16,7 @@ import numpy as np
 from .errors import DocumentNotFoundError, IndexCorruptError
 from .files import fsync_path, sha256_file, write_json_atomic  # their home is espn.files; here for old importers
 from .mapped import map_npy
+from .page_images import PAGE_IMAGE_FILES
 from .pooling_groups import POOL_GROUP_FILES
 from .results import Document
 
@@ -40,9 +41,10 @@ MANIFEST = "manifest.json"
 #: Files every index holds (besides encoder/, which is checksummed file by file).
 FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
 #: Files an index holds where it has them, checksummed like the others: the pooling groups
-#: of pooled records (espn.pooling_groups). Added within format 2: an index without them
-#: explains by re-encoding, and an older espn opens an index with them.
-OPTIONAL_FILES = POOL_GROUP_FILES
+#: of pooled records (espn.pooling_groups), the page images of a page index (espn.page_images).
+#: Added within format 2: an index without them explains by re-encoding (has no images), and an
+#: older espn opens an index with them.
+OPTIONAL_FILES = (*POOL_GROUP_FILES, *PAGE_IMAGE_FILES)
 #: Below this total size `verify="auto"` hashes every file on open; above it only sizes
 #: and the small files (hashing tens of GB at every start would take minutes).
 FULL_VERIFY_LIMIT = 2 << 30

@@ -39,7 +39,7 @@ from .ids import id_problem, quote_id
 from .metadata import check_metadata
 from .untrusted import inside_root, open_regular, regular_file
 
-__all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "IMAGE_FORMATS", "PDF_SUFFIX", "MIN_DPI",
+__all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "decode_image", "IMAGE_FORMATS", "PDF_SUFFIX", "MIN_DPI",
            "MAX_DPI", "DEFAULT_DPI", "MAX_IMAGE_BYTES", "MAX_PDF_BYTES", "MAX_PDF_PAGES", "MAX_SIDE_PX", "MAX_PIXELS"]
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")  # a new, loaded image even when already RGB (convert copies)
 
 
-def _decode_image(fp: IO[bytes], where: str, suffix: str) -> Image.Image:
-    """The RGB image in `fp`, which must hold the format its suffix names; CorpusError in one line."""
+def decode_image(fp: IO[bytes], where: str, suffix: str) -> Image.Image:
+    """The RGB image in `fp`, which must hold the format its suffix names (a key of IMAGE_FORMATS),
+    within the pixel bounds checked from its header first; CorpusError in one line naming `where`."""
     expected = IMAGE_FORMATS[suffix]
     try:
         # Reads the header only. Pillow's own bomb check (MAX_IMAGE_PIXELS, a process-wide setting left
@@ -149,7 +150,7 @@ def _read_image(real: Path, shown: str, suffix: str) -> Image.Image:
     with os.fdopen(fd, "rb") as fp:
         if info.st_size > MAX_IMAGE_BYTES:
             raise CorpusError(f"{shown}: refused, {info.st_size} bytes (at most {MAX_IMAGE_BYTES} for an image)")
-        return _decode_image(fp, shown, suffix)
+        return decode_image(fp, shown, suffix)
 
 
 # --- PDFs ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ class TokenMatch:
     kind:         "text" (a token of the query), or for a ColBERT checkpoint's vectors that come
                   from no query text, "special" ([CLS], [SEP]), "marker" (the query marker) or
                   "expansion" (a [MASK] padding token); `token` is then the token's name
+    row, column:  for a page (an index of page images): the matched vector's place in the page's
+                  patch grid (`Explanation.grid`), 0-based from the top left; None for a vector of
+                  the visual prompt, or for text
     """
 
     token: str
@@ -44,6 +47,8 @@ class TokenMatch:
     vector: int
     spans: tuple[PassageSpan, ...]
     kind: str = "text"
+    row: int | None = None
+    column: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +56,15 @@ class Explanation:
     """Why a re-ranked hit scored what it did: score = cls_part + bow_part.
 
     cls_part = weight · cls_score, bow_part = (1 − weight) · bow_score; matches: one per query vector.
+    grid: for a page, (rows, columns) of its patch grid, which the matches' row and column index
+    (a heatmap: cell (row, column) of a page cut into that grid); None for text.
     """
 
     weight: float
     cls_part: float
     bow_part: float
     matches: tuple[TokenMatch, ...]
+    grid: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

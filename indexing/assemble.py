@@ -23,6 +23,7 @@ from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.page_images import PageImagesWriter
 from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
@@ -162,6 +163,8 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
     docs_offsets[0] = 0
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
+    # A page index keeps each page's image beside its record (espn.page_images); listed by write_manifest.
+    images = PageImagesWriter(staging) if job_modality(work) == "image" else None
     with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
             open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
@@ -174,6 +177,10 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
             ids[rows] = chunk.ids
             cls_tmp[rows] = chunk.cls
             docs.write(chunk.docs_blob.tobytes())
+            if images is not None and chunk.images_blob is not None and chunk.images_offsets is not None:
+                images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets))
+            elif images is not None:  # a chunk encoded before images were kept: its pages have none
+                images.append_unknown(len(chunk))
             _add_metadata(metadata, chunk, position)
             docs_offsets[position + 1 : position + len(chunk) + 1] = docs_offsets[position] + chunk.docs_offsets[1:]
             position += len(chunk)
@@ -182,9 +189,16 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
         writer.close()
         docs.flush()
         os.fsync(docs.fileno())
+    if images is not None:
+        images.finish()
     for array in (records, ids, docs_offsets, cls_tmp):
         array.flush()
     return _Written(ids, n_bow, n_encoded, metadata.finish())
+
+
+def job_modality(work: WorkDir) -> str:
+    """What the job's encoder reads: "image" for pages, "text" otherwise."""
+    return str(work.job()["encoder_config"].get("modality", "text"))
 
 
 def _write_id_order(staging: Path, ids: np.ndarray, corpus: str) -> None:

@@ -30,7 +30,12 @@ def encoded_chunk(chunk: Chunk) -> EncodedDocuments:
     """A chunk file's documents as the writer takes them."""
     blob, offsets = chunk.docs_blob.tobytes(), chunk.docs_offsets
     lines = [blob[offsets[i] : offsets[i + 1]] for i in range(len(chunk))]
-    return EncodedDocuments([bytes(i).decode("utf-8") for i in chunk.ids], lines, chunk.cls, chunk.bow, chunk.counts)
+    images = None
+    if chunk.images_blob is not None and chunk.images_offsets is not None:  # a page chunk (indexing.pages)
+        raw, at = chunk.images_blob.tobytes(), chunk.images_offsets.tolist()
+        images = [raw[at[i] : at[i + 1]] for i in range(len(chunk))]
+    return EncodedDocuments([bytes(i).decode("utf-8") for i in chunk.ids], lines, chunk.cls, chunk.bow, chunk.counts,
+                            images)
 
 
 def add_corpus(writer: IndexWriter, corpus: Path, *, batch_size: int = 32, loader_workers: int = 1,

@@ -11,27 +11,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from espn.corpus import passage_line
 
-__all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "unpack_strings",
+__all__ = ["Chunk", "chunk_path", "write_chunk", "read_chunk", "finished_chunks", "pack_strings", "pack_bytes", "unpack_strings",
            "passage_line"]
 
 
 class Chunk:
     """Embeddings and metadata of one chunk; arrays as stored (fp16 vectors)."""
 
-    __slots__ = ("index", "cls", "bow", "counts", "ids", "docs_blob", "docs_offsets")
+    __slots__ = ("index", "cls", "bow", "counts", "ids", "docs_blob", "docs_offsets", "images_blob",
+                 "images_offsets")
 
     def __init__(self, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
-                 ids: np.ndarray, docs_blob: np.ndarray, docs_offsets: np.ndarray) -> None:
+                 ids: np.ndarray, docs_blob: np.ndarray, docs_offsets: np.ndarray,
+                 images_blob: np.ndarray | None = None, images_offsets: np.ndarray | None = None) -> None:
         self.index = index
         self.cls, self.bow, self.counts = cls, bow, counts
         self.ids = ids  # [n] bytes ('S') array of utf-8 external ids
         self.docs_blob, self.docs_offsets = docs_blob, docs_offsets  # JSON lines of {title, text}
+        # A page chunk's stored images (espn.page_images), back to back, offsets [n + 1]; None: text
+        self.images_blob, self.images_offsets = images_blob, images_offsets
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -41,7 +45,13 @@ class Chunk:
         bow_rows = np.repeat(keep, self.counts)
         texts = unpack_strings(self.docs_blob, self.docs_offsets)
         blob, offsets = pack_strings([t for t, k in zip(texts, keep) if k])
-        return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets)
+        images_blob = images_offsets = None
+        if self.images_blob is not None and self.images_offsets is not None:
+            raw = self.images_blob.tobytes()
+            images_blob, images_offsets = pack_bytes([raw[a:b] for a, b, k in zip(
+                self.images_offsets[:-1].tolist(), self.images_offsets[1:].tolist(), keep) if k])
+        return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets,
+                     images_blob, images_offsets)
 
 
 def chunk_path(work_dir: Path, index: int) -> Path:
@@ -50,7 +60,11 @@ def chunk_path(work_dir: Path, index: int) -> Path:
 
 def pack_strings(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """utf-8 blob [bytes] uint8 and offsets [n+1] int64: text without n Python objects later."""
-    encoded = [s.encode("utf-8") for s in strings]
+    return pack_bytes([s.encode("utf-8") for s in strings])
+
+
+def pack_bytes(encoded: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """blob [bytes] uint8 and offsets [n+1] int64 of byte strings back to back."""
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
@@ -64,11 +78,12 @@ def unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
 
 def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
                 ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None,
-                metadata: Sequence[dict | None] | None = None) -> Path:
+                metadata: Sequence[dict | None] | None = None, images: Sequence[bytes] | None = None) -> Path:
     """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings).
 
     metadata: per document its metadata object or None; kept in the document's JSON line,
-    from which the assembler builds the metadata columns.
+    from which the assembler builds the metadata columns. images: per page its stored image
+    bytes (espn.page_images.encode_page_image), for a page corpus; None for text.
     """
     n = len(counts)
     if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):
@@ -78,6 +93,11 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
     metas = metadata if metadata is not None else [None] * n
     lines = [passage_line(t, x, m) for t, x, m in zip(titles, texts, metas)]
     docs_blob, docs_offsets = pack_strings(lines)
+    extra: dict[str, Any] = {}  # Any: savez takes the arrays as keywords beside its own bool
+    if images is not None:
+        if len(images) != n:
+            raise ValueError(f"chunk {index}: {len(images)} images for {n} documents")
+        extra["images_blob"], extra["images_offsets"] = pack_bytes(list(images))
     path = chunk_path(work_dir, index)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -90,6 +110,7 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
             ids=np.array([i.encode("utf-8") for i in ids], dtype=bytes) if n else np.zeros(0, dtype="S1"),
             docs_blob=docs_blob,
             docs_offsets=docs_offsets,
+            **extra,
         )
         f.flush()
         os.fsync(f.fileno())
@@ -99,7 +120,8 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
 
 def read_chunk(work_dir: Path, index: int) -> Chunk:
     with np.load(chunk_path(work_dir, index), allow_pickle=False) as z:
-        return Chunk(index, z["cls"], z["bow"], z["counts"], z["ids"], z["docs_blob"], z["docs_offsets"])
+        images = (z["images_blob"], z["images_offsets"]) if "images_blob" in z.files else (None, None)
+        return Chunk(index, z["cls"], z["bow"], z["counts"], z["ids"], z["docs_blob"], z["docs_offsets"], *images)
 
 
 def finished_chunks(work_dir: Path) -> Iterator[int]:

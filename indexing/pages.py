@@ -11,7 +11,8 @@ still read, to keep the order, but not encoded), so a re-run after a crash resum
 
 Each page's stored text is a short description ("page 3 of reports/a.pdf"), its title the
 source file's name, and its metadata the record's with `source` and `page` added (the
-record's own values win).
+record's own values win). Its image is kept too, bounded and re-encoded
+(`espn.page_images.encode_page_image`, in the loader worker), in the chunk and then the index.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from espn.encoders.base import DocumentEmbeddings
 from espn.errors import CorpusError, EspnError
+from espn.page_images import encode_page_image
 from espn.pages import DEFAULT_DPI, Page, iter_pages
 
 from .chunks import finished_chunks, write_chunk
@@ -113,8 +115,9 @@ class _PreparedPages(IterableDataset):
                     "features": self.encoder.preprocess_pages([page.image for page in batch]),
                     "count": len(batch),
                     "last": number == len(starts) - 1,
-                    "meta": [(page.id, PurePosixPath(page.source).name, page_text(page), page_metadata(page))
-                             for page in chunk] if number == 0 else None,
+                    # The stored image (espn.page_images) is made here too, off the model's process.
+                    "meta": [(page.id, PurePosixPath(page.source).name, page_text(page), page_metadata(page),
+                              encode_page_image(page.image)) for page in chunk] if number == 0 else None,
                 }
         yield {"end": True, "documents": documents, "chunks": chunks}
 
@@ -140,7 +143,7 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
     desc = "encode pages" if num_shards == 1 else f"encode pages, shard {shard + 1} of {num_shards}"
     totals = {"documents": 0, "chunks": 0}
     parts: list[DocumentEmbeddings] = []
-    meta: list[tuple[str, str, str, dict[str, Any]]] = []
+    meta: list[tuple[str, str, str, dict[str, Any], bytes]] = []
     with tqdm(total=total, initial=initial, unit="page", unit_scale=True, desc=desc, disable=not progress,
               mininterval=1.0) as bar, worker_death_is_one_line():
         for item in loader:
@@ -158,7 +161,7 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
                 cls, bow = np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts])
                 counts = np.concatenate([p.counts for p in parts])
                 assert len(counts) == len(meta)
-                ids, titles, texts, metadata = zip(*meta)
-                write_chunk(work_dir, index, cls, bow, counts, ids, titles, texts, metadata)
+                ids, titles, texts, metadata, images = zip(*meta)
+                write_chunk(work_dir, index, cls, bow, counts, ids, titles, texts, metadata, images)
                 log.debug("chunk %d written (%d pages)", index, len(ids))
     return totals

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import re
 import urllib.parse
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
 from espn.params import MAX_CANDIDATES, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK, NO_TEXT_PATTERN, has_text
 from espn.ids import MAX_ID_BYTES, decode_doc_id, id_problem
+from espn.page_images import BASE64_PATTERN, MAX_BASE64_CHARS, decode_base64_image
 from espn.search.validation import MAX_QUERY_CHARS
 
 __all__ = [
@@ -247,6 +248,8 @@ class TokenMatchModel(BaseModel):
     spans: list[PassageSpanModel] = Field(description="where the matched vector came from in the passage")
     kind: str = Field("text", description='"text" (query text), or a vector from no text (ColBERT checkpoints): '
                       '"special" ([CLS], [SEP]), "marker" (the query marker), "expansion" ([MASK] padding)')
+    row: Optional[int] = Field(None, description="pages: the matched patch's row in `grid` (absent: a prompt vector)")
+    column: Optional[int] = Field(None, description="pages: the matched patch's column in `grid`")
 
 
 class ExplanationModel(BaseModel):
@@ -254,6 +257,15 @@ class ExplanationModel(BaseModel):
     cls_part: float = Field(description="w · cls_score")
     bow_part: float = Field(description="(1 − w) · bow_score")
     matches: list[TokenMatchModel] = Field(description="one per query vector")
+    grid: Optional[list[int]] = Field(None, description="pages: [rows, columns] of the page's patch grid (absent: text)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_when_none(cls, data: Any) -> Any:  # text answers (exclude_unset) stay as they were
+        if isinstance(data, dict):  # (grid, row and column are None for text)
+            data = {**{k: v for k, v in data.items() if k != "grid" or v is not None}, "matches": [
+                {k: v for k, v in dict(m).items() if k not in ("row", "column") or v is not None} for m in data["matches"]]}
+        return data
 
 
 class LexicalMatchModel(BaseModel):
@@ -413,14 +425,25 @@ def _metadata_numbers(value: Any) -> Any:
     return value
 
 
-class DocumentWrite(BaseModel):
-    """The body of PUT /v1/documents/{id}."""
+def _given(**schema: Any) -> Callable[[dict[str, Any]], None]:
+    def extra(field: dict[str, Any]) -> None:  # a field that may be absent, but given is `schema` (never null)
+        for key in ("anyOf", "default"):
+            field.pop(key, None)
+        field.update(schema)
+    return extra
 
-    model_config = ConfigDict(extra="forbid")
+
+class DocumentWrite(BaseModel):
+    """The body of PUT /v1/documents/{id}: a passage, or on an index of pages the page (text optional)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": [{"required": [f]} for f in ("text", "image")]})
 
     title: str = Field("", max_length=MAX_TITLE_CHARS)
-    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, json_schema_extra=NOT_BLANK,
-                      description="the passage; at least one non-whitespace character")
+    text: str = Field("", min_length=1, max_length=MAX_TEXT_CHARS, json_schema_extra=_given(**NOT_BLANK),
+                      description="the passage; at least one non-whitespace character (optional beside an image)")
+    image: Optional[str] = Field(None, json_schema_extra=_given(type="string", minLength=4, maxLength=MAX_BASE64_CHARS,
+                                 pattern=BASE64_PATTERN, contentEncoding="base64"),
+                                 description="pages: the page, PNG, JPEG or WebP in base64 (a 409 on an index of text)")
     metadata: Annotated[Optional[dict[str, Any]], BeforeValidator(_metadata_numbers)] = Field(
         None, json_schema_extra=METADATA_SCHEMA,
         description="stored with the passage and filterable: field names of letters, digits, _ . - (at most 64, "
@@ -428,6 +451,16 @@ class DocumentWrite(BaseModel):
                     "another type than the index holds for it is a 409")
 
     _check_text = field_validator("text")(_non_blank)
+    _check_image = field_validator("image", mode="before")(lambda v: decode_base64_image(v) and v)
+
+    @model_validator(mode="after")
+    def _text_or_image(self) -> "DocumentWrite":
+        if self.image is None and not self.text:
+            raise ValueError("text: required (at least one non-whitespace character) unless image gives a page")
+        return self
+
+    def image_bytes(self) -> Optional[bytes]:
+        return None if self.image is None else decode_base64_image(self.image)
 
 
 class DocumentUpsert(DocumentWrite):

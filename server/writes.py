@@ -59,7 +59,7 @@ class WriteService:
         as the next. Also removes what a stopped server left in live/ (a staging directory
         whose owner is gone), when no other writer holds the lock at this moment (else that
         writer's own recovery does it)."""
-        self.committer.index.encode([NewDocument("warm-up", "a passage that warms the write path")])
+        self.committer.index.warmup()  # a passage, or a blank page for an index of pages
         if not (self.committer.index.root / LIVE_DIR).is_dir():
             return  # never written to: nothing to recover, and serving it must leave it as it was
         try:

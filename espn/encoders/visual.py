@@ -20,9 +20,12 @@ benchmarks/bench_gpu.py style runs only); on a CPU in float32, identical to the 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 from PIL import Image
 from sentence_transformers.util import batch_to_device
@@ -32,11 +35,30 @@ from .base import DocumentEmbeddings, Encoder
 from .multivector import SentenceTransformersEncoder
 from .st_format import is_visual_save
 
-__all__ = ["VisualEncoder", "TEXT_DOCUMENTS_REFUSED"]
+__all__ = ["VisualEncoder", "PageGrid", "TEXT_DOCUMENTS_REFUSED"]
 
 TEXT_DOCUMENTS_REFUSED = ("a visual index takes pages: give a folder of images or PDFs, a PDF, or a JSONL of "
                           "{\"_id\", \"image\"} records, not text documents (a ColPali-class model reads any text "
                           "as a query)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PageGrid:
+    """A page's stored vectors: `vectors` in all, of which vectors[first : first + rows * columns]
+    are the image patches in row-major order (row r, column c at first + r * columns + c)."""
+
+    first: int
+    rows: int
+    columns: int
+    vectors: int
+
+    def position(self, vector: int) -> tuple[int, int] | None:
+        """(row, column) of stored vector `vector`, None for a prompt vector."""
+        at = int(vector) - self.first
+        return divmod(at, self.columns) if 0 <= at < self.rows * self.columns else None
+
+
+_UNKNOWN = object()
 
 
 class VisualEncoder(SentenceTransformersEncoder):
@@ -64,6 +86,7 @@ class VisualEncoder(SentenceTransformersEncoder):
         super().__init__(checkpoint_dir, device=device, name=name, query_backend="torch",
                          weights_sha256=weights_sha256, trust_remote_code=trust_remote_code)
         # bf16 keeps fp32's range (no overflow in the vision tower); fp16 where the card lacks it.
+        self._grid: object = _UNKNOWN  # page_grid(), found on first use
         self.autocast_dtype = (torch.bfloat16 if self.device.startswith("cuda") and torch.cuda.is_bf16_supported()
                                else torch.float16)
 
@@ -129,11 +152,74 @@ class VisualEncoder(SentenceTransformersEncoder):
         return self.embed_pages(self.preprocess_pages(images))
 
     # -- explanations ----------------------------------------------------------------
-    # The base's: no text spans (can_explain refuses `explain` in one line). The processor bakes its query
-    # prefix and augmentation tokens into the text it tokenises, and a page's vectors are patches:
-    # per-patch explanations (grid positions, a heatmap) are issue 47's next step, not this encoder's yet.
+    # No text spans for a page: its vectors are patches, explained by their place in the patch grid
+    # (`page_grid`, espn.search.explain.explain_pages); the query side by `query_tokens`.
     vector_spans = Encoder.vector_spans  # type: ignore[assignment]
     vector_labels = Encoder.vector_labels  # type: ignore[assignment]
+
+    def page_grid(self) -> PageGrid | None:
+        """Where a page's patch vectors lie among its stored vectors, and their grid; None when the
+        model's pages have no fixed square grid (ColQwen's dynamic resolution: the grid differs
+        from page to page). Found once from the processor's output for a blank page: the kept
+        positions (attention mask) holding the image token are the patches, row-major, as the
+        vision tower emits them."""
+        if self._grid is _UNKNOWN:
+            self._grid = self._find_grid()
+        return self._grid  # type: ignore[return-value]
+
+    def _find_grid(self) -> PageGrid | None:
+        processor = getattr(self.model[0], "processor", None)
+        image_token = getattr(processor, "image_token_id", None)
+        features = self.preprocess_pages([Image.new("RGB", (64, 64), (255, 255, 255))])
+        if image_token is None or "image_grid_thw" in features or "input_ids" not in features:
+            return None
+        ids = features["input_ids"][0]
+        kept = ids[features["attention_mask"][0].bool()] if "attention_mask" in features else ids
+        patches = torch.nonzero(kept == int(image_token)).flatten()
+        n = len(patches)
+        side = math.isqrt(n)
+        if n == 0 or side * side != n or int(patches[-1] - patches[0]) != n - 1:
+            return None
+        return PageGrid(first=int(patches[0]), rows=side, columns=side, vectors=len(kept))
+
+    def query_tokens(self, texts: Sequence[str], mask: np.ndarray) -> list[list[tuple[str, str, int, int]]] | None:
+        """Per query, per kept vector (`mask` [B, L] as `encode_queries` gave it): (kind, token, start,
+        end) with kind "text" (start:end its characters in the query, found in order), "marker" (the
+        processor's query prefix), "expansion" (augmentation padding) or "special"; None when the
+        processor's tokens do not line up with `mask`."""
+        features = self.tokenize(texts, is_query=True)
+        ids = features["input_ids"]
+        if tuple(ids.shape) != tuple(mask.shape):
+            return None
+        processor = getattr(self.model[0], "processor", None)
+        tokenizer = getattr(processor, "tokenizer", None) or self.backbone.tokenizer
+        prefix = getattr(processor, "query_prefix", "") or ""
+        n_prefix = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) if prefix.strip() else 0
+        specials = set(tokenizer.all_special_ids)
+        pad = tokenizer.pad_token_id
+        out = []
+        for row, text in enumerate(texts):
+            entries, cursor, seen = [], 0, 0
+            folded = text.casefold()
+            for token in ids[row][torch.from_numpy(np.asarray(mask[row], dtype=bool))].tolist():
+                name = str(tokenizer.convert_ids_to_tokens(token))
+                if token == pad:
+                    entries.append(("expansion", name, 0, 0))
+                elif token in specials:
+                    entries.append(("special", name, 0, 0))
+                elif seen < n_prefix:
+                    seen += 1
+                    entries.append(("marker", name, 0, 0))
+                else:
+                    piece = tokenizer.decode([token]).strip().casefold()
+                    at = folded.find(piece, cursor) if piece else -1
+                    if at < 0:
+                        entries.append(("marker", name, 0, 0))
+                    else:
+                        cursor = at + len(piece)
+                        entries.append(("text", text[at:cursor], at, cursor))
+            out.append(entries)
+        return out
 
     # -- persistence -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:

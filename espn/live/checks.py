@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 from espn.errors import ConflictError, InvalidParameterError
 from espn.ids import check_doc_id
+from espn.pages import MAX_IMAGE_BYTES
 from espn.metadata import DEFAULT_LIMITS, MetadataLimits, check_field_count, check_metadata, merge_types, value_type
 
 __all__ = ["NewDocument", "WriteRequest", "WriteResult", "WriteLimits", "check_write", "MAX_TEXT_CHARS"]
@@ -17,12 +18,18 @@ MAX_TEXT_CHARS = 100_000
 
 @dataclasses.dataclass(frozen=True)
 class NewDocument:
-    """A document to upsert; metadata is stored with the passage (a JSON object)."""
+    """A document to upsert; metadata is stored with the passage (a JSON object).
+
+    image: for an index of pages, the page as PNG, JPEG or WebP bytes (decoded within
+    espn.pages' bounds, encoded by the index's visual encoder, kept as espn.page_images
+    stores pages); text and title are then optional and describe it.
+    """
 
     doc_id: str
-    text: str
+    text: str = ""
     title: str = ""
     metadata: Mapping[str, Any] | None = None
+    image: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +87,13 @@ def _check_document(d: NewDocument, limits: WriteLimits, fields: dict[str, str])
     """Text and metadata of one document; its metadata fields' types merged into `fields`."""
     if not isinstance(d.text, str) or not isinstance(d.title, str):
         raise InvalidParameterError(f"document {d.doc_id!r}: title and text must be strings")
-    if not (d.text.strip() or d.title.strip()):
+    if d.image is not None:
+        if not isinstance(d.image, (bytes, bytearray, memoryview)) or not len(d.image):
+            raise InvalidParameterError(f"document {d.doc_id!r}: image must be the page's PNG, JPEG or WebP bytes")
+        if len(d.image) > MAX_IMAGE_BYTES:
+            raise InvalidParameterError(f"document {d.doc_id!r}: image holds {len(d.image)} bytes; at most "
+                                        f"{MAX_IMAGE_BYTES}")
+    elif not (d.text.strip() or d.title.strip()):
         raise InvalidParameterError(f"document {d.doc_id!r}: text is empty")
     if len(d.text) + len(d.title) > limits.max_text_chars:
         raise InvalidParameterError(f"document {d.doc_id!r}: title and text hold {len(d.text) + len(d.title)} "

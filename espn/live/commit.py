@@ -35,7 +35,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence, TypeVar
 
-from espn.errors import EspnError, WriteFailedError, storage_full
+from espn.errors import EspnError, InvalidParameterError, WriteFailedError, storage_full
 from espn.files import checkpoint
 
 from .checks import NewDocument, WriteRequest, WriteResult
@@ -153,6 +153,13 @@ class GroupCommit:
             try:
                 encoded = self._encode(group)
                 checkpoint("encoded")
+            except InvalidParameterError as exc:  # an input the encoder refuses (a page that does not
+                # decode): each write alone, so that only the one holding it fails
+                if len(group) == 1:
+                    self._fail(group, exc)
+                    encoded = None
+                else:
+                    group, encoded = self._encode_each(group)
             except BaseException as exc:
                 self._fail(group, exc)
                 encoded = None
@@ -174,6 +181,19 @@ class GroupCommit:
             out.append(everything.take(range(at, at + len(q.upserts))))
             at += len(q.upserts)
         return out
+
+    def _encode_each(self, group: list[_Queued]) -> tuple[list[_Queued], list[EncodedDocuments | None] | None]:
+        """The writes of a group encoded one at a time; a write the encoder refuses fails alone.
+        -> (the writes left, their encodings), or (_, None) when none is left."""
+        kept: list[_Queued] = []
+        encoded: list[EncodedDocuments | None] = []
+        for q in group:
+            try:
+                encoded += self._encode([q])
+                kept.append(q)
+            except BaseException as exc:
+                self._fail([q], exc)
+        return kept, (encoded if kept else None)
 
     # -- the publisher -------------------------------------------------------------------
     def _publish_loop(self) -> None:

@@ -8,14 +8,19 @@ shares `reorder_chunk` with it, so a write and a build of the same text store th
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from PIL import Image
 
 from espn.corpus import PASSAGE_JOINER, passage_line, passage_text
 from espn.encoders import DocumentEmbeddings, Encoder
+from espn.errors import CorpusError, InvalidParameterError
+from espn.page_images import UPLOAD_SUFFIXES, encode_page_image, media_type
+from espn.pages import MAX_IMAGE_BYTES, decode_image
 
-__all__ = ["EncodedDocuments", "encode_documents", "reorder_chunk"]
+__all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "reorder_chunk"]
 
 
 @dataclasses.dataclass
@@ -24,7 +29,8 @@ class EncodedDocuments:
 
     ids [n] external ids; lines [n] their docs.jsonl lines (utf-8); cls [n, d_cls] and
     bow [sum(counts), d_bow] float16, as the build's chunk files store them (so a write
-    and a build of the same text store the same records); counts [n] int32.
+    and a build of the same text store the same records); counts [n] int32; images [n]
+    the stored page images (espn.page_images) of a page index, None for text.
     """
 
     ids: list[str]
@@ -32,6 +38,7 @@ class EncodedDocuments:
     cls: np.ndarray
     bow: np.ndarray
     counts: np.ndarray
+    images: list[bytes] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -44,13 +51,17 @@ class EncodedDocuments:
         lengths = counts[picked]
         gather = np.repeat(starts[picked] - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
-                                self.bow[gather], self.counts[picked])
+                                self.bow[gather], self.counts[picked],
+                                None if self.images is None else [self.images[i] for i in picked])
 
     @classmethod
     def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
+        # Pages and text never meet in one index; a part without images gives its pages none (b"").
+        images = None if all(p.images is None for p in parts) else \
+            [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                   np.concatenate([p.counts for p in parts]))
+                   np.concatenate([p.counts for p in parts]), images)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
@@ -71,6 +82,45 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
     return EncodedDocuments([doc_id for doc_id, _, _, _ in documents], lines,
                             np.ascontiguousarray(chunk.cls, dtype=np.float16),
                             np.ascontiguousarray(chunk.bow, dtype=np.float16), chunk.counts.astype(np.int32))
+
+
+def decode_page_bytes(data: bytes, where: str) -> Image.Image:
+    """An uploaded page (PNG, JPEG or WebP bytes) as RGB, within the bounds a corpus file has
+    (espn.pages: MAX_IMAGE_BYTES, and the pixel bounds checked from the header before any pixel
+    is decoded); CorpusError in one line naming `where` otherwise. The format is the one its
+    first bytes say, and it is decoded only as that."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise CorpusError(f"{where}: refused, {len(data)} bytes (at most {MAX_IMAGE_BYTES} for an image)")
+    suffix = UPLOAD_SUFFIXES.get(media_type(data))
+    if suffix is None:
+        raise CorpusError(f"{where}: not a PNG, JPEG or WebP image (by its first bytes)")
+    return decode_image(io.BytesIO(data), where, suffix)
+
+
+def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, str, str, Mapping[str, Any] | None]],
+                          batch_size: int = 8) -> EncodedDocuments:
+    """Encode (id, image bytes, title, text, metadata) pages in this thread: the online write path
+    of a page index. Each image is decoded within espn.pages' bounds (InvalidParameterError naming
+    the document otherwise), encoded by the visual encoder's `encode_pages`, and kept as the build
+    keeps pages (`encode_page_image`). The stored text and metadata follow the build's pages
+    (indexing.pages): "page 1 of ID" unless a text is given, and `source` (the id) and `page` (1)
+    added where the metadata has no such field."""
+    images = []
+    for doc_id, data, _, _, _ in documents:
+        try:
+            images.append(decode_page_bytes(bytes(data), f"document {doc_id!r}: image"))
+        except CorpusError as exc:
+            raise InvalidParameterError(str(exc)) from None
+    parts = [encoder.encode_pages(images[start : start + batch_size]) for start in range(0, len(images), batch_size)]
+    cls = np.concatenate([p.cls for p in parts])
+    bow = np.concatenate([p.bow for p in parts])
+    counts = np.concatenate([p.counts for p in parts]).astype(np.int32)
+    lines = [passage_line(title, text or f"page 1 of {doc_id}",
+                          {"source": doc_id, "page": 1, **(dict(metadata) if metadata else {})}).encode("utf-8")
+             for doc_id, _, title, text, metadata in documents]
+    return EncodedDocuments([doc_id for doc_id, *_ in documents], lines, np.ascontiguousarray(cls, dtype=np.float16),
+                            np.ascontiguousarray(bow, dtype=np.float16), counts,
+                            [encode_page_image(image) for image in images])
 
 
 def reorder_chunk(parts: list[tuple[np.ndarray, DocumentEmbeddings]]) -> DocumentEmbeddings:

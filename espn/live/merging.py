@@ -12,6 +12,7 @@ import numpy as np
 from espn.files import file_entry, fsync_tree
 from espn.index import IndexDirectory
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.page_images import concat_page_images
 from espn.pooling_groups import concat_pool_groups
 from espn.generations import LIVE_DIR, SEGMENT_FILES, ByteRange, Generation, SegmentInfo
 
@@ -48,6 +49,7 @@ def merge_segments(writer: IndexWriter, sources: Sequence[SegmentInfo], out: Pat
     np.save(out / "ids_sorted.npy", np.argsort(ids, kind="stable"))
     _concat_docs(parts, hole, out)
     group_files = concat_pool_groups([p.path for p in parts], [s.documents for s in sources], out)
+    image_files = concat_page_images([p.path for p in parts], [s.documents for s in sources], out, holes=hole)
     ann = writer.empty_ivf(writer.current().base)
     for part in parts:
         source = faiss.read_index(str(part.file("ann.faiss")))  # in memory: merge_from moves its entries
@@ -58,7 +60,7 @@ def merge_segments(writer: IndexWriter, sources: Sequence[SegmentInfo], out: Pat
     columns = columns_from_docs(out, n)
     fsync_tree(out)
     column_files = sorted(str(p.relative_to(out)) for p in (out / "metadata").glob("*.npy"))
-    files = {f: file_entry(out / f) for f in [*SEGMENT_FILES, *column_files, *group_files]}
+    files = {f: file_entry(out / f) for f in [*SEGMENT_FILES, *column_files, *group_files, *image_files]}
     ranges = records if records is not None else tuple(r for s in sources for r in s.records)
     return SegmentInfo("", first, n, files, ranges, columns)
 

@@ -20,12 +20,14 @@ from espn.files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
 from espn.first_stage_build import build_first_stage
 from espn.index import IndexDirectory, write_manifest
 from espn.params import default_search_params
+from espn.page_images import copy_page_images
 from espn.pooling_groups import copy_pool_groups
 from espn.generations import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
 from espn.segments import LiveView, empty_ivf
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 from espn.store.record_order import RECORD_ORDER, reorder_index_records
+from espn.stored_images import open_index_images
 from espn.stored_spans import open_index_groups
 
 from .merging import columns_from_docs, merge_segments, side_on_swap
@@ -160,6 +162,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
         reader.close()
     checkpoint("compact-records")
     copy_pool_groups(open_index_groups(view.base, view), keep, out)  # listed by write_manifest
+    copy_page_images(open_index_images(view.base, view), keep, out)  # likewise
     _copy_ids_and_docs(view, keep, ids, out)
     columns = columns_from_docs(out, n)
     records.flush()

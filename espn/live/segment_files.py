@@ -14,6 +14,7 @@ import numpy as np
 from espn.files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.metadata import MetadataWriter, add_from_passages
+from espn.page_images import present_image_files, write_page_images
 from espn.pooling_groups import present_group_files
 from espn.generations import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
 from espn.store.format import RecordWriter, StoreLayout
@@ -50,6 +51,8 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
         stop = records_out.close()
     checkpoint("appended")
     _write_segment_arrays(staging, documents, records)
+    if documents.images is not None:  # a page index keeps the pages' images (espn.page_images)
+        write_page_images(staging, documents.images)
     ann = empty_ivf(current.base)
     ann.add_with_ids(np.ascontiguousarray(documents.cls, dtype=np.float32), np.arange(first, first + n, dtype=np.int64))
     faiss.write_index(ann, str(staging / "ann.faiss"))
@@ -61,7 +64,8 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     checkpoint("segment")
     column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
     group_files = present_group_files(final)  # pooling groups (espn.pooling_groups), when records are pooled
-    files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files]}
+    image_files = present_image_files(final)
+    files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files, *image_files]}
     appended = ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop))
     return SegmentInfo(name, first, n, files, (appended,), columns)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import threading
@@ -39,10 +40,11 @@ from typing import Any, Iterator, Sequence, TypeVar
 
 import faiss
 import numpy as np
+from PIL import Image
 
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
-from espn.errors import IndexLockedError, InvalidParameterError, ReadOnlyIndexError
+from espn.errors import ConflictError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
 from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json_atomic
 from espn.corpus import index_title_joiner
 from espn.index import read_manifest
@@ -51,7 +53,7 @@ from espn.generations import LIVE_DIR, Generation, TombstoneFile, read_current
 from espn.segments import empty_ivf
 
 from .checks import NewDocument, WriteLimits, WriteRequest, WriteResult, check_write
-from .encoding import EncodedDocuments, encode_documents
+from .encoding import EncodedDocuments, encode_documents, encode_page_documents
 from .resolve import IndexState, gather_kept, resolve_writes
 from .segment_files import add_tombstones, write_delta, write_tombstones
 from .side_index import SideIndex
@@ -203,11 +205,36 @@ class IndexWriter:
         return request
 
     def encode(self, documents: Sequence[NewDocument], batch_size: int = 32) -> EncodedDocuments | None:
-        """Encode documents in memory (no lock needed): what `publish` stores. None for none."""
+        """Encode documents in memory (no lock needed): what `publish` stores. None for none.
+
+        An index of pages (its encoder's modality "image") takes documents with an image only;
+        an index of text, documents without one (ConflictError naming the document). An image
+        that does not decode is InvalidParameterError."""
         if not documents:
             return None
-        return encode_documents(self.encoder(), [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
+        encoder = self.encoder()
+        pages = getattr(encoder, "modality", "text") == "image"
+        for d in documents:  # a conflict with the index, as a metadata field of another type is
+            if pages and d.image is None:
+                raise ConflictError(f"document {d.doc_id!r}: this index holds pages; give the page as an image "
+                                    "(PNG, JPEG or WebP), not text")
+            if not pages and d.image is not None:
+                raise ConflictError(f"document {d.doc_id!r}: an image, but this index holds text; send its text")
+        if pages:
+            return encode_page_documents(encoder, [(d.doc_id, d.image, d.title, d.text, d.metadata)  # type: ignore[misc]
+                                                   for d in documents], min(batch_size, 8))
+        return encode_documents(encoder, [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
                                 batch_size, joiner=self.title_joiner)
+
+    def warmup(self) -> None:
+        """Load the encoder and encode one document of the index's kind (a passage, or a blank page
+        for an index of pages), nothing published: the first write is then as fast as the next."""
+        if getattr(self.encoder(), "modality", "text") == "image":
+            page = io.BytesIO()
+            Image.new("RGB", (32, 32), (255, 255, 255)).save(page, format="PNG")
+            self.encode([NewDocument("warm-up", image=page.getvalue())])
+        else:
+            self.encode([NewDocument("warm-up", "a passage that warms the write path")])
 
     def publish(self, requests: Sequence[WriteRequest], encoded: Sequence[EncodedDocuments | None],
                 wait_s: float = 0.0) -> list[WriteResult | Exception]:

@@ -31,13 +31,21 @@ from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
 from ..stored_spans import open_index_groups, spans_from_groups
 from .context import SearchContext
 
-__all__ = ["can_explain", "explain_results", "passage_spans", "best_matches", "pooled_spans"]
+__all__ = ["can_explain", "explain_results", "explain_pages", "passage_spans", "best_matches", "pooled_spans"]
 
 log = logging.getLogger(__name__)
 
 
+def _explains_pages(encoder: Encoder | None) -> bool:
+    """A visual encoder: its explanations are patches of the page (explain_pages)."""
+    return encoder is not None and getattr(encoder, "modality", "text") == "image" and hasattr(encoder, "page_grid")
+
+
 def can_explain(encoder: Encoder | None) -> None:
-    """Raise InvalidParameterError (naming `explain`) unless the encoder maps vectors to text."""
+    """Raise InvalidParameterError (naming `explain`) unless the encoder maps vectors to text, or
+    to the patches of a page."""
+    if _explains_pages(encoder):
+        return
     if encoder is None or type(encoder).vector_spans is Encoder.vector_spans:
         kind = "none" if encoder is None else (encoder.kind or type(encoder).__name__)
         raise InvalidParameterError(
@@ -120,6 +128,8 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
     `vector_spans` for the passages and the queries.
     """
     encoder = context.encoder
+    if _explains_pages(encoder):
+        return explain_pages(context, queries, q, results)
     can_explain(encoder)
     assert encoder is not None
     targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
@@ -186,4 +196,55 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
         cls = float(hit.cls_score)  # type: ignore[arg-type]  # a re-ranked hit has both
         explained[i][j] = dataclasses.replace(hit, explanation=Explanation(
             weight=weight, cls_part=weight * cls, bow_part=(1 - weight) * bow, matches=matches))
+    return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]
+
+
+def explain_pages(context: SearchContext, queries: Sequence[str], q: QueryEmbeddings,
+                  results: list[QueryResult]) -> list[QueryResult]:
+    """`explain_results` for an index of pages: per query vector, the page vector it matched with
+    its place in the patch grid (`TokenMatch.row`, `.column`; `Explanation.grid`) and the
+    similarity, which is exactly that query vector's MaxSim term. No passage spans. A page whose
+    record does not hold the encoder's layout (pooled at build time) gets no grid positions.
+    """
+    encoder = context.encoder
+    assert encoder is not None
+    targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
+               if hit.bow_score is not None]
+    if not targets:
+        return results
+    numbers = np.array([context.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
+    docs = np.unique(numbers)
+    with context.reader.submit(docs).records() as records:
+        vectors, offsets = record_vectors(records, context.layout)
+        vectors = vectors.cpu()
+        rows = records.rows_of(numbers)
+    with context.tokenizer_lock:
+        grid = encoder.page_grid()  # type: ignore[attr-defined]
+        tokens = encoder.query_tokens(list(queries), q.mask)  # type: ignore[attr-defined]
+    pair_query = np.array([i for i, _ in targets], dtype=np.int64)
+    best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
+                                 offsets, rows)
+    weight, mean = context.weight, context.bow_reduction == "mean"
+    explained = [list(result.hits) for result in results]
+    for p, ((i, j), row) in enumerate(zip(targets, rows)):
+        hit = results[i].hits[j]
+        columns = np.flatnonzero(q.mask[i])
+        scale = 1.0 / max(1, len(columns)) if mean else 1.0
+        n_vectors = int(offsets[row + 1] - offsets[row])
+        page_grid = grid if grid is not None and grid.vectors == n_vectors else None
+        labels = tokens[i] if tokens is not None and len(tokens[i]) == len(columns) else \
+            [("text", "", 0, 0)] * len(columns)
+        matches = []
+        for (kind, token, start, end), similarity, vector in zip(labels, best[p, columns].tolist(),
+                                                                matched[p, columns].tolist()):
+            place = page_grid.position(vector) if page_grid is not None and vector >= 0 else None
+            matches.append(TokenMatch(token=token, query_start=start, query_end=end, similarity=similarity,
+                                      contribution=similarity * scale, vector=vector, spans=(), kind=kind,
+                                      row=None if place is None else place[0],
+                                      column=None if place is None else place[1]))
+        bow = float(hit.bow_score)  # type: ignore[arg-type]  # targets have one
+        cls = float(hit.cls_score)  # type: ignore[arg-type]
+        explained[i][j] = dataclasses.replace(hit, explanation=Explanation(
+            weight=weight, cls_part=weight * cls, bow_part=(1 - weight) * bow, matches=tuple(matches),
+            grid=None if page_grid is None else (page_grid.rows, page_grid.columns)))
     return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]

@@ -19,15 +19,17 @@ import torch
 
 from ..encoders import Encoder, QueryEmbeddings, load_encoder
 from ..encoders.precomputed import PrecomputedEncoder
-from ..errors import InvalidParameterError
+from ..errors import DocumentNotFoundError, InvalidParameterError
 from ..first_stage import FirstStageConfig, TokenCentroids
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
+from ..page_images import media_type, thumbnail
 from ..params import SearchParams
 from ..prefetch import PrefetchEstimates
 from ..results import Document, Hit, QueryResult
 from ..generations import current_token
 from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap, open_view
+from ..stored_images import open_index_images
 from ..store import Reader
 from ..store.format import StoreLayout
 from ..text.engine import TextIndex
@@ -363,6 +365,25 @@ class Searcher:
     def document(self, doc_id: str) -> Document:
         """The stored passage of an external id; raises DocumentNotFoundError."""
         return self.docs.document(doc_id, self.ids.internal(doc_id))
+
+    def page_image(self, doc_id: str, max_side: int | None = None) -> tuple[bytes, str]:
+        """The stored image of a page (espn.page_images) -> (bytes, media type), or with `max_side`
+        a thumbnail at most that many px a side ([16, 1600], InvalidParameterError outside).
+        DocumentNotFoundError for an unknown id and for a document stored without an image (a
+        text index, a page indexed before images were kept)."""
+        number = self.ids.internal(doc_id)
+        data = open_index_images(self.index, self.view).of(number)
+        if not data:
+            raise DocumentNotFoundError(f"document {doc_id!r} has no stored page image"
+                                        + ("" if self.is_page_index else " (this index holds text, not pages)"))
+        if max_side is not None:
+            data = thumbnail(data, max_side)
+        return data, media_type(data)
+
+    @property
+    def is_page_index(self) -> bool:
+        """Whether the index's documents are page images (a visual encoder's index)."""
+        return self.manifest["encoder"].get("modality") == "image"
 
     def warmup(self) -> None:
         """One search end to end, so the first user request pays no start-up cost.

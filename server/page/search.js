@@ -199,6 +199,7 @@ function highlighted(text, ranges, lexical) {
 }
 
 function matchedText(hit, match) {
+  if (match.row !== undefined && match.row !== null) return `patch ${match.row + 1}, ${match.column + 1}`;
   const span = match.spans.find((s) => s.field !== "joiner");
   if (!span) return "—";
   const source = span.field === "title" ? hit.title : hit.text;
@@ -210,6 +211,63 @@ function matchedText(hit, match) {
 function typedWords(query, match) {
   const written = Array.from(query).slice(match.query_start, match.query_end).join("");
   return written.replace(/^[+-]/, "").replace(/^"(.*)"$/, "$1") || match.terms;
+}
+
+// Pages (an index of page images): each hit's thumbnail, fetched with the API key like the search,
+// and, with explanations, a heatmap of the patches its query tokens matched (cell (row, column)
+// of the page cut into the explanation's grid, strength the best similarity there, scaled
+// between the hit's weakest and strongest match). A text index answers the first thumbnail
+// with a 404, after which none is asked for.
+const THUMBNAIL_SIDE = 256;
+let pagesIndex = null; // null: not known yet; false: a text index
+
+function heatmap(canvas, explanation, width, height) {
+  const [rows, columns] = explanation.grid;
+  const placed = explanation.matches.filter((m) => m.row !== null && m.row !== undefined);
+  if (!placed.length) return;
+  const similarities = placed.map((m) => m.similarity);
+  const low = Math.min(...similarities);
+  const spread = Math.max(Math.max(...similarities) - low, 1e-9);
+  const cells = new Map();
+  for (const match of placed) {
+    const key = match.row * columns + match.column;
+    cells.set(key, Math.max(cells.get(key) ?? 0, 0.15 + (0.85 * (match.similarity - low)) / spread));
+  }
+  canvas.width = width;
+  canvas.height = height;
+  const context = canvas.getContext("2d");
+  for (const [key, strength] of cells) {
+    const row = Math.floor(key / columns);
+    const column = key % columns;
+    context.fillStyle = `rgba(255, 165, 0, ${(0.6 * strength).toFixed(3)})`;
+    context.fillRect((column * width) / columns, (row * height) / rows, width / columns, height / rows);
+  }
+}
+
+async function loadThumbnail(hit, figure) {
+  if (pagesIndex === false) return;
+  const headers = {};
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  if (key) headers.Authorization = `Bearer ${key}`;
+  const url = `/v1/documents/${encodeURIComponent(hit.id)}?image=true&max_side=${THUMBNAIL_SIDE}`;
+  const response = await fetch(url, { headers }).catch(() => null);
+  if (!response || !response.ok) {
+    if (response && response.status === 404 && pagesIndex === null) pagesIndex = false;
+    return;
+  }
+  pagesIndex = true;
+  const image = el("img", "thumbnail");
+  image.alt = `page ${hit.id}`;
+  image.src = URL.createObjectURL(await response.blob());
+  image.addEventListener("load", () => {
+    URL.revokeObjectURL(image.src);
+    if (hit.explanation && hit.explanation.grid) {
+      heatmap(canvas, hit.explanation, image.naturalWidth, image.naturalHeight);
+    }
+  });
+  const canvas = el("canvas", "heatmap");
+  figure.replaceChildren(image, canvas);
+  figure.hidden = false;
 }
 
 function renderHit(hit, rank, query) {
@@ -244,6 +302,11 @@ function renderHit(hit, rank, query) {
   const text = el("p", "text");
   text.append(highlighted(hit.text || "", rangesFor(hit, "text"), lexical));
   item.append(text);
+
+  const figure = el("figure", "page");  // filled by loadThumbnail on an index of pages
+  figure.hidden = true;
+  item.append(figure);
+  loadThumbnail(hit, figure);
 
   if (hit.lexical_matches && hit.lexical_matches.length) {
     const matches = el("div", "matches lexical");

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import AfterValidator
+
+from espn.page_images import MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE
 
 from ..deps import AppState, get_search, get_state, get_writes
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
@@ -75,16 +77,34 @@ async def batch_other_methods(request: Request) -> None:
 @router.get(
     "/{doc_id:path}",
     response_model=DocumentResponse,
-    summary="Fetch one document's title, text and metadata",
-    responses=_READ_ERRORS,
+    summary="Fetch one document's title, text and metadata, or a page's image",
+    responses={200: {"content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
+                     "description": "the document; with image=true the page's stored image (JPEG)"},
+               **_READ_ERRORS, 404: {**_ERROR, "description": "no document with this id (with image=true: or no "
+                                                              "page image stored for it: an index of text)"}},
 )
 async def get_document(
     request: Request,
     doc_id: StoredId,
+    image: bool = Query(False, description="an index of pages: answer with the page's stored image (JPEG, at most "
+                                           "1,600 px a side) instead of its JSON"),
+    max_side: Optional[int] = Query(None, ge=MIN_THUMBNAIL_SIDE, le=MAX_THUMBNAIL_SIDE,
+                                    description="with image=true: a thumbnail at most this many px a side"),
     service: SearchService = Depends(get_search),
-) -> DocumentResponse:
+) -> Any:
+    if image:
+        data, media_type = await asyncio.to_thread(_page_image, service, path_doc_id(request), max_side)
+        return Response(content=data, media_type=media_type, headers={"Cache-Control": "no-cache"})
     document = await service.document(path_doc_id(request))
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text, metadata=document.metadata)
+
+
+def _page_image(service: SearchService, doc_id: str, max_side: Optional[int]) -> tuple[bytes, str]:
+    """A page's stored image from the newest generation (as `SearchService.document` reads a passage:
+    one stat of live/CURRENT, then a lease), in a worker thread: it reads the file."""
+    service.live.refresh()
+    with service.live.lease() as searcher:
+        return searcher.page_image(doc_id, max_side)
 
 
 def _response(result: WriteResult) -> WriteResponse:
@@ -110,7 +130,8 @@ async def put_document(
                       AfterValidator(check_write_id)],
     state: AppState = Depends(get_state),
 ) -> WriteResponse:
-    result = await get_writes(state).apply([NewDocument(path_doc_id(request), body.text, body.title, body.metadata)], [])
+    document = NewDocument(path_doc_id(request), body.text, body.title, body.metadata, body.image_bytes())
+    result = await get_writes(state).apply([document], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -141,5 +162,5 @@ async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_sta
     if max(len(body.upsert), len(body.delete)) > limit:
         raise ApiError(422, f"at most {limit} upserts and {limit} deletes per batch (ESPN_MAX_BATCH_WRITES)",
                        code="invalid_request")
-    upserts = [NewDocument(d.id, d.text, d.title, d.metadata) for d in body.upsert]
+    upserts = [NewDocument(d.id, d.text, d.title, d.metadata, d.image_bytes()) for d in body.upsert]
     return _response(await get_writes(state).apply(upserts, body.delete))

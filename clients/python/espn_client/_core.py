@@ -7,6 +7,7 @@ The loops differ only in how they wait (time.sleep or asyncio.sleep).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import email.utils
 import json
@@ -200,9 +201,16 @@ class DocumentCalls:
     def get(self, doc_id: str) -> Call[Document]:
         return Call("GET", self.routes.document(doc_id), model(Document))
 
-    def put(self, doc_id: str, text: str, title: str, metadata: Optional[Mapping[str, Any]]) -> Call[WriteResponse]:
-        body = DocumentWrite(text=text, title=title, metadata=dict(metadata) if metadata is not None else None)
+    def put(self, doc_id: str, text: Optional[str], title: str, metadata: Optional[Mapping[str, Any]],
+            image: Optional[bytes] = None) -> Call[WriteResponse]:
+        body = DocumentWrite(text=text, title=title, metadata=dict(metadata) if metadata is not None else None,
+                             image=base64.b64encode(image).decode("ascii") if image is not None else None)
         return Call("PUT", self.routes.document(doc_id), model(WriteResponse), body.model_dump(exclude_none=True))
+
+    def page_image(self, doc_id: str, max_side: Optional[int]) -> Call[tuple[bytes, str]]:
+        query = "?image=true" + (f"&max_side={int(max_side)}" if max_side is not None else "")
+        return Call("GET", self.routes.document(doc_id) + query,
+                    lambda r: (r.content, r.headers.get("content-type", "application/octet-stream")))
 
     def delete(self, doc_id: str) -> Call[WriteResponse]:
         return Call("DELETE", self.routes.document(doc_id), model(WriteResponse))

@@ -154,10 +154,15 @@ class AsyncClient:
         documents = await self._gather([get(doc_id) for doc_id in ids])
         return {doc_id: document for doc_id, document in zip(ids, documents) if document is not None}
 
-    async def put_document(self, doc_id: str, text: str, *, title: str = "",
-                           metadata: Optional[Mapping[str, Any]] = None) -> WriteResponse:
-        """PUT /v1/documents/{id}: add it, or replace the document with this id."""
-        return await self._send(self._calls.put(doc_id, text, title, metadata))
+    async def put_document(self, doc_id: str, text: Optional[str] = None, *, title: str = "",
+                           metadata: Optional[Mapping[str, Any]] = None, image: Optional[bytes] = None) -> WriteResponse:
+        """PUT /v1/documents/{id}: add it, or replace the document with this id. image: on an index
+        of pages, the page (PNG, JPEG or WebP bytes; text then optional)."""
+        return await self._send(self._calls.put(doc_id, text, title, metadata, image))
+
+    async def get_page_image(self, doc_id: str, *, max_side: Optional[int] = None) -> tuple[bytes, str]:
+        """GET /v1/documents/{id}?image=true: a page's stored image and its media type."""
+        return await self._send(self._calls.page_image(doc_id, max_side))
 
     async def delete_document(self, doc_id: str) -> WriteResponse:
         """DELETE /v1/documents/{id} (NotFoundError for an unknown id)."""

@@ -142,10 +142,16 @@ class Client:
                     raise
         return found
 
-    def put_document(self, doc_id: str, text: str, *, title: str = "",
-                     metadata: Optional[Mapping[str, Any]] = None) -> WriteResponse:
-        """PUT /v1/documents/{id}: add it, or replace the document with this id."""
-        return self._send(self._calls.put(doc_id, text, title, metadata))
+    def put_document(self, doc_id: str, text: Optional[str] = None, *, title: str = "",
+                     metadata: Optional[Mapping[str, Any]] = None, image: Optional[bytes] = None) -> WriteResponse:
+        """PUT /v1/documents/{id}: add it, or replace the document with this id. image: on an index
+        of pages, the page (PNG, JPEG or WebP bytes; text then optional)."""
+        return self._send(self._calls.put(doc_id, text, title, metadata, image))
+
+    def get_page_image(self, doc_id: str, *, max_side: Optional[int] = None) -> tuple[bytes, str]:
+        """GET /v1/documents/{id}?image=true: a page's stored image and its media type (a thumbnail at
+        most `max_side` px a side); NotFoundError for an unknown id or a document without one."""
+        return self._send(self._calls.page_image(doc_id, max_side))
 
     def delete_document(self, doc_id: str) -> WriteResponse:
         """DELETE /v1/documents/{id} (NotFoundError for an unknown id)."""

@@ -78,11 +78,13 @@ class BatchSearchRequest(SearchParams):
 
 
 class DocumentWrite(_Request):
-    """The body of PUT /v1/documents/{id}."""
+    """The body of PUT /v1/documents/{id}: a passage (`text`), or on an index of pages the page
+    (`image`: PNG, JPEG or WebP in base64) with an optional text."""
 
     title: str = ""
-    text: str
+    text: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
+    image: Optional[str] = None
 
 
 class DocumentUpsert(DocumentWrite):
@@ -121,6 +123,8 @@ class TokenMatch(_Result):
     vector: int
     spans: list[PassageSpan]
     kind: str = "text"
+    row: Optional[int] = None  # an index of pages: the matched patch's row in Explanation.grid
+    column: Optional[int] = None
 
 
 class Explanation(_Result):
@@ -130,6 +134,7 @@ class Explanation(_Result):
     cls_part: float
     bow_part: float
     matches: list[TokenMatch]
+    grid: Optional[list[int]] = None  # an index of pages: [rows, columns] of the page's patch grid
 
 
 class LexicalMatch(_Result):

@@ -1,0 +1,345 @@
+"""Page images kept with a visual index, explanations as patches of the page, and live page writes.
+
+One tiny seeded ColPali checkpoint (benchmarks.make_visual_checkpoint: 64 px pages cut into an
+8 x 8 grid of patches, 81 vectors a page) and one index of 8 pages built by `espn index` from a
+JSONL with metadata, made once for the module; the live tests write to a copy of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from benchmarks.bench_visual import draw_page
+from benchmarks.make_visual_checkpoint import write_checkpoint
+from espn import Searcher
+from espn.cli import OWN_LOGGERS, main
+from espn.encoders import encoder_from_spec
+from espn.encoders.visual import VisualEncoder
+from espn.errors import ConflictError, DocumentNotFoundError, InvalidParameterError
+from espn.generations import read_current
+from espn.live.checks import NewDocument
+from espn.live.commit import GroupCommit
+from espn.live.compaction import Plan, run_compaction
+from espn.live.live_index import LiveIndex
+from espn.live.snapshot import restore, snapshot
+from espn.live.writer import IndexWriter
+from espn.page_images import (IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_STORED_SIDE, PageImages, encode_page_image,
+                              media_type, thumbnail)
+from espn.live.encoding import decode_page_bytes
+
+from server_fixtures import HTTP, running_server
+
+PAGES = 8
+QUERY = "red square in the corner"
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("model") / "tiny-colpali")
+
+
+@pytest.fixture(scope="module")
+def encoder(checkpoint: Path) -> VisualEncoder:
+    found = encoder_from_spec(f"visual:{checkpoint}", device="cpu")
+    assert isinstance(found, VisualEncoder)
+    return found
+
+
+@pytest.fixture(scope="module")
+def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 PNG pages listed by a JSONL with a `lang` field, built by `espn index`."""
+    corpus = tmp_path_factory.mktemp("pages")
+    with open(corpus / "pages.jsonl", "w") as f:
+        for number in range(PAGES):
+            draw_page(number).save(corpus / f"p{number}.png")
+            f.write(json.dumps({"_id": f"p{number}", "image": f"p{number}.png",
+                                "metadata": {"lang": "en" if number % 2 else "fr"}}) + "\n")
+    out = tmp_path_factory.mktemp("idx") / "pages"
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
+        status = main(["index", str(corpus / "pages.jsonl"), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+                       "--bow-dtype", "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0",
+                       "--no-progress", "--device", "cpu"])
+    root.handlers[:], root.level = handlers, level
+    for name, value in levels.items():
+        logging.getLogger(name).setLevel(value)
+    assert status == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(index: Path, tmp_path_factory: pytest.TempPathFactory, encoder: VisualEncoder) -> Path:
+    """A copy of the index after live writes: page `new` added, p1 replaced, p2 deleted."""
+    root = tmp_path_factory.mktemp("live") / "pages"
+    shutil.copytree(index, root)
+    writer = LiveIndex(root, encoder=encoder)
+    try:
+        writer.upsert([NewDocument("new", image=png(draw_page(20)), metadata={"lang": "de"}),
+                       NewDocument("p1", image=png(draw_page(21, (90, 300))), title="replaced")])
+        writer.delete(["p2"])
+    finally:
+        writer.close()
+    return root
+
+
+def stored(image: Image.Image) -> bytes:
+    """The bytes an index keeps for a page it read as `image`."""
+    return encode_page_image(image.convert("RGB"))
+
+
+def test_stored_images_are_bounded_jpeg_and_thumbnails_are_smaller() -> None:
+    data = encode_page_image(Image.new("RGB", (3200, 1000), (250, 250, 250)))
+    assert media_type(data) == "image/jpeg"
+    with Image.open(io.BytesIO(data)) as image:
+        assert image.size == (MAX_STORED_SIDE, 500)
+    small = thumbnail(data, 200)
+    with Image.open(io.BytesIO(small)) as image:
+        assert max(image.size) == 200
+    assert thumbnail(small, 400) == small  # never scaled up
+    with pytest.raises(InvalidParameterError, match="thumbnail side"):
+        thumbnail(data, 4)
+
+
+def test_the_build_keeps_each_pages_image_listed_in_the_manifest(index: Path) -> None:
+    files = json.loads((index / "manifest.json").read_text())["files"]
+    assert {IMAGES_FILE, IMAGE_OFFSETS_FILE} <= set(files)
+    with Searcher.open(index, with_encoder=False) as searcher:
+        assert searcher.is_page_index
+        for number in range(PAGES):
+            data, kind = searcher.page_image(f"p{number}")
+            assert kind == "image/jpeg" and data == stored(draw_page(number))
+        small, kind = searcher.page_image("p3", max_side=32)
+        assert kind == "image/jpeg" and max(Image.open(io.BytesIO(small)).size) <= 32
+        with pytest.raises(DocumentNotFoundError):
+            searcher.page_image("nope")
+
+
+def test_explain_gives_each_query_token_its_patch_and_the_exact_maxsim_term(
+        index: Path, encoder: VisualEncoder) -> None:
+    grid = encoder.page_grid()
+    assert grid is not None and (grid.rows, grid.columns) == (8, 8) and grid.vectors == 81
+    with Searcher.open(index) as searcher:
+        result = searcher.search([QUERY, "blue circles chart"], k=3, explain=True)
+        q = searcher.encode([QUERY, "blue circles chart"])
+    for row, hits in enumerate(result):
+        assert hits.hits
+        for hit in hits.hits:
+            explanation = hit.explanation
+            assert explanation is not None and explanation.grid == (8, 8)
+            page = encoder.encode_pages([draw_page(int(hit.doc_id[1:]))]).bow  # [81, 128] fp32
+            query = q.bow[row][q.mask[row]]
+            terms = (query @ page.T).max(axis=1)
+            assert len(explanation.matches) == len(query)
+            np.testing.assert_allclose([m.similarity for m in explanation.matches], terms, atol=2e-3)
+            assert abs(sum(m.contribution for m in explanation.matches) - hit.bow_score) < 1e-4
+            patches = 0
+            for match, vector_row in zip(explanation.matches, query):
+                assert 0 <= match.vector < 81
+                assert abs(float(page[match.vector] @ vector_row) - match.similarity) < 2e-3
+                if match.row is None:
+                    assert match.column is None and not grid.first <= match.vector < grid.first + 64
+                else:
+                    patches += 1
+                    assert 0 <= match.row < 8 and 0 <= match.column < 8  # type: ignore[operator]
+                    assert match.vector == grid.first + 8 * match.row + match.column  # type: ignore[operator]
+            assert patches > 0
+        texts = [m for m in hits.hits[0].explanation.matches if m.kind == "text"]  # type: ignore[union-attr]
+        query_text = [QUERY, "blue circles chart"][row]
+        assert texts and all(query_text[m.query_start:m.query_end] == m.token for m in texts)
+
+
+def test_live_pages_are_added_replaced_and_deleted_with_their_images(live: Path) -> None:
+    generation = read_current(live)
+    needed = {f.path for f in generation.needed_files()}
+    assert any(path.endswith(f"/{IMAGES_FILE}") and path.startswith("live/seg-") for path in needed)
+    assert IMAGES_FILE in needed  # the base's, which snapshots and replicas copy too
+    with Searcher.open(live) as searcher:
+        assert searcher.page_image("new")[0] == stored(draw_page(20))
+        assert searcher.page_image("p1")[0] == stored(draw_page(21, (90, 300)))
+        assert searcher.page_image("p0")[0] == stored(draw_page(0))
+        assert searcher.document("new").metadata == {"source": "new", "page": 1, "lang": "de"}
+        assert searcher.document("p1").title == "replaced"
+        for call in (searcher.page_image, searcher.document):
+            with pytest.raises(DocumentNotFoundError):
+                call("p2")
+        found = {hit.doc_id for hit in searcher.search([QUERY], k=PAGES + 2)[0].hits}
+        assert found == {f"p{n}" for n in range(PAGES) if n != 2} | {"new"}
+        assert [h.doc_id for h in searcher.search([QUERY], k=5, filter={"lang": "de"})[0].hits] == ["new"]
+        explained = searcher.search([QUERY], k=PAGES, explain=True)[0].hits
+        assert all(hit.explanation is not None and hit.explanation.grid == (8, 8) for hit in explained)
+
+
+def test_a_snapshot_and_its_restore_carry_the_page_images(live: Path, tmp_path: Path) -> None:
+    snapshot(live, tmp_path / "snap")
+    restore(tmp_path / "snap", tmp_path / "restored")
+    with Searcher.open(tmp_path / "restored", with_encoder=False) as searcher:
+        assert searcher.page_image("new")[0] == stored(draw_page(20))
+        assert searcher.page_image("p0")[0] == stored(draw_page(0))
+
+
+def test_compaction_keeps_every_pages_image_and_a_reopened_index_serves_them(
+        live: Path, encoder: VisualEncoder, tmp_path: Path) -> None:
+    root = tmp_path / "compacted"
+    shutil.copytree(live, root)
+    writer = LiveIndex(root, encoder=encoder)
+    try:
+        writer.compact()
+    finally:
+        writer.close()
+    generation = read_current(root)
+    assert not generation.segments and IMAGES_FILE in generation.base_files
+    expected = {f"p{n}": stored(draw_page(n)) for n in range(PAGES) if n not in (1, 2)}
+    expected |= {"new": stored(draw_page(20)), "p1": stored(draw_page(21, (90, 300)))}
+    with Searcher.open(root, with_encoder=False) as searcher:
+        assert searcher.num_documents == PAGES
+        assert {doc_id: searcher.page_image(doc_id)[0] for doc_id in expected} == expected
+        with pytest.raises(DocumentNotFoundError):
+            searcher.page_image("p2")
+
+
+def test_a_merge_of_deltas_keeps_their_images_and_leaves_a_deleted_page_none(
+        live: Path, encoder: VisualEncoder, tmp_path: Path) -> None:
+    root = tmp_path / "merged"
+    shutil.copytree(live, root)
+    writer = LiveIndex(root, encoder=encoder)
+    try:
+        writer.upsert([NewDocument("late", image=png(draw_page(22)))])
+        writer.delete(["new"])  # a page of the first delta: a hole in the merged segment
+        deltas = tuple(info.name for info in read_current(root).segments)
+        assert len(deltas) == 2
+        run_compaction(writer, Plan("merge", deltas))
+    finally:
+        writer.close()
+    generation = read_current(root)
+    merged = generation.segments[0]
+    assert len(generation.segments) == 1 and IMAGES_FILE in merged.files
+    images = PageImages.open(root / "live" / merged.name, merged.documents)
+    assert images is not None and images.of(0) == b"" and images.of(1)  # "new" (deleted) has no bytes left
+    with Searcher.open(root, with_encoder=False) as searcher:
+        assert searcher.page_image("late")[0] == stored(draw_page(22))
+        assert searcher.page_image("p1")[0] == stored(draw_page(21, (90, 300)))
+        with pytest.raises(DocumentNotFoundError):
+            searcher.page_image("new")
+
+
+def test_page_writes_are_checked_before_anything_is_written(live: Path, encoder: VisualEncoder,
+                                                            tmp_path: Path) -> None:
+    root = tmp_path / "refusals"
+    shutil.copytree(live, root)
+    before = read_current(root).number
+    writer = LiveIndex(root, encoder=encoder)
+    try:
+        cases = [(NewDocument("t", "a text passage"), "give the page as an image"),  # a ConflictError: a 409
+                 (NewDocument("b", image=b"GIF89a not a page"), "not a PNG, JPEG or WebP"),
+                 (NewDocument("c", image=png(draw_page(1))[:60]), "unreadable PNG image")]
+        for document, message in cases:
+            with pytest.raises(InvalidParameterError, match=message) as caught:
+                writer.upsert([document])
+            assert "\n" not in str(caught.value)
+    finally:
+        writer.close()
+    assert read_current(root).number == before
+    text_writer = IndexWriter(root, encoder=SimpleNamespace(modality="text"))  # type: ignore[arg-type]
+    with pytest.raises(ConflictError, match="an image, but this index holds text"):
+        text_writer.encode([NewDocument("i", image=png(draw_page(1)))])
+    text_writer.close()
+    with pytest.raises(Exception, match="refused"):
+        decode_page_bytes(png(Image.new("RGB", (20_000, 2), (0, 0, 0))), "huge")
+
+
+def test_a_page_that_does_not_decode_fails_only_its_own_write_in_a_group(live: Path, encoder: VisualEncoder,
+                                                                          tmp_path: Path) -> None:
+    root = tmp_path / "group"
+    shutil.copytree(live, root)
+    committer = GroupCommit(LiveIndex(root, encoder=encoder), nice=0)
+    try:
+        committer.index.warmup()
+        # Another writer holds the lock: the first write waits to publish, the second waits encoded,
+        # and the next two queue behind them as one group.
+        with IndexWriter(root).locked():
+            first = []
+            for n in range(2):
+                first.append(committer.submit([NewDocument(f"w{n}", image=png(draw_page(40 + n)))]))
+                time.sleep(0.3)
+            futures = [committer.submit([NewDocument("g0", image=png(draw_page(30)))]),
+                       committer.submit([NewDocument("bad", image=png(draw_page(1))[:60])]),
+                       committer.submit([NewDocument("g1", image=png(draw_page(31)))])]
+        assert all(f.result(timeout=60).created for f in first)
+        with pytest.raises(InvalidParameterError, match="unreadable PNG image"):
+            futures[1].result(timeout=60)
+        assert [bool(f.result(timeout=60).created) for f in (futures[0], futures[2])] == [True, True]
+    finally:
+        committer.close()
+        committer.index.close()
+    with Searcher.open(root, with_encoder=False) as searcher:
+        assert searcher.page_image("g1")[0] == stored(draw_page(31))
+        with pytest.raises(DocumentNotFoundError):
+            searcher.document("bad")
+
+
+def test_pages_over_http_uploaded_searched_filtered_explained_fetched_and_kept_across_a_restart(
+        index: Path, tmp_path: Path) -> None:
+    root = tmp_path / "served"
+    shutil.copytree(index, root)
+
+    def upload(doc_id: str, image: Image.Image, **fields: object) -> httpx.Response:
+        body = {"image": base64.b64encode(png(image)).decode("ascii"), **fields}
+        return HTTP.put(f"{server.base_url}/v1/documents/{doc_id}", json=body, timeout=120)
+
+    def search(**body: object) -> list[dict]:
+        answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERY, **body}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["results"]
+
+    with running_server(root, tmp_path, name="pages") as server:
+        assert "write path warmed" in server.log()  # with a blank page: a passage is refused by a page index
+        assert upload("upload", draw_page(50), metadata={"lang": "de"}).status_code == 201
+        replaced = upload("p1", draw_page(51, (90, 300)), title="replaced")
+        assert replaced.status_code == 200 and replaced.json()["replaced"] == ["p1"]
+        assert HTTP.delete(f"{server.base_url}/v1/documents/p2", timeout=60).status_code == 200
+        text = HTTP.put(f"{server.base_url}/v1/documents/t", json={"text": "a passage"}, timeout=60)
+        assert text.status_code == 409 and "give the page as an image" in text.json()["message"]
+        broken = HTTP.put(f"{server.base_url}/v1/documents/b", json={"image": "not base64!"}, timeout=60)
+        assert broken.status_code == 422
+        assert {hit["id"] for hit in search(k=20)} == {f"p{n}" for n in range(PAGES) if n != 2} | {"upload"}
+        assert [hit["id"] for hit in search(k=5, filter={"lang": "de"})] == ["upload"]
+        for hit in search(k=3, explain=True):
+            explanation = hit["explanation"]
+            assert explanation["grid"] == [8, 8]
+            cells = [(m["row"], m["column"]) for m in explanation["matches"] if "row" in m]
+            assert cells and all(0 <= r < 8 and 0 <= c < 8 for r, c in cells)
+        image = HTTP.get(f"{server.base_url}/v1/documents/upload", params={"image": "true"}, timeout=60)
+        assert image.status_code == 200 and image.headers["content-type"] == "image/jpeg"
+        assert image.content == stored(draw_page(50))
+        small = HTTP.get(f"{server.base_url}/v1/documents/upload", params={"image": "true", "max_side": 16})
+        assert small.status_code == 200 and max(Image.open(io.BytesIO(small.content)).size) <= 16
+        assert HTTP.get(f"{server.base_url}/v1/documents/p2", params={"image": "true"}).status_code == 404
+    with running_server(root, tmp_path, "--no-warmup", name="pages-again") as server:
+        again = HTTP.get(f"{server.base_url}/v1/documents/upload", params={"image": "true"}, timeout=60)
+        assert again.status_code == 200 and again.content == stored(draw_page(50))
+        document = HTTP.get(f"{server.base_url}/v1/documents/upload", timeout=60).json()
+        assert document["metadata"] == {"source": "upload", "page": 1, "lang": "de"}
+        assert [hit["id"] for hit in search(k=5, filter={"lang": "de"})] == ["upload"]
+        assert HTTP.get(f"{server.base_url}/v1/documents/p2", timeout=60).status_code == 404
