@@ -65,9 +65,9 @@ def records(response: SearchResponse, documents: Mapping[str, Document]) -> list
             if name in hit.model_fields_set:
                 metadata[name] = getattr(hit, name)
         if hit.explanation is not None:
-            metadata["explanation"] = hit.explanation.model_dump(mode="json")
+            metadata["explanation"] = hit.explanation.model_dump(mode="json", exclude_unset=True)  # as the server sent it
         if hit.lexical_matches is not None:
-            metadata["lexical_matches"] = [m.model_dump(mode="json") for m in hit.lexical_matches]
+            metadata["lexical_matches"] = [m.model_dump(mode="json", exclude_unset=True) for m in hit.lexical_matches]
         out.append(Record(hit.id, hit.score, hit.text or "", metadata))
     return out
 
