@@ -132,17 +132,10 @@ def explain_results(context: SearchContext, queries: Sequence[str], q: QueryEmbe
         return explain_pages(context, queries, q, results)
     can_explain(encoder)
     assert encoder is not None
-    targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
-               if hit.bow_score is not None]
-    if not targets:
+    read = _read_hits(context, results)
+    if read is None:
         return results
-    numbers = np.array([context.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
-    docs = np.unique(numbers)
-    # The records decoded as the search scored them (fp32: int8 codes times their scale).
-    with context.reader.submit(docs).records() as records:
-        vectors, offsets = record_vectors(records, context.layout)
-        vectors, row_docs = vectors.cpu(), records.docs.copy()
-        rows = records.rows_of(numbers)
+    targets, docs, vectors, offsets, row_docs, rows = read
     stored = [context.docs.get(int(number)) for number in docs]  # (title, text) per unique document
     joiner = index_title_joiner(context.manifest)  # the passages as the encoder read them
     with context.tokenizer_lock:  # fast tokenizers refuse concurrent reconfiguration
@@ -208,16 +201,10 @@ def explain_pages(context: SearchContext, queries: Sequence[str], q: QueryEmbedd
     """
     encoder = context.encoder
     assert encoder is not None
-    targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
-               if hit.bow_score is not None]
-    if not targets:
+    read = _read_hits(context, results)
+    if read is None:
         return results
-    numbers = np.array([context.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
-    docs = np.unique(numbers)
-    with context.reader.submit(docs).records() as records:
-        vectors, offsets = record_vectors(records, context.layout)
-        vectors = vectors.cpu()
-        rows = records.rows_of(numbers)
+    targets, _, vectors, offsets, _, rows = read
     with context.tokenizer_lock:
         grid = encoder.page_grid()  # type: ignore[attr-defined]
         tokens = encoder.query_tokens(list(queries), q.mask)  # type: ignore[attr-defined]
@@ -248,3 +235,19 @@ def explain_pages(context: SearchContext, queries: Sequence[str], q: QueryEmbedd
             weight=weight, cls_part=weight * cls, bow_part=(1 - weight) * bow, matches=tuple(matches),
             grid=None if page_grid is None else (page_grid.rows, page_grid.columns)))
     return [dataclasses.replace(result, hits=hits) for result, hits in zip(results, explained)]
+
+
+def _read_hits(context: SearchContext, results: list[QueryResult]) -> tuple[
+        list[tuple[int, int]], np.ndarray, torch.Tensor, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The re-ranked hits' records, decoded as the search scored them (fp32: int8 codes times
+    their scale): (query, hit) targets, their unique doc numbers, vectors and offsets per record
+    row, the doc number of each row, and each target's row; None when no hit was re-ranked."""
+    targets = [(i, j) for i, result in enumerate(results) for j, hit in enumerate(result.hits)
+               if hit.bow_score is not None]
+    if not targets:
+        return None
+    numbers = np.array([context.ids.internal(results[i].hits[j].doc_id) for i, j in targets], dtype=np.int64)
+    docs = np.unique(numbers)
+    with context.reader.submit(docs).records() as records:
+        vectors, offsets = record_vectors(records, context.layout)
+        return targets, docs, vectors.cpu(), offsets, records.docs.copy(), records.rows_of(numbers)
