@@ -26,7 +26,7 @@ from sentence_transformers import MultiVectorEncoder
 
 from espn import Searcher
 from espn.encoders import encoder_from_spec
-from espn.pages import iter_pages
+from espn.pages.corpus import iter_pages
 from indexing.build import BuildConfig, build_index
 
 QUERIES = ["red square in the corner", "blue circles chart", "total revenue table", "green lines", "page seven",

@@ -25,7 +25,7 @@ ENCODER_SPECS = (
 )
 
 #: `espn index --dpi` on a page corpus: (lowest, highest, default) resolution PDF pages are rendered at;
-#: espn.pages' MIN_DPI, MAX_DPI, DEFAULT_DPI (tests/test_visual.py checks they agree), here so that
+#: espn.pages.corpus' MIN_DPI, MAX_DPI, DEFAULT_DPI (tests/test_visual.py checks they agree), here so that
 #: `espn index --help` does not load PDFium and Pillow.
 PAGE_DPI = (36, 600, 144)
 

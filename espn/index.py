@@ -16,8 +16,8 @@ import numpy as np
 from .errors import DocumentNotFoundError, IndexCorruptError
 from .files import fsync_path, sha256_file, write_json_atomic  # their home is espn.files; here for old importers
 from .mapped import map_npy
-from .page_images import PAGE_IMAGE_FILES
-from .pooling_groups import POOL_GROUP_FILES
+from .pages.images import PAGE_IMAGE_FILES
+from .pooling.groups import POOL_GROUP_FILES
 from .results import Document
 
 __all__ = [
@@ -41,7 +41,7 @@ MANIFEST = "manifest.json"
 #: Files every index holds (besides encoder/, which is checksummed file by file).
 FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
 #: Files an index holds where it has them, checksummed like the others: the pooling groups
-#: of pooled records (espn.pooling_groups), the page images of a page index (espn.page_images).
+#: of pooled records (espn.pooling.groups), the page images of a page index (espn.pages.images).
 #: Added within format 2: an index without them explains by re-encoding (has no images), and an
 #: older espn opens an index with them.
 OPTIONAL_FILES = (*POOL_GROUP_FILES, *PAGE_IMAGE_FILES)
@@ -53,7 +53,7 @@ FULL_VERIFY_LIMIT = 2 << 30
 def _index_files(directory: Path) -> list[str]:
     names = [name for name in (*FILES, *OPTIONAL_FILES) if (directory / name).exists()]
     # metadata/: per-field columns (espn.metadata); first_stage/: the token centroid index
-    # (espn.first_stage); text/: the full-text index (espn.text), whose
+    # (espn.first_stage.centroids); text/: the full-text index (espn.text), whose
     # engine lock files (dot files) are not part of the index
     for folder in ("encoder", "metadata", "text", "first_stage"):
         if (directory / folder).is_dir():
@@ -111,7 +111,7 @@ class IndexDirectory:
         sha256 of files under 64 MiB), "auto" (full below 2 GiB), "none".
 
         appended: files a live index appends to (embeddings.bin): they may be longer than the
-        manifest says, and only the bytes it lists are checked (espn.segments checks the rest).
+        manifest says, and only the bytes it lists are checked (espn.generation.segments checks the rest).
         """
         path = Path(path)
         if not path.is_dir():

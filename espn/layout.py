@@ -3,7 +3,7 @@ before a name from outside (a generation record on object storage, a snapshot's 
 file) touches the file system.
 
 A name is relative, written in normal form (no `.`, `..`, empty or hidden components, no
-backslashes), at most a few levels deep, and of a kind the layout has (espn/segments.py):
+backslashes), at most a few levels deep, and of a kind the layout has (espn/generation/segments.py):
 a file of the root's base (`manifest.json`, `ann.faiss`, `pool_groups.npy`,
 `metadata/<field>.npy`, `text/...`) or, under `live/`, a numbered base, delta segment or side-index directory
 (`base-NNNNNN/`, `seg-NNNNNN/`, `text-NNNNNN/`) or a tombstone file (`tomb-NNNNNN.npy`).
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import IndexCorruptError
-from .generations import LIVE_DIR, Generation
+from .generation.format import LIVE_DIR, Generation
 
 __all__ = ["check_index_path", "check_generation_layout", "inside_index"]
 

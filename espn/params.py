@@ -15,7 +15,7 @@ __all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_RERANK", "MAX_P
 MAX_K = 10_000
 MAX_RERANK = 10_000
 MAX_PREFETCH_K = 10_000
-#: The candidate generators (espn.first_stage), here so that checking a request's parameters does
+#: The candidate generators (espn.first_stage.centroids), here so that checking a request's parameters does
 #: not load FAISS. ivf: the CLS (pooled) vector in the IVF (today's pipeline); centroids: the
 #: token-level centroid index; union: both, their candidates re-ranked together.
 FIRST_STAGE_KINDS = ("ivf", "centroids", "union")

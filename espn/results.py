@@ -124,7 +124,7 @@ class SearchStats:
     matched:    documents the search's filter admits (None: no filter)
     filter_path: "exact" (every matching document scored), "ivf" (the matches' lists probed
                 in coarse order), "centroids" (the centroid first stage kept only matching
-                documents, espn.first_stage) or "all" (every document matches: searched
+                documents, espn.first_stage.centroids) or "all" (every document matches: searched
                 unfiltered); None without a filter
     mode:       dense, lexical or hybrid (see espn.search.hybrid)
     hybrid:     in hybrid mode, the fusion parameters the search used and its rerank_count

@@ -23,7 +23,7 @@ from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
-from espn.page_images import PageImagesWriter
+from espn.pages.images import PageImagesWriter
 from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
@@ -31,7 +31,7 @@ from espn.store.record_order import RECORD_ORDER, reorder_index_records
 
 from espn.text.config import TextConfig
 
-from espn.first_stage_build import build_first_stage, first_stage_kind
+from espn.first_stage.build import build_first_stage, first_stage_kind
 from espn.text.directory import DEFAULT_HYBRID, build_for_directory
 
 from .chunks import Chunk, chunk_path, read_chunk
@@ -163,7 +163,7 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
     docs_offsets[0] = 0
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
-    # A page index keeps each page's image beside its record (espn.page_images); listed by write_manifest.
+    # A page index keeps each page's image beside its record (espn.pages.images); listed by write_manifest.
     images = PageImagesWriter(staging) if job_modality(work) == "image" else None
     with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
             open(staging / "docs.jsonl", "wb") as docs:

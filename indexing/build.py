@@ -25,7 +25,7 @@ from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
-from espn.pages import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
+from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
 from espn.store.format import STORAGE_TYPES
 from espn.text.config import TextConfig
 
@@ -330,7 +330,7 @@ def build_from_embeddings(source: Path, out: Path, *, block_size: int = 4096, nl
                           first_stage: str | None = None) -> dict[str, Any]:
     """An index from precomputed embedding shards (any multi-vector model), no encoder run.
 
-    first_stage: "ivf", "centroids" or "union" (espn.first_stage); None: the IVF alone (the
+    first_stage: "ivf", "centroids" or "union" (espn.first_stage.centroids); None: the IVF alone (the
     shards' CLS vectors are taken to be trained ones unless told)."""
     out = Path(out).absolute()
     _check_out(out, 1, force)

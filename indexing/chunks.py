@@ -34,7 +34,7 @@ class Chunk:
         self.cls, self.bow, self.counts = cls, bow, counts
         self.ids = ids  # [n] bytes ('S') array of utf-8 external ids
         self.docs_blob, self.docs_offsets = docs_blob, docs_offsets  # JSON lines of {title, text}
-        # A page chunk's stored images (espn.page_images), back to back, offsets [n + 1]; None: text
+        # A page chunk's stored images (espn.pages.images), back to back, offsets [n + 1]; None: text
         self.images_blob, self.images_offsets = images_blob, images_offsets
 
     def __len__(self) -> int:
@@ -83,7 +83,7 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
 
     metadata: per document its metadata object or None; kept in the document's JSON line,
     from which the assembler builds the metadata columns. images: per page its stored image
-    bytes (espn.page_images.encode_page_image), for a page corpus; None for text.
+    bytes (espn.pages.images.encode_page_image), for a page corpus; None for text.
     """
     n = len(counts)
     if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):

@@ -1,6 +1,6 @@
 """Encode stage for page corpora: page images -> chunk files, the same files the text build writes.
 
-Pages come from `espn.pages.iter_pages` (a folder of images and PDFs, a PDF, or a JSONL of
+Pages come from `espn.pages.corpus.iter_pages` (a folder of images and PDFs, a PDF, or a JSONL of
 `{"_id", "image"}` records), one at a time; they are cut into chunks of `chunk_size` pages in
 corpus order, encoded `batch_size` at a time by the visual encoder (`encode_pages`) and
 written with `indexing.chunks.write_chunk`. Reading, rendering and the processor run in a loader
@@ -12,7 +12,7 @@ still read, to keep the order, but not encoded), so a re-run after a crash resum
 Each page's stored text is a short description ("page 3 of reports/a.pdf"), its title the
 source file's name, and its metadata the record's with `source` and `page` added (the
 record's own values win). Its image is kept too, bounded and re-encoded
-(`espn.page_images.encode_page_image`, in the loader worker), in the chunk and then the index.
+(`espn.pages.images.encode_page_image`, in the loader worker), in the chunk and then the index.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from espn.encoders.base import DocumentEmbeddings
 from espn.errors import CorpusError, EspnError
-from espn.page_images import encode_page_image
-from espn.pages import DEFAULT_DPI, Page, iter_pages
+from espn.pages.images import encode_page_image
+from espn.pages.corpus import DEFAULT_DPI, Page, iter_pages
 
 from .chunks import finished_chunks, write_chunk
 from .encode import worker_death_is_one_line  # the text build's, shared
@@ -115,7 +115,7 @@ class _PreparedPages(IterableDataset):
                     "features": self.encoder.preprocess_pages([page.image for page in batch]),
                     "count": len(batch),
                     "last": number == len(starts) - 1,
-                    # The stored image (espn.page_images) is made here too, off the model's process.
+                    # The stored image (espn.pages.images) is made here too, off the model's process.
                     "meta": [(page.id, PurePosixPath(page.source).name, page_text(page), page_metadata(page),
                               encode_page_image(page.image)) for page in chunk] if number == 0 else None,
                 }
@@ -130,7 +130,7 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
 
     dpi: resolution PDFs are rendered at; loader_workers: 1 reads, renders and preprocesses pages in
     a worker process while this one runs the model (the same batches and vectors as 0, in-process);
-    total_pages (`espn.pages.count_pages`) gives the progress bar its total, an upper bound where
+    total_pages (`espn.pages.corpus.count_pages`) gives the progress bar its total, an upper bound where
     pages are skipped."""
     done = frozenset(finished_chunks(work_dir))
     dataset = _PreparedPages(Path(corpus), encoder, dpi, chunk_size, batch_size, shard, num_shards, done, skip_bad)

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from espn.errors import EspnError
 from espn.live.status import read_only_reason
-from espn.segments import open_view
+from espn.generation.segments import open_view
 
 from . import connections
 from .logs import logging_config

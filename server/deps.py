@@ -20,7 +20,7 @@ from .settings import ServerSettings
 from .writes import WriteService
 
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
-    from espn.search.live_searcher import LiveSearcher
+    from espn.generation.live_searcher import LiveSearcher
 
     from .indexes import IndexRegistry
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from espn.errors import EspnError
-from espn.search.live_searcher import LiveSearcher
+from espn.generation.live_searcher import LiveSearcher
 from espn.live.snapshot import remove_leftovers
 from espn.live.status import read_only_reason
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from espn.params import MAX_CANDIDATES, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK, NO_TEXT_PATTERN, has_text
 from espn.ids import MAX_ID_BYTES, decode_doc_id, id_problem
-from espn.page_images import BASE64_PATTERN, MAX_BASE64_CHARS, decode_base64_image
+from espn.pages.images import BASE64_PATTERN, MAX_BASE64_CHARS, decode_base64_image
 from espn.search.validation import MAX_QUERY_CHARS
 
 __all__ = [

@@ -28,7 +28,7 @@ from espn.encoders import Encoder
 from espn.errors import DocumentNotFoundError, InvalidParameterError
 from espn.search.explain import can_explain
 from espn.filters import canonical_filter
-from espn.search.live_searcher import LiveSearcher
+from espn.generation.live_searcher import LiveSearcher
 from espn.prefetch import PrefetchEstimates
 from espn.search.isolation import search_each
 from espn.search.lexical import require_text

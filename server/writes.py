@@ -18,14 +18,14 @@ import threading
 from typing import Callable, Sequence
 
 from espn.errors import EspnError, IndexLockedError
-from espn.generations import LIVE_DIR
-from espn.search.live_searcher import LiveSearcher
+from espn.generation.format import LIVE_DIR
+from espn.generation.live_searcher import LiveSearcher
 from espn.live.checks import NewDocument, WriteLimits, WriteResult
 from espn.live.commit import GroupCommit, lower_priority
 from espn.live.compaction import CompactionPolicy, CompactionRunningError
 from espn.live.live_index import LiveIndex
 from espn.metadata import MetadataLimits
-from espn.generations import read_current
+from espn.generation.format import read_current
 
 from .settings import ServerSettings
 

@@ -15,7 +15,7 @@ from espn.corpus import iter_corpus
 from espn.encoders import load_encoder
 from espn.errors import IndexCorruptError
 from espn.index import IndexDirectory
-from espn.pooling import pool_vectors
+from espn.pooling.cluster import pool_vectors
 from espn.store import open_reader
 from espn.store.format import StoreLayout, record_nbytes
 from espn_indexing.build import BuildConfig, build_index

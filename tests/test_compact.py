@@ -17,7 +17,7 @@ from server_fixtures import HTTP, running_server
 import espn.store.buffers as buffers_module
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.index import read_manifest
-from espn.pooling import pool_documents, pool_vectors
+from espn.pooling.cluster import pool_documents, pool_vectors
 from espn.store import READERS, KvikioReader, RecordWriter, StoreLayout, open_reader, record_nbytes
 from espn.store.format import dequantize_int8, quantize_int8
 

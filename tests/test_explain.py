@@ -20,7 +20,7 @@ from espn.corpus import passage_text
 from espn.errors import InvalidParameterError
 from espn.search.explain import can_explain, passage_spans
 from espn.maxsim import record_vectors
-from espn.pooling import pool_vectors
+from espn.pooling.cluster import pool_vectors
 from espn.results import PassageSpan
 
 QUERIES = ["why does the moon turn red during a lunar eclipse", "what causes ocean tides",

@@ -1,4 +1,4 @@
-"""The token-level centroid first stage (espn/first_stage.py) for models without a trained CLS.
+"""The token-level centroid first stage (espn/first_stage/centroids.py) for models without a trained CLS.
 
 A seeded synthetic collection whose token vectors mean something (each document draws its
 tokens around a few topic directions; queries draw theirs from one document's topics) is
@@ -20,9 +20,9 @@ import pytest
 from espn import Searcher
 from espn.encoders import QueryEmbeddings
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.first_stage import FIRST_STAGE_DIR, TokenCentroids, postings_from_pairs
+from espn.first_stage.centroids import FIRST_STAGE_DIR, TokenCentroids, postings_from_pairs
 from espn.index import read_manifest
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex

@@ -18,7 +18,7 @@ from espn.cli import main as cli_main
 from espn.errors import InvalidParameterError
 from espn.search.hybrid import fuse
 from espn.search.lexical import TextIndexMissingError
-from espn.segments import open_view
+from espn.generation.segments import open_view
 from espn.text import parse_query
 from espn.text.config import TextConfig
 from espn.text.directory import add_text_index

@@ -21,8 +21,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from espn.generations import read_current
-from espn.segments import open_view
+from espn.generation.format import read_current
+from espn.generation.segments import open_view
 from helpers import run_espn, wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
 

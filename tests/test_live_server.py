@@ -11,7 +11,7 @@ from urllib.parse import quote
 import pytest
 from helpers import run_threads, wait_until
 
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.ids import MAX_ID_BYTES, id_problem
 from server_fixtures import HTTP, running_server
 

@@ -1,4 +1,4 @@
-"""Page corpora (espn.pages): folders, PDFs and JSONL manifests made here with Pillow, and every bad page
+"""Page corpora (espn.pages.corpus): folders, PDFs and JSONL manifests made here with Pillow, and every bad page
 as one line or a skip, the way espn.corpus treats text lines."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pypdfium2 as pdfium
 import pytest
 from PIL import Image
 
-from espn import pages
+from espn.pages import corpus as pages
 from espn.errors import CorpusError, InvalidParameterError
-from espn.pages import Page, count_pages, is_page_corpus, iter_pages
+from espn.pages.corpus import Page, count_pages, is_page_corpus, iter_pages
 
 
 def save_pdf(path: Path, sizes: list[tuple[int, int]], resolution: float = 72.0) -> Path:
@@ -233,7 +233,7 @@ def test_skip_bad_skips_each_bad_page_with_a_warning_and_a_count(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     expected = bad_corpus(tmp_path / "bad")
     save_pdf(tmp_path / "bad" / "wide.pdf", [(72, 72), (300, 10), (72, 36)], resolution=72)
-    with caplog.at_level(logging.WARNING, logger="espn.pages"):
+    with caplog.at_level(logging.WARNING, logger="espn.pages.corpus"):
         found = list(iter_pages(tmp_path / "bad", dpi=600, skip_bad=True))
     # wide.pdf's 300-pt page is 2500 px wide at 600 dpi (fits); the poster's 300 inches do not
     assert [p.id for p in found] == ["good.png", "wide.pdf#1", "wide.pdf#2", "wide.pdf#3"]

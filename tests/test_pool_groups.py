@@ -1,4 +1,4 @@
-"""Pooling groups stored beside pooled records (espn/pooling_groups.py, espn/stored_spans.py).
+"""Pooling groups stored beside pooled records (espn/pooling/groups.py, espn/pooling/spans.py).
 
 The reference everywhere is the older way: re-encode the passage and pool it again
 (`espn.search.explain.pooled_spans`). Explanations read from stored groups must give exactly its
@@ -23,10 +23,10 @@ from espn.corpus import passage_text
 from espn.errors import IndexCorruptError
 from espn.search.explain import passage_spans, pooled_spans
 from espn.index import read_manifest, write_json_atomic
-from espn.pooling import pool_documents, pool_documents_grouped, pool_vectors
-from espn.pooling_groups import (GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES, PoolGroups, PoolGroupsWriter,
+from espn.pooling.cluster import pool_documents, pool_documents_grouped, pool_vectors
+from espn.pooling.groups import (GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES, PoolGroups, PoolGroupsWriter,
                                  StoredPoolGroups, concat_pool_groups, copy_pool_groups, merge_group_spans)
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.store.format import RecordWriter, StoreLayout
 from espn.live.compaction import CompactionPolicy, run_compaction
 from espn.live.checks import NewDocument
@@ -285,7 +285,7 @@ def test_damaged_groups_are_refused_on_open_or_fall_back_with_a_warning(copy_of,
     with pytest.raises(IndexCorruptError, match=GROUPS_FILE):
         Searcher.open(truncated)
     # Unverified, explain notices the files do not fit together and re-encodes, with a warning.
-    with caplog.at_level(logging.WARNING, logger="espn.pooling_groups"):
+    with caplog.at_level(logging.WARNING, logger="espn.pooling.groups"):
         with encode_calls(Searcher.open(truncated, verify="none")) as searcher:
             hits = _explain(searcher)
             assert encode_calls.calls and "re-encode" in caplog.text
@@ -296,7 +296,7 @@ def test_damaged_groups_are_refused_on_open_or_fall_back_with_a_warning(copy_of,
     lengths = np.diff(offsets)
     np.save(scrambled / GROUPS_FILE, np.repeat(lengths.astype(np.uint16), lengths))  # row numbers out of range
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="espn.stored_spans"):
+    with caplog.at_level(logging.WARNING, logger="espn.pooling.spans"):
         with encode_calls(Searcher.open(scrambled, verify="none")) as searcher:
             hits = _explain(searcher)
             assert encode_calls.calls and "do not fit its record" in caplog.text

@@ -27,7 +27,7 @@ from server_fixtures import HTTP, running_server, s3_server
 
 from espn import Searcher
 from espn.errors import IndexCorruptError
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.live.replication.follower import Follower

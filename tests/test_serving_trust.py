@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from espn.errors import InvalidParameterError
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.search.isolation import search_each
 from espn_server.metrics_dir import MetricsDir, remove_stale
 from helpers import wait_until
@@ -239,13 +239,13 @@ class _FakeSearcher:
 
 def test_live_searcher_retries_a_failed_generation_on_a_capped_back_off(monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    import espn.search.live_searcher as lease
+    import espn.generation.live_searcher as lease
 
     clock = [1000.0]
     monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
     world: dict[str, Any] = {"token": (1, 1), "opens": 0, "broken": True}
     live = lease.LiveSearcher(_FakeSearcher(0, world))  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="espn.search.live_searcher"):
+    with caplog.at_level(logging.INFO, logger="espn.generation.live_searcher"):
         for _ in range(100):  # a hundred requests: one open tried, one error logged
             assert live.refresh() is False
         assert world["opens"] == 1

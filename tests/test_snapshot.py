@@ -12,8 +12,8 @@ import pytest
 from espn import Searcher
 from espn.cli import main as cli_main
 from espn.errors import DocumentNotFoundError, IndexCorruptError, InvalidParameterError
-from espn.generations import read_current
-from espn.segments import open_view
+from espn.generation.format import read_current
+from espn.generation.segments import open_view
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.live.snapshot import restore, snapshot

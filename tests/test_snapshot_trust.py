@@ -30,11 +30,11 @@ import pytest
 from helpers import run_espn
 
 from espn.errors import IndexCorruptError
-from espn.generations import MAX_RECORD_BYTES, read_current
+from espn.generation.format import MAX_RECORD_BYTES, read_current
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.live.snapshot import CLAIM_MARKER, default_name, restore, snapshot
-from espn.segments import open_view
+from espn.generation.segments import open_view
 
 TESTS = Path(__file__).parent
 

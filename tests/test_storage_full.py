@@ -18,7 +18,7 @@ import pytest
 
 from espn import Searcher
 from espn.errors import StorageFullError
-from espn.segments import open_view
+from espn.generation.segments import open_view
 from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, TextWriter, build_text_index
 from espn.live.snapshot import restore, snapshot

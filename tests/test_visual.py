@@ -29,7 +29,7 @@ from espn.encoders import encoder_from_spec, load_encoder
 from espn.encoders.st_format import is_sentence_transformers_save, is_visual_save
 from espn.encoders.visual import VisualEncoder
 from espn.errors import CorpusError, InvalidParameterError, RefusedInputError
-from espn.pages import DEFAULT_DPI, MAX_DPI, MIN_DPI, Page, iter_pages
+from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, Page, iter_pages
 from indexing.build import default_pool_factor
 from indexing.chunks import chunk_path, read_chunk
 from indexing.pages import encode_page_corpus, page_metadata

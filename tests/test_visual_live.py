@@ -29,14 +29,14 @@ from espn.cli import OWN_LOGGERS, main
 from espn.encoders import encoder_from_spec
 from espn.encoders.visual import VisualEncoder
 from espn.errors import ConflictError, DocumentNotFoundError, InvalidParameterError
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.live.checks import NewDocument
 from espn.live.commit import GroupCommit
 from espn.live.compaction import Plan, run_compaction
 from espn.live.live_index import LiveIndex
 from espn.live.snapshot import restore, snapshot
 from espn.live.writer import IndexWriter
-from espn.page_images import (IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_STORED_SIDE, PageImages, encode_page_image,
+from espn.pages.images import (IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_STORED_SIDE, PageImages, encode_page_image,
                               media_type, thumbnail)
 from espn.live.encoding import decode_page_bytes
 

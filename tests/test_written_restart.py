@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 
-from espn.generations import read_current
+from espn.generation.format import read_current
 from server_fixtures import HTTP, running_server
 
 DOC = {"title": "Eclipse night", "text": "A lunar eclipse darkens the Moon when the shadow of the Earth falls on it.",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..generations import check_recorded
-from ..segments import open_view
+from ..generation.format import check_recorded
+from ..generation.segments import open_view
 
 __all__ = ["cmd_verify"]
 

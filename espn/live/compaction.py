@@ -40,8 +40,8 @@ import numpy as np
 
 from espn.errors import IndexLockedError, InvalidParameterError
 from espn.files import checkpoint, flock_within, fsync_path, utc_now
-from espn.generations import Generation
-from espn.segments import LiveView, open_view
+from ..generation.format import Generation
+from ..generation.segments import LiveView, open_view
 
 from .merging import merge_segments, side_on_swap
 from .rewrite import rewrite

@@ -17,8 +17,8 @@ from PIL import Image
 from espn.corpus import PASSAGE_JOINER, passage_line, passage_text
 from espn.encoders import DocumentEmbeddings, Encoder
 from espn.errors import CorpusError, InvalidParameterError
-from espn.page_images import UPLOAD_SUFFIXES, encode_page_image, media_type
-from espn.pages import MAX_IMAGE_BYTES, decode_image
+from espn.pages.images import UPLOAD_SUFFIXES, encode_page_image, media_type
+from espn.pages.corpus import MAX_IMAGE_BYTES, decode_image
 
 __all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "reorder_chunk"]
 
@@ -30,7 +30,7 @@ class EncodedDocuments:
     ids [n] external ids; lines [n] their docs.jsonl lines (utf-8); cls [n, d_cls] and
     bow [sum(counts), d_bow] float16, as the build's chunk files store them (so a write
     and a build of the same text store the same records); counts [n] int32; images [n]
-    the stored page images (espn.page_images) of a page index, None for text.
+    the stored page images (espn.pages.images) of a page index, None for text.
     """
 
     ids: list[str]
@@ -86,7 +86,7 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
 
 def decode_page_bytes(data: bytes, where: str) -> Image.Image:
     """An uploaded page (PNG, JPEG or WebP bytes) as RGB, within the bounds a corpus file has
-    (espn.pages: MAX_IMAGE_BYTES, and the pixel bounds checked from the header before any pixel
+    (espn.pages.corpus: MAX_IMAGE_BYTES, and the pixel bounds checked from the header before any pixel
     is decoded); CorpusError in one line naming `where` otherwise. The format is the one its
     first bytes say, and it is decoded only as that."""
     if len(data) > MAX_IMAGE_BYTES:
@@ -100,7 +100,7 @@ def decode_page_bytes(data: bytes, where: str) -> Image.Image:
 def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, str, str, Mapping[str, Any] | None]],
                           batch_size: int = 8) -> EncodedDocuments:
     """Encode (id, image bytes, title, text, metadata) pages in this thread: the online write path
-    of a page index. Each image is decoded within espn.pages' bounds (InvalidParameterError naming
+    of a page index. Each image is decoded within espn.pages.corpus' bounds (InvalidParameterError naming
     the document otherwise), encoded by the visual encoder's `encode_pages`, and kept as the build
     keeps pages (`encode_page_image`). The stored text and metadata follow the build's pages
     (indexing.pages): "page 1 of ID" unless a text is given, and `source` (the id) and `page` (1)

@@ -12,9 +12,9 @@ import numpy as np
 from espn.files import file_entry, fsync_tree
 from espn.index import IndexDirectory
 from espn.metadata import MetadataWriter, add_from_passages
-from espn.page_images import concat_page_images
-from espn.pooling_groups import concat_pool_groups
-from espn.generations import LIVE_DIR, SEGMENT_FILES, ByteRange, Generation, SegmentInfo
+from ..pages.images import concat_page_images
+from ..pooling.groups import concat_pool_groups
+from ..generation.format import LIVE_DIR, SEGMENT_FILES, ByteRange, Generation, SegmentInfo
 
 from .side_index import SwapSource
 from .writer import IndexWriter

@@ -15,7 +15,7 @@ import numpy as np
 from espn.errors import ConflictError, DocumentNotFoundError, InvalidParameterError
 from espn.index import IdMap, IndexDirectory, read_manifest
 from espn.metadata import check_field_count, merge_types
-from espn.generations import LIVE_DIR, Generation, generation_schema, read_tombstones
+from ..generation.format import LIVE_DIR, Generation, generation_schema, read_tombstones
 
 from .checks import WriteLimits, WriteRequest
 from .encoding import EncodedDocuments

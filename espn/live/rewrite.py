@@ -17,18 +17,18 @@ import numpy as np
 
 from espn.errors import InvalidParameterError
 from espn.files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
-from espn.first_stage_build import build_first_stage
+from ..first_stage.build import build_first_stage
 from espn.index import IndexDirectory, write_manifest
 from espn.params import default_search_params
-from espn.page_images import copy_page_images
-from espn.pooling_groups import copy_pool_groups
-from espn.generations import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
-from espn.segments import LiveView, empty_ivf
+from ..pages.images import copy_page_images
+from ..pooling.groups import copy_pool_groups
+from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
+from ..generation.segments import LiveView, empty_ivf
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 from espn.store.record_order import RECORD_ORDER, reorder_index_records
-from espn.stored_images import open_index_images
-from espn.stored_spans import open_index_groups
+from ..pages.stored import open_index_images
+from ..pooling.spans import open_index_groups
 
 from .merging import columns_from_docs, merge_segments, side_on_swap
 from .side_index import SwapSource

@@ -33,7 +33,7 @@ class SideIndex(Protocol):
     `files` ({path under live/: {"bytes", "sha256"}}) the generation then names (kept by the
     garbage collector while a held generation names them; numbered names like
     `text-000012/` are removed when unpublished after a crash). Deleted or replaced doc
-    numbers must never match again; doc numbers are those of espn.segments.
+    numbers must never match again; doc numbers are those of espn.generation.segments.
     """
 
     name: str

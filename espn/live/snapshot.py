@@ -43,8 +43,8 @@ from typing import Callable, Iterator, Optional
 from espn.errors import ConflictError, IndexCorruptError, InvalidParameterError, storage_full
 from espn.files import checkpoint, fsync_path, sha256_file, write_json_atomic
 from espn.layout import check_generation_layout
-from espn.generations import CURRENT, LIVE_DIR, MAX_RECORD_BYTES, Generation, check_recorded, held_generation
-from espn.segments import open_view
+from espn.generation.format import CURRENT, LIVE_DIR, MAX_RECORD_BYTES, Generation, check_recorded, held_generation
+from espn.generation.segments import open_view
 from espn.untrusted import inside_root, load_json, open_regular, read_bounded
 
 __all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "verify_copy", "write_generation_record",

@@ -19,7 +19,7 @@ from typing import ContextManager, Iterator, Protocol
 from espn.files import fsync_path, lock_is_free, remove_path
 from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
-from espn.generations import LIVE_DIR, Generation, read_current, read_generation
+from espn.generation.format import LIVE_DIR, Generation, read_current, read_generation
 
 __all__ = ["Staging", "recover", "collect_garbage", "NUMBERED"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from espn.index import read_manifest
-from espn.generations import LIVE_DIR, read_current
+from espn.generation.format import LIVE_DIR, read_current
 
 __all__ = ["live_stats", "read_only_reason", "DRIFT_REBUILD"]
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from espn.files import checkpoint
 from espn.index import read_manifest
-from espn.generations import LIVE_DIR, read_current
+from ..generation.format import LIVE_DIR, read_current
 from espn.text.config import TextConfig
 from espn.text.directory import install_text_index, passages
 from espn.text.engine import TextDocument, TextWriter

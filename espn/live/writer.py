@@ -24,7 +24,7 @@ writer truncates the unpublished tail of embeddings.bin and removes unpublished 
 (espn.live.staging.recover). Per-write work is proportional to the write: a delete writes a
 tombstone file of a few bytes and the generation record, never a bitmap over every document.
 Compaction (espn.live.compaction) works from a snapshot without this lock and takes it only
-to swap its result in. See espn/segments.py for the layout and the reading side.
+to swap its result in. See espn/generation/segments.py for the layout and the reading side.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json
 from espn.corpus import index_title_joiner
 from espn.index import read_manifest
 from espn.partitioning import PartitionLayout
-from espn.generations import LIVE_DIR, Generation, TombstoneFile, read_current
-from espn.segments import empty_ivf
+from ..generation.format import LIVE_DIR, Generation, TombstoneFile, read_current
+from ..generation.segments import empty_ivf
 
 from .checks import NewDocument, WriteLimits, WriteRequest, WriteResult, check_write
 from .encoding import EncodedDocuments, encode_documents, encode_page_documents
 from .resolve import IndexState, gather_kept, resolve_writes
-from .segment_files import add_tombstones, write_delta, write_tombstones
+from ..generation.segment_files import add_tombstones, write_delta, write_tombstones
 from .side_index import SideIndex
 from .staging import collect_garbage, recover
 from .status import live_stats

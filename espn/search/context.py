@@ -19,11 +19,11 @@ import numpy as np
 
 from ..encoders import Encoder, QueryEmbeddings
 from ..errors import InvalidParameterError
-from ..first_stage import FirstStageConfig, TokenCentroids
+from ..first_stage.centroids import FirstStageConfig, TokenCentroids
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
 from ..prefetch import PrefetchModel
-from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap
+from ..generation.segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap
 from ..store import Reader
 from ..store.format import StoreLayout
 from ..text.engine import TextIndex

@@ -6,7 +6,7 @@ once more (one batched read), recomputes each query vector's best match with its
 and asks the encoder where the matched vector came from in the stored passage
 (`Encoder.vector_spans`: tokenizer offsets for the generic encoder, the gated whole words
 for ColBERTer). For pooled records the pooling groups stored beside them
-(`espn.stored_spans`) say which of those vectors each stored vector merged; a document
+(`espn.pooling.spans`) say which of those vectors each stored vector merged; a document
 without stored groups is re-encoded and pooled again (`pooled_spans`). The per-token
 contributions add up to the hit's bow_score.
 """
@@ -25,10 +25,10 @@ from ..encoders import Encoder, QueryEmbeddings
 from ..encoders.base import VectorSpans
 from ..errors import InvalidParameterError
 from ..maxsim import record_vectors
-from ..pooling import pool_vectors
-from ..pooling_groups import merge_group_spans
+from ..pooling.cluster import pool_vectors
+from ..pooling.groups import merge_group_spans
 from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
-from ..stored_spans import open_index_groups, spans_from_groups
+from ..pooling.spans import open_index_groups, spans_from_groups
 from .context import SearchContext
 
 __all__ = ["can_explain", "explain_results", "explain_pages", "passage_spans", "best_matches", "pooled_spans"]

@@ -2,7 +2,7 @@
 
 The Searchers of one live-index base share what does not change between generations (the
 reader of embeddings.bin, the prefetch pool, the base's centroid index): those close with
-the base (`espn.segments.LiveView.shared`). What a generation opens for itself (its text
+the base (`espn.generation.segments.LiveView.shared`). What a generation opens for itself (its text
 index, a reader that cannot follow appends) closes with its Searcher.
 """
 
@@ -17,14 +17,14 @@ import numpy as np
 from ..ann import bitmap_selector, list_sizes, load_ivf
 from ..encoders import Encoder
 from ..errors import InvalidParameterError
-from ..first_stage import FIRST_STAGE_DIR, FirstStageConfig
+from ..first_stage.centroids import FIRST_STAGE_DIR, FirstStageConfig
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns
 from ..prefetch import PrefetchModel
-from ..segments import LiveView, RecordTable
+from ..generation.segments import LiveView, RecordTable
 from ..store import Reader, open_reader
 from ..store.format import StoreLayout
-from .centroids import open_centroids
+from ..first_stage.search import open_centroids
 from .context import SearchContext
 from .lexical import open_text_index
 

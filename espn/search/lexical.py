@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 from ..results import LexicalMatch
-from ..generations import LIVE_DIR
-from ..segments import LiveView
+from ..generation.format import LIVE_DIR
+from ..generation.segments import LiveView
 from ..text.config import TextConfig
 from ..text.engine import LexicalHits, TextIndex
 from ..text.query import LexicalQuery

@@ -20,16 +20,16 @@ import torch
 from ..encoders import Encoder, QueryEmbeddings, load_encoder
 from ..encoders.precomputed import PrecomputedEncoder
 from ..errors import DocumentNotFoundError, InvalidParameterError
-from ..first_stage import FirstStageConfig, TokenCentroids
+from ..first_stage.centroids import FirstStageConfig, TokenCentroids
 from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns, SegmentedColumns
-from ..page_images import media_type, thumbnail
+from ..pages.images import media_type, thumbnail
 from ..params import SearchParams
 from ..prefetch import PrefetchEstimates
 from ..results import Document, Hit, QueryResult
-from ..generations import current_token
-from ..segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap, open_view
-from ..stored_images import open_index_images
+from ..generation.format import current_token
+from ..generation.segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap, open_view
+from ..pages.stored import open_index_images
 from ..store import Reader
 from ..store.format import StoreLayout
 from ..text.engine import TextIndex
@@ -58,7 +58,7 @@ class Searcher:
                  reader_options: Mapping[str, Any] | None = None, min_hidden_ms: float = 0.2,
                  filter_cache_bytes: int = 512 << 20, view: LiveView | None = None,
                  token: tuple[int, int] = (0, 0)) -> None:
-        """view: a generation of a live index (espn.segments.open_view); `index` is its base.
+        """view: a generation of a live index (espn.generation.segments.open_view); `index` is its base.
         token: live/CURRENT's `current_token` when `view` was opened (`refresh` compares it)."""
         # A wave costs the scanning thread ~0.1 ms (bookkeeping, handing it to a prefetch
         # thread) and can only hide reads behind the scan still to come.
@@ -211,7 +211,7 @@ class Searcher:
 
     @property
     def first_stage(self) -> FirstStageConfig:
-        """The candidate generator (espn.first_stage): the IVF over CLS vectors, or for models
+        """The candidate generator (espn.first_stage.centroids): the IVF over CLS vectors, or for models
         without a trained CLS vector the token-level centroid index."""
         return self.context.first_stage
 
@@ -245,7 +245,7 @@ class Searcher:
 
     def close(self) -> None:
         """Release what this Searcher holds; what it shares with other generations closes with
-        the last of them. Call it once no search runs on it (espn.search.live_searcher.LiveSearcher does)."""
+        the last of them. Call it once no search runs on it (espn.generation.live_searcher.LiveSearcher does)."""
         self._resources.close()
         if self.view is not None:
             self.view.close()
@@ -367,7 +367,7 @@ class Searcher:
         return self.docs.document(doc_id, self.ids.internal(doc_id))
 
     def page_image(self, doc_id: str, max_side: int | None = None) -> tuple[bytes, str]:
-        """The stored image of a page (espn.page_images) -> (bytes, media type), or with `max_side`
+        """The stored image of a page (espn.pages.images) -> (bytes, media type), or with `max_side`
         a thumbnail at most that many px a side ([16, 1600], InvalidParameterError outside).
         DocumentNotFoundError for an unknown id and for a document stored without an image (a
         text index, a page indexed before images were kept)."""

@@ -10,8 +10,8 @@ Two storage types (`StoreLayout.dtype`, the manifest's `store.dtype`):
   segment written later decodes the same way. Half the bytes of fp16, plus 2 per vector.
 
 With `pool_factor` F > 1 the writer pools each document's BOW vectors to about n / F
-(`espn.pooling`) before storing them; readers need not know. Given a `groups_dir` it
-records which encoder vectors each stored vector merged (`espn.pooling_groups`), for
+(`espn.pooling.cluster`) before storing them; readers need not know. Given a `groups_dir` it
+records which encoder vectors each stored vector merged (`espn.pooling.groups`), for
 explanations.
 
 A record never straddles a block boundary needlessly: it starts where the last one ended
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import IndexCorruptError, InvalidParameterError
-from ..pooling import pool_documents_grouped
-from ..pooling_groups import PoolGroupsWriter
+from ..pooling.cluster import pool_documents_grouped
+from ..pooling.groups import PoolGroupsWriter
 
 __all__ = [
     "RECORD_DTYPE",
@@ -203,7 +203,7 @@ class RecordWriter:
     whole blocks and fsyncs it.
 
     groups_dir: where the pooling groups of the documents this writer pools go
-    (`espn.pooling_groups`: the build's staging directory, a delta segment's); written at
+    (`espn.pooling.groups`: the build's staging directory, a delta segment's); written at
     `close()`, nothing when the layout does not pool.
     """
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from espn.generations import read_current
+from espn.generation.format import read_current
 from espn.live.snapshot import default_name, snapshot
 
 from ..deps import AppState, get_state

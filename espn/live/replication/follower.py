@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from espn.errors import EspnError, IndexLockedError, ObjectStoreError
-from espn.generations import LIVE_DIR, read_current
+from ...generation.format import LIVE_DIR, read_current
 
 from ..writer import IndexWriter
 from .restore import fetch_piece

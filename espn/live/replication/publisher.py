@@ -17,7 +17,7 @@ from typing import Any
 
 from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, RefusedInputError
 from espn.files import checkpoint, sha256_file
-from espn.generations import held_generation, read_current
+from ...generation.format import held_generation, read_current
 from espn.untrusted import read_json_file
 
 from .retention import apply_retention

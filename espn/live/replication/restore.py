@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.files import fsync_path, sha256_file
 from espn.layout import inside_index
-from espn.segments import open_view
+from ...generation.segments import open_view
 from espn.untrusted import inside_root, open_regular
 
 from ..snapshot import new_directory, write_generation_record

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, ObjectStoreError
 from espn.files import sha256_file
 from espn.layout import check_generation_layout, check_index_path
-from espn.generations import MAX_CURRENT_BYTES, MAX_RECORD_BYTES, RECORD_NAME, Generation, record_number
+from espn.generation.format import MAX_CURRENT_BYTES, MAX_RECORD_BYTES, RECORD_NAME, Generation, record_number
 from espn.untrusted import load_json
 
 __all__ = ["ObjectStoreUrl", "Piece", "is_store_url", "make_client", "failure_cause", "naming_failures",

@@ -5,7 +5,7 @@ range after the one before. Deltas append their records to the base's embeddings
 (block-aligned, past the published end), so one reader serves every segment. Each delta's
 IVF holds global ids under the base's trained quantizer, and at open the lists of all
 segments are stacked (`faiss.HStackInvertedLists`) into one searchable IVF without copying
-the base's memory-mapped lists. The layout and the generation record are espn.generations.
+the base's memory-mapped lists. The layout and the generation record are espn.generation.format.
 
 A reader holds a shared `flock` on the generation file it opened; the writer removes a
 generation's files only once it can take that lock exclusively. Generations of one
@@ -26,14 +26,14 @@ from typing import Any, Callable, Iterable, Sequence
 import faiss
 import numpy as np
 
-from .ann import load_ivf
-from .errors import DocumentNotFoundError, IndexCorruptError
-from .files import sha256_file
-from .generations import LIVE_DIR, Generation, SegmentInfo, generation_schema, hold_current, read_tombstones
-from .index import DocStore, IdMap, IndexDirectory
-from .refcount import Shared
-from .metadata import MetadataColumns, SegmentedColumns
-from .results import Document
+from ..ann import load_ivf
+from ..errors import DocumentNotFoundError, IndexCorruptError
+from ..files import sha256_file
+from .format import LIVE_DIR, Generation, SegmentInfo, generation_schema, hold_current, read_tombstones
+from ..index import DocStore, IdMap, IndexDirectory
+from ..refcount import Shared
+from ..metadata import MetadataColumns, SegmentedColumns
+from ..results import Document
 
 __all__ = [
     "LiveView",

@@ -1,6 +1,6 @@
 """Which passage text each stored BOW vector of a pooled index stands for, for explanations.
 
-Reads the pooling groups every writer records beside pooled records (`espn.pooling_groups`)
+Reads the pooling groups every writer records beside pooled records (`espn.pooling.groups`)
 and gives each stored vector the spans of the encoder vectors it merged. Documents whose
 groups are not stored (an index built before the files existed, a base compaction carried
 from one) take the older way: their passages are re-encoded and pooled again.
@@ -14,10 +14,10 @@ from typing import Callable
 
 import numpy as np
 
-from .encoders.base import VectorSpans
-from .index import IndexDirectory
-from .pooling_groups import PoolGroups, StoredPoolGroups, merge_group_spans
-from .segments import LIVE_DIR, LiveView
+from ..encoders.base import VectorSpans
+from ..index import IndexDirectory
+from .groups import PoolGroups, StoredPoolGroups, merge_group_spans
+from ..generation.segments import LIVE_DIR, LiveView
 
 __all__ = ["open_index_groups", "spans_from_groups"]
 

@@ -1,6 +1,6 @@
 """Which encoder vectors each stored (pooled) BOW vector merged, recorded when records are written.
 
-With token pooling (`store.pool_factor` > 1, `espn.pooling`) a stored vector is the mean of
+With token pooling (`store.pool_factor` > 1, `espn.pooling.cluster`) a stored vector is the mean of
 several encoder vectors, and an explanation needs to know which ones to show the passage
 text it stands for. Recomputing that means re-encoding the passages (a forward pass over
 k passages for every explained search); recording it costs two bytes per encoder vector.
@@ -32,8 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .encoders.base import VectorSpans
-from .mapped import map_npy
+from ..encoders.base import VectorSpans
+from ..mapped import map_npy
 
 __all__ = [
     "GROUPS_FILE",

@@ -31,10 +31,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import faiss
 import numpy as np
 
-from .errors import IndexCorruptError, InvalidParameterError
-from .mapped import map_npy
-from .maxsim_native import centroid_estimate_native, load_kernel
-from .params import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
+from ..errors import IndexCorruptError, InvalidParameterError
+from ..mapped import map_npy
+from ..maxsim_native import centroid_estimate_native, load_kernel
+from ..params import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
 
 __all__ = [
     "FIRST_STAGE_DIR",

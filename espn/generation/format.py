@@ -1,5 +1,5 @@
 """The on-disk format of a live index: its layout, the generation record, and reading which
-generation is current (espn.segments opens one for search; espn.live writes them).
+generation is current (espn.generation.segments opens one for search; espn.live writes them).
 
 Layout (the base is today's index directory; `live/` appears with the first write):
 
@@ -33,7 +33,7 @@ of an index is the files a generation names, then the record itself.
 
 A reader holds a shared `flock` on the generation file it opened (`held_generation`); the
 writer removes a generation's files only once it can take that lock exclusively. Opening a
-generation for search is espn.segments.
+generation for search is espn.generation.segments.
 """
 
 
@@ -50,11 +50,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .errors import IndexCorruptError
-from .files import lock_is_free, sha256_file
-from .index import IndexDirectory, read_manifest
-from .metadata import MetadataColumns, schema_of
-from .untrusted import load_json, read_bounded
+from ..errors import IndexCorruptError
+from ..files import lock_is_free, sha256_file
+from ..index import IndexDirectory, read_manifest
+from ..metadata import MetadataColumns, schema_of
+from ..untrusted import load_json, read_bounded
 
 __all__ = [
     "LIVE_DIR",

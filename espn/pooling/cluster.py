@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 __all__ = ["pool_vectors", "pool_documents", "pool_documents_grouped"]
 
@@ -68,7 +68,7 @@ def pool_documents_grouped(bow: np.ndarray, counts: np.ndarray, factor: int
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`pool_documents` plus the groups: (pooled bow, pooled counts [n], groups [sum(counts)] int64),
     where groups holds each document's `pool_vectors` groups in turn (what
-    `espn.pooling_groups` stores so that explain need not pool again)."""
+    `espn.pooling.groups` stores so that explain need not pool again)."""
     counts = np.asarray(counts, dtype=np.int64)
     bow = np.asarray(bow)
     ends = np.cumsum(counts)

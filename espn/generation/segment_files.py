@@ -14,13 +14,13 @@ import numpy as np
 from espn.files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.metadata import MetadataWriter, add_from_passages
-from espn.page_images import present_image_files, write_page_images
-from espn.pooling_groups import present_group_files
-from espn.generations import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
+from ..pages.images import present_image_files, write_page_images
+from ..pooling.groups import present_group_files
+from .format import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
 from espn.store.format import RecordWriter, StoreLayout
 
-from .encoding import EncodedDocuments
-from .resolve import IndexState
+from ..live.encoding import EncodedDocuments
+from ..live.resolve import IndexState
 
 __all__ = ["write_delta", "add_tombstones", "write_tombstones", "TOMBSTONE_MERGE_MAX"]
 
@@ -51,7 +51,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
         stop = records_out.close()
     checkpoint("appended")
     _write_segment_arrays(staging, documents, records)
-    if documents.images is not None:  # a page index keeps the pages' images (espn.page_images)
+    if documents.images is not None:  # a page index keeps the pages' images (espn.pages.images)
         write_page_images(staging, documents.images)
     ann = empty_ivf(current.base)
     ann.add_with_ids(np.ascontiguousarray(documents.cls, dtype=np.float32), np.arange(first, first + n, dtype=np.int64))
@@ -63,7 +63,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     fsync_path(live_dir)
     checkpoint("segment")
     column_files = sorted(str(p.relative_to(final)) for p in (final / METADATA_DIR).glob("*.npy"))
-    group_files = present_group_files(final)  # pooling groups (espn.pooling_groups), when records are pooled
+    group_files = present_group_files(final)  # pooling groups (espn.pooling.groups), when records are pooled
     image_files = present_image_files(final)
     files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files, *image_files]}
     appended = ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop))

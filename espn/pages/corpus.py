@@ -34,10 +34,10 @@ import numpy as np
 import pypdfium2 as pdfium
 from PIL import Image, ImageOps
 
-from .errors import CorpusError, InvalidParameterError
-from .ids import id_problem, quote_id
-from .metadata import check_metadata
-from .untrusted import inside_root, open_regular, regular_file
+from ..errors import CorpusError, InvalidParameterError
+from ..ids import id_problem, quote_id
+from ..metadata import check_metadata
+from ..untrusted import inside_root, open_regular, regular_file
 
 __all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "decode_image", "IMAGE_FORMATS", "PDF_SUFFIX", "MIN_DPI",
            "MAX_DPI", "DEFAULT_DPI", "MAX_IMAGE_BYTES", "MAX_PDF_BYTES", "MAX_PDF_PAGES", "MAX_SIDE_PX", "MAX_PIXELS"]

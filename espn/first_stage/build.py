@@ -1,4 +1,4 @@
-"""Build the token-level centroid first stage of an index directory (espn.first_stage).
+"""Build the token-level centroid first stage of an index directory (espn.first_stage.centroids).
 
 Called by the build (assemble) for encoders without a trained CLS vector, or when asked
 (`--first-stage centroids|union`), and by compaction's base rewrite so the new base's
@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from espn.errors import InvalidParameterError
-from espn.first_stage import FirstStageConfig, build_token_centroids, wants_token_first_stage
+from espn.first_stage.centroids import FirstStageConfig, build_token_centroids, wants_token_first_stage
 from espn.params import FIRST_STAGE_KINDS
 from espn.store import open_reader
 from espn.store.format import StoreLayout

@@ -1,12 +1,12 @@
-"""The page images of an opened index or live generation (espn.page_images), by global doc number."""
+"""The page images of an opened index or live generation (espn.pages.images), by global doc number."""
 
 from __future__ import annotations
 
 import functools
 
-from .index import IndexDirectory
-from .page_images import PageImages, StoredPageImages
-from .segments import LIVE_DIR, LiveView
+from ..index import IndexDirectory
+from .images import PageImages, StoredPageImages
+from ..generation.segments import LIVE_DIR, LiveView
 
 __all__ = ["open_index_images"]
 

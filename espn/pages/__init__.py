@@ -1,0 +1,2 @@
+"""Page corpora for visual search: reading pages from folders, PDFs and manifests (`corpus`),
+the page images stored with an index (`images`), and reading them by doc number (`stored`)."""
