@@ -61,52 +61,88 @@ def die_with_parent(parent_pid: int, worker_id: int = 0) -> None:
         os._exit(1)
 
 
-class _TokenisedChunks(IterableDataset):
-    """Yields one dict per batch; the last item carries the corpus totals."""
+class ShardBatches(IterableDataset):
+    """One shard's model batches of a corpus read in chunks, made in a loader worker: the text
+    and page builds differ only in `records` and `batches`. The last item carries the corpus
+    totals; an error comes back as an item, which the main process raises as one line instead
+    of the DataLoader's "Caught ... in DataLoader worker" traceback."""
 
-    def __init__(self, corpus: Path, encoder: Encoder, chunk_size: int, batch_size: int,
-                 shard: int, num_shards: int, done: frozenset[int], skip_bad: bool,
-                 joiner: str = PASSAGE_JOINER) -> None:
-        self.corpus, self.encoder, self.joiner = corpus, encoder, joiner
+    def __init__(self, chunk_size: int, batch_size: int, shard: int, num_shards: int, done: frozenset[int]) -> None:
         self.chunk_size, self.batch_size = chunk_size, batch_size
-        self.shard, self.num_shards, self.done, self.skip_bad = shard, num_shards, done, skip_bad
+        self.shard, self.num_shards, self.done = shard, num_shards, done
 
-    def _chunks(self) -> Iterator[tuple[int, list[CorpusDocument]]]:
-        docs = iter_corpus(self.corpus, skip_bad=self.skip_bad)
-        for index in range(1 << 62):
-            chunk = list(islice(docs, self.chunk_size))
-            if not chunk:
-                return
-            yield index, chunk
+    def records(self) -> Iterator[Any]:
+        """The corpus's records in order (documents, pages)."""
+        raise NotImplementedError
+
+    def batches(self, index: int, chunk: list[Any]) -> Iterator[dict[str, Any]]:
+        """The items of chunk `index` of this shard: one per model batch, the chunk's metadata in the first."""
+        raise NotImplementedError
+
+    def progress(self, total: int | None) -> tuple[int | None, int]:
+        """(records this shard encodes in all, records already in finished chunks) for the bar,
+        from the corpus's `total` records (None: unknown)."""
+        if total is None:
+            return None, 0
+        mine = [c for c in range(-(-total // self.chunk_size)) if c % self.num_shards == self.shard]
+        size = [min(self.chunk_size, total - c * self.chunk_size) for c in mine]
+        return sum(size), sum(n for c, n in zip(mine, size) if c in self.done)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        # An error in the worker process comes back as an item: the main process raises it
-        # as one line, instead of the DataLoader's "Caught ... in DataLoader worker" traceback.
         try:
             yield from self._items()
         except EspnError as exc:
             yield {"error": str(exc), "kind": type(exc).__name__}
 
     def _items(self) -> Iterator[dict[str, Any]]:
-        total_docs = total_chunks = 0
-        for index, chunk in self._chunks():
-            total_docs += len(chunk)
-            total_chunks = index + 1
+        documents = chunks = 0
+        records = self.records()
+        for index in range(1 << 62):
+            chunk = list(islice(records, self.chunk_size))
+            if not chunk:
+                break
+            documents += len(chunk)
+            chunks = index + 1
             if index % self.num_shards != self.shard or index in self.done:
                 continue
-            texts = [passage_text(doc.title, doc.text, self.joiner) for doc in chunk]
-            order = self.encoder.batch_order(texts)
-            starts = range(0, len(order), self.batch_size)
-            for number, start in enumerate(starts):
-                rows = order[start : start + self.batch_size]
-                yield {
-                    "chunk": index,
-                    "rows": np.asarray(rows, dtype=np.int64),
-                    "tokens": self.encoder.tokenize([texts[i] for i in rows], is_query=False),
-                    "last": number == len(starts) - 1,
-                    "meta": [(d.doc_id, d.title, d.text, d.metadata) for d in chunk] if number == 0 else None,
-                }
-        yield {"end": True, "documents": total_docs, "chunks": total_chunks}
+            yield from self.batches(index, chunk)
+        yield {"end": True, "documents": documents, "chunks": chunks}
+
+
+def end_totals(item: dict[str, Any]) -> dict[str, int] | None:
+    """The corpus totals when `item` is a ShardBatches' last; raises the error an item carries."""
+    if "error" in item:
+        raise CorpusError(item["error"]) if item["kind"] == "CorpusError" else EspnError(item["error"])
+    if item.get("end"):
+        return {"documents": int(item["documents"]), "chunks": int(item["chunks"])}
+    return None
+
+
+class _TokenisedChunks(ShardBatches):
+    """Passages tokenised in length-sorted batches."""
+
+    def __init__(self, corpus: Path, encoder: Encoder, chunk_size: int, batch_size: int,
+                 shard: int, num_shards: int, done: frozenset[int], skip_bad: bool,
+                 joiner: str = PASSAGE_JOINER) -> None:
+        super().__init__(chunk_size, batch_size, shard, num_shards, done)
+        self.corpus, self.encoder, self.joiner, self.skip_bad = corpus, encoder, joiner, skip_bad
+
+    def records(self) -> Iterator[CorpusDocument]:
+        return iter_corpus(self.corpus, skip_bad=self.skip_bad)
+
+    def batches(self, index: int, chunk: list[CorpusDocument]) -> Iterator[dict[str, Any]]:
+        texts = [passage_text(doc.title, doc.text, self.joiner) for doc in chunk]
+        order = self.encoder.batch_order(texts)
+        starts = range(0, len(order), self.batch_size)
+        for number, start in enumerate(starts):
+            rows = order[start : start + self.batch_size]
+            yield {
+                "chunk": index,
+                "rows": np.asarray(rows, dtype=np.int64),
+                "tokens": self.encoder.tokenize([texts[i] for i in rows], is_query=False),
+                "last": number == len(starts) - 1,
+                "meta": [(d.doc_id, d.title, d.text, d.metadata) for d in chunk] if number == 0 else None,
+            }
 
 
 def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size: int = 1024, batch_size: int = 32,
@@ -127,15 +163,14 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if loader_workers else None)
     pending: dict[int, dict[str, Any]] = {}
     totals = {"documents": 0, "chunks": 0}
-    total, initial = _shard_progress(total_documents, chunk_size, shard, num_shards, done)
+    total, initial = dataset.progress(total_documents)
     desc = "encode" if num_shards == 1 else f"encode shard {shard + 1} of {num_shards}"
     with tqdm(total=total, initial=initial, unit="doc", unit_scale=True, desc=desc, disable=not progress,
               mininterval=1.0) as bar, worker_death_is_one_line():
         for item in loader:
-            if "error" in item:
-                raise CorpusError(item["error"]) if item["kind"] == "CorpusError" else EspnError(item["error"])
-            if item.get("end"):
-                totals = {"documents": int(item["documents"]), "chunks": int(item["chunks"])}
+            end = end_totals(item)
+            if end is not None:
+                totals = end
                 break
             state = pending.setdefault(int(item["chunk"]), {"parts": [], "meta": None})
             if item["meta"] is not None:
@@ -175,14 +210,3 @@ def worker_death_is_one_line() -> Iterator[None]:
 def _worker_died(reason: str) -> str:
     return (f"the tokenising worker process died ({reason}); out of memory? "
             "try a smaller --chunk-size, or --loader-workers 0")
-
-
-def _shard_progress(total_documents: int | None, chunk_size: int, shard: int, num_shards: int,
-                    done: frozenset[int]) -> tuple[int | None, int]:
-    """(documents this shard encodes in all, documents already in finished chunks) for the bar."""
-    if total_documents is None:
-        return None, 0
-    chunks = -(-total_documents // chunk_size)
-    mine = [c for c in range(chunks) if c % num_shards == shard]
-    size = [min(chunk_size, total_documents - c * chunk_size) for c in mine]
-    return sum(size), sum(n for c, n in zip(mine, size) if c in done)

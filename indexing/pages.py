@@ -20,24 +20,22 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from itertools import islice
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from espn.encoders.base import DocumentEmbeddings
-from espn.errors import CorpusError, EspnError
 from espn.pages.images import encode_page_image
 from espn.pages.corpus import DEFAULT_DPI, Page, iter_pages
 
 from .chunks import finished_chunks, write_chunk
 from .encode import worker_death_is_one_line  # the text build's, shared
-from .encode import die_with_parent
+from .encode import ShardBatches, die_with_parent, end_totals
 
 __all__ = ["PageEncoder", "encode_page_corpus", "page_text", "page_metadata"]
 
@@ -64,62 +62,31 @@ def page_metadata(page: Page) -> dict[str, Any]:
     return {"source": page.source, "page": page.page_number, **page.metadata}
 
 
-def _progress(total_pages: int | None, chunk_size: int, shard: int, num_shards: int,
-              done: frozenset[int]) -> tuple[int | None, int]:
-    """(pages this shard encodes in all, pages already in finished chunks) for the bar."""
-    if total_pages is None:
-        return None, 0
-    mine = [c for c in range(-(-total_pages // chunk_size)) if c % num_shards == shard]
-    size = [min(chunk_size, total_pages - c * chunk_size) for c in mine]
-    return sum(size), sum(n for c, n in zip(mine, size) if c in done)
-
-
-def _chunks(pages: Iterator[Page], chunk_size: int) -> Iterator[tuple[int, list[Page]]]:
-    for index in range(1 << 62):
-        chunk = list(islice(pages, chunk_size))
-        if not chunk:
-            return
-        yield index, chunk
-
-
-class _PreparedPages(IterableDataset):
-    """Reads, renders and preprocesses pages (in a loader worker): one item per model batch, the
-    last item the corpus totals; an error comes back as an item, raised as one line by the caller."""
+class _PreparedPages(ShardBatches):
+    """Reads, renders and preprocesses pages (in a loader worker), a batch at a time."""
 
     def __init__(self, corpus: Path, encoder: PageEncoder, dpi: int, chunk_size: int, batch_size: int, shard: int,
                  num_shards: int, done: frozenset[int], skip_bad: bool) -> None:
+        super().__init__(chunk_size, batch_size, shard, num_shards, done)
         self.corpus, self.encoder, self.dpi, self.skip_bad = corpus, encoder, dpi, skip_bad
-        self.chunk_size, self.batch_size = chunk_size, batch_size
-        self.shard, self.num_shards, self.done = shard, num_shards, done
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        try:
-            yield from self._items()
-        except EspnError as exc:
-            yield {"error": str(exc), "kind": type(exc).__name__}
+    def records(self) -> Iterator[Page]:
+        return iter_pages(self.corpus, dpi=self.dpi, skip_bad=self.skip_bad)
 
-    def _items(self) -> Iterator[dict[str, Any]]:
-        documents = chunks = 0
-        pages = iter_pages(self.corpus, dpi=self.dpi, skip_bad=self.skip_bad)
-        for index, chunk in _chunks(pages, self.chunk_size):
-            documents += len(chunk)
-            chunks = index + 1
-            if index % self.num_shards != self.shard or index in self.done:
-                continue
-            # Pages of one model have the same number of patches: batches in corpus order, no bucketing.
-            starts = range(0, len(chunk), self.batch_size)
-            for number, start in enumerate(starts):
-                batch = chunk[start : start + self.batch_size]
-                yield {
-                    "chunk": index,
-                    "features": self.encoder.preprocess_pages([page.image for page in batch]),
-                    "count": len(batch),
-                    "last": number == len(starts) - 1,
-                    # The stored image (espn.pages.images) is made here too, off the model's process.
-                    "meta": [(page.id, PurePosixPath(page.source).name, page_text(page), page_metadata(page),
-                              encode_page_image(page.image)) for page in chunk] if number == 0 else None,
-                }
-        yield {"end": True, "documents": documents, "chunks": chunks}
+    def batches(self, index: int, chunk: list[Page]) -> Iterator[dict[str, Any]]:
+        # Pages of one model have the same number of patches: batches in corpus order, no bucketing.
+        starts = range(0, len(chunk), self.batch_size)
+        for number, start in enumerate(starts):
+            batch = chunk[start : start + self.batch_size]
+            yield {
+                "chunk": index,
+                "features": self.encoder.preprocess_pages([page.image for page in batch]),
+                "count": len(batch),
+                "last": number == len(starts) - 1,
+                # The stored image (espn.pages.images) is made here too, off the model's process.
+                "meta": [(page.id, PurePosixPath(page.source).name, page_text(page), page_metadata(page),
+                          encode_page_image(page.image)) for page in chunk] if number == 0 else None,
+            }
 
 
 def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dpi: int = DEFAULT_DPI,
@@ -139,7 +106,7 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
     loader = DataLoader(dataset, batch_size=None, num_workers=loader_workers, pin_memory=cuda,
                         prefetch_factor=4 if loader_workers else None, persistent_workers=False,
                         worker_init_fn=functools.partial(die_with_parent, os.getpid()) if loader_workers else None)
-    total, initial = _progress(total_pages, chunk_size, shard, num_shards, done)
+    total, initial = dataset.progress(total_pages)
     desc = "encode pages" if num_shards == 1 else f"encode pages, shard {shard + 1} of {num_shards}"
     totals = {"documents": 0, "chunks": 0}
     parts: list[DocumentEmbeddings] = []
@@ -147,10 +114,9 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
     with tqdm(total=total, initial=initial, unit="page", unit_scale=True, desc=desc, disable=not progress,
               mininterval=1.0) as bar, worker_death_is_one_line():
         for item in loader:
-            if "error" in item:
-                raise CorpusError(item["error"]) if item["kind"] == "CorpusError" else EspnError(item["error"])
-            if item.get("end"):
-                totals = {"documents": int(item["documents"]), "chunks": int(item["chunks"])}
+            end = end_totals(item)
+            if end is not None:
+                totals = end
                 break
             if item["meta"] is not None:
                 parts, meta = [], item["meta"]
