@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -299,3 +301,36 @@ def test_the_centroid_reads_benchmark_runs_both_arms_and_a_baseline_checkout(
     payload = json.loads((tmp_path / "centroid_reads.json").read_text())
     assert all(payload["readers"][reader]["alike"] for reader in ("posix", "memory"))
     assert payload["side_by_side"]["posix"]["p50_ratio"] > 0 and "|---" in capsys.readouterr().out
+
+
+_UNDER_A_DESCRIPTOR_LIMIT = """
+import os, resource, sys
+import numpy as np
+from espn import Searcher
+from espn.encoders import QueryEmbeddings
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+q = np.load(sys.argv[2])
+queries = QueryEmbeddings(q["cls"], q["bow"], q["mask"])
+with Searcher.open(sys.argv[1], with_encoder=False, reader="posix", min_hidden_ms=0) as searcher:
+    first = searcher.search_embeddings(queries, k=10, prefetch_k=4)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(40):  # 960 queries in waves of 4, and as many single ones
+        again = searcher.search_embeddings(queries, k=10, prefetch_k=4)
+        searcher.search_embeddings(queries[np.arange(1)], k=10, prefetch_k=4)
+    assert [[h.doc_id for h in r.hits] for r in again] == [[h.doc_id for h in r.hits] for r in first]
+    print(before, len(os.listdir("/proc/self/fd")))
+"""
+
+
+def test_the_centroid_reads_hold_no_descriptors_under_a_limit_of_64(built: Path, collection: dict,
+                                                                      tmp_path: Path) -> None:
+    """The reads beside the stage under `ulimit -n 64` (stricter than the 1024 a server gets):
+    nearly two thousand searches in waves open no descriptor they do not close, and rank alike."""
+    queries = collection["queries"]
+    npz = tmp_path / "queries.npz"
+    np.savez(npz, cls=queries.cls, bow=queries.bow, mask=queries.mask)
+    done = subprocess.run([sys.executable, "-c", _UNDER_A_DESCRIPTOR_LIMIT, str(built), str(npz)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split())
+    assert after <= before, (before, after)
