@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -64,6 +65,22 @@ def encoder(checkpoint: Path) -> VisualEncoder:
     return found
 
 
+def espn_index(corpus: Path, out: Path, checkpoint: Path, *extra: str) -> int:
+    """`espn index CORPUS --out OUT` with the tiny checkpoint, the process's logging left as it was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
+        status = main(["index", str(corpus), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+                       "--bow-dtype", "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0",
+                       "--no-progress", "--device", "cpu", *extra])
+    root.handlers[:], root.level = handlers, level
+    for name, value in levels.items():
+        logging.getLogger(name).setLevel(value)
+    return status
+
+
 @pytest.fixture(scope="module")
 def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """8 PNG pages listed by a JSONL with a `lang` field, built by `espn index`."""
@@ -74,18 +91,7 @@ def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             f.write(json.dumps({"_id": f"p{number}", "image": f"p{number}.png",
                                 "metadata": {"lang": "en" if number % 2 else "fr"}}) + "\n")
     out = tmp_path_factory.mktemp("idx") / "pages"
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
-        status = main(["index", str(corpus / "pages.jsonl"), "--out", str(out), "--encoder", f"visual:{checkpoint}",
-                       "--bow-dtype", "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0",
-                       "--no-progress", "--device", "cpu"])
-    root.handlers[:], root.level = handlers, level
-    for name, value in levels.items():
-        logging.getLogger(name).setLevel(value)
-    assert status == 0
+    assert espn_index(corpus / "pages.jsonl", out, checkpoint) == 0
     return out
 
 
@@ -343,3 +349,50 @@ def test_pages_over_http_uploaded_searched_filtered_explained_fetched_and_kept_a
         assert document["metadata"] == {"source": "upload", "page": 1, "lang": "de"}
         assert [hit["id"] for hit in search(k=5, filter={"lang": "de"})] == ["upload"]
         assert HTTP.get(f"{server.base_url}/v1/documents/p2", timeout=60).status_code == 404
+
+
+def test_pdfs_rendered_indexed_served_written_filtered_explained_and_restarted(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """The issue's end-to-end run from PDFs: two PDFs (3 and 2 pages) rendered by PDFium and
+    indexed by `espn index`, served, one page replaced and one deleted over HTTP, searched with
+    a filter on the `source` the build adds, explained, and the same again after a restart."""
+    corpus = tmp_path / "pdfs"
+    (corpus / "reports").mkdir(parents=True)
+    for name, numbers in (("reports/a.pdf", (0, 1, 2)), ("b.pdf", (3, 4))):
+        pages = [draw_page(n) for n in numbers]
+        pages[0].save(corpus / name, format="PDF", save_all=True, append_images=pages[1:], resolution=72)
+    root = tmp_path / "index"
+    assert espn_index(corpus, root, checkpoint, "--dpi", "72") == 0
+    ids = {"reports/a.pdf#1", "reports/a.pdf#2", "reports/a.pdf#3", "b.pdf#1", "b.pdf#2"}
+
+    def url(doc_id: str) -> str:
+        return f"{server.base_url}/v1/documents/{quote(doc_id, safe='')}"
+
+    def search(**body: object) -> list[dict]:
+        answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERY, **body}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["results"]
+
+    with running_server(root, tmp_path, name="pdfs") as server:
+        assert {hit["id"] for hit in search(k=10)} == ids
+        document = HTTP.get(url("reports/a.pdf#2"), timeout=60).json()
+        assert document["metadata"] == {"source": "reports/a.pdf", "page": 2}
+        rendered = HTTP.get(url("b.pdf#2"), params={"image": "true"}, timeout=60)
+        assert rendered.status_code == 200 and rendered.headers["content-type"] == "image/jpeg"
+        body = {"image": base64.b64encode(png(draw_page(60))).decode("ascii"),
+                "metadata": {"source": "reports/a.pdf", "page": 2}}
+        replaced = HTTP.put(url("reports/a.pdf#2"), json=body, timeout=120)
+        assert replaced.status_code == 200 and replaced.json()["replaced"] == ["reports/a.pdf#2"]
+        assert HTTP.delete(url("b.pdf#1"), timeout=60).status_code == 200
+        in_a = search(k=10, filter={"source": "reports/a.pdf"}, explain=True)
+        assert {hit["id"] for hit in in_a} == {"reports/a.pdf#1", "reports/a.pdf#2", "reports/a.pdf#3"}
+        for hit in in_a:
+            assert hit["explanation"]["grid"] == [8, 8]
+            assert any("row" in match for match in hit["explanation"]["matches"])
+        served = HTTP.get(url("reports/a.pdf#2"), params={"image": "true"}, timeout=60).content
+        assert served == stored(draw_page(60))
+    with running_server(root, tmp_path, "--no-warmup", name="pdfs-again") as server:
+        assert {hit["id"] for hit in search(k=10)} == ids - {"b.pdf#1"}
+        assert HTTP.get(url("b.pdf#1"), timeout=60).status_code == 404
+        assert HTTP.get(url("reports/a.pdf#2"), params={"image": "true"}, timeout=60).content == served
+        assert [hit["id"] for hit in search(k=10, filter={"source": "b.pdf"})] == ["b.pdf#2"]
