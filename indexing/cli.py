@@ -82,9 +82,7 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                    help="what joins a BEIR title to its text in the passage the model reads (recorded in the "
                         f"manifest; default {COLBERT_TITLE_JOINER!r} for colbert: models, as PyLate and Sentence "
                         f"Transformers evaluate BEIR, {PASSAGE_JOINER!r} for the others)")
-    p.add_argument("--dpi", type=int, default=PAGE_DPI[2],
-                   help=f"pages: the resolution PDF pages are rendered at, {PAGE_DPI[0]} to {PAGE_DPI[1]} "
-                        f"(default {PAGE_DPI[2]})")
+    _dpi_option(p)
     p.add_argument("--skip-bad", action="store_true", help="skip malformed corpus lines instead of failing")
     p.add_argument("--force", action="store_true", help="replace an existing index at --out")
     p.add_argument("--device", help="torch device for encoding (default: cuda if available)")
@@ -99,8 +97,10 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("add", help="add or replace documents of a live index (upsert by id) from a corpus file")
     p.add_argument("index", type=Path)
-    p.add_argument("corpus", type=Path, help="BEIR corpus.jsonl[.gz] or id<TAB>text TSV; an id that exists is replaced")
+    p.add_argument("corpus", type=Path, help="BEIR corpus.jsonl[.gz] or id<TAB>text TSV; for an index of pages, a folder "
+                   "of images or PDFs, a PDF, or a JSONL of images; an id that exists is replaced")
     p.add_argument("--batch-size", type=int, default=32, help="documents per model batch")
+    _dpi_option(p)
     p.add_argument("--loader-workers", type=int, default=1, help="tokenising processes (0 = in-process)")
     p.add_argument("--first-stage", choices=FIRST_STAGE_KINDS, default=None,
                    help="candidate generator: ivf (the CLS vector), centroids (token-level centroid index) or "
@@ -109,6 +109,12 @@ def _add_add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     add_wait_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_command)
+
+
+def _dpi_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dpi", type=int, default=PAGE_DPI[2],
+                   help=f"pages: the resolution PDF pages are rendered at, {PAGE_DPI[0]} to {PAGE_DPI[1]} "
+                        f"(default {PAGE_DPI[2]})")
 
 
 def _text_options(p: argparse.ArgumentParser) -> None:

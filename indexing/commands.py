@@ -75,7 +75,8 @@ def cmd_add(args: argparse.Namespace) -> int:
     # Encoding runs without the writer lock: a server keeps taking writes meanwhile.
     with LiveIndex(args.index) as writer:
         result = add_corpus(writer, args.corpus, batch_size=args.batch_size, loader_workers=args.loader_workers,
-                            progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait)
+                            progress=not args.no_progress, skip_bad=args.skip_bad, wait_s=args.wait,
+                            dpi=args.dpi)
     print_write(args.index, f"{len(result.created)} added, {len(result.replaced)} replaced", result)
     return 0
 

@@ -65,20 +65,25 @@ def encoder(checkpoint: Path) -> VisualEncoder:
     return found
 
 
-def espn_index(corpus: Path, out: Path, checkpoint: Path, *extra: str) -> int:
-    """`espn index CORPUS --out OUT` with the tiny checkpoint, the process's logging left as it was."""
+def espn(*argv: str) -> int:
+    """`espn ARGV...` in this process, with no ESPN_* settings, the process's logging left as it was."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
-        status = main(["index", str(corpus), "--out", str(out), "--encoder", f"visual:{checkpoint}",
-                       "--bow-dtype", "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0",
-                       "--no-progress", "--device", "cpu", *extra])
+        status = main(list(argv))
     root.handlers[:], root.level = handlers, level
     for name, value in levels.items():
         logging.getLogger(name).setLevel(value)
     return status
+
+
+def espn_index(corpus: Path, out: Path, checkpoint: Path, *extra: str) -> int:
+    """`espn index CORPUS --out OUT` with the tiny checkpoint."""
+    return espn("index", str(corpus), "--out", str(out), "--encoder", f"visual:{checkpoint}", "--bow-dtype",
+                "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0", "--no-progress",
+                "--device", "cpu", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -396,3 +401,29 @@ def test_pdfs_rendered_indexed_served_written_filtered_explained_and_restarted(
         assert HTTP.get(url("b.pdf#1"), timeout=60).status_code == 404
         assert HTTP.get(url("reports/a.pdf#2"), params={"image": "true"}, timeout=60).content == served
         assert [hit["id"] for hit in search(k=10, filter={"source": "b.pdf"})] == ["b.pdf#2"]
+
+
+def test_espn_add_upserts_a_folder_of_pages_and_refuses_a_text_corpus(index: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`espn add` on an index of pages takes a page corpus as the build does: new pages are
+    found, a page whose id exists is replaced, and their images are kept; text is one line."""
+    root = tmp_path / "index"
+    shutil.copytree(index, root)
+    folder = tmp_path / "more"
+    folder.mkdir()
+    with open(folder / "pages.jsonl", "w") as f:
+        for doc_id, number in (("p3", 70), ("extra", 71)):
+            draw_page(number).save(folder / f"{doc_id}.png")
+            f.write(json.dumps({"_id": doc_id, "image": f"{doc_id}.png", "metadata": {"lang": "it"}}) + "\n")
+    assert espn("add", str(root), str(folder / "pages.jsonl"), "--loader-workers", "0", "--no-progress") == 0
+    assert "1 added, 1 replaced" in capsys.readouterr().out
+    with Searcher.open(root) as searcher:
+        everything = searcher.search([QUERY], k=20)[0]
+        assert {hit.doc_id for hit in everything.hits} == {f"p{n}" for n in range(PAGES)} | {"extra"}
+        ranked = searcher.search([QUERY], k=5, filter={"lang": "it"})[0]
+        assert {hit.doc_id for hit in ranked.hits} == {"p3", "extra"}
+        assert searcher.page_image("extra")[0] == stored(draw_page(71))
+    text = tmp_path / "corpus.jsonl"
+    text.write_text(json.dumps({"_id": "t", "text": "a passage"}) + "\n")
+    assert espn("add", str(root), str(text), "--no-progress") != 0
+    assert "the index holds pages" in capsys.readouterr().err
