@@ -17,6 +17,7 @@ from typing import IO, Any, Iterator, Mapping
 from .errors import CorpusError, InvalidParameterError
 from .ids import id_problem, quote_id
 from .metadata import check_metadata
+from .untrusted import check_json_depth
 
 __all__ = ["CorpusDocument", "iter_corpus", "read_queries", "read_qrels", "detect_format", "passage_text",
            "passage_line", "PASSAGE_JOINER", "COLBERT_TITLE_JOINER", "COLBERT_FAMILY", "MAX_TITLE_JOINER_CHARS",
@@ -132,6 +133,7 @@ def _parse_with_metadata(path: Path, number: int, line: str, fmt: str, kind: str
     where = f"{path}:{number}"
     metadata = None
     if fmt == "jsonl":
+        check_json_depth(line, where, error=CorpusError)  # before the parser, which recurses
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:

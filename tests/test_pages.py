@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from espn.pages import corpus as pages
+from espn.corpus import iter_corpus
 from espn.errors import CorpusError, InvalidParameterError
 from espn.pages.corpus import Page, count_pages, is_page_corpus, iter_pages
 
@@ -302,6 +303,22 @@ def test_bad_jsonl_records_are_one_line_each_and_duplicates_always_fail(tmp_path
     manifest.write_text("\n".join(lines + ['{"_id": "a", "image": "two.pdf#1"}']) + "\n")
     with pytest.raises(CorpusError, match=rf"{manifest.name}:12: duplicate page id 'a'"):
         list(iter_pages(manifest, skip_bad=True))
+
+
+def test_a_deeply_nested_jsonl_line_is_refused_in_one_line_before_the_parser(tmp_path: Path) -> None:
+    """Python's json recurses: a line of 100,000 brackets would be a RecursionError (a traceback)."""
+    Image.new("RGB", (4, 4)).save(tmp_path / "ok.png")
+    manifest = tmp_path / "pages.jsonl"
+    deep = '{"_id": "b", "image": "ok.png", "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    manifest.write_text('{"_id": "a", "image": "ok.png"}\n' + deep + "\n")
+    with pytest.raises(CorpusError) as raised:
+        list(iter_pages(manifest))
+    assert str(raised.value) == f"{manifest}:2: refused, JSON nested 100001 levels deep (at most 64)"
+    manifest.write_text(deep + "\n")  # as the first line: not taken for a page corpus; the text reader refuses it
+    assert not is_page_corpus(manifest)
+    with pytest.raises(CorpusError) as raised:
+        list(iter_corpus(manifest))
+    assert str(raised.value) == f"{manifest}:1: refused, JSON nested 100001 levels deep (at most 64)"
 
 
 def test_bounds_on_file_size_and_pdf_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -231,6 +231,33 @@ def test_a_text_encoder_over_pages_and_a_visual_encoder_over_text_fail_in_one_li
         assert not out.exists() and not Path(f"{out}.partial").exists()
 
 
+def test_deeply_nested_json_in_pages_or_model_is_one_line_and_nothing_written(
+        corpus: Path, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    """A page JSONL line or a model directory's JSON file of 100,000 brackets: refused before Python's
+    recursive parser sees it (a RecursionError would be a traceback), and no index is started."""
+    deep = "[" * 100_000 + "]" * 100_000
+    pages = tmp_path / "pages.jsonl"
+    draw_page(0).save(tmp_path / "one.png")
+    pages.write_text('{"_id": "a", "image": "one.png"}\n{"_id": "b", "image": "one.png", "metadata": ' + deep + "}\n")
+    models = {}
+    for name in ("config.json", "modules.json"):
+        models[name] = tmp_path / f"model-{name}"
+        shutil.copytree(checkpoint, models[name])
+        (models[name] / name).write_text(deep)
+    cases = [(pages, checkpoint, f"{pages}:2: refused, JSON nested 100001 levels deep (at most 64)"),
+             (corpus, models["config.json"], "refused, JSON nested 100000 levels deep (at most 64)"),
+             (corpus, models["modules.json"], "refused, JSON nested 100000 levels deep (at most 64)")]
+    for number, (source, model, message) in enumerate(cases):
+        out = tmp_path / f"out-{number}"
+        assert main(["index", str(source), "--out", str(out), "--encoder", f"colbert:{model}", "--no-progress",
+                     "--loader-workers", "0", "--device", "cpu"]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
+        # No index; a bad page leaves the build's work folder for a resume, as a bad text line does
+        # (tests/test_build.py), but nothing in it was encoded.
+        assert not out.exists() and not Path(f"{out}.partial", "chunks").exists()
+
+
 def test_the_model_directory_rules_hold_for_the_visual_kind(checkpoint: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside.json"
     shutil.copy2(checkpoint / "tokenizer.json", outside)

@@ -43,6 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
+from ..untrusted import check_json_depth
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 from .colbert_checkpoint import weights_file
@@ -61,8 +62,13 @@ _MASK_NEUTRAL = ("Dense", "Normalize")
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
+    check_json_depth(text, str(path), error=InvalidParameterError)  # before the parser, which recurses
+    try:
+        return json.loads(text)
+    except ValueError as exc:
         raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
 
 

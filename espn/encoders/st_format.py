@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameterError
+from ..untrusted import check_json_depth
 
 __all__ = ["is_sentence_transformers_save", "is_visual_save", "OWN_LOADER_TYPES"]
 
@@ -29,8 +30,12 @@ def _read_json(path: Path) -> Any:
             raw = file.read(_MAX_JSON_BYTES + 1)
         if len(raw) > _MAX_JSON_BYTES:
             raise InvalidParameterError(f"{path}: larger than {_MAX_JSON_BYTES} bytes; not a model configuration")
+    except OSError as exc:
+        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from None
+    check_json_depth(raw, str(path), error=InvalidParameterError)  # before the parser, which recurses
+    try:
         return json.loads(raw)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from None
 
 

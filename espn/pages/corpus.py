@@ -37,7 +37,7 @@ from PIL import Image, ImageOps
 from ..errors import CorpusError, InvalidParameterError
 from ..ids import id_problem, quote_id
 from ..metadata import check_metadata
-from ..untrusted import inside_root, open_regular, regular_file
+from ..untrusted import MAX_JSON_DEPTH, check_json_depth, inside_root, json_depth, open_regular, regular_file
 
 __all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "decode_image", "IMAGE_FORMATS", "PDF_SUFFIX", "MIN_DPI",
            "MAX_DPI", "DEFAULT_DPI", "MAX_IMAGE_BYTES", "MAX_PDF_BYTES", "MAX_PDF_PAGES", "MAX_SIDE_PX", "MAX_PIXELS"]
@@ -302,6 +302,7 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def _parse_record(where: str, line: bytes) -> tuple[str, str, dict[str, Any]]:
     """(id, image reference, metadata) of one JSONL line, or CorpusError naming file:line."""
+    check_json_depth(line, where, error=CorpusError)  # before the parser, which recurses
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -408,7 +409,7 @@ def is_page_corpus(path: Path) -> bool:
         first = next(_jsonl_lines(path), None)
     except CorpusError:
         return False
-    if first is None:
+    if first is None or json_depth(first[1]) > MAX_JSON_DEPTH:  # the text reader refuses it, in one line
         return False
     try:
         record = json.loads(first[1])
