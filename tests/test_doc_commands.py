@@ -65,7 +65,7 @@ EXPECTED = (
     (r"espn stats ", ('"live_documents"', '"delta_segments"')),
 )
 #: `espn` for the blocks: the sample's build answered with the test run's copy, the rest exec'd.
-ESPN_WRAPPER = """#!/bin/sh
+SAMPLE_INDEX_WRAPPER = """#!/bin/sh
 # `espn index <the sample corpus, .gz or not> --out DIR`: conftest's sample_index ran this command.
 if [ "$#" -eq 4 ] && [ "$1" = index ] && [ "$3" = --out ] && [ ! -e "$4" ] \\
    && zcat -f -- "$2" | cmp -s - '{corpus}'; then
@@ -203,7 +203,7 @@ def work_files(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         '{"_id": "ID2", "title": "Tidal bores", "text": "A tidal bore is a wave that runs up a river."}\n')
     (root / "bin").mkdir()
     wrapper = root / "bin" / "espn"
-    wrapper.write_text(ESPN_WRAPPER.format(corpus=DATA / "sample_corpus.jsonl", index=sample_index,
+    wrapper.write_text(SAMPLE_INDEX_WRAPPER.format(corpus=DATA / "sample_corpus.jsonl", index=sample_index,
                                            espn=BIN / "espn"))
     wrapper.chmod(0o755)
     return root
