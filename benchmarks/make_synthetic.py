@@ -28,12 +28,16 @@ streaming: memory stays at one chunk whatever `--docs` is.
 
 Page mode (`--pages N`): N page records of exactly `--patches` (1030) 128-d vectors each, the
 output of a ColPali-class model (1,024 patches of a 448-px page and 6 special tokens), so
-about 264 KB a page in fp16: 50,000 pages are 13 GB of records. Chunks default to 256 pages
+135 KB a page in int8 (264 KB in fp16): 50,000 pages are 6.8 GB of records (13 GB). Chunks default to 256 pages
 (about 135 MB of fp32 vectors while a chunk is drawn). The patches are drawn as the BOW
 vectors are, from a real document's bag with jitter, so a page repeats near-identical
 vectors as real pages repeat their background patches; where the source's vectors are
 narrower than the request they are first carried into the wider space by a random
-isometry (dot products unchanged; the jitter fills the other dimensions).
+isometry (dot products unchanged; the jitter fills the other dimensions). The index is what
+`espn index` makes of a ColPali-class model: pure MaxSim (`bow_reduction` "sum", w = 0), no
+trained CLS vector (its CLS is the normalised mean of the page's patches, so the build gives it
+the default first stage of such models), int8 records unless `--bow-dtype` says otherwise.
+Queries are 8–24 token vectors (a short text query) drawn the same way, their CLS the mean.
 """
 
 from __future__ import annotations
@@ -188,17 +192,25 @@ def draw(rng: np.random.Generator, centres: dict[str, np.ndarray], counts: np.nd
     return cls.astype(np.float16), bow.astype(np.float16), first
 
 
+def mean_vectors(bow: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """[n, d] fp16: the normalised mean of each document's vectors (flattened bow, every count > 0), the
+    CLS a model without a trained one stores."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return _normalize(np.add.reduceat(bow.astype(np.float32), starts, axis=0)).astype(np.float16)
+
+
 def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 32, mean_bow: float = 30.0,
              min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
              nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
              cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False,
-             source_encoder: bool = False, patches: int | None = None) -> dict:
+             source_encoder: bool = False, patches: int | None = None, bow_dtype: str = "int8") -> dict:
     """patches: page mode, every document has exactly this many BOW vectors (the module's docstring).
     text: also write passages (`TextMixer`) and build the full-text index, and write the
     title of each query's centre document as its text (`OUT.query_texts.jsonl`).
     source_encoder: the vectors stay in the source index's space and the index takes its
     encoder (int8 records, as `espn index` writes them), so queries are encoded from text at
-    search time, as in a real deployment; d_cls and d_bow are then the source's."""
+    search time, as in a real deployment; d_cls and d_bow are then the source's.
+    bow_dtype: the records' dtype in page mode (the text modes keep theirs)."""
     from espn.encoders.precomputed import PrecomputedEncoder
     from espn.index import write_json_atomic
     from espn.text.config import TextConfig
@@ -226,6 +238,13 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         if source_encoder:
             shutil.copytree(Path(source) / "encoder", work.encoder_dir, dirs_exist_ok=True)
             job.update(encoder_config=source_manifest["encoder"], bow_dtype="int8")
+        elif patches is not None:  # a ColPali-class page index (the module's docstring)
+            d_cls = d_bow
+            encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="sum", learned_weight=0.0,
+                                         source="synthetic-pages")
+            encoder.save(work.encoder_dir)
+            job.update(encoder_config={**encoder.config(), "has_trained_cls": False,
+                                       "cls": "mean of the token vectors"}, bow_dtype=bow_dtype)
         else:
             encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="mean", learned_weight=0.3,
                                          source="synthetic")
@@ -242,6 +261,8 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
                       else draw_counts(rng, n, mean_bow, min_bow, max_bow))
             sources: list[np.ndarray] = []
             cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix, sources)
+            if patches is not None:
+                cls = mean_vectors(bow, counts)
             ids = [f"d{i}" for i in range(c * chunk_size, c * chunk_size + n)]
             titles, texts = mixer.passages(rng, *sources) if mixer is not None else (None, None)
             write_chunk(work.path, c, cls, bow, counts, ids, titles, texts)
@@ -255,6 +276,8 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     # Queries around the same centres: 8-24 BOW vectors, tighter jitter than documents.
     q_counts = rng.integers(8, 25, queries)
     q_cls, q_bow, q_centre = draw(rng, centres, q_counts, cls_noise * 0.8, bow_noise * 0.8, mix)
+    if patches is not None:
+        q_cls = mean_vectors(q_bow, q_counts)
     queries_path = out.with_name(out.name + ".queries.npz")
     np.savez(queries_path, cls=q_cls.astype(np.float32), bow=q_bow.astype(np.float32), counts=q_counts,
              ids=np.array([f"q{i}" for i in range(queries)]), centre=q_centre)
@@ -273,7 +296,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         "generate_s": gen_s, "assemble_s": asm_s, "total_s": time.perf_counter() - started,
         "docs_per_s_generate": docs / gen_s, "docs_per_s_total": docs / (time.perf_counter() - started),
         "params": {"d_cls": d_cls, "d_bow": d_bow, "mean_bow": mean_bow, "min_bow": min_bow, "max_bow": max_bow,
-                   "patches": patches,
+                   "patches": patches, "bow_dtype": bow_dtype if patches is not None else None,
                    "cls_noise": cls_noise, "bow_noise": bow_noise, "mix": mix, "seed": seed, "source": str(source)},
     }
     (out.with_name(out.name + ".synthetic.json")).write_text(json.dumps(info, indent=1))
@@ -322,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=None, metavar="N",
                    help="page mode instead of --docs: N pages of --patches vectors each (--d-bow 128, --chunk-size 256 "
                         "unless given)")
+    p.add_argument("--bow-dtype", choices=("int8", "float16"), default="int8",
+                   help="page mode: the records' dtype (int8, as `espn index` writes page indexes by default)")
     p.add_argument("--patches", type=int, default=1030, help="vectors per page in page mode (ColPali at 448 px: 1030)")
     p.add_argument("--source", type=Path, default=SCIFACT_INDEX, help="built index whose vectors give the geometry")
     p.add_argument("--queries", type=int, default=2000)
@@ -357,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=d_bow, mean_bow=args.mean_bow,
                     queries=args.queries, chunk_size=chunk_size, nlist=args.nlist, ann=args.ann,
                     seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix,
-                    text=args.text, source_encoder=args.source_encoder, patches=args.patches if pages else None)
+                    text=args.text, source_encoder=args.source_encoder, patches=args.patches if pages else None,
+                    bow_dtype=args.bow_dtype)
     print(json.dumps(info))
     return 0
 

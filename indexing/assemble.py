@@ -31,7 +31,7 @@ from espn.store.record_order import RECORD_ORDER, reorder_index_records
 
 from espn.text.config import TextConfig
 
-from espn.first_stage.build import build_first_stage, first_stage_kind
+from espn.first_stage.build import build_first_stage, default_first_stage, first_stage_kind
 from espn.text.directory import DEFAULT_HYBRID, build_for_directory
 
 from .chunks import Chunk, chunk_path, read_chunk
@@ -93,7 +93,8 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     ivf, trained_on = _build_ann(staging, job, layout, n_docs)
     file_bytes = reorder_index_records(staging, layout.block_size)
     records = np.load(staging / "records.npy", mmap_mode="r")
-    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config))
+    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config),
+                                    defaults=default_first_stage(encoder_config))
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")

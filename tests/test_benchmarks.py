@@ -433,3 +433,23 @@ def test_bench_first_stage(results: Path, capsys, tmp_path: Path) -> None:
     assert {r["setting"]["kind"] for r in rows} == {"exhaustive", "centroids", "ivf", "text"}
     assert set(payload["latency_p50_ms"]) >= {"centroids (default)", "exhaustive MaxSim"}
     assert payload["first_stage_ram_bytes"] > 0
+
+
+def test_bench_pages_on_a_tiny_page_index(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """make_synthetic's page mode (a ColPali-class index: int8, pure MaxSim, the centroid first
+    stage by default) and bench_pages on it: every setting's recall, both readers' latencies."""
+    from benchmarks import bench_pages
+    from benchmarks.make_synthetic import generate
+
+    out = tmp_path / "pages"
+    info = generate(out, 50, sample_index, d_bow=128, queries=8, chunk_size=20, nlist=4, ann="flat", patches=64)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert info["bow_vectors"] == 50 * 64 and manifest["store"]["dtype"] == "int8"
+    assert manifest["first_stage"]["kind"] == "centroids" and manifest["encoder"]["learned_weight"] == 0.0
+    assert bench_pages.main(["--index", str(out), "--quick"]) == 0
+    payload = _check(results, "pages_quick", capsys, png=False)
+    assert {r["setting"]["kind"] for r in payload["recall"]["rows"]} == {"centroids", "ivf", "union"}
+    assert all(0.0 <= r["recall@10"] <= 1.0 for r in payload["recall"]["rows"])
+    assert 0.0 < payload["recall"]["default_served_recall@10"] <= 1.0
+    assert set(payload["latency"]) == {"posix", "memory"} and payload["latency"]["posix"]["p50_ms"] > 0
+    assert payload["footprint"]["records_bytes_per_page"] > 64 * 128

@@ -30,6 +30,7 @@ from espn.cli import OWN_LOGGERS, main
 from espn.encoders import encoder_from_spec
 from espn.encoders.visual import VisualEncoder
 from espn.errors import ConflictError, DocumentNotFoundError, InvalidParameterError
+from espn.first_stage.build import DEFAULT_FIRST_STAGE, PAGE_FIRST_STAGE
 from espn.generation.format import read_current
 from espn.live.checks import NewDocument
 from espn.live.commit import GroupCommit
@@ -134,8 +135,11 @@ def test_stored_images_are_bounded_jpeg_and_thumbnails_are_smaller() -> None:
 
 
 def test_the_build_keeps_each_pages_image_listed_in_the_manifest(index: Path) -> None:
-    files = json.loads((index / "manifest.json").read_text())["files"]
-    assert {IMAGES_FILE, IMAGE_OFFSETS_FILE} <= set(files)
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert {IMAGES_FILE, IMAGE_OFFSETS_FILE} <= set(manifest["files"])
+    # pages start with their own first-stage default (docs/benchmarks/first-stage.md, "Pages")
+    assert manifest["first_stage"]["kind"] == "centroids"
+    assert manifest["first_stage"]["probe"] == PAGE_FIRST_STAGE.probe != DEFAULT_FIRST_STAGE.probe
     with Searcher.open(index, with_encoder=False) as searcher:
         assert searcher.is_page_index
         for number in range(PAGES):
