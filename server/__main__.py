@@ -9,7 +9,7 @@ import sys
 def main() -> int:
     # As in `espn`: before torch or FAISS load OpenMP, idle threads must not spin.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from espn.cli import CliParser  # entry point: only once OMP_WAIT_POLICY is set (above)
+    from espn.service import CliParser  # entry point: only once OMP_WAIT_POLICY is set (above)
 
     from .cli import add_serve_arguments, run_command  # entry point, as espn.cli
 

@@ -18,9 +18,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from espn.errors import EspnError
-from espn.live.replication.follower import Follower
-from espn.live.replication.publisher import Publisher
-from espn.live.snapshot import remove_leftovers
+from espn.service import Follower, Publisher, remove_snapshot_leftovers
 
 from . import connections
 from .deps import AppState, declare_api_key, get_writes
@@ -94,7 +92,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.metrics.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
     state.metrics.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
     if settings.snapshot_dir is not None:  # what snapshots killed with an earlier server left
-        removed = await asyncio.to_thread(remove_leftovers, settings.snapshot_dir)
+        removed = await asyncio.to_thread(remove_snapshot_leftovers, settings.snapshot_dir)
         if removed:
             logger.info("removed leftovers of killed snapshots", extra={"removed": removed})
     if settings.follow is not None:

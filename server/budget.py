@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .errors import ApiError
 
 if TYPE_CHECKING:
-    from espn.params import SearchParams
+    from espn.service import SearchParams
 
 __all__ = ["check_budget", "HIT_BYTES"]
 

@@ -29,8 +29,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from espn.errors import EspnError
-from espn.live.status import read_only_reason
-from espn.generation.segments import open_view
+from espn.service import open_view, read_only_reason, remove_index_leftovers
 
 from . import connections
 from .logs import logging_config
@@ -77,7 +76,7 @@ def _fork_workers() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(_subprocess, "spawn"):
         logger.warning("cannot fork uvicorn workers here; each worker imports torch on its own")
         return False
-    import espn.search.searcher  # noqa: F401  torch, faiss, numpy, the encoders
+    from espn.service import Searcher  # noqa: F401  torch, faiss, numpy, the encoders
     import transformers.modeling_utils  # noqa: F401  torch._dynamo & co, imported by every HF model
 
     from . import app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)
@@ -110,7 +109,7 @@ def _restore_follower() -> Optional[str]:
     """A new follower (--follow, INDEX absent) starts from the newest generation; the error line, or None."""
     follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
     if follow and index and not Path(index).exists():
-        from espn.live.replication.restore import restore_from_store  # FAISS: after logging is set up
+        from espn.service import restore_from_store  # FAISS: after logging is set up
 
         try:
             restore_from_store(follow, Path(index))
@@ -185,6 +184,23 @@ def _decide_read_only(settings: ServerSettings) -> ServerSettings:
     return settings
 
 
+def _prepare_index_root(settings: ServerSettings) -> Optional[str]:
+    """The directory indexes are created in: made if missing, and cleared of what killed creations
+    and deletions left (here, once, before any worker could be creating one); the error line, or None."""
+    root = settings.creation_root()
+    if root is None:
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"espn serve: error: --index-root {root}: {error.strerror or error}"
+    removed = remove_index_leftovers(root)
+    if removed:
+        print(json.dumps({"event": "removed leftovers of killed index creations and deletions", "root": str(root),
+                          "removed": removed}), file=sys.stderr, flush=True)
+    return None
+
+
 def _announce(settings: ServerSettings) -> None:
     """The settings every worker will read, exported and printed once; a warning when unauthenticated."""
     # Normalised values (resolved index path, ...) are what every worker will read.
@@ -214,6 +230,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return 1
     settings = _decide_read_only(settings)
+    problem = _prepare_index_root(settings)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 1
     _announce(settings)
     multiproc_dir: Optional[MetricsDir] = None
     if (settings.workers > 1 or settings.metrics_port is not None) and MULTIPROC_ENV not in os.environ:

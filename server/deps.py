@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from espn.live.replication.follower import Follower
-from espn.live.replication.publisher import Publisher
+from espn.service import Follower, Publisher
 
 from .errors import ApiError, ServiceUnavailableError
 from .metrics import ServerMetrics
@@ -20,7 +19,7 @@ from .settings import ServerSettings
 from .writes import WriteService
 
 if TYPE_CHECKING:  # the library pulls in torch and faiss; routes only need the types
-    from espn.generation.live_searcher import LiveSearcher
+    from espn.service import LiveSearcher
 
     from .indexes import IndexRegistry
 
@@ -52,6 +51,8 @@ class AppState:
     last_used: float = 0.0  # time.monotonic() of its last request's end
     closing: bool = False  # set (on the loop) before an idle close starts: requests wait for it and reopen
     documents: Optional[int] = None  # its documents when it last was open
+    memory_bytes: Optional[int] = None  # estimated memory it holds when open (server.index_budget)
+    deleting: bool = False  # DELETE /v1/indexes/{name} has begun: requests get 404 from now on
 
     def replication(self) -> Optional[dict[str, Any]]:
         """A follower's or a publishing writer's status (same lag and staleness keys), or None."""

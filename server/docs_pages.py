@@ -31,11 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from espn.cli import build_parser
-from espn.ids import MAX_ID_BYTES
-from espn.params import MAX_K
-from espn.search.hybrid import MAX_LEXICAL_K
-from espn.search.validation import MAX_QUERY_CHARS
+from espn.service import MAX_ID_BYTES, MAX_K, MAX_LEXICAL_K, MAX_QUERY_CHARS, build_parser
 
 from .app import build_app
 from .schemas import MAX_HTTP_K, MAX_HTTP_LEXICAL_K

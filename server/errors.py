@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
                          InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
-from espn.partitioning import WrongPartitionError
+from espn.service import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
 

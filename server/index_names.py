@@ -11,12 +11,15 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["DEFAULT_INDEX_NAME", "INDEX_NAME", "resolve_indexes", "split_entries", "default_index_path"]
+__all__ = ["DEFAULT_INDEX_NAME", "INDEX_NAME", "NAME_RULE", "resolve_indexes", "split_entries", "default_index_path",
+           "indexes_under", "resolve_models"]
 
 #: The name of INDEX (the default index) when no --index names it.
 DEFAULT_INDEX_NAME = "default"
 #: What an index's name may be: it is a URL path segment and a directory name.
 INDEX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: INDEX_NAME in words, for the messages that refuse a name.
+NAME_RULE = "letters, digits, '_', '.', '-' (at most 64, not first '.', '_' or '-')"
 
 
 def _index_dir(path: Path) -> Path:
@@ -26,18 +29,18 @@ def _index_dir(path: Path) -> Path:
     return path
 
 
-def resolve_indexes(default: Optional[Path], entries: list[str]) -> dict[str, Path]:
+def resolve_indexes(default: Optional[Path], entries: list[str], root: Optional[Path] = None) -> dict[str, Path]:
     """name -> index directory of every index served, the default first.
 
     entries: NAME=PATH, PATH (an index: the default one), or a directory of indexes (each
-    subdirectory holding a manifest.json, named after it). `default` (INDEX) is named
+    subdirectory holding a manifest.json, named after it); then the indexes in `root`
+    (--index-root). `default` (INDEX) is named
     `default` unless an entry names its directory. A name twice, or a bad name, is refused."""
     named: dict[str, Path] = {}
 
     def add(name: str, path: Path) -> None:
         if not INDEX_NAME.match(name):
-            raise ValueError(f"index name {name!r}: letters, digits, '_', '.', '-' (at most 64, not first '.', "
-                             "'_' or '-')")
+            raise ValueError(f"index name {name!r}: {NAME_RULE}")
         if name in named and named[name] != path:
             raise ValueError(f"index name {name!r} given twice ({named[name]} and {path})")
         named[name] = path
@@ -51,13 +54,15 @@ def resolve_indexes(default: Optional[Path], entries: list[str]) -> dict[str, Pa
         if (path / "manifest.json").is_file():
             add(DEFAULT_INDEX_NAME, path)
         elif path.is_dir():
-            found = sorted(child for child in path.iterdir() if (child / "manifest.json").is_file())
+            found = indexes_under(path)
             if not found:
                 raise ValueError(f"{path}: neither an index (no manifest.json) nor a directory of indexes")
-            for child in found:
-                add(child.name, child.resolve())
+            for name, child in found.items():
+                add(name, child)
         else:
             raise ValueError(f"--index {entry!r}: expected NAME=PATH, an index directory or a directory of indexes")
+    for name, path in indexes_under(root).items() if root is not None else ():
+        named.setdefault(name, path)  # --index-root: its indexes, unless named otherwise already
     if default is not None:
         default = Path(default)
         names = [name for name, path in named.items() if path == default]
@@ -82,3 +87,26 @@ def default_index_path(entries: list[str]) -> Optional[Path]:
     """Without INDEX: the entry named `default`, else the first (None: no entries)."""
     named = resolve_indexes(None, entries)
     return named.get(DEFAULT_INDEX_NAME, next(iter(named.values()))) if named else None
+
+
+def indexes_under(root: Path) -> dict[str, Path]:
+    """name -> directory of each index in the directory `root` (a subdirectory with a manifest.json,
+    named after it), sorted by name; hidden names (a creation or deletion in progress) are skipped."""
+    if not root.is_dir():
+        return {}
+    return {child.name: child.resolve() for child in sorted(root.iterdir())
+            if not child.name.startswith(".") and (child / "manifest.json").is_file()}
+
+
+def resolve_models(entries: list[str]) -> dict[str, str]:
+    """name -> encoder spec of each `--model NAME=SPEC`; a bad or repeated name is refused."""
+    models: dict[str, str] = {}
+    for entry in entries:
+        name, sep, spec = entry.partition("=")
+        if not sep or not INDEX_NAME.match(name) or not spec.strip():
+            raise ValueError(f"--model {entry!r}: expected NAME=SPEC (an encoder as `espn index --encoder` takes it, "
+                             f"e.g. minilm), NAME of {NAME_RULE}")
+        if name in models and models[name] != spec.strip():
+            raise ValueError(f"model name {name!r} given twice")
+        models[name] = spec.strip()
+    return models

@@ -12,7 +12,10 @@ snapshot directory (`--snapshot-dir/NAME` for all but the default).
 The default index opens at start-up (its readiness is the server's, as before); every other
 index opens at its first request and, with `--index-idle-close S`, closes after S seconds
 without one. Indexes whose encoder is the same (server.shared_encoders) hold one loaded model
-per worker.
+per worker. With an index root (server.index_admin creates and deletes indexes there), a name
+a worker does not hold is looked up in the root, and an index whose directory is gone is a 404
+that closes it: what one worker creates or deletes, the others see. Before an index opens,
+server.index_budget makes room for it within `--index-memory-budget`.
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ from typing import Any, Iterator, Optional
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from espn.errors import EspnError
-from espn.generation.live_searcher import LiveSearcher
-from espn.live.snapshot import remove_leftovers
-from espn.live.status import read_only_reason
+from espn.service import LiveSearcher, live_documents, read_only_reason
+from espn.service import remove_snapshot_leftovers as remove_leftovers
 
 from .deps import INDEX_STATE_KEY, AppState
 from .errors import ApiError, error_response
+from .index_budget import estimate_bytes, make_room
 from .metrics import ServerMetrics
 from .schemas import IndexInfo
 from .search_service import SearchService, open_searcher
 from .settings import ServerSettings
+from .index_names import INDEX_NAME, indexes_under
 from .shared_encoders import SharedEncoders
 
 __all__ = ["IndexRegistry", "IndexRoutes", "open_index", "close_index", "INDEX_PREFIX", "INDEX_ROUTES"]
@@ -79,8 +83,10 @@ async def open_index(state: AppState, encoders: SharedEncoders) -> None:
     state.live = LiveSearcher(searcher)
     state.search = SearchService(state.live, settings, state.metrics)
     state.search.start()
-    state.documents = searcher.num_documents
-    state.metrics.set_index(state.name, True, searcher.num_documents)
+    state.documents = _searchable(searcher)
+    state.metrics.set_index(state.name, True, state.documents)
+    state.memory_bytes = await asyncio.to_thread(estimate_bytes, settings)
+    state.metrics.set_index_memory(state.name, state.memory_bytes)
 
 
 async def close_index(state: AppState, encoders: SharedEncoders) -> None:
@@ -93,11 +99,17 @@ async def close_index(state: AppState, encoders: SharedEncoders) -> None:
     if state.publisher is not None:  # ... and uploaded, when the store answers
         await asyncio.to_thread(state.publisher.stop)
     if state.live is not None:
-        state.documents = state.live.current.num_documents
+        state.documents = _searchable(state.live.current)
         state.live.close()
     state.live, state.search = None, None
     _release_encoder(state, encoders)
     state.metrics.set_index(state.name, False, state.documents or 0)
+
+
+def _searchable(searcher: Any) -> int:
+    """Documents a search can find: deleted and replaced ones (still numbered until a compaction) not counted."""
+    view = searcher.view
+    return int(view.generation.live_documents) if view is not None else int(searcher.num_documents)
 
 
 def _snapshot_dir_ready(directory: Path) -> None:
@@ -123,8 +135,8 @@ def _encoder_name(path: Path) -> str:
 
 def _built_documents(path: Path) -> int:
     try:
-        return int(json.loads((path / "manifest.json").read_text())["counts"]["documents"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return live_documents(path)
+    except (EspnError, OSError, ValueError, KeyError, TypeError):
         return 0
 
 
@@ -133,29 +145,76 @@ class IndexRegistry:
 
     def __init__(self, default: AppState, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.encoders = SharedEncoders()
+        self.settings, self.metrics = settings, metrics
+        #: Where indexes are created and deleted over HTTP (None: they are not), and with what encoders.
+        self.root, self.models = settings.creation_root(), settings.model_map()
         named = settings.index_map()
         self.default_name = next(iter(named))
         default.name = self.default_name
-        self.states: dict[str, AppState] = {}
-        self.encoder_names = {name: _encoder_name(path) for name, path in named.items()}
+        self.states: dict[str, AppState] = {self.default_name: default}
+        self.encoder_names = {self.default_name: _encoder_name(named[self.default_name])}
+        self._locks: dict[str, asyncio.Lock] = {self.default_name: asyncio.Lock()}
         for name, path in named.items():
-            if name == self.default_name:
-                self.states[name] = default
-                continue
-            update: dict[str, Any] = {"index": path}
-            if settings.snapshot_dir is not None:
-                update["snapshot_dir"] = settings.snapshot_dir / name
-            self.states[name] = AppState(settings=settings.model_copy(update=update), metrics=metrics, name=name,
-                                         lazy=True, documents=_built_documents(path))
-        self._locks = {name: asyncio.Lock() for name in self.states}
+            if name != self.default_name:
+                self.add(name, path)
         self._idle_task: Optional[asyncio.Task[None]] = None
+        self._drops: set[asyncio.Future[None]] = set()
+
+    def add(self, name: str, path: Path) -> AppState:
+        """Hold the index at `path` (closed: it opens at its first request) as `name`."""
+        update: dict[str, Any] = {"index": path}
+        if self.settings.snapshot_dir is not None:
+            update["snapshot_dir"] = self.settings.snapshot_dir / name
+        state = AppState(settings=self.settings.model_copy(update=update), metrics=self.metrics, name=name,
+                         lazy=True, documents=_built_documents(path))
+        self.states[name] = state
+        self.encoder_names[name] = _encoder_name(path)
+        self._locks.setdefault(name, asyncio.Lock())
+        return state
+
+    def forget(self, name: str) -> None:
+        """Stop holding a (closed) index: deleted, here or by another worker."""
+        self.states.pop(name, None)
+        self.encoder_names.pop(name, None)
+        self.metrics.forget_index(name)
+
+    async def _drop(self, state: AppState) -> None:
+        """Close (once no request is inside) and forget an index another worker deleted."""
+        while state.in_flight:
+            await asyncio.sleep(0.05)
+        await self.close_one(state, "deleted")
+        if self.states.get(state.name) is state:
+            self.forget(state.name)
+
+    def lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def refresh(self) -> None:
+        """Hold what another worker created in the index root since (a directory with a manifest)."""
+        if self.root is None:
+            return
+        for name, path in indexes_under(self.root).items():
+            if name not in self.states and INDEX_NAME.match(name):
+                self.add(name, path)
+
+    @staticmethod
+    def gone(state: AppState) -> bool:
+        """Whether an index's directory was removed (deleted by a worker, this one or another)."""
+        return state.deleting or (state.lazy and not (state.settings.index / "manifest.json").is_file())
 
     def __iter__(self) -> Iterator[AppState]:
         return iter(self.states.values())
 
     def get(self, name: str) -> AppState:
         state = self.states.get(name)
-        if state is None:
+        if state is None and self.root is not None and INDEX_NAME.match(name) \
+                and (self.root / name / "manifest.json").is_file():
+            state = self.add(name, (self.root / name).resolve())  # created by another worker
+        if state is not None and self.gone(state) and not state.deleting:  # deleted by another worker
+            drop = asyncio.ensure_future(self._drop(state))
+            self._drops.add(drop)  # held until done: the loop keeps only a weak reference to a task
+            drop.add_done_callback(self._drops.discard)
+        if state is None or self.gone(state):
             raise ApiError(404, f"no index named {name!r} on this server; GET /v1/indexes lists them",
                            code="not_found")
         return state
@@ -166,8 +225,11 @@ class IndexRegistry:
         state.in_flight += 1
         try:
             if state.lazy and (state.live is None or state.closing):
-                async with self._locks[name]:
+                async with self.lock(name):
+                    if self.gone(state):  # deleted while this request waited
+                        raise ApiError(404, f"no index named {name!r} on this server (deleted)", code="not_found")
                     if state.live is None:
+                        await make_room(self, state)
                         logger.info("opening index", extra={"index": name, "path": str(state.settings.index)})
                         await open_index(state, self.encoders)
                         state.status, state.ready = "ready", True
@@ -181,21 +243,33 @@ class IndexRegistry:
         state.last_used = time.monotonic()
 
     def describe(self) -> list[IndexInfo]:
+        self.refresh()
         out = []
-        for state in self:
+        for state in list(self):
+            if self.gone(state):
+                if state.live is None and not state.deleting:
+                    self.forget(state.name)
+                continue
             live = state.live
             searcher = live.current if live is not None else None
             out.append(IndexInfo(
                 name=state.name, default=not state.lazy, open=searcher is not None and not state.closing,
-                documents=searcher.num_documents if searcher is not None else state.documents or 0,
+                documents=_searchable(searcher) if searcher is not None else state.documents or 0,
                 generation=searcher.generation if searcher is not None else None,
                 encoder=self.encoder_names[state.name],
-                mode=None if searcher is None else "read-only" if state.read_only else "read-write"))
+                mode=None if searcher is None else "read-only" if state.read_only else "read-write",
+                memory_mib=round(self.memory_bytes(state) / 2**20, 3)))
         return out
+
+    def memory_bytes(self, state: AppState) -> int:
+        """The estimate of what the index holds when open (server.index_budget)."""
+        if state.memory_bytes is None:
+            state.memory_bytes = estimate_bytes(state.settings)
+        return state.memory_bytes
 
     def start(self, idle_close_s: float) -> None:
         """Close idle indexes in the background (idle_close_s > 0); call from the running loop."""
-        if idle_close_s > 0 and len(self.states) > 1:
+        if idle_close_s > 0 and (len(self.states) > 1 or self.root is not None):
             self._idle_task = asyncio.create_task(self._close_idle_loop(idle_close_s), name="espn-index-idle")
 
     async def _close_idle_loop(self, idle_close_s: float) -> None:
@@ -207,29 +281,34 @@ class IndexRegistry:
     async def close_idle(self, idle_close_s: float) -> None:
         """Close every lazy index open, unused now and for idle_close_s seconds."""
         now = time.monotonic()
-        for state in self:
-            if (not state.lazy or state.live is None or state.closing or state.in_flight
-                    or now - state.last_used < idle_close_s):
+        for state in list(self):
+            if not state.lazy or state.live is None or state.closing or state.in_flight:
                 continue
-            state.closing = True  # on the loop, before any await: a request arriving now waits and reopens
-            try:
-                async with self._locks[state.name]:
-                    logger.info("closing idle index", extra={"index": state.name, "idle_s": round(now - state.last_used, 1)})
+            if self.gone(state) or now - state.last_used >= idle_close_s:
+                await self.close_one(state, "deleted" if self.gone(state) else "idle", round(now - state.last_used, 1))
+
+    async def close_one(self, state: AppState, reason: str, idle_s: float = 0.0) -> None:
+        """Close an open lazy index with no request inside (idle, over the memory budget, deleted)."""
+        state.closing = True  # on the loop, before any await: a request arriving now waits and reopens
+        try:
+            async with self.lock(state.name):
+                if state.live is not None:
+                    logger.info("closing index", extra={"index": state.name, "reason": reason, "idle_s": idle_s})
                     state.ready, state.status = False, "closed"
                     await close_index(state, self.encoders)
-            except Exception:
-                logger.exception("closing the idle index %s failed", state.name)
-            finally:
-                state.closing = False
+        except Exception:
+            logger.exception("closing the index %s failed", state.name)
+        finally:
+            state.closing = False
 
     async def close(self) -> None:
         """Stop closing idle indexes and close every lazy one (the app's lifespan closes the default)."""
         if self._idle_task is not None:
             self._idle_task.cancel()
             await asyncio.gather(self._idle_task, return_exceptions=True)
-        for state in self:
+        for state in list(self):
             if state.lazy and state.live is not None:
-                async with self._locks[state.name]:
+                async with self.lock(state.name):
                     state.ready, state.status = False, "draining"
                     await close_index(state, self.encoders)
 

@@ -26,7 +26,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:  # the supervisor imports this module without the library
-    from espn.prefetch import PrefetchEstimates
+    from espn.service import PrefetchEstimates
 
 __all__ = ["ServerMetrics", "MULTIPROC_ENV", "CONTENT_TYPE_LATEST"]
 
@@ -75,10 +75,24 @@ class ServerMetrics:
         self.index_requests = Counter(
             "espn_index_requests", "requests to /v1/indexes/{name}/...", ["index"], registry=reg,
         )
+        self.index_memory = Gauge(
+            "espn_index_memory_bytes", "estimated memory the open index holds, summed over the workers holding it "
+            "(what --index-memory-budget counts; 0 when closed)", ["index"], multiprocess_mode="livesum", registry=reg,
+        )
 
     def set_index(self, name: str, is_open: bool, documents: int) -> None:
         self.index_open.labels(name).set(1 if is_open else 0)
         self.index_documents.labels(name).set(documents)
+        if not is_open:
+            self.index_memory.labels(name).set(0)
+
+    def set_index_memory(self, name: str, estimated_bytes: int) -> None:
+        self.index_memory.labels(name).set(estimated_bytes)
+
+    def forget_index(self, name: str) -> None:
+        """A deleted index: closed, nothing held (a series of a worker's metric file cannot be removed)."""
+        for gauge in (self.index_open, self.index_documents, self.index_memory):
+            gauge.labels(name).set(0)
 
     def _add_http_metrics(self, reg: Optional[CollectorRegistry]) -> None:
         """The requests, their latency and those in flight, per endpoint."""

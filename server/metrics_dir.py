@@ -21,7 +21,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from espn.files import lock_is_free
+from espn.service import lock_is_free
 
 __all__ = ["MetricsDir", "PREFIX", "remove_stale"]
 

@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from espn.errors import RefusedInputError
-from espn.untrusted import MAX_JSON_DEPTH, check_json_depth
+from espn.service import MAX_JSON_DEPTH, check_json_depth
 
 from .errors import error_response
 from .logs import ACCESS_LOGGER

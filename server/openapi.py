@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from espn.filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
+from espn.service import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
 
 __all__ = ["add_contract", "filter_schema"]
 

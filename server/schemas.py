@@ -21,10 +21,11 @@ from typing import Annotated, Any, Callable, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
-from espn.params import MAX_CANDIDATES, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK, NO_TEXT_PATTERN, has_text
-from espn.ids import MAX_ID_BYTES, decode_doc_id, id_problem
-from espn.pages.images import BASE64_PATTERN, MAX_BASE64_CHARS, decode_base64_image
-from espn.search.validation import MAX_QUERY_CHARS
+from espn.service import (BASE64_PATTERN, MAX_BASE64_CHARS, MAX_CANDIDATES, MAX_ID_BYTES, MAX_PREFETCH_K, MAX_PROBE,
+                          MAX_QUERY_CHARS, MAX_RERANK, NO_TEXT_PATTERN, decode_base64_image, decode_doc_id, has_text,
+                          id_problem)
+
+from .index_schemas import CreateIndexRequest, IndexInfo, IndexListResponse
 
 __all__ = [
     "MAX_QUERY_CHARS",
@@ -34,6 +35,7 @@ __all__ = [
     "SearchOptions",
     "IndexInfo",
     "IndexListResponse",
+    "CreateIndexRequest",
     "SearchRequest",
     "BatchSearchRequest",
     "SearchHit",
@@ -374,25 +376,6 @@ class ReadinessResponse(HealthResponse):
                                   "readiness is the default index's")
 
 
-class IndexInfo(BaseModel):
-    """One index a server holds (GET /v1/indexes, /readyz)."""
-
-    name: str = Field(description="its name: the index's routes are under /v1/indexes/{name}/")
-    default: bool = Field(description="the default index, also served by /v1/search, /v1/documents, ...")
-    open: bool = Field(description="open in the worker that answered (indexes open on their first request and "
-                                   "close after ESPN_INDEX_IDLE_CLOSE_S without one)")
-    documents: int = Field(description="documents searchable: now when open, else when it last closed (or as built)")
-    generation: Optional[int] = Field(default=None, description="the live-index generation served, when open")
-    encoder: str = Field(description="the encoder's kind and model name from the index's manifest, e.g. hf:all-MiniLM-L6-v2")
-    mode: Optional[str] = Field(default=None, description='"read-write" or "read-only", when open')
-
-
-class IndexListResponse(BaseModel):
-    """GET /v1/indexes."""
-
-    indexes: list[IndexInfo] = Field(description="every index this server holds, the default first")
-
-
 class ErrorResponse(BaseModel):
     """Body of every 4xx/5xx the server sends on purpose."""
 
@@ -497,4 +480,4 @@ class WriteResponse(BaseModel):
     deleted: list[str]
 
 
-ReadinessResponse.model_rebuild()  # its `indexes` names IndexInfo, defined after it
+ReadinessResponse.model_rebuild()  # its `indexes` names IndexInfo (server.index_schemas)

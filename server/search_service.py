@@ -6,7 +6,8 @@ public API only, and nothing of HTTP beyond the request's options.
 Every query goes through the micro-batcher (`batching.MicroBatcher`): concurrent requests
 of several parameter sets are tokenised and encoded in one batch, then each group is
 searched with its own parameters (a failure stays in its group, and a query the library
-refuses is that query's alone: `espn.search.isolation.search_each`).
+refuses is that query's alone: `espn.service.search_isolated`). The library is reached
+through `espn.service` only.
 """
 
 from __future__ import annotations
@@ -17,22 +18,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from espn import Searcher
-from espn.encoders import Encoder
 from espn.errors import DocumentNotFoundError, InvalidParameterError
-from espn.search.explain import can_explain
-from espn.filters import canonical_filter
-from espn.generation.live_searcher import LiveSearcher
-from espn.prefetch import PrefetchEstimates
-from espn.search.isolation import search_each
-from espn.search.lexical import require_text
-from espn.results import Document, QueryResult
+from espn.service import (Document, Encoder, LiveSearcher, PrefetchEstimates, QueryResult, Searcher,
+                          canonical_filter, encode_together, search_isolated, sort_outcomes)
 
 from .batching import BatchedResult, MicroBatcher
 from .budget import check_budget
@@ -73,32 +66,19 @@ def open_searcher(settings: ServerSettings,
                          encoder_loader=encoder_loader)
 
 
-def _mean_text_bytes(searcher: Searcher) -> float:
-    """Mean stored bytes per passage (title and text as JSON), for the response-size budget."""
-    size = searcher.index.file("docs.jsonl").stat().st_size
-    return size / max(1, searcher.num_documents)
-
-
 def _isolated(outcomes: list[BatchedResult[QueryResult] | Exception]
               ) -> tuple[list[BatchedResult[QueryResult]], list[int], dict[int, InvalidParameterError], list[int]]:
     """(results, their positions, refusals by position, failed positions) of a batch's outcomes.
     A failure that is not the library's refusal (a bug, a failed read) is logged once with its
     traceback, never shown to the client as a bad query nor turned into the whole batch's 500."""
-    results, answered, refused, failed = [], [], {}, []
+    sorted_ = sort_outcomes(outcomes)
     logged: set[int] = set()
-    for i, one in enumerate(outcomes):
-        if isinstance(one, InvalidParameterError):
-            refused[i] = one
-        elif isinstance(one, Exception):
-            failed.append(i)
-            if id(one) not in logged:  # a group's failure reaches each of its queries: one log line
-                logged.add(id(one))
-                logger.error("internal error searching a batch's query %d: %s", i, one,
-                             exc_info=(type(one), one, one.__traceback__))
-        else:
-            results.append(one)
-            answered.append(i)
-    return results, answered, refused, failed
+    for i, one in sorted_.failed.items():
+        if id(one) not in logged:  # a group's failure reaches each of its queries: one log line
+            logged.add(id(one))
+            logger.error("internal error searching a batch's query %d: %s", i, one,
+                         exc_info=(type(one), one, one.__traceback__))
+    return list(sorted_.answered.values()), list(sorted_.answered), sorted_.refused, list(sorted_.failed)
 
 
 class SearchService:
@@ -108,7 +88,7 @@ class SearchService:
         self.live = live
         self.settings = settings
         self.metrics = metrics
-        self.text_bytes = _mean_text_bytes(live.current)
+        self.text_bytes = live.current.mean_document_bytes()
         # What each search call measured, from its thread to the loop: recorded once the answers
         # are out (a deque: appends from the search threads, pops on the loop).
         self._measured: collections.deque[tuple[list[tuple[int, Mapping[str, float], int, int]],
@@ -222,11 +202,7 @@ class SearchService:
         kwargs = options.search_kwargs()
         modes = options.mode_kwargs()
         params = searcher.params(**{key: value for key, value in kwargs.items() if key not in modes})
-        hybrid = searcher.hybrid_params(**modes)
-        if hybrid.mode != "dense":
-            require_text(searcher.text, hybrid.mode)  # a 422 before the request queues
-        if explain and hybrid.mode != "lexical":
-            can_explain(searcher.encoder)
+        searcher.check_request(searcher.hybrid_params(**modes), explain)  # a 422 before the request queues
         settings = self.settings
         check_budget(params, n_queries, searcher.num_documents, self.text_bytes, options.return_text,
                      max_work=settings.max_request_work, max_response_bytes=settings.max_response_bytes)
@@ -259,45 +235,21 @@ class SearchService:
             return self._search_groups(searcher, groups)
 
     def _search_groups(self, searcher: Searcher, groups: list[tuple[list[str], Mapping[str, Any]]]) -> list[Any]:
-        started = time.perf_counter()
-        texts: list[list[str] | None] = [None] * len(groups)  # what each group encodes (None: nothing)
-        embeddings = None
-        if len(groups) > 1:
-            try:
-                texts = [searcher.dense_queries(queries, params.get("mode"), params.get("syntax"))
-                         for queries, params in groups]
-                flat = [text for group in texts if group is not None for text in group]
-                embeddings = searcher.encode(flat) if flat else None
-            except Exception:  # noqa: BLE001 - a bad group fails below, on its own
-                texts, embeddings = [None] * len(groups), None
-        encode_ms = (time.perf_counter() - started) * 1000
+        """Every group searched with its own parameters, their queries encoded in one call; per
+        group, its outcomes by query (a result or the library's refusal of that query), or the
+        exception that failed the whole group (handed to each of its waiters)."""
+        shared, encode_ms = encode_together(searcher, groups)
         outcomes: list[Any] = []
         measured: list[tuple[int, Mapping[str, float], int, int]] = []
-        start = 0
-        for (queries, params), group_texts in zip(groups, texts):
-            rows = None
-            if embeddings is not None and group_texts is not None:
-                rows = slice(start, start + len(group_texts))
-                start += len(group_texts)
-            shared = None if rows is None or embeddings is None else embeddings[rows]
-
-            def run(picked: list[int], queries: list[str] = queries, params: Mapping[str, Any] = params,
-                    shared: Any = shared) -> list[QueryResult]:
-                # The shared encode serves the whole group; a query searched alone encodes itself.
-                whole = len(picked) == len(queries)
-                return searcher.search([queries[i] for i in picked], embeddings=shared if whole else None, **params)
-
+        for (queries, params), embeddings in zip(groups, shared):
             try:
                 # One query's refusal is only that query's (its waiter gets it); the others are answered.
-                results: list[Any] = search_each(run, len(queries))
+                results: list[Any] = search_isolated(searcher, queries, params, embeddings=embeddings,
+                                                     encode_ms=encode_ms)
             except Exception as exc:  # noqa: BLE001 - not a query's fault: handed to this group's waiters
                 outcomes.append(exc)
                 continue
             answered = [r for r in results if not isinstance(r, BaseException)]
-            if len(answered) == len(queries) and rows is not None:  # the shared encode, in this call's stage times
-                stage_ms = answered[0].stats.stage_ms
-                stage_ms["encode"] = round(encode_ms, 3)
-                stage_ms["total"] = round(stage_ms["total"] + encode_ms, 3)
             if answered:
                 stats = answered[0].stats
                 measured.append((len(answered), stats.stage_ms, stats.waves, stats.waves_skipped))

@@ -26,9 +26,10 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from espn.choices import READER_NAMES
+from espn.service import READER_NAMES
 
 from .index_names import default_index_path, resolve_indexes, split_entries
+from .index_settings import IndexSettings
 
 __all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
@@ -46,7 +47,7 @@ _API_KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
-class ServerSettings(BaseSettings):
+class ServerSettings(IndexSettings, BaseSettings):
     """Everything `espn serve` can be told; each field is `ESPN_<NAME>` in the environment."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
@@ -55,14 +56,6 @@ class ServerSettings(BaseSettings):
     index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json); "
                                     "the default index, served by /v1/search, /v1/documents, ...; unset: the "
                                     "--index named `default`, else the first --index")
-    indexes: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="more indexes, each served under /v1/indexes/NAME/...: NAME=PATH, or PATH (the default index), "
-                    "or a directory whose subdirectories are indexes (each named after its subdirectory); "
-                    "JSON list or comma-separated")
-    index_idle_close_s: float = Field(0.0, ge=0.0, le=7 * 86400.0,
-                                      description="close an index other than the default after this many seconds "
-                                                  "without a request (it opens again on the next one); 0: never")
     reader: Optional[str] = Field(None, description=f"embedding reader ({', '.join(READER_NAMES)}); unset: kvikio "
                                                     "with CUDA, else posix")
     device: Optional[str] = Field(None, description="torch device for MaxSim; unset: the library's choice")
@@ -216,11 +209,6 @@ class ServerSettings(BaseSettings):
     def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
         return check_api_key(value)
 
-    @field_validator("indexes", mode="before")
-    @classmethod
-    def _split_indexes(cls, value: Any) -> Any:
-        return split_entries(value)
-
     @model_validator(mode="before")
     @classmethod
     def _default_index(cls, data: Any) -> Any:
@@ -237,7 +225,7 @@ class ServerSettings(BaseSettings):
 
     def index_map(self) -> dict[str, Path]:
         """Every index served, by name, the default index first (resolved directories)."""
-        return resolve_indexes(self.index, self.indexes)
+        return resolve_indexes(self.index, self.indexes, self.index_root)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

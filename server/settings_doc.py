@@ -38,9 +38,11 @@ FLAG_NAMES = {
     "read_only": "--read-only",  # unset means "detect"; the flag forces read-only
     "indexes": "--index",  # repeatable: NAME=PATH
     "index_idle_close_s": "--index-idle-close",
+    "models": "--model",  # repeatable: NAME=SPEC
+    "index_memory_budget_mib": "--index-memory-budget",
 }
 #: Metavars that the field's name does not give.
-METAVARS = {"indexes": "[NAME=]PATH"}
+METAVARS = {"indexes": "[NAME=]PATH", "models": "NAME=SPEC"}
 #: Read from the environment only: a flag would show the secret in `ps`.
 ENV_ONLY = frozenset({"api_key"})
 #: Given as the command's positional argument (INDEX), not as a flag.

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from espn.encoders import Encoder, load_encoder
+from espn.service import Encoder, load_encoder
 
 __all__ = ["SharedEncoders", "encoder_key"]
 

@@ -17,15 +17,9 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-from espn.errors import EspnError, IndexLockedError
-from espn.generation.format import LIVE_DIR
-from espn.generation.live_searcher import LiveSearcher
-from espn.live.checks import NewDocument, WriteLimits, WriteResult
-from espn.live.commit import GroupCommit, lower_priority
-from espn.live.compaction import CompactionPolicy, CompactionRunningError
-from espn.live.live_index import LiveIndex
-from espn.metadata import MetadataLimits
-from espn.generation.format import read_current
+from espn.errors import EspnError
+from espn.service import (CompactionPolicy, CompactionRunningError, GroupCommit, LiveIndex, LiveSearcher,
+                          MetadataLimits, NewDocument, WriteLimits, WriteResult, lower_priority)
 
 from .settings import ServerSettings
 
@@ -60,13 +54,7 @@ class WriteService:
         whose owner is gone), when no other writer holds the lock at this moment (else that
         writer's own recovery does it)."""
         self.committer.index.warmup()  # a passage, or a blank page for an index of pages
-        if not (self.committer.index.root / LIVE_DIR).is_dir():
-            return  # never written to: nothing to recover, and serving it must leave it as it was
-        try:
-            with self.committer.index.locked(0.0):  # taking the writer lock recovers what a dead writer left
-                pass
-        except IndexLockedError:
-            pass
+        self.committer.index.recover()  # never written to: left as it was
 
     def submit(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> "concurrent.futures.Future[WriteResult]":
         """Queue one write; a bad one is refused here (InvalidParameterError), before it is queued."""
@@ -86,7 +74,7 @@ class WriteService:
         with self._lock:
             if self._closed or (self._compaction is not None and self._compaction.is_alive()):
                 return
-            if not self.policy.due(read_current(self.settings.index)):
+            if not self.policy.due(self.committer.index.current()):
                 return
             # Not a daemon: `close` joins it, so that the process never ends in the middle of a compaction.
             self._compaction = threading.Thread(target=self._compact, name="espn-compact")

@@ -48,6 +48,7 @@ MODELS = {
     models.WriteResponse: "WriteResponse", models.Health: "HealthResponse", models.Readiness: "ReadinessResponse",
     models.SnapshotInfo: "SnapshotInfo", models.SnapshotList: "SnapshotList", models.ErrorBody: "ErrorResponse",
     models.IndexInfo: "IndexInfo", models.IndexList: "IndexListResponse",
+    models.CreateIndexRequest: "CreateIndexRequest",
 }
 
 
@@ -171,6 +172,11 @@ def _every_route_sync(espn: Client) -> None:
     (index,) = espn.list_indexes()  # one index: the default, named `default`
     assert (index.name, index.default, index.open) == ("default", True, True)
     assert espn.get_index("default") == index
+    # This server has no index root: creating and deleting are refused (tests/test_index_admin.py does both).
+    for refused in (lambda: espn.create_index("new-one", "small"), lambda: espn.delete_index("default")):
+        with pytest.raises(ConflictError) as error:
+            refused()
+        assert error.value.code == "admin_off"
 
 
 async def _every_route_async(espn: AsyncClient) -> None:
@@ -193,6 +199,10 @@ async def _every_route_async(espn: AsyncClient) -> None:
     assert "client-async" in [s.name for s in await espn.list_snapshots()]
     assert [i.name for i in await espn.list_indexes()] == ["default"]
     assert (await espn.get_index("default")).default
+    with pytest.raises(ConflictError, match="index root"):
+        await espn.create_index("new-one", "small")
+    with pytest.raises(ConflictError, match="index root"):
+        await espn.delete_index("default")
     assert (await espn.limits()).max_batch_queries == 256
 
 

@@ -249,13 +249,25 @@ def test_the_library_and_the_server_never_import_the_build_job() -> None:
     assert not upward, _report("imports of espn_indexing from espn/ or server/", upward)
 
 
+#: What the server (espn_server, the router included) may import from the library: its one door and its errors.
+SERVER_DOOR = ("espn.service", "espn.errors")
+
+
+def test_the_server_imports_from_the_library_only_its_facade_and_errors() -> None:
+    """espn.service is the library as the server sees it (searching with per-query isolation,
+    documents, writes, status, snapshots, the limits its schemas validate against): the server
+    reaches no module behind it, in functions and type-only imports too."""
+    behind = [f"{edge.where}: {edge.source} imports {edge.target}" for edge in imports()
+              if edge.source.split(".")[0] == "espn_server" and edge.target.split(".")[0] == "espn"
+              and edge.target not in SERVER_DOOR]
+    assert not behind, _report(f"imports of the library from server/ other than {' and '.join(SERVER_DOOR)}", behind)
+
+
 def test_the_servers_write_service_uses_the_live_package() -> None:
-    users = [edge for edge in imports() if edge.source.startswith("espn_server")
+    """The server writes through its door (test above), and what the door lends for writes is espn.live's."""
+    users = [edge for edge in imports() if edge.source == "espn.service"
              and (edge.target == "espn.live" or edge.target.startswith("espn.live."))]
-    writes = sorted({edge.where for edge in imports() if edge.source.startswith("espn_server")
-                     and edge.target.startswith("espn_indexing")}, key=_line_order)
-    assert users, "no module under server/ imports espn.live (the server's writes go through " \
-                  f"espn_indexing instead: {', '.join(writes) or 'nowhere'})"
+    assert users, "espn.service names nothing of espn.live: the server's writes have no way to the live index"
 
 
 def _layout_paths(text: str) -> set[str]:

@@ -24,8 +24,7 @@ from ..errors import InvalidParameterError
 from ..evaluation import evaluate, strictly_decreasing, write_run
 from ..filters import canonical_filter
 from ..search.hybrid import HybridParams
-from ..search.isolation import search_each
-from ..search.lexical import require_text
+from ..search.isolation import search_each, sort_outcomes
 from ..params import SearchParams
 from ..results import Hit
 from .common import UsageError, check_output_file, one_line, reader_options
@@ -76,8 +75,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     searcher = Searcher.open(args.index, reader=args.reader, with_encoder=embeddings is None, reader_options=options,
                              trust_remote_code=args.trust_remote_code)
     searcher.params(args.k, **overrides)  # the bounds that depend on the index (nprobe <= nlist)
-    if searcher.hybrid_params(**modes).mode != "dense":
-        require_text(searcher.text, modes["mode"] or searcher.hybrid_defaults.mode)  # the run's, not a query's
+    searcher.check_request(searcher.hybrid_params(**modes))  # the run's modes, not a query's
     filtered = searcher.filtered_docs(args.filter)  # checked against the index's fields
     if filtered is not None:
         print(f"filter matches {filtered.matches} of {searcher.num_documents} documents")
@@ -209,10 +207,8 @@ def _search_each(run: Callable[[list[int]], list[Any]], ids: list[str],
     def refuse(row: int, refused: InvalidParameterError) -> None:
         raise InvalidParameterError(f"query {ids[row]}: {one_line(refused)}") from refused
 
-    outcomes = search_each(run, len(ids), on_refusal=refuse if strict else None)
-    results = {row: one for row, one in enumerate(outcomes) if not isinstance(one, InvalidParameterError)}
-    errors = {row: one_line(one) for row, one in enumerate(outcomes) if isinstance(one, InvalidParameterError)}
-    return results, errors
+    outcomes = sort_outcomes(search_each(run, len(ids), on_refusal=refuse if strict else None))
+    return outcomes.answered, {row: one_line(refused) for row, refused in outcomes.refused.items()}
 
 
 def _write_explanations(path: Path, explained: list[tuple[str, int, Hit]]) -> None:

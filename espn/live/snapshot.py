@@ -43,12 +43,13 @@ from typing import Callable, Iterator, Optional
 from espn.errors import ConflictError, IndexCorruptError, InvalidParameterError, storage_full
 from espn.files import checkpoint, fsync_path, sha256_file, write_json_atomic
 from espn.layout import check_generation_layout
-from espn.generation.format import CURRENT, LIVE_DIR, MAX_RECORD_BYTES, Generation, check_recorded, held_generation
+from espn.generation.format import (CURRENT, LIVE_DIR, MAX_RECORD_BYTES, Generation, check_recorded, held_generation,
+                                     read_current)
 from espn.generation.segments import open_view
 from espn.untrusted import inside_root, load_json, open_regular, read_bounded
 
 __all__ = ["SnapshotResult", "snapshot", "restore", "new_directory", "verify_copy", "write_generation_record",
-           "default_name", "remove_leftovers", "CLAIM_MARKER"]
+           "default_name", "snapshots_in", "remove_leftovers", "CLAIM_MARKER"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,16 @@ def default_name(prefix: str = "snapshot") -> str:
     and two taken in the same second (or millisecond, by two processes) differ."""
     now = time.time()
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1000):03d}Z-{secrets.token_hex(4)}"
+
+
+def snapshots_in(directory: Path) -> list[tuple[str, int]]:
+    """(name, generation) of each complete snapshot in `directory`, by name (a copy still being
+    taken, `*.partial`, is not one yet); none when the directory does not exist."""
+    found = []
+    for path in sorted(directory.glob("*")) if directory.is_dir() else []:
+        if path.is_dir() and not path.name.endswith(".partial") and (path / "manifest.json").is_file():
+            found.append((path.name, read_current(path).number))
+    return found
 
 
 def snapshot(index: Path, dest: Path) -> SnapshotResult:

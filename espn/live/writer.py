@@ -136,6 +136,18 @@ class IndexWriter:
             finally:
                 self._release()
 
+    def recover(self) -> None:
+        """Remove what a stopped writer left in live/ (a staging directory whose owner is gone),
+        when no other writer holds the lock at this moment (else that writer's own recovery does
+        it). An index never written to is left as it is: serving it must not change it."""
+        if not self.live_dir.is_dir():
+            return
+        try:
+            with self.locked(0.0):  # taking the writer lock recovers what a dead writer left
+                pass
+        except IndexLockedError:
+            pass
+
     def _acquire(self, wait_s: float) -> None:
         live = self.live_dir
         try:

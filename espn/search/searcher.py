@@ -42,6 +42,7 @@ from .filter_cache import CompiledFilters
 from .filtered import FilteredDocs
 from .generation import GenerationResources, open_context
 from .hybrid import HybridParams
+from .lexical import require_text
 from .modes import search_modes
 from .validation import MAX_BATCH, MAX_QUERY_CHARS, check_embeddings, check_explain, check_texts
 
@@ -308,6 +309,16 @@ class Searcher:
         results = search_dense(self.context, embeddings, params, timer, filtered=filtered)
         return self._explain(queries, embeddings, results) if explain else results
 
+    def check_request(self, hybrid: HybridParams, explain: bool = False) -> None:
+        """What `search` in these modes would refuse on this index whatever the queries, raised
+        now (InvalidParameterError): lexical or hybrid without a full-text index, explain with an
+        encoder that cannot map its vectors back. A server checks a request before it queues, the
+        CLI a run before its first batch."""
+        if hybrid.mode != "dense":
+            require_text(self.text, hybrid.mode)
+        if explain and hybrid.mode != "lexical":
+            can_explain(self.encoder)
+
     def dense_queries(self, queries: Sequence[str], mode: str | None = None,
                       syntax: str | None = None) -> list[str] | None:
         """What `encode` takes for these queries in `mode` (None: the index's default): the
@@ -365,6 +376,11 @@ class Searcher:
     def document(self, doc_id: str) -> Document:
         """The stored passage of an external id; raises DocumentNotFoundError."""
         return self.docs.document(doc_id, self.ids.internal(doc_id))
+
+    def mean_document_bytes(self) -> float:
+        """Mean stored bytes per passage of the base (title and text as JSON, docs.jsonl): what a
+        response with the passages' text costs per hit, for a server's response-size budget."""
+        return self.index.file("docs.jsonl").stat().st_size / max(1, self.num_documents)
 
     def page_image(self, doc_id: str, max_side: int | None = None) -> tuple[bytes, str]:
         """The stored image of a page (espn.pages.images) -> (bytes, media type), or with `max_side`

@@ -21,8 +21,7 @@ import numpy as np
 from pydantic import BaseModel, StrictInt, StrictStr, ValidationError
 
 from espn.errors import InvalidParameterError
-from espn.search.hybrid import HybridParams
-from espn.untrusted import load_json
+from espn.service import HybridParams, load_json
 
 from ..schemas import DocumentResponse, ErrorResponse, ReadinessResponse, SearchResponse, WriteResponse
 from .models import ShardsBatch

@@ -8,8 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from espn.params import DEFAULT_RERANK_COUNT
-from espn.search.hybrid import HybridParams, fuse
+from espn.service import DEFAULT_RERANK_COUNT, HybridParams, fuse
 
 from ..schemas import MAX_EXPLAIN_K, MAX_HTTP_K, SearchHit, SearchOptions, SearchResponse
 from .models import RoutedSearchResponse, RoutedStats, ShardFailure

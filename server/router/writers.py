@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import httpx
 from fastapi.responses import JSONResponse
 
-from espn.partitioning import HASH_NAME, PartitionLayout, owner
+from espn.service import HASH_NAME, PartitionLayout, owner
 
 from ..schemas import ErrorResponse, WriteResponse
 from .answers import (MAX_SMALL_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, check_readiness, check_write,

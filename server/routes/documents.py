@@ -23,7 +23,7 @@ from typing import Annotated, Any, Optional
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import AfterValidator
 
-from espn.pages.images import MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE
+from espn.service import MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE
 
 from ..deps import AppState, get_search, get_state, get_writes
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 
-from espn.partitioning import PartitionLayout
+from espn.service import PartitionLayout
 
 from ..deps import AppState, get_state
 from ..metrics import CONTENT_TYPE_LATEST

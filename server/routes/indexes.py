@@ -1,4 +1,5 @@
-"""GET /v1/indexes: the indexes this server holds (`espn serve --index NAME=PATH ...`).
+"""GET /v1/indexes: the indexes this server holds (`espn serve --index NAME=PATH ...`); POST creates one
+and DELETE /v1/indexes/{name} removes one (server.index_admin), behind the API key like every /v1 route.
 
 Each index's own routes are under /v1/indexes/{name}/ (server.indexes hands them to the
 routes of /v1/search, /v1/documents and /v1/snapshots with that index's state)."""
@@ -7,14 +8,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Response
 
 from ..deps import AppState, get_state
-from ..schemas import ErrorResponse, IndexInfo, IndexListResponse
+from ..index_admin import create_index, delete_index
+from ..schemas import CreateIndexRequest, ErrorResponse, IndexInfo, IndexListResponse
 
 router = APIRouter(prefix="/v1/indexes", tags=["indexes"])
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse, "description": "no index with this name"}}
+_CREATE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    415: {"model": ErrorResponse, "description": "the body is not application/json"},
+    409: {"model": ErrorResponse, "description": "`index_exists`: the name is taken (or being created); `admin_off`: "
+                                                 "the server has no index root or no --model; `read_only`: "
+                                                 "--read-only"},
+    422: {"model": ErrorResponse, "description": "`unknown_model`: no configured model of that name (the message "
+                                                 "lists them); `invalid_request`: a bad name or body"},
+    503: {"model": ErrorResponse, "description": "`create_failed`: the build failed (the message says why)"},
+}
+_DELETE_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_NOT_FOUND,
+    409: {"model": ErrorResponse, "description": "`index_protected`: the default index, or one served from outside "
+                                                 "the index root; `admin_off`: the server has no index root; "
+                                                 "`read_only`: --read-only"},
+    503: {"model": ErrorResponse, "description": "`unavailable`: requests still inside after the graceful timeout "
+                                                 "(`Retry-After`), nothing was deleted; `delete_failed`: the "
+                                                 "directory could not be removed"},
+}
 
 
 def _registry(state: AppState) -> Any:
@@ -35,3 +57,20 @@ async def get_index(name: str = Path(description="the index's name (`--index NAM
     registry.get(name)  # 404 for a name it does not hold
     (info,) = [item for item in registry.describe() if item.name == name]
     return info
+
+
+@router.post("", response_model=IndexInfo, status_code=201, responses=_CREATE_ERRORS,
+             summary="Create an empty index with one of the server's configured models (`--model NAME=SPEC`)",
+             description="Builds the index in the index root (`--index-root`): its quantizers are trained on the "
+                         "bundled sample corpus, then every sample document is deleted, so it starts empty and "
+                         "takes writes under /v1/indexes/{name}/documents. Takes tens of seconds (a build).")
+async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_state)) -> IndexInfo:
+    return await create_index(_registry(state), body)
+
+
+@router.delete("/{name}", status_code=204, response_class=Response, responses=_DELETE_ERRORS,
+               summary="Delete an index: its requests finish, it closes, its directory is removed")
+async def remove_index(name: str = Path(description="the index's name"),
+                       state: AppState = Depends(get_state)) -> Response:
+    await delete_index(_registry(state), name, float(state.settings.graceful_timeout_s))
+    return Response(status_code=204)

@@ -10,8 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from espn.errors import InvalidParameterError
-from espn.params import has_text
-from espn.results import Document, QueryResult
+from espn.service import Document, QueryResult, has_text
 
 from ..batching import BatchedResult
 from ..deps import get_search
@@ -90,7 +89,7 @@ async def search_batch(
     if not rows:  # no text to search: the request's own parameters are still checked
         await service.check(body)
     else:
-        # The library searches each query alone when it refuses the batch (espn.search.isolation):
+        # The library searches each query alone when it refuses the batch (espn.service.search_isolated):
         # a refused query is that query's entry of `errors`, the others are answered.
         responses, refused, broken = await _search(service, request, [body.queries[i] for i in rows], body,
                                                    rows=rows)

@@ -14,8 +14,7 @@ from typing import Any, Optional
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from espn.generation.format import read_current
-from espn.live.snapshot import default_name, snapshot
+from espn.service import default_name, snapshot, snapshots_in
 
 from ..deps import AppState, get_state
 from ..errors import ApiError
@@ -77,9 +76,5 @@ async def take_snapshot(body: Optional[SnapshotRequest] = None, state: AppState 
 @router.get("", response_model=SnapshotList, response_model_exclude_none=True, summary="The snapshots under --snapshot-dir",
             responses={404: {"model": ErrorResponse, "description": "--snapshot-dir is not set"}})
 async def list_snapshots(state: AppState = Depends(get_state)) -> Any:
-    directory = _directory(state)
-    found = []
-    for path in sorted(directory.glob("*")) if directory.is_dir() else []:
-        if path.is_dir() and not path.name.endswith(".partial") and (path / "manifest.json").is_file():
-            found.append(SnapshotInfo(name=path.name, generation=read_current(path).number))
-    return SnapshotList(snapshots=found)
+    found = snapshots_in(_directory(state))
+    return SnapshotList(snapshots=[SnapshotInfo(name=name, generation=generation) for name, generation in found])

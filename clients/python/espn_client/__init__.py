@@ -22,7 +22,8 @@ from .errors import (ApiError, BadRequestError, ConflictError, EspnError, Forbid
 from .models import (BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, ErrorBody, Explanation, Health, LexicalMatch, PassageSpan, QueryError, Readiness,
                      SearchHit, SearchParams, SearchRequest, SearchResponse, SearchStats, ServerLimits, SnapshotInfo,
-                     SnapshotList, IndexInfo, IndexList, SnapshotRequest, TokenMatch, WriteResponse)
+                     SnapshotList, IndexInfo, IndexList, SnapshotRequest, TokenMatch, WriteResponse,
+                     CreateIndexRequest)
 
 __version__ = "0.1.0"
 
@@ -35,5 +36,5 @@ __all__ = [
     "SearchParams", "SearchRequest", "BatchSearchRequest", "DocumentWrite", "DocumentUpsert", "BatchWriteRequest",
     "SnapshotRequest", "PassageSpan", "TokenMatch", "Explanation", "LexicalMatch", "SearchHit", "SearchStats",
     "SearchResponse", "QueryError", "BatchSearchResponse", "Document", "WriteResponse", "Health", "Readiness",
-    "SnapshotInfo", "SnapshotList", "IndexInfo", "IndexList", "ErrorBody", "ServerLimits",
+    "SnapshotInfo", "SnapshotList", "IndexInfo", "IndexList", "ErrorBody", "ServerLimits", "CreateIndexRequest",
 ]

@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel
 
 from .errors import ApiError, api_error
-from .models import (IndexInfo, IndexList, BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
+from .models import (CreateIndexRequest, IndexInfo, IndexList, BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, Health, Readiness, SearchParams, SearchRequest, SearchResponse, ServerLimits,
                      SnapshotInfo, SnapshotList, SnapshotRequest, WriteResponse)
 
@@ -32,6 +32,8 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 #: Seconds for connect, read, write and pool alike; a search of a cold index can take a second.
 DEFAULT_TIMEOUT_S = 30.0
+#: POST /v1/indexes runs a build (tens of seconds): its default time limit.
+CREATE_INDEX_TIMEOUT_S = 600.0
 #: The server's largest request body by default (ESPN_MAX_BODY_BYTES); write helpers stay under it.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 Upsert = Union[DocumentUpsert, Mapping[str, Any]]
@@ -146,6 +148,7 @@ class Call(Generic[T]):
     body: Optional[dict[str, Any]] = None
     ok: frozenset[int] = frozenset({200, 201})
     retry: bool = True
+    timeout: Optional[float] = None  # seconds; None: the client's
 
     def result(self, response: httpx.Response) -> T:
         if response.status_code not in self.ok:
@@ -230,6 +233,14 @@ class DocumentCalls:
 
     def get_index(self, name: str) -> Call[IndexInfo]:
         return Call("GET", self.routes.named_index(name), model(IndexInfo))
+
+    def create_index(self, name: str, model_name: str, timeout_s: Optional[float]) -> Call[IndexInfo]:
+        body = CreateIndexRequest(name=name, model=model_name).model_dump()
+        return Call("POST", self.routes.indexes, model(IndexInfo), body, retry=False,
+                    timeout=CREATE_INDEX_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def delete_index(self, name: str) -> Call[None]:
+        return Call("DELETE", self.routes.named_index(name), lambda r: None, ok=frozenset({204}))
 
     def health(self) -> Call[Health]:
         return Call("GET", self.routes.health, model(Health))

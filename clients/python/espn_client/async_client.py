@@ -63,7 +63,8 @@ class AsyncClient:
             attempt += 1
             try:
                 response = await self._http.request(call.method, self.base_url + call.path, json=call.body,
-                                                    headers=self._headers, timeout=self.timeout)
+                                                    headers=self._headers,
+                                                    timeout=self.timeout if call.timeout is None else call.timeout)
             except httpx.TimeoutException as exc:
                 raise RequestTimeoutError(f"{call.method} {call.path}: no answer within the timeout ({exc})") from exc
             except httpx.ConnectError as exc:
@@ -196,6 +197,18 @@ class AsyncClient:
     async def get_index(self, name: str) -> IndexInfo:
         """GET /v1/indexes/{name}: one index (a 404 `NotFoundError` for a name the server does not hold)."""
         return await self._send(self._calls.get_index(name))
+
+    async def create_index(self, name: str, model: str, timeout_s: Optional[float] = None) -> IndexInfo:
+        """POST /v1/indexes: a new, empty index `name` with the server's configured model `model` (its
+        `--model NAME=SPEC`); it then takes writes through `Client(url, index=name)`. A build: tens of
+        seconds, so it has a time limit of its own (timeout_s, default 600 s). `ConflictError` when the
+        name is taken, `InvalidRequestError` for an unknown model (the message lists the configured ones)."""
+        return await self._send(self._calls.create_index(name, model, timeout_s))
+
+    async def delete_index(self, name: str) -> None:
+        """DELETE /v1/indexes/{name}: the index's requests finish, it closes and its directory is removed
+        (`NotFoundError` for an unknown name; `ConflictError` for the server's default index)."""
+        await self._send(self._calls.delete_index(name))
 
     async def health(self) -> Health:
         """GET /healthz."""

@@ -21,7 +21,7 @@ __all__ = [
     "SearchParams", "SearchRequest", "BatchSearchRequest", "DocumentWrite", "DocumentUpsert", "BatchWriteRequest",
     "SnapshotRequest", "PassageSpan", "TokenMatch", "Explanation", "LexicalMatch", "SearchHit", "SearchStats",
     "SearchResponse", "QueryError", "BatchSearchResponse", "Document", "WriteResponse", "Health", "Readiness", "IndexInfo", "IndexList",
-    "SnapshotInfo", "SnapshotList", "ErrorBody", "ServerLimits",
+    "SnapshotInfo", "SnapshotList", "ErrorBody", "ServerLimits", "CreateIndexRequest",
 ]
 
 
@@ -104,6 +104,13 @@ class SnapshotRequest(_Request):
     """POST /v1/snapshots."""
 
     name: Optional[str] = None
+
+
+class CreateIndexRequest(_Request):
+    """POST /v1/indexes: an empty index named `name`, with the server's configured model `model`."""
+
+    name: str
+    model: str
 
 
 # -- results ------------------------------------------------------------------------------
@@ -233,6 +240,7 @@ class IndexInfo(_Result):
     generation: Optional[int] = None
     encoder: str
     mode: Optional[str] = None
+    memory_mib: Optional[float] = None
 
 
 class IndexList(_Result):

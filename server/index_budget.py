@@ -1,0 +1,73 @@
+"""`--index-memory-budget MIB`: what an open index holds in memory, estimated, and making room for one.
+
+The estimate of an index is the size of the files its searches map into memory: every file
+of the index directory (its base, its live deltas and rewritten bases) but `embeddings.bin` (read from storage
+per query by the posix or kvikio reader; counted with `--reader mmap`, which maps it),
+`docs.jsonl` (read per hit returned) and `encoder/` (the model: loaded once per worker for
+every index that uses it, server.shared_encoders). That is the IVF (centroids and mapped
+lists), the record table, ids, offsets, metadata columns, pooling groups, the token-centroid
+first stage and the full-text index: the pages a worker touches once searches have run, an
+upper bound of what it keeps resident. The budget is per worker.
+
+Before a closed index opens (server.indexes), `make_room` closes idle indexes (no request
+inside), least recently used first, until the open ones plus the new one fit; the default
+index counts but is never closed. If they still do not fit, the request gets a 503 with
+`Retry-After` naming the budget.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .deps import AppState
+from .errors import ServiceUnavailableError
+from .settings import ServerSettings
+
+if TYPE_CHECKING:
+    from .indexes import IndexRegistry
+
+__all__ = ["estimate_bytes", "make_room", "MIB"]
+
+MIB = 1 << 20
+#: Read per query or per hit from storage, or shared between indexes: not counted.
+_NOT_RESIDENT = frozenset({"embeddings.bin", "docs.jsonl"})
+_SKIPPED_DIRS = frozenset({"encoder"})
+
+
+def estimate_bytes(settings: ServerSettings) -> int:
+    """The estimated memory of the index at settings.index when open (see the module doc)."""
+    mapped_embeddings = settings.reader == "mmap"
+    total = 0
+    for top, dirs, files in os.walk(settings.index):
+        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS]  # the base's, and each rewritten base's
+        for name in files:
+            if name in _NOT_RESIDENT and not (mapped_embeddings and name == "embeddings.bin"):
+                continue
+            try:
+                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
+            except OSError:  # removed meanwhile (a compaction's old segment)
+                continue
+    return total
+
+
+async def make_room(registry: "IndexRegistry", state: AppState) -> None:
+    """Close idle indexes, least recently used first, until `state` fits the budget; else a 503."""
+    budget = registry.settings.index_memory_budget_mib * MIB
+    if budget <= 0:
+        return
+    need = registry.memory_bytes(state)
+    while True:
+        held = [other for other in registry if other is not state and other.live is not None]
+        used = sum(registry.memory_bytes(other) for other in held)
+        if used + need <= budget:
+            return
+        idle = sorted((other for other in held if other.lazy and not other.in_flight and not other.closing),
+                      key=lambda other: other.last_used)
+        if not idle:
+            raise ServiceUnavailableError(
+                f"index {state.name!r} needs an estimated {need / MIB:.1f} MiB and the open indexes hold "
+                f"{used / MIB:.1f} MiB with requests inside: over the memory budget of "
+                f"{registry.settings.index_memory_budget_mib:g} MiB (--index-memory-budget); retry later",
+                retry_after_s=5)
+        await registry.close_one(idle[0], "memory budget")
