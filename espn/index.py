@@ -21,6 +21,8 @@ from .pooling.groups import POOL_GROUP_FILES
 from .results import Document
 
 __all__ = [
+    "is_index_directory",
+    "encoder_label",
     "FORMAT_VERSION",
     "FILES",
     "OPTIONAL_FILES",
@@ -81,6 +83,21 @@ def update_manifest(directory: Path, **sections: Any) -> dict[str, Any]:
     manifest.update(sections)
     write_json_atomic(Path(directory) / MANIFEST, manifest)
     return manifest
+
+
+def is_index_directory(path: Path | str) -> bool:
+    """Whether `path` holds an index (its manifest): what a directory of indexes is scanned for."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def encoder_label(directory: Path | str) -> str:
+    """The index's encoder as `kind:name` (e.g. hf:all-MiniLM-L6-v2); "unknown" when its manifest
+    cannot be read (a listing of indexes never fails on one)."""
+    try:
+        entry = read_manifest(Path(directory))["encoder"]
+        return f"{entry.get('kind', '?')}:{entry.get('name', '?')}"
+    except (IndexCorruptError, OSError, KeyError, TypeError, AttributeError):
+        return "unknown"
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

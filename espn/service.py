@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .files import lock_is_free
     from .filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES, canonical_filter
     from .generation.live_searcher import LiveSearcher
+    from .index import encoder_label, is_index_directory
     from .generation.segments import open_view
     from .live.checks import NewDocument, WriteLimits, WriteResult
     from .live.commit import GroupCommit, lower_priority
@@ -74,7 +75,8 @@ __all__ = [
     # status and readiness
     "read_only_reason", "lock_is_free",
     # index administration (an empty index made and removed in an index root)
-    "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents",
+    "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents", "is_index_directory",
+    "encoder_label",
     # snapshots
     "snapshot", "default_name", "snapshots_in", "remove_snapshot_leftovers",
     # replication and partitions
@@ -92,6 +94,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("MAX_FILTER_BRANCHES", "MAX_FILTER_NODES", "MAX_FILTER_VALUES", "canonical_filter"),
                     "espn.filters"),
     "LiveSearcher": "espn.generation.live_searcher",
+    **dict.fromkeys(("encoder_label", "is_index_directory"), "espn.index"),
     "open_view": "espn.generation.segments",
     **dict.fromkeys(("NewDocument", "WriteLimits", "WriteResult"), "espn.live.checks"),
     **dict.fromkeys(("GroupCommit", "lower_priority"), "espn.live.commit"),

@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from espn.service import is_index_directory
+
 __all__ = ["DEFAULT_INDEX_NAME", "INDEX_NAME", "NAME_RULE", "resolve_indexes", "split_entries", "default_index_path",
            "indexes_under", "resolve_models"]
 
@@ -24,7 +26,7 @@ NAME_RULE = "letters, digits, '_', '.', '-' (at most 64, not first '.', '_' or '
 
 def _index_dir(path: Path) -> Path:
     path = Path(path).expanduser().resolve()
-    if not (path / "manifest.json").is_file():
+    if not is_index_directory(path):
         raise ValueError(f"{path} is not an ESPN index directory (no manifest.json)")
     return path
 
@@ -51,7 +53,7 @@ def resolve_indexes(default: Optional[Path], entries: list[str], root: Optional[
             add(name, _index_dir(Path(rest)))
             continue
         path = Path(entry).expanduser().resolve()
-        if (path / "manifest.json").is_file():
+        if is_index_directory(path):
             add(DEFAULT_INDEX_NAME, path)
         elif path.is_dir():
             found = indexes_under(path)
@@ -95,7 +97,7 @@ def indexes_under(root: Path) -> dict[str, Path]:
     if not root.is_dir():
         return {}
     return {child.name: child.resolve() for child in sorted(root.iterdir())
-            if not child.name.startswith(".") and (child / "manifest.json").is_file()}
+            if not child.name.startswith(".") and is_index_directory(child)}
 
 
 def resolve_models(entries: list[str]) -> dict[str, str]:

@@ -21,7 +21,6 @@ server.index_budget makes room for it within `--index-memory-budget`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Iterator, Optional
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from espn.errors import EspnError
-from espn.service import LiveSearcher, live_documents, read_only_reason
+from espn.service import LiveSearcher, encoder_label, is_index_directory, live_documents, read_only_reason
 from espn.service import remove_snapshot_leftovers as remove_leftovers
 
 from .deps import INDEX_STATE_KEY, AppState
@@ -83,7 +82,7 @@ async def open_index(state: AppState, encoders: SharedEncoders) -> None:
     state.live = LiveSearcher(searcher)
     state.search = SearchService(state.live, settings, state.metrics)
     state.search.start()
-    state.documents = _searchable(searcher)
+    state.documents = searcher.searchable_documents
     state.metrics.set_index(state.name, True, state.documents)
     state.memory_bytes = await asyncio.to_thread(estimate_bytes, settings)
     state.metrics.set_index_memory(state.name, state.memory_bytes)
@@ -99,17 +98,11 @@ async def close_index(state: AppState, encoders: SharedEncoders) -> None:
     if state.publisher is not None:  # ... and uploaded, when the store answers
         await asyncio.to_thread(state.publisher.stop)
     if state.live is not None:
-        state.documents = _searchable(state.live.current)
+        state.documents = state.live.current.searchable_documents
         state.live.close()
     state.live, state.search = None, None
     _release_encoder(state, encoders)
     state.metrics.set_index(state.name, False, state.documents or 0)
-
-
-def _searchable(searcher: Any) -> int:
-    """Documents a search can find: deleted and replaced ones (still numbered until a compaction) not counted."""
-    view = searcher.view
-    return int(view.generation.live_documents) if view is not None else int(searcher.num_documents)
 
 
 def _snapshot_dir_ready(directory: Path) -> None:
@@ -123,14 +116,6 @@ def _release_encoder(state: AppState, encoders: SharedEncoders) -> None:
     if state.encoder_key is not None:
         encoders.release(state.encoder_key)
         state.encoder_key = None
-
-
-def _encoder_name(path: Path) -> str:
-    try:
-        entry = json.loads((path / "manifest.json").read_text())["encoder"]
-        return f"{entry.get('kind', '?')}:{entry.get('name', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown"
 
 
 def _built_documents(path: Path) -> int:
@@ -152,7 +137,7 @@ class IndexRegistry:
         self.default_name = next(iter(named))
         default.name = self.default_name
         self.states: dict[str, AppState] = {self.default_name: default}
-        self.encoder_names = {self.default_name: _encoder_name(named[self.default_name])}
+        self.encoder_names = {self.default_name: encoder_label(named[self.default_name])}
         self._locks: dict[str, asyncio.Lock] = {self.default_name: asyncio.Lock()}
         for name, path in named.items():
             if name != self.default_name:
@@ -168,7 +153,7 @@ class IndexRegistry:
         state = AppState(settings=self.settings.model_copy(update=update), metrics=self.metrics, name=name,
                          lazy=True, documents=_built_documents(path))
         self.states[name] = state
-        self.encoder_names[name] = _encoder_name(path)
+        self.encoder_names[name] = encoder_label(path)
         self._locks.setdefault(name, asyncio.Lock())
         return state
 
@@ -200,7 +185,7 @@ class IndexRegistry:
     @staticmethod
     def gone(state: AppState) -> bool:
         """Whether an index's directory was removed (deleted by a worker, this one or another)."""
-        return state.deleting or (state.lazy and not (state.settings.index / "manifest.json").is_file())
+        return state.deleting or (state.lazy and not is_index_directory(state.settings.index))
 
     def __iter__(self) -> Iterator[AppState]:
         return iter(self.states.values())
@@ -208,7 +193,7 @@ class IndexRegistry:
     def get(self, name: str) -> AppState:
         state = self.states.get(name)
         if state is None and self.root is not None and INDEX_NAME.match(name) \
-                and (self.root / name / "manifest.json").is_file():
+                and is_index_directory(self.root / name):
             state = self.add(name, (self.root / name).resolve())  # created by another worker
         if state is not None and self.gone(state) and not state.deleting:  # deleted by another worker
             drop = asyncio.ensure_future(self._drop(state))
@@ -254,7 +239,7 @@ class IndexRegistry:
             searcher = live.current if live is not None else None
             out.append(IndexInfo(
                 name=state.name, default=not state.lazy, open=searcher is not None and not state.closing,
-                documents=_searchable(searcher) if searcher is not None else state.documents or 0,
+                documents=searcher.searchable_documents if searcher is not None else state.documents or 0,
                 generation=searcher.generation if searcher is not None else None,
                 encoder=self.encoder_names[state.name],
                 mode=None if searcher is None else "read-only" if state.read_only else "read-write",

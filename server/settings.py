@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from espn.service import READER_NAMES
+from espn.service import READER_NAMES, is_index_directory
 
 from .index_names import default_index_path, resolve_indexes, split_entries
 from .index_settings import IndexSettings
@@ -179,7 +179,7 @@ class ServerSettings(IndexSettings, BaseSettings):
     @classmethod
     def _check_index(cls, value: Path) -> Path:
         value = value.expanduser().resolve()
-        if not (value / "manifest.json").is_file():
+        if not is_index_directory(value):
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
         return value
 

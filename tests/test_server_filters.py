@@ -40,7 +40,10 @@ def test_the_first_search_after_readyz_is_as_fast_as_the_next(client: httpx.Clie
     first = encode_ms("why does the moon turn red during a lunar eclipse")
     later = sorted(encode_ms(f"why does the ocean have tides on day {day} of the month") for day in range(7))
     median = later[len(later) // 2]
-    assert first <= 3 * median + 50, (first, later)  # generous: 2 shared cores; a cold start was 30x
+    # A cold start spent 1.8 s here; under CI's four workers on 2 cores a warm first search has
+    # taken 195 ms against a 21 ms median (a scheduling delay), so the bound tells the two apart
+    # and no more.
+    assert first <= 3 * median + 500, (first, later)
 
 
 def test_filtered_search_equals_the_library(client: httpx.Client, searcher) -> None:

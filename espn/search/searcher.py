@@ -232,6 +232,11 @@ class Searcher:
         return self.context.num_documents
 
     @property
+    def searchable_documents(self) -> int:
+        """Documents a search can find: deleted and replaced ones (numbered until a compaction) not counted."""
+        return int(self.view.generation.live_documents) if self.view is not None else self.num_documents
+
+    @property
     def generation(self) -> int:
         """The live-index generation this Searcher serves (0: never written to)."""
         return self.view.generation.number if self.view is not None else 0
