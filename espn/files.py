@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
+__all__ = ["is_index_directory", "fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
            "lock_is_free", "remove_path", "utc_now", "checkpoint"]
 
 
@@ -126,3 +126,9 @@ def checkpoint(step: str) -> None:
     """A named crash point of a writer (live writes, compaction, replication): a no-op unless
     a test set the hook."""
     _checkpoint(step)
+
+
+def is_index_directory(path: Path | str) -> bool:
+    """Whether `path` holds an index (its manifest, espn.index.MANIFEST): what a directory of
+    indexes is scanned for. Here, not in espn.index, so that settings can ask without numpy."""
+    return (Path(path) / "manifest.json").is_file()

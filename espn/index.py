@@ -21,7 +21,6 @@ from .pooling.groups import POOL_GROUP_FILES
 from .results import Document
 
 __all__ = [
-    "is_index_directory",
     "encoder_label",
     "FORMAT_VERSION",
     "FILES",
@@ -83,11 +82,6 @@ def update_manifest(directory: Path, **sections: Any) -> dict[str, Any]:
     manifest.update(sections)
     write_json_atomic(Path(directory) / MANIFEST, manifest)
     return manifest
-
-
-def is_index_directory(path: Path | str) -> bool:
-    """Whether `path` holds an index (its manifest): what a directory of indexes is scanned for."""
-    return (Path(path) / MANIFEST).is_file()
 
 
 def encoder_label(directory: Path | str) -> str:

@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .choices import READER_NAMES
+from .files import is_index_directory
 from .ids import MAX_ID_BYTES, decode_doc_id, id_problem
 from .params import (DEFAULT_RERANK_COUNT, MAX_CANDIDATES, MAX_K, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK,
                      NO_TEXT_PATTERN, SearchParams, has_text)
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .files import lock_is_free
     from .filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES, canonical_filter
     from .generation.live_searcher import LiveSearcher
-    from .index import encoder_label, is_index_directory
+    from .index import encoder_label
     from .generation.segments import open_view
     from .live.checks import NewDocument, WriteLimits, WriteResult
     from .live.commit import GroupCommit, lower_priority
@@ -94,7 +95,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("MAX_FILTER_BRANCHES", "MAX_FILTER_NODES", "MAX_FILTER_VALUES", "canonical_filter"),
                     "espn.filters"),
     "LiveSearcher": "espn.generation.live_searcher",
-    **dict.fromkeys(("encoder_label", "is_index_directory"), "espn.index"),
+    "encoder_label": "espn.index",
     "open_view": "espn.generation.segments",
     **dict.fromkeys(("NewDocument", "WriteLimits", "WriteResult"), "espn.live.checks"),
     **dict.fromkeys(("GroupCommit", "lower_priority"), "espn.live.commit"),

@@ -25,6 +25,8 @@ from espn_server.settings import ServerSettings
 from server_fixtures import HTTP, ServerProcess, running_server
 
 KEY = "index-admin-test-key-0123"
+#: Served under `ulimit -n` of this, the build of a created index (a child process) included.
+FD_LIMIT = 256
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUERY = {"query": "narwhals sing in the arctic polar night", "k": 3}
 DOCS = [{"id": "n1", "text": "Narwhals sing in the arctic polar night about zebra quantum tides.", "title": "Narwhals"},
@@ -53,7 +55,7 @@ def _serve(root: Path, name: str, *flags: str) -> Any:
     return running_server(root / "indexes" / "a", root, "--index", str(root / "indexes"), "--model", "small=minilm",
                           "--model", "broken=hf:/no/such/model",
                           "--index-memory-budget", str(_budget_mib(root)), *flags, env={"ESPN_API_KEY": KEY},
-                          name=name)
+                          name=name, fd_limit=FD_LIMIT)
 
 
 @pytest.fixture(scope="module")
