@@ -26,7 +26,6 @@ mean of the document's vectors, for the first stage only.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import threading
 from importlib.metadata import version
@@ -43,13 +42,12 @@ from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
-from ..untrusted import check_json_depth
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
 from .onnx import QueryGraphOwner, checked_query_graph
-from .st_format import is_sentence_transformers_save
+from .st_format import is_sentence_transformers_save, read_save_json
 
 __all__ = ["SentenceTransformersEncoder", "is_sentence_transformers_save", "QUERY_BACKENDS"]
 
@@ -58,18 +56,6 @@ log = logging.getLogger(__name__)
 QUERY_BACKENDS = ("auto", "onnx", "torch")
 #: Modules after the backbone that change no mask: the scoring mask is theirs to leave as it is.
 _MASK_NEUTRAL = ("Dense", "Normalize")
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
-    check_json_depth(text, str(path), error=InvalidParameterError)  # before the parser, which recurses
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise InvalidParameterError(f"{path}: cannot read it as JSON ({exc})") from exc
 
 
 class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
@@ -136,7 +122,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     # -- the checkpoint --------------------------------------------------------------
     def _backbone_path(self) -> str:
         modules = self.checkpoint_dir / "modules.json"
-        found = _read_json(modules) if modules.is_file() else []
+        found = read_save_json(modules) if modules.is_file() else []
         first = min((m for m in found if isinstance(m, dict)), key=lambda m: int(m.get("idx", 0)), default={})
         where = str(first.get("path", ""))
         if Path(where).is_absolute() or ".." in Path(where).parts:

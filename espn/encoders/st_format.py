@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import InvalidParameterError
 from ..untrusted import check_json_depth
 
-__all__ = ["is_sentence_transformers_save", "is_visual_save", "OWN_LOADER_TYPES"]
+__all__ = ["is_sentence_transformers_save", "is_visual_save", "read_save_json", "OWN_LOADER_TYPES"]
 
 #: The modules.json types espn's own PyLate loader (espn.encoders.colbert_checkpoint) runs: a
 #: Transformer, then Dense modules. A chain with anything else goes to Sentence Transformers.
@@ -24,7 +24,9 @@ OWN_LOADER_TYPES = ("sentence_transformers.models.Transformer", "sentence_transf
 _MAX_JSON_BYTES = 1 << 20
 
 
-def _read_json(path: Path) -> Any:
+def read_save_json(path: Path) -> Any:
+    """A JSON file of a Sentence Transformers save (modules.json, its configs): bounded, depth-checked,
+    InvalidParameterError in one line on failure."""
     try:
         with open(path, "rb") as file:
             raw = file.read(_MAX_JSON_BYTES + 1)
@@ -56,7 +58,7 @@ def is_sentence_transformers_save(path: str | Path) -> bool:
         return False
     st_config = path / "config_sentence_transformers.json"
     if st_config.is_file():
-        found = _read_json(st_config)
+        found = read_save_json(st_config)
         kind = found.get("model_type") if isinstance(found, dict) else None
         if kind == "MultiVectorEncoder":
             return True
@@ -65,7 +67,7 @@ def is_sentence_transformers_save(path: str | Path) -> bool:
     modules = path / "modules.json"
     if not modules.is_file():
         return False
-    found = _read_json(modules)
+    found = read_save_json(modules)
     if not isinstance(found, list):
         return False
     types = [str(m.get("type", "")) for m in found if isinstance(m, dict)]
@@ -92,19 +94,19 @@ def _declares_images(path: Path) -> bool:
         modules = path / "modules.json"
         where = ""
         if modules.is_file():
-            found = _read_json(modules)
+            found = read_save_json(modules)
             first = [m for m in found if isinstance(m, dict)] if isinstance(found, list) else []
             if first:
                 where = str(min(first, key=lambda m: int(m.get("idx", 0))).get("path", ""))
         if Path(where).is_absolute() or ".." in Path(where).parts:
             return False  # the loader refuses it, naming the module
         settings = path / where / "sentence_bert_config.json"
-        found = _read_json(settings) if settings.is_file() else {}
+        found = read_save_json(settings) if settings.is_file() else {}
         modalities = found.get("modality_config") if isinstance(found, dict) else None
         return isinstance(modalities, dict) and "image" in modalities
     config = path / "config.json"
     if (path / "modules.json").is_file() or not config.is_file():
         return False
-    found = _read_json(config)
+    found = read_save_json(config)
     architectures = found.get("architectures") if isinstance(found, dict) else None
     return isinstance(architectures, list) and any(str(a).endswith("ForRetrieval") for a in architectures)
