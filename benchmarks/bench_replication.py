@@ -94,7 +94,8 @@ async def lag_at_rate(writer: str, follower: str, rate: float, seconds: float, t
 
         async def watch() -> None:
             while not done.is_set():
-                with contextlib.suppress(httpx.HTTPError):
+                # a follower still starting answers /readyz without its replication section yet
+                with contextlib.suppress(httpx.HTTPError, KeyError):
                     generation = (await client.get(f"{follower}/readyz")).json()["replication"]["generation"]
                     seen.append((time.perf_counter(), generation))
                 await asyncio.sleep(0.02)
