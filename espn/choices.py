@@ -9,7 +9,8 @@ tests/test_cli.py checks that `READER_NAMES` names the readers of `espn.store.RE
 from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
-           "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI"]
+           "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI",
+           "STORAGE_TYPES"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
 READER_NAMES = ("kvikio", "memory", "mmap", "posix")
@@ -54,3 +55,6 @@ SYNTAXES = ("plain", "simple")
 STEMMER_LANGUAGES = ("arabic", "danish", "dutch", "english", "finnish", "french", "german", "greek", "hungarian",
                      "italian", "norwegian", "portuguese", "romanian", "russian", "spanish", "swedish", "tamil",
                      "turkish")
+
+#: How records store vectors (espn.store.format; residual: espn.store.residual).
+STORAGE_TYPES = ("float16", "int8", "residual2", "residual4")

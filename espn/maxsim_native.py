@@ -15,15 +15,21 @@ import functools
 import importlib.machinery
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .errors import IndexCorruptError
+
+if TYPE_CHECKING:
+    from .store.residual import ResidualCodec
 
 __all__ = ["load_kernel", "kernel_path", "score_pairs_native", "centroid_estimate_native", "DTYPE_CODES"]
 
 log = logging.getLogger(__name__)
 
 #: The kernel's code for each storage dtype.
-DTYPE_CODES = {"float16": 0, "int8": 1}
+DTYPE_CODES = {"float16": 0, "int8": 1, "residual2": 2, "residual4": 2}
 #: Query vectors are laid out in columns of this many (the kernel's column block).
 LANES = 16
 #: Document vectors per register tile of the kernel: the scratch holds this many rows past
@@ -58,7 +64,8 @@ def load_kernel() -> ctypes.CDLL | None:
         return None
     fn = lib.espn_score_pairs
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P]
+    fn.argtypes = [_P, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P,
+                   _P, _I64, _P, ctypes.c_int, ctypes.c_int]
     estimate = getattr(lib, "espn_centroid_estimate", None)
     if estimate is not None:
         estimate.restype = _I64
@@ -72,7 +79,8 @@ def _ptr(array: np.ndarray) -> int:
 
 def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarray, d_cls: int, d_bow: int,
                        dtype: str, q_cls: np.ndarray, q_bow_t: np.ndarray, q_valid: np.ndarray,
-                       pair_query: np.ndarray, pair_doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       pair_query: np.ndarray, pair_doc: np.ndarray,
+                       codec: ResidualCodec | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(exact CLS [P], raw MaxSim sum [P]) float32 of the pairs, read from the records at `addresses`.
 
     addresses, n_bow [n] int64 (the records must stay alive during the call); q_cls [B, d_cls]
@@ -89,9 +97,16 @@ def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarra
     out_bow = np.empty(n_pairs, dtype=np.float32)
     longest = int(n_bow.max()) if len(n_bow) else 0
     scratch = np.empty(stride + (longest + TILE_ROWS) * d_bow, dtype=np.float32)
+    residual: tuple[int | None, int, int | None, int, int] = (None, 0, None, 0, 0)
+    if codec is not None:
+        centroids = np.ascontiguousarray(codec.centroids, dtype=np.float32)
+        weights = np.ascontiguousarray(codec.weights, dtype=np.float32)
+        residual = (_ptr(centroids), len(centroids), _ptr(weights), codec.bits, int(codec.normalize))
     status = lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
                                   _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query), _ptr(pair_doc), n_pairs,
-                                  _ptr(out_cls), _ptr(out_bow), _ptr(scratch))
+                                  _ptr(out_cls), _ptr(out_bow), _ptr(scratch), *residual)
+    if status == -2:
+        raise IndexCorruptError("a residual record names a centroid outside the codec (a damaged record)")
     if status != 0:
         raise ValueError(f"the MaxSim kernel refused its input (dtype {dtype!r}, stride {stride})")
     return out_cls, out_bow

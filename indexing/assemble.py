@@ -20,13 +20,14 @@ import numpy as np
 
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.corpus import PASSAGE_JOINER
-from espn.errors import CorpusError, IndexExistsError
+from espn.errors import CorpusError, IndexExistsError, InvalidParameterError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter
 from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.store.recode import recode_residual, written_before_centroids
 from espn.store.record_order import RECORD_ORDER, reorder_index_records
 
 from espn.text.config import TextConfig
@@ -86,15 +87,23 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     encoder_config = job["encoder_config"]
     layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"],
                          dtype=job.get("bow_dtype", "float16"), pool_factor=job.get("pool_factor", 1))
+    stage_kind = first_stage_kind(job.get("first_stage"), encoder_config)
+    if layout.bits and stage_kind == "ivf":
+        raise InvalidParameterError(f"--bow-dtype {layout.dtype} codes vectors against the centroid first stage; "
+                                    "this build has none (add --first-stage centroids or union)")
     n_docs, id_width = _count_documents(work, chunks, partition_layout, job["corpus"])
     started = time.perf_counter()
-    written = _write_records(work, chunks, staging, layout, n_docs, id_width, partition_layout)
+    written = _write_records(work, chunks, staging, written_before_centroids(layout), n_docs, id_width,
+                             partition_layout)
     _write_id_order(staging, written.ids, job["corpus"])
     ivf, trained_on = _build_ann(staging, job, layout, n_docs)
     file_bytes = reorder_index_records(staging, layout.block_size)
     records = np.load(staging / "records.npy", mmap_mode="r")
-    first_stage = build_first_stage(staging, records, layout, first_stage_kind(job.get("first_stage"), encoder_config),
+    first_stage = build_first_stage(staging, records, written_before_centroids(layout), stage_kind,
                                     defaults=default_first_stage(encoder_config))
+    if layout.bits:
+        del records
+        layout, file_bytes = recode_residual(staging, written_before_centroids(layout), layout.dtype)
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")

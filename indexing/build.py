@@ -27,6 +27,7 @@ from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
 from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
 from espn.store.format import STORAGE_TYPES
+from espn.store.residual import RESIDUAL_TYPES
 from espn.text.config import TextConfig
 
 from .assemble import assemble, publish
@@ -138,6 +139,9 @@ class BuildConfig:
             raise InvalidParameterError(f"--pool-factor must be >= 1, got {self.pool_factor}")
         if self.bow_dtype not in STORAGE_TYPES:
             raise InvalidParameterError(f"--bow-dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.bow_dtype!r}")
+        if self.bow_dtype in RESIDUAL_TYPES and self.first_stage == "ivf":
+            raise InvalidParameterError(f"--bow-dtype {self.bow_dtype} codes vectors against the centroid first stage: "
+                                        "use --first-stage centroids or union")
         if self.ann not in ("flat", "pq"):
             raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
         if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:

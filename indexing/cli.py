@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from espn.choices import ENCODER_SPECS, PAGE_DPI, STEMMER_LANGUAGES, TRUST_REMOTE_CODE_HELP
+from espn.choices import ENCODER_SPECS, PAGE_DPI, STEMMER_LANGUAGES, STORAGE_TYPES, TRUST_REMOTE_CODE_HELP
 from espn.corpus import COLBERT_TITLE_JOINER, PASSAGE_JOINER
 from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
@@ -65,8 +65,10 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--pool-factor", type=int, default=None,
                    help="pool each document's BOW vectors by about this factor at index time (1 = none; "
                         "default 2, 1 for colberter and --embeddings)")
-    p.add_argument("--bow-dtype", choices=("float16", "int8"), default=None,
-                   help="how vectors are stored in embeddings.bin (default int8; float16 for --embeddings)")
+    p.add_argument("--bow-dtype", choices=STORAGE_TYPES, default=None,
+                   help="how vectors are stored in embeddings.bin (default int8; float16 for --embeddings); "
+                        "residual2/residual4: a centroid id and 2 or 4 bits per dimension (needs the centroid "
+                        "first stage)")
     p.add_argument("--bow-pooling", choices=("tokens", "words"), default="tokens",
                    help="minilm/hf: one BOW vector per token (default) or per whole word, stop words dropped")
     p.add_argument("--chunk-size", type=int, default=1024, help="documents per chunk (the unit of resume)")

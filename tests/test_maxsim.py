@@ -82,6 +82,19 @@ def test_the_cuda_segment_max_agrees_with_the_cpu_one(seed: int) -> None:
 
 # -- scoring compact records in place (espn.maxsim.score_records) ---------------------------
 
+def _layout(dtype: str, d_cls: int, d_bow: int, rng):
+    """A layout of `dtype`; residual ones carry a codec trained on unit vectors like the documents'."""
+    from espn.first_stage.centroids import train_centroids
+    from espn.store import StoreLayout
+    from espn.store.residual import residual_bits, train_codec
+
+    layout = StoreLayout(d_cls=d_cls, d_bow=d_bow, block_size=4096, dtype=dtype)
+    if not residual_bits(dtype):
+        return layout
+    sample = rng.standard_normal((2000, d_bow)).astype(np.float32)
+    return layout.with_codec(train_codec(train_centroids(sample, 16), sample, residual_bits(dtype)))
+
+
 def _write_records(path, layout, rng, n_docs: int):
     """Random documents (0 to 70 BOW vectors, some with none) through the real RecordWriter."""
     from espn.store import RECORD_DTYPE, RecordWriter
@@ -112,7 +125,7 @@ def _stored(reader, docs):
         return batch.docs.copy(), cls.numpy(), bow.numpy(), offsets
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("dtype", ["int8", "float16", "residual2", "residual4"])
 @pytest.mark.parametrize("reader_name", ["memory", "posix"])
 def test_score_records_native_and_torch_agree_with_the_stored_vectors(tmp_path, dtype: str, reader_name: str) -> None:
     """The C kernel, the torch fallback and a float64 decode of the records give one score per
@@ -124,7 +137,7 @@ def test_score_records_native_and_torch_agree_with_the_stored_vectors(tmp_path, 
 
     assert load_kernel() is not None, "the native kernel was not built by pip install (gcc is required here)"
     rng = np.random.default_rng(3)
-    layout = StoreLayout(d_cls=48, d_bow=24, block_size=4096, dtype=dtype)
+    layout = _layout(dtype, 48, 24, rng)
     records = _write_records(tmp_path / "embeddings.bin", layout, rng, 60)
     q_bow = rng.standard_normal((3, 40, layout.d_bow)).astype(np.float32)
     q_mask = np.zeros((3, 40), dtype=bool)
@@ -154,7 +167,7 @@ def test_score_records_native_and_torch_agree_with_the_stored_vectors(tmp_path, 
         assert native[0, p] == pytest.approx(cls[d] @ queries.cls[q].double().numpy(), abs=2e-5)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float16"])
+@pytest.mark.parametrize("dtype", ["int8", "float16", "residual2", "residual4"])
 def test_the_kernel_folds_only_real_document_vectors(tmp_path, dtype: str) -> None:
     """Every similarity negative, documents of 1 to 13 vectors (every remainder of the kernel's
     6-row tile), queries of 16 and 48 columns: a padding row (similarity 0) folded into the
@@ -163,9 +176,13 @@ def test_the_kernel_folds_only_real_document_vectors(tmp_path, dtype: str) -> No
     from espn.store import RECORD_DTYPE, RecordWriter, StoreLayout, open_reader
 
     rng = np.random.default_rng(5)
-    layout = StoreLayout(d_cls=8, d_bow=20, block_size=4096, dtype=dtype)
     counts = np.arange(1, 14)
-    bow = -np.abs(rng.standard_normal((int(counts.sum()), layout.d_bow))).astype(np.float32)
+    bow = -np.abs(rng.standard_normal((int(counts.sum()), 20))).astype(np.float32)
+    layout = StoreLayout(d_cls=8, d_bow=20, block_size=4096, dtype=dtype)
+    if layout.bits:  # a codec fitted to these all-negative vectors (their decode stays negative)
+        from espn.first_stage.centroids import train_centroids
+        from espn.store.residual import train_codec
+        layout = layout.with_codec(train_codec(train_centroids(bow, 4), bow, layout.bits))
     with RecordWriter(tmp_path / "embeddings.bin", layout) as writer:
         rows = writer.append(rng.standard_normal((len(counts), layout.d_cls)).astype(np.float32), bow, counts)
         writer.close()

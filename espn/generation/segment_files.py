@@ -34,7 +34,8 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     """Records appended to the base's embeddings.bin; the rest in live/seg-NNNNNN.
     empty_ivf(base): an IVF with the base's quantizer and empty lists."""
     base = state.base
-    layout = StoreLayout.from_manifest(base.manifest["store"])  # pooling and storage type as the build's
+    # pooling and storage type as the build's; residual records against the base's centroids
+    layout = StoreLayout.from_manifest(base.manifest["store"], base.path)
     n = len(documents)
     name = f"seg-{number:06d}"
     staging = live_dir / f"{name}.tmp"

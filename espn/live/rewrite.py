@@ -26,6 +26,7 @@ from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, re
 from ..generation.segments import LiveView, empty_ivf
 from espn.store import open_reader
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from espn.store.recode import recode_residual, written_before_centroids
 from espn.store.record_order import RECORD_ORDER, reorder_index_records
 from ..pages.stored import open_index_images
 from ..pooling.spans import open_index_groups
@@ -137,7 +138,9 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     base = view.base
     store = base.manifest["store"]
     # The stored vectors are pooled already: rewrite them as they are (same storage type).
-    layout = dataclasses.replace(StoreLayout.from_manifest(store), pool_factor=1)
+    layout = dataclasses.replace(StoreLayout.from_manifest(store, base.path), pool_factor=1)
+    # Residual records are coded against the centroids this rewrite retrains: int8 until then.
+    written = written_before_centroids(layout)
     keep = np.flatnonzero(view.live) if view.live is not None else np.arange(snapshot.total)
     if len(keep) == 0:
         raise InvalidParameterError("compact: every document is deleted; an index needs at least one")
@@ -149,7 +152,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     reader = open_reader("mmap", view.embeddings, view.records, layout)  # type: ignore[arg-type]
     n_bow = 0
     try:
-        with RecordWriter(out / "embeddings.bin", layout) as writer:
+        with RecordWriter(out / "embeddings.bin", written) as writer:
             for at in range(0, n, 4096):
                 numbers = keep[at : at + 4096]
                 data = reader.read(numbers)
@@ -175,12 +178,16 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     link_tree(base.file("encoder"), out / "encoder")  # stored once per index: every base shares its bytes
     previous_stage = base.manifest.get("first_stage")
     # The centroid index is retrained on the kept documents, as a fresh build would.
-    first_stage = build_first_stage(out, np.load(out / "records.npy", mmap_mode="r"), layout,
+    first_stage = build_first_stage(out, np.load(out / "records.npy", mmap_mode="r"), written,
                                     previous_stage["kind"], previous=previous_stage) if previous_stage else None
+    stored = {**store}
+    if layout.bits:
+        recoded, file_bytes = recode_residual(out, written, layout.dtype)
+        stored = {**store, **recoded.manifest(), "pool_factor": store.get("pool_factor", 1)}
     manifest = {key: value for key, value in base.manifest.items() if key != "files"}
     manifest["created"] = utc_now()
     manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
-    manifest["store"] = {**store, "file_bytes": file_bytes, "record_order": RECORD_ORDER}
+    manifest["store"] = {**stored, "file_bytes": file_bytes, "record_order": RECORD_ORDER}
     manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
     manifest.pop("metadata", None)
     manifest.pop("first_stage", None)

@@ -15,6 +15,9 @@
  * Record layouts (espn/store/format.py):
  *   float16: [CLS d_cls x fp16][BOW n x d_bow x fp16]
  *   int8:    [scales (1 + n) x fp16][CLS d_cls x int8][BOW n x d_bow x int8]
+ *   residual: [CLS d_cls x fp16][centroid ids n x int32][codes n x d_bow x bits / 8]
+ *             (espn/store/residual.py: vector = centroid + weights[k][code k], then scaled to
+ *             unit length where the codec says so; codes packed LSB first)
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +25,7 @@
 
 #define DTYPE_FLOAT16 0
 #define DTYPE_INT8 1
+#define DTYPE_RESIDUAL 2
 #define LANES 16 /* query vectors per column block (the caller pads its stride to this) */
 #define ROWS 6   /* document vectors per register tile */
 
@@ -64,6 +68,46 @@ INLINE void convert_int8(const int8_t *codes, const uint16_t *scales, int64_t n,
 
 INLINE void convert_float16(const _Float16 *values, int64_t n, int64_t d, float *conv) {
     for (int64_t i = 0; i < n * d; i++) conv[i] = (float)values[i];
+}
+
+/* The codec of residual records: centroids [n_centroids, d], weights [d, 2^bits]. */
+typedef struct {
+    const float *centroids;
+    int64_t n_centroids;
+    const float *weights;
+    int bits;
+    int normalize;
+} residual_codec;
+
+/* conv[t * d + k] = centroid[id_t][k] + weights[k][code_tk] (unit length if the codec says so).
+ * Returns -1 for an id outside the codec (a damaged record), else 0. */
+INLINE int convert_residual(const uint8_t *ids, const uint8_t *codes, int64_t n, int64_t d,
+                            const residual_codec *codec, float *conv) {
+    const int bits = codec->bits, per_byte = 8 / bits, buckets = 1 << bits;
+    const uint8_t mask = (uint8_t)(buckets - 1);
+    const int64_t code_bytes = d * bits / 8;
+    for (int64_t t = 0; t < n; t++) {
+        int32_t id;
+        memcpy(&id, ids + 4 * t, sizeof id);
+        if (id < 0 || id >= codec->n_centroids) return -1;
+        const float *centroid = codec->centroids + (int64_t)id * d;
+        const uint8_t *packed = codes + t * code_bytes;
+        float *out = conv + t * d;
+        for (int64_t k = 0; k < d; k++) {
+            const int code = (packed[k / per_byte] >> ((k % per_byte) * bits)) & mask;
+            out[k] = centroid[k] + codec->weights[k * buckets + code];
+        }
+        if (codec->normalize) {
+            float norm = 0.0f;
+            for (int64_t k = 0; k < d; k++) norm += out[k] * out[k];
+            norm = sqrtf(norm);
+            if (norm > 1e-12f) {
+                const float inverse = 1.0f / norm;
+                for (int64_t k = 0; k < d; k++) out[k] *= inverse;
+            }
+        }
+    }
+    return 0;
 }
 
 /* best[0:16] = max over the n document vectors in conv of <v_t, q_j>, for the 16 query
@@ -137,13 +181,21 @@ DEFINE_CLS_DOT(cls_dot_float16, _Float16)
  *   q_valid     [B, stride] uint8: which columns are real (unmasked) query vectors
  *   pair_query, pair_doc [P] int64; out_cls, out_bow [P] fp32 (raw sums: the caller averages)
  *   scratch     [stride + (max n_bow of the pairs' documents + ROWS) * d_bow] fp32
- * Returns 0, or -1 for an unknown dtype or a stride that is not a multiple of 16. */
+ *   centroids, n_centroids, weights, bits, normalize: the codec of residual records (else unused)
+ * Returns 0; -1 for an unknown dtype, a stride that is not a multiple of 16 or a codec that does
+ * not fit; -2 for a residual record naming a centroid outside the codec. */
 MULTIVERSION
 int espn_score_pairs(const int64_t *records, const int64_t *n_bow, int64_t d_cls, int64_t d_bow, int dtype,
                      const float *q_cls, const float *q_bow_t, const uint8_t *q_valid, int64_t stride,
                      const int64_t *pair_query, const int64_t *pair_doc, int64_t n_pairs,
-                     float *out_cls, float *out_bow, float *scratch) {
-    if ((dtype != DTYPE_FLOAT16 && dtype != DTYPE_INT8) || stride <= 0 || stride % LANES) return -1;
+                     float *out_cls, float *out_bow, float *scratch,
+                     const float *centroids, int64_t n_centroids, const float *weights, int bits, int normalize) {
+    if ((dtype != DTYPE_FLOAT16 && dtype != DTYPE_INT8 && dtype != DTYPE_RESIDUAL) || stride <= 0 || stride % LANES)
+        return -1;
+    const residual_codec codec = {centroids, n_centroids, weights, bits, normalize};
+    if (dtype == DTYPE_RESIDUAL &&
+        (centroids == NULL || weights == NULL || n_centroids <= 0 || (bits != 2 && bits != 4) || (d_bow * bits) % 8))
+        return -1;
     float *best = scratch, *conv = scratch + stride;
     int64_t converted = -1; /* the document now in conv: pairs of one document are often adjacent */
     for (int64_t p = 0; p < n_pairs; p++) {
@@ -152,6 +204,18 @@ int espn_score_pairs(const int64_t *records, const int64_t *n_bow, int64_t d_cls
         const float *qc = q_cls + q * d_cls;
         const void *bow;
         const uint16_t *scales = NULL; /* the BOW vectors' scales (int8 records only) */
+        if (dtype == DTYPE_RESIDUAL) {
+            const _Float16 *cls = (const _Float16 *)record;
+            out_cls[p] = cls_dot_float16(cls, qc, d_cls);
+            if (converted != r) {
+                const uint8_t *ids = record + 2 * d_cls;
+                if (convert_residual(ids, ids + 4 * n, n, d_bow, &codec, conv) != 0) return -2;
+                memset(conv + n * d_bow, 0, sizeof(float) * ROWS * d_bow);
+                converted = r;
+            }
+            out_bow[p] = pair_maxsim(conv, n, d_bow, q_bow_t + q * d_bow * stride, stride, q_valid + q * stride, best);
+            continue;
+        }
         if (dtype == DTYPE_INT8) {
             const uint16_t *all_scales = (const uint16_t *)record;
             const int8_t *cls = (const int8_t *)(record + 2 * (1 + n));

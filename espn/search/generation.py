@@ -65,7 +65,7 @@ def open_context(index: IndexDirectory, view: LiveView | None, encoder: Encoder 
     index alone without one. What it opens is registered with `resources`."""
     manifest = index.manifest
     records, ann, ids, docs, live = _generation_arrays(index, view)
-    layout = StoreLayout.from_manifest(manifest["store"])
+    layout = StoreLayout.from_manifest(manifest["store"], index.path)
     reader = _open_reader(resources, index, records, layout, reader_name, dict(reader_options), device)
     score = manifest["score"]
     pool = resources.shared("prefetch-pool", lambda: ThreadPoolExecutor(

@@ -8,6 +8,10 @@ Two storage types (`StoreLayout.dtype`, the manifest's `store.dtype`):
   code clips): element error <= scale / 2. Per-vector beat per-dimension scales on SciFact
   (dot-product error rms 0.00097 against 0.00136) and needs no fitted state, so a delta
   segment written later decodes the same way. Half the bytes of fp16, plus 2 per vector.
+- ``residual2`` / ``residual4``: `[CLS: d_cls x fp16][centroid ids: n x int32][codes: n x
+  d_bow x bits / 8]`, padded to an even length: each BOW vector as its nearest first-stage
+  centroid plus a 2- or 4-bit residual per dimension (`espn.store.residual`). The layout
+  then carries the codec (`StoreLayout.codec`), which readers decode with.
 
 With `pool_factor` F > 1 the writer pools each document's BOW vectors to about n / F
 (`espn.pooling.cluster`) before storing them; readers need not know. Given a `groups_dir` it
@@ -33,9 +37,11 @@ from typing import IO, Any, Mapping
 import numpy as np
 import torch
 
+from ..choices import STORAGE_TYPES as CHOICES_OF_STORAGE
 from ..errors import IndexCorruptError, InvalidParameterError
 from ..pooling.cluster import pool_documents_grouped
 from ..pooling.groups import PoolGroupsWriter
+from .residual import ID_BYTES, ResidualCodec, residual_bits
 
 __all__ = [
     "RECORD_DTYPE",
@@ -45,6 +51,7 @@ __all__ = [
     "quantize_int8",
     "dequantize_int8",
     "split_records",
+    "decode_residual_rows",
     "record_nbytes",
     "place_records",
     "RecordWriter",
@@ -55,7 +62,7 @@ RECORD_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8"), ("n_bow", "<i4")]
 #: Dtype of the float16 records (and of the int8 records' scales).
 STORAGE_DTYPE = np.dtype("<f2")
 #: What `StoreLayout.dtype` (manifest `store.dtype`) may be.
-STORAGE_TYPES = ("float16", "int8")
+STORAGE_TYPES = CHOICES_OF_STORAGE
 DEFAULT_BLOCK_SIZE = 4096
 #: Largest int8 code: codes lie in [-127, 127], symmetric around 0.
 INT8_MAX = 127
@@ -65,8 +72,10 @@ INT8_MAX = 127
 class StoreLayout:
     """Shape of the records: what a reader needs besides records.npy.
 
-    dtype: how vectors are stored ("float16" or "int8"); pool_factor: the writer pools each
-    document's BOW vectors by this factor (1 = one stored vector per encoder vector).
+    dtype: how vectors are stored (STORAGE_TYPES); pool_factor: the writer pools each
+    document's BOW vectors by this factor (1 = one stored vector per encoder vector);
+    codec: what residual records decode with (attached once the index's centroids exist:
+    `espn.store.residual_files.attach_codec`; never part of the manifest's layout).
     """
 
     d_cls: int
@@ -74,6 +83,7 @@ class StoreLayout:
     block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float16"
     pool_factor: int = 1
+    codec: ResidualCodec | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 512 or self.block_size & (self.block_size - 1):
@@ -82,21 +92,50 @@ class StoreLayout:
             raise InvalidParameterError(f"dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.dtype!r}")
         if not isinstance(self.pool_factor, int) or self.pool_factor < 1:
             raise InvalidParameterError(f"pool_factor must be an integer >= 1, got {self.pool_factor!r}")
+        if self.bits and (self.d_bow * self.bits) % 8:
+            raise InvalidParameterError(f"{self.dtype} records need d_bow x {self.bits} to be a whole number of "
+                                        f"bytes; d_bow is {self.d_bow}")
+        if self.codec is not None and (self.codec.bits != self.bits or self.codec.dim != self.d_bow):
+            raise IndexCorruptError(f"the residual codec ({self.codec.bits} bits, {self.codec.dim}-d) does not fit "
+                                    f"{self.dtype} records of {self.d_bow}-d vectors")
+
+    @property
+    def bits(self) -> int:
+        """Bits per dimension of residual records; 0 for the others."""
+        return residual_bits(self.dtype)
+
+    def with_codec(self, codec: ResidualCodec | None) -> "StoreLayout":
+        """This layout with its residual codec attached."""
+        return dataclasses.replace(self, codec=codec)
+
+    def require_codec(self) -> ResidualCodec:
+        """The codec residual records decode with (a layout read from a manifest has none yet)."""
+        if self.codec is None:
+            raise IndexCorruptError(f"{self.dtype} records need their codec (first_stage/residual_*.npy), "
+                                    "which was not loaded")
+        return self.codec
 
     @classmethod
-    def from_manifest(cls, store: Mapping[str, Any]) -> "StoreLayout":
-        """The layout of a manifest's `store` section (format 1 indexes: fp16, unpooled)."""
+    def from_manifest(cls, store: Mapping[str, Any], directory: Path | None = None) -> "StoreLayout":
+        """The layout of a manifest's `store` section (format 1 indexes: fp16, unpooled); given the
+        index `directory`, residual records come with their codec (its first_stage/)."""
         dtype = store.get("dtype", "float16")
         if dtype not in STORAGE_TYPES:
             raise IndexCorruptError(f"the index stores vectors as {dtype!r}; this espn reads "
                                     f"{', '.join(STORAGE_TYPES)} (upgrade espn or rebuild the index)")
-        return cls(int(store["d_cls"]), int(store["d_bow"]), int(store["block_size"]), dtype,
-                   int(store.get("pool_factor", 1)))
+        layout = cls(int(store["d_cls"]), int(store["d_bow"]), int(store["block_size"]), dtype,
+                     int(store.get("pool_factor", 1)))
+        if layout.bits and directory is not None:
+            return layout.with_codec(ResidualCodec.open(Path(directory) / "first_stage", dtype, store.get("residual")))
+        return layout
 
     def manifest(self) -> dict[str, Any]:
         """The manifest's `store` fields that describe this layout."""
-        return {"dtype": self.dtype, "block_size": self.block_size, "d_cls": self.d_cls, "d_bow": self.d_bow,
-                "pool_factor": self.pool_factor, "scale": "per_vector" if self.dtype == "int8" else None}
+        section = {"dtype": self.dtype, "block_size": self.block_size, "d_cls": self.d_cls, "d_bow": self.d_bow,
+                   "pool_factor": self.pool_factor, "scale": "per_vector" if self.dtype == "int8" else None}
+        if self.codec is not None:
+            section["residual"] = self.codec.manifest()
+        return section
 
 
 def record_nbytes(n_bow: np.ndarray | int, layout: StoreLayout) -> np.ndarray | int:
@@ -104,6 +143,9 @@ def record_nbytes(n_bow: np.ndarray | int, layout: StoreLayout) -> np.ndarray | 
     n = np.asarray(n_bow, dtype=np.int64)
     if layout.dtype == "int8":
         raw = (1 + n) * STORAGE_DTYPE.itemsize + layout.d_cls + n * layout.d_bow
+        return raw + raw % 2
+    if layout.bits:
+        raw = layout.d_cls * STORAGE_DTYPE.itemsize + n * (ID_BYTES + layout.d_bow * layout.bits // 8)
         return raw + raw % 2
     return (layout.d_cls + n * layout.d_bow) * STORAGE_DTYPE.itemsize
 
@@ -169,7 +211,7 @@ def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, l
     buffer: 1-D uint8 tensor (any device); starts [n] even byte positions; n_bow [n].
     Returns cls [n, d_cls] and bow [sum n_bow, d_bow] (each document's vectors in turn), int8
     codes with their fp16 scales cls_scales [n] and bow_scales [sum n_bow] for int8 records,
-    fp16 values and None for float16 ones. One index_select per tensor, over strided views
+    fp16 values and None for float16 ones, the decoded float32 vectors and None for residual ones. One index_select per tensor, over strided views
     of the buffer (one index per vector, not per element).
     """
     d_cls, d_bow = layout.d_cls, layout.d_bow
@@ -184,6 +226,9 @@ def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, l
     def rows(view: torch.Tensor, at: np.ndarray) -> torch.Tensor:
         return view.index_select(0, torch.from_numpy(at).to(device))
 
+    if layout.bits:  # residual records: decoded here (their codes are not values to multiply)
+        return (rows(flat16.unfold(0, d_cls, 1), first), None,
+                decode_residual_rows(buffer, 2 * (first + d_cls), n_bow, layout), None)
     if layout.dtype != "int8":
         return (rows(flat16.unfold(0, d_cls, 1), first), None,
                 rows(flat16.unfold(0, d_bow, 1), np.repeat(first + d_cls, n_bow) + within * d_bow), None)
@@ -192,6 +237,28 @@ def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, l
     return (rows(codes.unfold(0, d_cls, 1), cls_byte), rows(flat16, first),
             rows(codes.unfold(0, d_bow, 1), np.repeat(cls_byte + d_cls, n_bow) + within * d_bow),
             rows(flat16, np.repeat(first + 1, n_bow) + within))
+
+
+def decode_residual_rows(buffer: torch.Tensor, bow_starts: np.ndarray, n_bow: np.ndarray,
+                         layout: StoreLayout) -> torch.Tensor:
+    """The BOW vectors [sum n_bow, d_bow] float32 of residual records, decoded on the buffer's device.
+
+    buffer: 1-D uint8 tensor; bow_starts [n]: the byte where each record's centroid ids begin.
+    One index_select for the ids and one for the codes (windows of the buffer), then one decode.
+    """
+    codec = layout.require_codec()
+    n_bow = np.asarray(n_bow, dtype=np.int64)
+    total = int(n_bow.sum())
+    if total == 0:
+        return torch.zeros((0, layout.d_bow), dtype=torch.float32, device=buffer.device)
+    ends = np.cumsum(n_bow)
+    within = np.arange(total, dtype=np.int64) - np.repeat(ends - n_bow, n_bow)
+    starts = np.repeat(np.asarray(bow_starts, dtype=np.int64), n_bow)
+    id_at = torch.from_numpy(starts + within * ID_BYTES).to(buffer.device)
+    code_at = torch.from_numpy(starts + np.repeat(n_bow, n_bow) * ID_BYTES + within * codec.code_bytes)
+    ids = buffer.unfold(0, ID_BYTES, 1).index_select(0, id_at).contiguous().view(torch.int32).reshape(-1)
+    codes = buffer.unfold(0, codec.code_bytes, 1).index_select(0, code_at.to(buffer.device))
+    return codec.decode_torch(ids, codes)
 
 
 class RecordWriter:
@@ -256,6 +323,14 @@ class RecordWriter:
                 at = _put(buf, at, scales)
                 at = _put(buf, at, cls_codes[i].view(np.uint8))
                 _put(buf, at, body)
+        elif lay.bits:
+            ids, codes = lay.require_codec().encode(bow.reshape(-1, lay.d_bow))
+            cls16 = np.ascontiguousarray(cls, dtype=STORAGE_DTYPE)
+            for i in range(len(counts)):
+                a, b = int(bow_starts[i]), int(bow_ends[i])
+                at = _put(buf, int(rel[i]), cls16[i].view(np.uint8))
+                at = _put(buf, at, ids[a:b].astype("<i4").view(np.uint8))
+                _put(buf, at, codes[a:b].reshape(-1))
         else:
             cls16 = np.ascontiguousarray(cls, dtype=STORAGE_DTYPE)
             bow16 = np.ascontiguousarray(bow, dtype=STORAGE_DTYPE)

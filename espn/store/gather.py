@@ -1,4 +1,4 @@
-"""Parse records out of a byte buffer into CLS and BOW tensors (fp16, or int8 decoded), with
+"""Parse records out of a byte buffer into CLS and BOW tensors (fp16, or int8 and residual decoded), with
 index arrays on the buffer's device: no Python work per record."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .format import StoreLayout, dequantize_int8
+from .format import StoreLayout, decode_residual_rows, dequantize_int8
 from .records import Buffer
 
 __all__ = ["gather_records"]
@@ -38,6 +38,10 @@ def gather_records(
     total = int(offsets[-1])
     if layout.dtype == "int8":
         return _gather_int8(flat_u8, flat, first, n_bow, offsets, layout, cls_out, vectors_out)
+    if layout.bits:
+        cls = _select_rows(flat.unfold(0, d_cls, 1), torch.from_numpy(first).to(device), cls_out)
+        decoded = decode_residual_rows(flat_u8, 2 * (first + d_cls), n_bow, layout).to(torch.float16)
+        return cls, decoded if vectors_out is None else vectors_out.copy_(decoded), offsets
     # Element position of every BOW vector: the record's first BOW element + t·d_bow.
     within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n_bow)
     rows = np.repeat(first + d_cls, n_bow) + within * d_bow

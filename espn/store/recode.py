@@ -1,0 +1,92 @@
+"""Rewrite an index's records as residual records once its centroids exist.
+
+Residual records (`espn.store.residual`) code each token against the first stage's centroids,
+which are trained from the stored vectors themselves (`espn.first_stage.build`). So a build
+or a compaction that asks for them writes int8 records first, trains the centroids on those,
+and then re-encodes every record here against the new centroids, in the file's own order
+(the IVF-list order stays). The int8 error is ~100x below a 4-bit residual's, so coding from
+int8 rather than from the encoder's vectors costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .format import RecordWriter, StoreLayout
+from .mmap import MmapReader
+from .residual import TRAIN_SAMPLE, residual_bits, train_codec
+
+__all__ = ["recode_residual", "written_before_centroids", "CHUNK_DOCUMENTS"]
+
+log = logging.getLogger(__name__)
+
+#: Documents read and re-encoded per step: bounds the memory of the pass.
+CHUNK_DOCUMENTS = 4096
+
+
+def written_before_centroids(layout: StoreLayout) -> StoreLayout:
+    """What a build writes before its centroids exist: int8 in place of residual records."""
+    return dataclasses.replace(layout, dtype="int8", codec=None) if layout.bits else layout
+
+
+def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int = 1234) -> tuple[StoreLayout, int]:
+    """Rewrite `directory`'s embeddings.bin (records of `layout`) as `dtype` residual records
+    against its first_stage/centroids.npy, and records.npy to match, each replaced by rename.
+
+    Returns (the layout of the new records, with its codec; the new file size). The codec's
+    files are written into first_stage/ first: a crash before the renames leaves the old
+    records, still described by the manifest, which the caller writes last.
+    """
+    directory = Path(directory)
+    bits = residual_bits(dtype)
+    if not bits:
+        raise ValueError(f"{dtype!r} is not a residual storage type")
+    folder = directory / "first_stage"
+    centroids = np.load(folder / "centroids.npy")
+    records = np.load(directory / "records.npy")
+    reader = MmapReader(directory / "embeddings.bin", records, layout)
+    try:
+        codec = train_codec(centroids, _sample(reader, records, seed), bits)
+        codec.save(folder)
+        # the vectors are pooled already: the writer stores them as they are
+        target = dataclasses.replace(layout, dtype=dtype, pool_factor=1, codec=codec)
+        order = np.argsort(records["offset"], kind="stable")
+        recoded = records.copy()
+        staged = directory / "embeddings.bin.recoded"
+        with RecordWriter(staged, target) as writer:
+            for at in range(0, len(order), CHUNK_DOCUMENTS):
+                batch = reader.read(order[at:at + CHUNK_DOCUMENTS])
+                recoded[batch.docs] = writer.append(batch.cls.float().numpy(), batch.vectors.float().numpy(),
+                                                    np.diff(batch.offsets))
+            size = writer.close()
+    finally:
+        reader.close()
+    staged_records = directory / "records.npy.recoded"
+    with open(staged_records, "wb") as file:
+        np.save(file, recoded)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staged, directory / "embeddings.bin")
+    os.replace(staged_records, directory / "records.npy")
+    log.info("records of %s recoded as %s: %.1f MB (%d centroids, normalized: %s)", directory, dtype, size / 1e6,
+             len(centroids), codec.normalize)
+    return dataclasses.replace(target, pool_factor=layout.pool_factor), size
+
+
+def _sample(reader: MmapReader, records: np.ndarray, seed: int) -> np.ndarray:
+    """Stored vectors of whole documents drawn at random, about TRAIN_SAMPLE of them."""
+    n_docs = len(records)
+    per_doc = max(1.0, float(records["n_bow"].sum()) / max(1, n_docs))
+    take = min(n_docs, int(TRAIN_SAMPLE / per_doc) + 1)
+    docs = np.sort(np.random.default_rng(seed).choice(n_docs, size=take, replace=False))
+    parts = [reader.read(docs[at:at + CHUNK_DOCUMENTS]).vectors.float().numpy()
+             for at in range(0, len(docs), CHUNK_DOCUMENTS)]
+    return np.concatenate(parts) if parts else np.zeros((0, reader.layout.d_bow), np.float32)
+
+
+
