@@ -100,8 +100,7 @@ def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarra
     residual: tuple[int | None, int, int | None, int, int] = (None, 0, None, 0, 0)
     if codec is not None:
         centroids = np.ascontiguousarray(codec.centroids, dtype=np.float32)
-        weights = np.ascontiguousarray(codec.weights, dtype=np.float32)
-        residual = (_ptr(centroids), len(centroids), _ptr(weights), codec.bits, int(codec.normalize))
+        residual = (_ptr(centroids), len(centroids), _ptr(codec.byte_table), codec.bits, int(codec.normalize))
     status = lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
                                   _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query), _ptr(pair_doc), n_pairs,
                                   _ptr(out_cls), _ptr(out_bow), _ptr(scratch), *residual)

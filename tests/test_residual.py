@@ -196,6 +196,36 @@ def test_every_reader_and_the_torch_scorer_rank_residual_records_alike(builds: d
                                [h.score for r in fallback for h in r.hits], rtol=1e-4)
 
 
+def test_the_residual_benchmark_makes_each_arm_and_measures_it(builds: dict[str, Path], collection: dict,
+                                                               tmp_path: Path, monkeypatch, capsys) -> None:
+    """benchmarks.bench_residual on the int8 build: the arms are re-encoded copies, the int8
+    arm's recall of its own exhaustive top 10 is 1, and every arm's speed is measured in a child."""
+    from benchmarks import bench_residual, common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    queries = collection["queries"]
+    npz = tmp_path / "queries.npz"
+    np.savez(npz, ids=np.array([f"q{i}" for i in range(len(queries))]), cls=queries.cls, bow=queries.bow,
+             mask=queries.mask)
+    (tmp_path / "data" / "qrels").mkdir(parents=True)
+    for split, rows in (("train", range(0, 20)), ("test", range(20, 40))):
+        lines = "".join(f"q{i}\t{i}\t1\n" for i in rows)
+        (tmp_path / "data" / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + lines)
+    argv = ["--index", str(builds["int8"]), "--queries", str(npz), "--work", str(tmp_path / "work"),
+            "--data", str(tmp_path / "data"), "--quick"]
+    assert bench_residual.main(argv) == 0
+    payload = json.loads((tmp_path / "residual.json").read_text())
+    assert payload["arms"]["residual2"]["bytes_per_token"] < payload["arms"]["residual4"]["bytes_per_token"] \
+        < payload["arms"]["int8"]["bytes_per_token"]
+    for split in ("train", "test"):
+        assert payload["fidelity"][split]["int8"]["exhaustive_recall"] == 1.0
+        assert 0.5 < payload["fidelity"][split]["residual4"]["exhaustive_recall"] <= 1.0
+    assert all(payload["speed"][arm][reader]["p50_ms"] > 0 for arm in bench_residual.ARMS
+               for reader in bench_residual.READERS)
+    assert payload["speed"]["residual2"]["posix"]["bytes_per_query"] < payload["speed"]["int8"]["posix"]["bytes_per_query"]
+    assert "|---" in capsys.readouterr().out
+
+
 def test_a_residual_build_without_the_centroid_stage_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError, match="centroid first stage"):
         BuildConfig(corpus=SAMPLE_CORPUS, out=tmp_path / "x", bow_dtype="residual4", first_stage="ivf").validate()

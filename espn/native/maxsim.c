@@ -16,8 +16,8 @@
  *   float16: [CLS d_cls x fp16][BOW n x d_bow x fp16]
  *   int8:    [scales (1 + n) x fp16][CLS d_cls x int8][BOW n x d_bow x int8]
  *   residual: [CLS d_cls x fp16][centroid ids n x int32][codes n x d_bow x bits / 8]
- *             (espn/store/residual.py: vector = centroid + weights[k][code k], then scaled to
- *             unit length where the codec says so; codes packed LSB first)
+ *             (espn/store/residual.py: vector = centroid + the residual its codes name, then
+ *             scaled to unit length where the codec says so; codes packed LSB first)
  */
 #include <math.h>
 #include <stdint.h>
@@ -70,40 +70,54 @@ INLINE void convert_float16(const _Float16 *values, int64_t n, int64_t d, float 
     for (int64_t i = 0; i < n * d; i++) conv[i] = (float)values[i];
 }
 
-/* The codec of residual records: centroids [n_centroids, d], weights [d, 2^bits]. */
+/* The codec of residual records: centroids [n_centroids, d]; table [d * bits / 8, 256, 8 / bits]:
+ * for each byte of a vector's codes and each value it may hold, the residuals of the 8 / bits
+ * dimensions it packs (espn/store/residual.py, ResidualCodec.byte_table), so a byte decodes
+ * with one lookup and one short vector add, not a shift, a mask and a lookup per dimension. */
 typedef struct {
     const float *centroids;
     int64_t n_centroids;
-    const float *weights;
+    const float *table;
     int bits;
     int normalize;
 } residual_codec;
 
-/* conv[t * d + k] = centroid[id_t][k] + weights[k][code_tk] (unit length if the codec says so).
+/* One vector: out[k] = centroid[k] + residual of dimension k, for PER dimensions per byte. */
+#define DEFINE_DECODE(NAME, PER)                                                                     \
+    INLINE void NAME(const float *centroid, const uint8_t *packed, int64_t code_bytes,               \
+                     const float *table, float *out) {                                              \
+        for (int64_t j = 0; j < code_bytes; j++) {                                                   \
+            const float *residual = table + (j * 256 + packed[j]) * PER;                             \
+            for (int s = 0; s < PER; s++) out[j * PER + s] = centroid[j * PER + s] + residual[s];   \
+        }                                                                                            \
+    }
+DEFINE_DECODE(decode_2bit, 4)
+DEFINE_DECODE(decode_4bit, 2)
+
+/* conv[t * d + k] = the document's vector t decoded (unit length if the codec says so).
  * Returns -1 for an id outside the codec (a damaged record), else 0. */
 INLINE int convert_residual(const uint8_t *ids, const uint8_t *codes, int64_t n, int64_t d,
                             const residual_codec *codec, float *conv) {
-    const int bits = codec->bits, per_byte = 8 / bits, buckets = 1 << bits;
-    const uint8_t mask = (uint8_t)(buckets - 1);
-    const int64_t code_bytes = d * bits / 8;
+    const int64_t code_bytes = d * codec->bits / 8;
     for (int64_t t = 0; t < n; t++) {
         int32_t id;
         memcpy(&id, ids + 4 * t, sizeof id);
         if (id < 0 || id >= codec->n_centroids) return -1;
         const float *centroid = codec->centroids + (int64_t)id * d;
-        const uint8_t *packed = codes + t * code_bytes;
         float *out = conv + t * d;
-        for (int64_t k = 0; k < d; k++) {
-            const int code = (packed[k / per_byte] >> ((k % per_byte) * bits)) & mask;
-            out[k] = centroid[k] + codec->weights[k * buckets + code];
-        }
+        if (codec->bits == 2) decode_2bit(centroid, codes + t * code_bytes, code_bytes, codec->table, out);
+        else decode_4bit(centroid, codes + t * code_bytes, code_bytes, codec->table, out);
         if (codec->normalize) {
+            float partial[8] = {0}; /* eight partial sums: a reduction the compiler may vectorize */
+            int64_t k = 0;
+            for (; k + 8 <= d; k += 8)
+                for (int j = 0; j < 8; j++) partial[j] += out[k + j] * out[k + j];
             float norm = 0.0f;
-            for (int64_t k = 0; k < d; k++) norm += out[k] * out[k];
-            norm = sqrtf(norm);
-            if (norm > 1e-12f) {
-                const float inverse = 1.0f / norm;
-                for (int64_t k = 0; k < d; k++) out[k] *= inverse;
+            for (; k < d; k++) norm += out[k] * out[k];
+            for (int j = 0; j < 8; j++) norm += partial[j];
+            if (norm > 1e-24f) {
+                const float inverse = 1.0f / sqrtf(norm);
+                for (k = 0; k < d; k++) out[k] *= inverse;
             }
         }
     }
@@ -181,7 +195,7 @@ DEFINE_CLS_DOT(cls_dot_float16, _Float16)
  *   q_valid     [B, stride] uint8: which columns are real (unmasked) query vectors
  *   pair_query, pair_doc [P] int64; out_cls, out_bow [P] fp32 (raw sums: the caller averages)
  *   scratch     [stride + (max n_bow of the pairs' documents + ROWS) * d_bow] fp32
- *   centroids, n_centroids, weights, bits, normalize: the codec of residual records (else unused)
+ *   centroids, n_centroids, table, bits, normalize: the codec of residual records (else unused)
  * Returns 0; -1 for an unknown dtype, a stride that is not a multiple of 16 or a codec that does
  * not fit; -2 for a residual record naming a centroid outside the codec. */
 MULTIVERSION
@@ -189,12 +203,12 @@ int espn_score_pairs(const int64_t *records, const int64_t *n_bow, int64_t d_cls
                      const float *q_cls, const float *q_bow_t, const uint8_t *q_valid, int64_t stride,
                      const int64_t *pair_query, const int64_t *pair_doc, int64_t n_pairs,
                      float *out_cls, float *out_bow, float *scratch,
-                     const float *centroids, int64_t n_centroids, const float *weights, int bits, int normalize) {
+                     const float *centroids, int64_t n_centroids, const float *table, int bits, int normalize) {
     if ((dtype != DTYPE_FLOAT16 && dtype != DTYPE_INT8 && dtype != DTYPE_RESIDUAL) || stride <= 0 || stride % LANES)
         return -1;
-    const residual_codec codec = {centroids, n_centroids, weights, bits, normalize};
+    const residual_codec codec = {centroids, n_centroids, table, bits, normalize};
     if (dtype == DTYPE_RESIDUAL &&
-        (centroids == NULL || weights == NULL || n_centroids <= 0 || (bits != 2 && bits != 4) || (d_bow * bits) % 8))
+        (centroids == NULL || table == NULL || n_centroids <= 0 || (bits != 2 && bits != 4) || (d_bow * bits) % 8))
         return -1;
     float *best = scratch, *conv = scratch + stride;
     int64_t converted = -1; /* the document now in conv: pairs of one document are often adjacent */

@@ -86,6 +86,21 @@ class ResidualCodec:
         """Bytes of one token's codes."""
         return self.dim * self.bits // 8
 
+    @property
+    def byte_table(self) -> np.ndarray:
+        """[code_bytes, 256, 8 / bits] float32: the residuals of the dimensions each byte value of
+        each code byte packs (what the native kernel decodes with: one lookup per byte). 128 KiB at
+        128 dimensions, made once per codec."""
+        table = self.__dict__.get("_byte_table")
+        if table is None:
+            per_byte = 8 // self.bits
+            values = np.arange(256, dtype=np.int64)
+            codes = (values[:, None] >> (np.arange(per_byte) * self.bits)) & ((1 << self.bits) - 1)  # [256, per]
+            dims = np.arange(self.dim).reshape(-1, per_byte)  # [code_bytes, per]
+            table = np.ascontiguousarray(self.weights[dims[:, None, :], codes[None, :, :]], dtype=np.float32)
+            object.__setattr__(self, "_byte_table", table)
+        return table
+
     # -- encoding (the writers) ---------------------------------------------------------------
     def assign(self, vectors: np.ndarray) -> np.ndarray:
         """The nearest centroid (L2) of each vector: [n] int32."""
