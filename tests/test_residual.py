@@ -25,6 +25,7 @@ from espn.generation.format import read_current
 from espn.index import read_manifest
 from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
+from espn.live.snapshot import restore, snapshot
 from espn.store import StoreLayout, record_nbytes
 from espn.store.residual import pack_codes, train_codec
 from espn_indexing.build import BuildConfig, build_from_embeddings, build_index
@@ -273,6 +274,16 @@ def test_a_written_residual_index_keeps_exact_maxsim_through_writes_compaction_a
         with Searcher.open(index) as searcher:
             ids = [h.doc_id for h in searcher.search([query], k=48, first_stage_candidates=100)[0].hits]
             assert runner_up not in ids and len(ids) == 48
+        # a snapshot of the written generation carries the codec; restored, it answers alike
+        snapshot(index, tmp_path / "snap")
+        restore(tmp_path / "snap", tmp_path / "restored")
+        with Searcher.open(tmp_path / "restored", verify="full") as restored:
+            assert [h.doc_id for h in restored.search([query], k=48, first_stage_candidates=100)[0].hits] == ids
+        weights = tmp_path / "snap" / "first_stage" / "residual_weights.npy"
+        weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+        with pytest.raises(IndexCorruptError):
+            restore(tmp_path / "snap", tmp_path / "restored-again")
+        assert not (tmp_path / "restored-again").exists()
         writer.compact()
     base = index / read_current(index).base
     manifest = read_manifest(base)
