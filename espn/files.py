@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["is_index_directory", "fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
+__all__ = ["is_index_directory", "resident_bytes", "fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
            "lock_is_free", "remove_path", "utc_now", "checkpoint"]
 
 
@@ -132,3 +132,29 @@ def is_index_directory(path: Path | str) -> bool:
     """Whether `path` holds an index (its manifest, espn.index.MANIFEST): what a directory of
     indexes is scanned for. Here, not in espn.index, so that settings can ask without numpy."""
     return (Path(path) / "manifest.json").is_file()
+
+
+#: Files an open index reads from storage per query or per hit (not held in memory), and the
+#: directory of the model, loaded once per process and shared between indexes.
+_READ_PER_QUERY = frozenset({"embeddings.bin", "docs.jsonl"})
+_SHARED_DIRS = frozenset({"encoder"})
+
+
+def resident_bytes(index: Path | str, mapped_embeddings: bool = False) -> int:
+    """An upper bound of what the index at `index` keeps in memory once searched: the size of every
+    file its searches map (IVF, record table, ids, metadata, pooling groups, first stage, full-text
+    index; each base and delta) but the records, read from storage per query unless
+    `mapped_embeddings` (the mmap reader maps them), the passages, read per hit, and the model.
+    Here, beside is_index_directory, so that the server can budget indexes by the library's own
+    file names without loading numpy."""
+    total = 0
+    for top, dirs, files in os.walk(index):
+        dirs[:] = [d for d in dirs if d not in _SHARED_DIRS]  # the base's, and each rewritten base's
+        for name in files:
+            if name in _READ_PER_QUERY and not (mapped_embeddings and name == "embeddings.bin"):
+                continue
+            try:
+                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
+            except OSError:  # removed meanwhile (a compaction's old segment)
+                continue
+    return total

@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .choices import READER_NAMES
-from .files import is_index_directory
+from .files import is_index_directory, resident_bytes
 from .ids import MAX_ID_BYTES, decode_doc_id, id_problem
 from .params import (DEFAULT_RERANK_COUNT, MAX_CANDIDATES, MAX_K, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK,
                      NO_TEXT_PATTERN, SearchParams, has_text)
@@ -77,7 +77,7 @@ __all__ = [
     "read_only_reason", "lock_is_free",
     # index administration (an empty index made and removed in an index root)
     "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents", "is_index_directory",
-    "encoder_label",
+    "resident_bytes", "encoder_label",
     # snapshots
     "snapshot", "default_name", "snapshots_in", "remove_snapshot_leftovers",
     # replication and partitions

@@ -1,13 +1,10 @@
 """`--index-memory-budget MIB`: what an open index holds in memory, estimated, and making room for one.
 
-The estimate of an index is the size of the files its searches map into memory: every file
-of the index directory (its base, its live deltas and rewritten bases) but `embeddings.bin` (read from storage
-per query by the posix or kvikio reader; counted with `--reader mmap`, which maps it),
-`docs.jsonl` (read per hit returned) and `encoder/` (the model: loaded once per worker for
-every index that uses it, server.shared_encoders). That is the IVF (centroids and mapped
-lists), the record table, ids, offsets, metadata columns, pooling groups, the token-centroid
-first stage and the full-text index: the pages a worker touches once searches have run, an
-upper bound of what it keeps resident. The budget is per worker.
+The estimate of an index is the size of the files its searches map into memory, as the
+library counts them (`espn.files.resident_bytes`: not the records, read from storage per
+query unless `--reader mmap` maps them, nor the passages or the model, loaded once per worker
+for every index that uses it, server.shared_encoders): the pages a worker touches once
+searches have run, an upper bound of what it keeps resident. The budget is per worker.
 
 Before a closed index opens (server.indexes), `make_room` closes idle indexes (no request
 inside), least recently used first, until the open ones plus the new one fit; the default
@@ -17,8 +14,9 @@ index counts but is never closed. If they still do not fit, the request gets a 5
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
+
+from espn.service import resident_bytes
 
 from .deps import AppState
 from .errors import ServiceUnavailableError
@@ -30,25 +28,11 @@ if TYPE_CHECKING:
 __all__ = ["estimate_bytes", "make_room", "MIB"]
 
 MIB = 1 << 20
-#: Read per query or per hit from storage, or shared between indexes: not counted.
-_NOT_RESIDENT = frozenset({"embeddings.bin", "docs.jsonl"})
-_SKIPPED_DIRS = frozenset({"encoder"})
 
 
 def estimate_bytes(settings: ServerSettings) -> int:
-    """The estimated memory of the index at settings.index when open (see the module doc)."""
-    mapped_embeddings = settings.reader == "mmap"
-    total = 0
-    for top, dirs, files in os.walk(settings.index):
-        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS]  # the base's, and each rewritten base's
-        for name in files:
-            if name in _NOT_RESIDENT and not (mapped_embeddings and name == "embeddings.bin"):
-                continue
-            try:
-                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
-            except OSError:  # removed meanwhile (a compaction's old segment)
-                continue
-    return total
+    """The estimated memory of the index at settings.index when open (espn.files.resident_bytes)."""
+    return resident_bytes(settings.index, mapped_embeddings=settings.reader == "mmap")
 
 
 async def make_room(registry: "IndexRegistry", state: AppState) -> None:
