@@ -234,16 +234,16 @@ def test_a_residual_build_without_the_centroid_stage_is_refused(tmp_path: Path) 
 
 # -- a written index: deltas, deletions, filters, compaction, restart, damage ------------------
 
-@pytest.fixture(scope="module")
-def minilm_residual(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("minilm-residual") / "index"
+@pytest.fixture(scope="module", params=["residual4", "residual2"])
+def minilm_residual(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(f"minilm-{request.param}") / "index"
     docs = [json.loads(line) for line in SAMPLE_CORPUS.open()][:48]
     for i, doc in enumerate(docs):
         doc["metadata"] = {"shelf": "odd" if i % 2 else "even"}
     corpus = out.with_suffix(".jsonl")
     corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
     build_index(BuildConfig(corpus=corpus, out=out, loader_workers=0, progress=False, device="cpu", fit_sample=16,
-                            first_stage="centroids", score_weight=0.0, text_index=None, bow_dtype="residual4"))
+                            first_stage="centroids", score_weight=0.0, text_index=None, bow_dtype=request.param))
     return out
 
 
@@ -262,7 +262,7 @@ def test_a_written_residual_index_keeps_exact_maxsim_through_writes_compaction_a
     with LiveIndex.open(index) as writer:
         writer.upsert([new])
         with Searcher.open(index) as searcher:  # the delta is coded against the base's centroids
-            assert searcher.layout.dtype == "residual4"
+            assert searcher.layout.dtype == read_manifest(minilm_residual)["store"]["dtype"]
             hits = [h.doc_id for h in searcher.search([query], k=5)[0].hits]
             assert hits[0] == "new-elephant" and hits == _exact(searcher, query, 5)
             odd = searcher.search([query], k=5, filter={"shelf": "odd"})[0].hits
@@ -287,7 +287,8 @@ def test_a_written_residual_index_keeps_exact_maxsim_through_writes_compaction_a
         writer.compact()
     base = index / read_current(index).base
     manifest = read_manifest(base)
-    assert manifest["store"]["dtype"] == "residual4" and manifest["counts"]["documents"] == 48
+    assert manifest["store"]["dtype"] == read_manifest(minilm_residual)["store"]["dtype"]
+    assert manifest["counts"]["documents"] == 48
     # compaction retrained the centroids and re-encoded every record against them
     assert not np.array_equal(np.load(base / "first_stage" / "residual_weights.npy"), base_codec)
     records = np.load(base / "records.npy")

@@ -71,14 +71,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def index(corpus: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built by the `espn index` command, float16 records, chunks of 5 pages."""
-    out = tmp_path_factory.mktemp("idx") / "pages"
+    return _build_pages(corpus, checkpoint, tmp_path_factory.mktemp("idx") / "pages", "float16")
+
+
+def _build_pages(corpus: Path, checkpoint: Path, out: Path, dtype: str) -> Path:
+    """`espn index` over the page corpus with `--bow-dtype dtype`, chunks of 5 pages."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
         status = main(["index", str(corpus), "--out", str(out), "--encoder", f"colbert:{checkpoint}",
-                       "--bow-dtype", "float16", "--chunk-size", "5", "--batch-size", "4", "--dpi", "72",
+                       "--bow-dtype", dtype, "--chunk-size", "5", "--batch-size", "4", "--dpi", "72",
                        "--loader-workers", "1", "--no-progress", "--device", "cpu"])
     root.handlers[:], root.level = handlers, level
     for name, value in levels.items():
@@ -147,6 +151,31 @@ def test_the_index_ranks_as_the_librarys_maxsim(index: Path, corpus: Path, libra
             assert hits[0].doc_id == pages[order[0]].id == result.hits[0].doc_id
             decided += 1
     assert decided >= 3
+
+
+def test_pages_stored_as_residual_records_rank_as_their_float16_index(index: Path, corpus: Path, checkpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    """A page index of residual4 records (patch vectors coded against its centroids): smaller, its
+    scores within a tenth of the float16 index's, the same top page wherever the float16 ranking
+    is decided by more than that error, and the default search serving its exhaustive top 3."""
+    residual = _build_pages(corpus, checkpoint, tmp_path / "residual", "residual4")
+    stored = {path: json.loads((path / "manifest.json").read_text())["store"] for path in (index, residual)}
+    assert stored[residual]["dtype"] == "residual4" and stored[residual]["file_bytes"] < stored[index]["file_bytes"]
+    with Searcher.open(index) as exact, Searcher.open(residual) as coded:
+        queries = exact.encode(QUERIES)
+        reference = exact.search_maxsim_exhaustive(queries, k=12)
+        found = coded.search_maxsim_exhaustive(queries, k=12)
+        served = coded.search(QUERIES, k=3)
+    overlaps = []
+    for ref, got, result in zip(reference, found, served):
+        scores = {h.doc_id: h.score for h in got}
+        errors = [abs(scores[h.doc_id] - h.score) for h in ref]
+        assert max(errors) < 0.1 * abs(ref[0].score)  # measured: at most 0.054 of the score
+        if ref[0].score - ref[1].score > 2 * max(errors):  # decided beyond what the codec can move
+            assert got[0].doc_id == ref[0].doc_id
+        assert [h.doc_id for h in result.hits] == [h.doc_id for h in got[:3]]
+        overlaps.append(len({h.doc_id for h in ref[:3]} & {h.doc_id for h in got[:3]}) / 3)
+    assert np.mean(overlaps) >= 0.7  # measured: 0.79 (19 of 24 top-3 pages)
 
 
 def test_the_index_reopens_and_espn_search_writes_a_run(index: Path, tmp_path: Path) -> None:
