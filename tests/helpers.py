@@ -52,6 +52,22 @@ def write_scifact_subset(scifact: Path, path: Path, count: int, words: int = SCI
     return path
 
 
+def write_maxsim_shards(source: Path, cls, bow, counts) -> Path:
+    """Precomputed embedding shards at `source` (espn's import format, one shard) scored by MaxSim
+    alone (`w = 0`, sum): what `build_from_embeddings` takes. cls [n, d], bow [T, d], counts [n]."""
+    import numpy as np
+
+    for folder in ("cls", "bow", "counts"):
+        (source / folder).mkdir(parents=True)
+    d = int(bow.shape[1])
+    (source / "embeddings.json").write_text(json.dumps({"format": "espn-precomputed", "version": 1, "d_cls": d,
+                                                        "d_bow": d, "bow_reduction": "sum", "score_weight": 0.0}))
+    np.save(source / "cls" / "0.npy", cls.astype(np.float16))
+    np.save(source / "bow" / "0.npy", bow.astype(np.float16))
+    np.save(source / "counts" / "0.npy", counts)
+    return source
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

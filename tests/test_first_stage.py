@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from espn import Searcher
+from helpers import write_maxsim_shards
 from espn.encoders import QueryEmbeddings
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.first_stage.centroids import FIRST_STAGE_DIR, TokenCentroids, postings_from_pairs
@@ -64,14 +65,8 @@ def collection() -> dict:
 
 @pytest.fixture(scope="module")
 def built(collection: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    source = tmp_path_factory.mktemp("shards") / "emb"
-    for folder in ("cls", "bow", "counts"):
-        (source / folder).mkdir(parents=True)
-    (source / "embeddings.json").write_text(json.dumps({"format": "espn-precomputed", "version": 1, "d_cls": D,
-                                                        "d_bow": D, "bow_reduction": "sum", "score_weight": 0.0}))
-    np.save(source / "cls" / "0.npy", collection["cls"].astype(np.float16))
-    np.save(source / "bow" / "0.npy", collection["bow"].astype(np.float16))
-    np.save(source / "counts" / "0.npy", collection["counts"])
+    source = write_maxsim_shards(tmp_path_factory.mktemp("shards") / "emb", collection["cls"], collection["bow"],
+                                 collection["counts"])
     out = tmp_path_factory.mktemp("index") / "index"
     build_from_embeddings(source, out, nlist=32, chunk_size=512, first_stage="centroids", text_index=None)
     return out

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from espn import Searcher
+from helpers import write_maxsim_shards
 from espn.encoders import QueryEmbeddings
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.first_stage.centroids import train_centroids
@@ -133,14 +134,8 @@ def collection() -> dict:
 
 @pytest.fixture(scope="module")
 def builds(collection: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    source = tmp_path_factory.mktemp("shards") / "emb"
-    for folder in ("cls", "bow", "counts"):
-        (source / folder).mkdir(parents=True)
-    (source / "embeddings.json").write_text(json.dumps({"format": "espn-precomputed", "version": 1, "d_cls": D,
-                                                        "d_bow": D, "bow_reduction": "sum", "score_weight": 0.0}))
-    np.save(source / "cls" / "0.npy", collection["cls"].astype(np.float16))
-    np.save(source / "bow" / "0.npy", collection["bow"].astype(np.float16))
-    np.save(source / "counts" / "0.npy", collection["counts"])
+    source = write_maxsim_shards(tmp_path_factory.mktemp("shards") / "emb", collection["cls"], collection["bow"],
+                                 collection["counts"])
     out = {}
     for dtype in ("int8", "residual2", "residual4"):
         out[dtype] = tmp_path_factory.mktemp(dtype) / "index"
