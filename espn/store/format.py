@@ -1,6 +1,6 @@
 """The embedding file: block-aligned records of one document's CLS and BOW vectors.
 
-Two storage types (`StoreLayout.dtype`, the manifest's `store.dtype`):
+The storage types (`StoreLayout.dtype`, the manifest's `store.dtype`):
 
 - ``float16``: `[CLS: d_cls x fp16][BOW: n x d_bow x fp16]` (format 1, every older index).
 - ``int8``: `[scales: (1 + n) x fp16][CLS: d_cls x int8][BOW: n x d_bow x int8]`, padded to
@@ -74,8 +74,9 @@ class StoreLayout:
 
     dtype: how vectors are stored (STORAGE_TYPES); pool_factor: the writer pools each
     document's BOW vectors by this factor (1 = one stored vector per encoder vector);
-    codec: what residual records decode with (attached once the index's centroids exist:
-    `espn.store.residual_files.attach_codec`; never part of the manifest's layout).
+    codec: what residual records decode with (attached by `from_manifest` given the index
+    directory, once its centroids exist; not compared, and written to the manifest as
+    `store.residual`).
     """
 
     d_cls: int
@@ -211,8 +212,9 @@ def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, l
     buffer: 1-D uint8 tensor (any device); starts [n] even byte positions; n_bow [n].
     Returns cls [n, d_cls] and bow [sum n_bow, d_bow] (each document's vectors in turn), int8
     codes with their fp16 scales cls_scales [n] and bow_scales [sum n_bow] for int8 records,
-    fp16 values and None for float16 ones, the decoded float32 vectors and None for residual ones. One index_select per tensor, over strided views
-    of the buffer (one index per vector, not per element).
+    fp16 values and None for float16 ones, the decoded float32 vectors and None for residual
+    ones. One index_select per tensor, over strided views of the buffer (one index per vector,
+    not per element).
     """
     d_cls, d_bow = layout.d_cls, layout.d_bow
     device = buffer.device
