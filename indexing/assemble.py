@@ -20,14 +20,14 @@ import numpy as np
 
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.corpus import PASSAGE_JOINER
-from espn.errors import CorpusError, IndexExistsError, InvalidParameterError
+from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter
 from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
 from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
-from espn.store.recode import recode_residual, written_before_centroids
+from espn.store.recode import recode_residual, require_centroid_stage, written_before_centroids
 from espn.store.record_order import RECORD_ORDER, reorder_index_records
 
 from espn.text.config import TextConfig
@@ -88,9 +88,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     layout = StoreLayout(encoder_config["d_cls"], encoder_config["d_bow"], job["block_size"],
                          dtype=job.get("bow_dtype", "float16"), pool_factor=job.get("pool_factor", 1))
     stage_kind = first_stage_kind(job.get("first_stage"), encoder_config)
-    if layout.bits and stage_kind == "ivf":
-        raise InvalidParameterError(f"--bow-dtype {layout.dtype} codes vectors against the centroid first stage; "
-                                    "this build has none (add --first-stage centroids or union)")
+    require_centroid_stage(layout.dtype, stage_kind)
     n_docs, id_width = _count_documents(work, chunks, partition_layout, job["corpus"])
     started = time.perf_counter()
     written = _write_records(work, chunks, staging, written_before_centroids(layout), n_docs, id_width,

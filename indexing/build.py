@@ -27,7 +27,8 @@ from espn.params import FIRST_STAGE_KINDS
 from espn.index import read_manifest, write_json_atomic
 from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
 from espn.store.format import STORAGE_TYPES
-from espn.store.residual import RESIDUAL_TYPES
+from espn.store.recode import require_centroid_stage
+from espn.first_stage.build import first_stage_kind
 from espn.text.config import TextConfig
 
 from .assemble import assemble, publish
@@ -139,9 +140,8 @@ class BuildConfig:
             raise InvalidParameterError(f"--pool-factor must be >= 1, got {self.pool_factor}")
         if self.bow_dtype not in STORAGE_TYPES:
             raise InvalidParameterError(f"--bow-dtype must be one of {', '.join(STORAGE_TYPES)}, got {self.bow_dtype!r}")
-        if self.bow_dtype in RESIDUAL_TYPES and self.first_stage == "ivf":
-            raise InvalidParameterError(f"--bow-dtype {self.bow_dtype} codes vectors against the centroid first stage: "
-                                        "use --first-stage centroids or union")
+        if self.first_stage is not None:
+            require_centroid_stage(self.bow_dtype, self.first_stage)
         if self.ann not in ("flat", "pq"):
             raise InvalidParameterError(f"--ann must be 'flat' or 'pq', got {self.ann!r}")
         if self.first_stage is not None and self.first_stage not in FIRST_STAGE_KINDS:
@@ -210,6 +210,8 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
             encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
                                         bow_pooling=config.bow_pooling, trust_remote_code=config.trust_remote_code)
             check_modality(encoder, config.pages, config.corpus)
+            # before anything is encoded: this encoder's first stage is known now
+            require_centroid_stage(config.bow_dtype, first_stage_kind(config.first_stage, encoder.config()))
             joiner = default_title_joiner(encoder.kind) if config.title_joiner is None else config.title_joiner
             if encoder.needs_fit:
                 sample = read_sample(config.corpus, config.fit_sample, config.skip_bad, joiner)

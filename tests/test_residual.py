@@ -222,9 +222,14 @@ def test_the_residual_benchmark_makes_each_arm_and_measures_it(builds: dict[str,
     assert "|---" in capsys.readouterr().out
 
 
-def test_a_residual_build_without_the_centroid_stage_is_refused(tmp_path: Path) -> None:
+def test_a_residual_build_without_the_centroid_stage_is_refused_before_encoding(tmp_path: Path) -> None:
+    """Asked for explicitly, or the encoder's default (MiniLM: the IVF): one line, nothing left."""
     with pytest.raises(InvalidParameterError, match="centroid first stage"):
         BuildConfig(corpus=SAMPLE_CORPUS, out=tmp_path / "x", bow_dtype="residual4", first_stage="ivf").validate()
+    with pytest.raises(InvalidParameterError, match="add --first-stage centroids"):
+        build_index(BuildConfig(corpus=SAMPLE_CORPUS, out=tmp_path / "y", bow_dtype="residual2", loader_workers=0,
+                                progress=False, device="cpu", fit_sample=16, text_index=None))
+    assert not (tmp_path / "y").exists() and not list(tmp_path.glob("y*"))
 
 
 # -- a written index: deltas, deletions, filters, compaction, restart, damage ------------------

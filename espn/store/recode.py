@@ -17,16 +17,24 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidParameterError
 from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
 
-__all__ = ["recode_residual", "written_before_centroids", "CHUNK_DOCUMENTS"]
+__all__ = ["recode_residual", "written_before_centroids", "require_centroid_stage", "CHUNK_DOCUMENTS"]
 
 log = logging.getLogger(__name__)
 
 #: Documents read and re-encoded per step: bounds the memory of the pass.
 CHUNK_DOCUMENTS = 4096
+
+
+def require_centroid_stage(dtype: str, first_stage: str) -> None:
+    """Refuse residual records without the centroid first stage they are coded against."""
+    if residual_bits(dtype) and first_stage == "ivf":
+        raise InvalidParameterError(f"--bow-dtype {dtype} codes vectors against the centroid first stage, and this "
+                                    "build has none: add --first-stage centroids (or union)")
 
 
 def written_before_centroids(layout: StoreLayout) -> StoreLayout:
