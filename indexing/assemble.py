@@ -91,17 +91,17 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     require_centroid_stage(layout.dtype, stage_kind)
     n_docs, id_width = _count_documents(work, chunks, partition_layout, job["corpus"])
     started = time.perf_counter()
-    written = _write_records(work, chunks, staging, written_before_centroids(layout), n_docs, id_width,
-                             partition_layout)
+    first_layout = written_before_centroids(layout)  # residual records are coded once the centroids exist
+    written = _write_records(work, chunks, staging, first_layout, n_docs, id_width, partition_layout)
     _write_id_order(staging, written.ids, job["corpus"])
     ivf, trained_on = _build_ann(staging, job, layout, n_docs)
     file_bytes = reorder_index_records(staging, layout.block_size)
     records = np.load(staging / "records.npy", mmap_mode="r")
-    first_stage = build_first_stage(staging, records, written_before_centroids(layout), stage_kind,
+    first_stage = build_first_stage(staging, records, first_layout, stage_kind,
                                     defaults=default_first_stage(encoder_config))
     if layout.bits:
         del records
-        layout, file_bytes = recode_residual(staging, written_before_centroids(layout), layout.dtype)
+        layout, file_bytes = recode_residual(staging, first_layout, layout.dtype)
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")

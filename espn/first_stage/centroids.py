@@ -45,6 +45,7 @@ __all__ = [
     "train_centroids",
     "assign_documents",
     "build_token_centroids",
+    "sample_vectors",
     "wants_token_first_stage",
 ]
 
@@ -277,6 +278,17 @@ class TokenCentroids:
         return unique_docs, np.bincount(inverse, weights=gain[first])
 
 
+def sample_vectors(vectors_of: Any, n_docs: int, n_tokens: int, wanted: int, seed: int = 1234,
+                   block: int = 4096) -> np.ndarray:
+    """Stored vectors [~wanted, d] float32 of whole documents drawn at random (what the centroids
+    and the residual codec train on), read block by block through `vectors_of`."""
+    per_doc = max(1.0, n_tokens / max(1, n_docs))
+    rng = np.random.default_rng(seed)
+    docs = np.sort(rng.choice(n_docs, size=min(n_docs, int(wanted / per_doc) + 1), replace=False))
+    return np.concatenate([np.asarray(vectors_of(docs[a:a + block])[0], dtype=np.float32)
+                           for a in range(0, len(docs), block)])
+
+
 def build_token_centroids(out: Path, vectors_of: Any, n_docs: int, n_tokens: int,
                           n_centroids: int | None = None, seed: int = 1234, block: int = 4096) -> dict[str, Any]:
     """Train centroids on a sample of the index's stored token vectors, assign every token, and
@@ -286,13 +298,7 @@ def build_token_centroids(out: Path, vectors_of: Any, n_docs: int, n_tokens: int
     token vectors (a reader over embeddings.bin), called block by block, so memory stays bounded.
     """
     count = n_centroids or default_centroid_count(n_tokens, n_docs)
-    rng = np.random.default_rng(seed)
-    # Whole documents at random until the sample holds ~64 tokens per centroid.
-    wanted = count * 64
-    per_doc = max(1.0, n_tokens / max(1, n_docs))
-    sample_docs = np.sort(rng.choice(n_docs, size=min(n_docs, int(wanted / per_doc) + 1), replace=False))
-    sample = np.concatenate([np.asarray(vectors_of(sample_docs[a:a + block])[0], dtype=np.float32)
-                             for a in range(0, len(sample_docs), block)])
+    sample = sample_vectors(vectors_of, n_docs, n_tokens, count * 64, seed, block)  # ~64 tokens per centroid
     centroids = train_centroids(sample, count, seed=seed)
     del sample
     centroid_parts, doc_parts = [], []

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidParameterError
+from ..first_stage.centroids import sample_vectors
 from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
@@ -59,7 +60,13 @@ def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int 
     records = np.load(directory / "records.npy")
     reader = MmapReader(directory / "embeddings.bin", records, layout)
     try:
-        codec = train_codec(centroids, _sample(reader, records, seed), bits)
+        def vectors_of(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            batch = reader.read(numbers)
+            return batch.vectors.float().numpy(), batch.offsets
+
+        sample = sample_vectors(vectors_of, len(records), int(records["n_bow"].sum()), TRAIN_SAMPLE, seed,
+                                CHUNK_DOCUMENTS)
+        codec = train_codec(centroids, sample, bits)
         codec.save(folder)
         # the vectors are pooled already: the writer stores them as they are
         target = dataclasses.replace(layout, dtype=dtype, pool_factor=1, codec=codec)
@@ -84,17 +91,4 @@ def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int 
     log.info("records of %s recoded as %s: %.1f MB (%d centroids, normalized: %s)", directory, dtype, size / 1e6,
              len(centroids), codec.normalize)
     return dataclasses.replace(target, pool_factor=layout.pool_factor), size
-
-
-def _sample(reader: MmapReader, records: np.ndarray, seed: int) -> np.ndarray:
-    """Stored vectors of whole documents drawn at random, about TRAIN_SAMPLE of them."""
-    n_docs = len(records)
-    per_doc = max(1.0, float(records["n_bow"].sum()) / max(1, n_docs))
-    take = min(n_docs, int(TRAIN_SAMPLE / per_doc) + 1)
-    docs = np.sort(np.random.default_rng(seed).choice(n_docs, size=take, replace=False))
-    parts = [reader.read(docs[at:at + CHUNK_DOCUMENTS]).vectors.float().numpy()
-             for at in range(0, len(docs), CHUNK_DOCUMENTS)]
-    return np.concatenate(parts) if parts else np.zeros((0, reader.layout.d_bow), np.float32)
-
-
 
