@@ -182,7 +182,8 @@ def encode_corpus(corpus: Path, work_dir: Path, encoder: Encoder, *, chunk_size:
                 index = int(item["chunk"])
                 chunk = reorder_chunk(pending.pop(index)["parts"])
                 ids, titles, texts, metadata = zip(*state["meta"])
-                assert len(chunk) == len(ids)
+                if len(chunk) != len(ids):
+                    raise RuntimeError(f"chunk {index}: {len(chunk)} encoded documents for {len(ids)} ids")
                 write_chunk(work_dir, index, chunk.cls, chunk.bow, chunk.counts, ids, titles, texts, metadata)
                 log.debug("chunk %d written (%d documents)", index, len(ids))
     return totals

@@ -126,7 +126,8 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
                 index = int(item["chunk"])
                 cls, bow = np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts])
                 counts = np.concatenate([p.counts for p in parts])
-                assert len(counts) == len(meta)
+                if len(counts) != len(meta):
+                    raise RuntimeError(f"chunk {index}: {len(counts)} encoded pages for {len(meta)} ids")
                 ids, titles, texts, metadata, images = zip(*meta)
                 write_chunk(work_dir, index, cls, bow, counts, ids, titles, texts, metadata, images)
                 log.debug("chunk %d written (%d pages)", index, len(ids))

@@ -333,7 +333,8 @@ def import_embeddings(source_dir: Path, work_dir: Path, chunk_size: int, corpus:
         vectors += len(bow)
     if documents is not None and next(documents, None) is not None:
         raise CorpusError(f"{corpus}: more documents than the {total} the embeddings hold")
-    assert written == total, (written, total)
+    if written != total:
+        raise CorpusError(f"{corpus}: the embeddings hold {written} documents, their header {total}")
     return {
         "documents": written,
         "vectors": vectors,

@@ -1,8 +1,9 @@
 """The shape of the code, read from its source with `ast`: the import graph of espn/, indexing/
 and server/ (installed as espn, espn_indexing, espn_server) has no circle, imports sit at the top
-of files, no module reaches into another object's private attributes, functions and files stay
-short, the arrows point down (the library and the server never import the build job), and the
-Layout of docs/architecture.md lists every module.
+of files, no module reaches into another object's private attributes, asserts only narrow types
+(`python -O` strips them), functions and files stay short, the arrows point down (the library
+and the server never import the build job), and the Layout of docs/architecture.md lists every
+module.
 
 Each test names every violation as `path:line`, so a failure is a to-do list.
 """
@@ -240,6 +241,24 @@ def test_no_file_over_500_lines() -> None:
     big = [f"{module.path}:1: {len(module.lines)} lines" for module in project().values()
            if len(module.lines) > MAX_FILE_LINES and module.path not in GENERATED]
     assert not big, _report(f"files over {MAX_FILE_LINES} lines", big)
+
+
+def _narrows_a_type(test: ast.expr) -> bool:
+    """`x is not None`, `isinstance(x, T)`, or an `and` of them: what mypy reads, nothing more."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return all(_narrows_a_type(value) for value in test.values)
+    if isinstance(test, ast.Compare):
+        return len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot) and \
+            isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
+    return isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance"
+
+
+def test_asserts_only_narrow_types_for_the_checker() -> None:
+    """`python -O` strips assert statements, so no check the service relies on (a bound, a time
+    limit, an invariant of the data) may live in one; an assert may only tell mypy a type."""
+    checks = [f"{module.path}:{node.lineno}: assert {ast.unparse(node.test)}" for module in project().values()
+              for node in ast.walk(module.tree) if isinstance(node, ast.Assert) and not _narrows_a_type(node.test)]
+    assert not checks, _report("asserts that check more than a type (raise an error instead)", checks)
 
 
 def test_the_library_and_the_server_never_import_the_build_job() -> None:

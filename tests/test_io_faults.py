@@ -22,8 +22,6 @@ import logging
 import mmap
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -499,18 +497,3 @@ def test_without_acquire_release_io_uring_is_passed_over_with_one_log_line(
         assert len(lines) == 1 and "io_uring" in lines[0] and "no C compiler" in lines[0], lines
     finally:
         uring_module.probe.cache_clear()
-
-
-# -- the same suite without asserts in the library -------------------------------------------
-
-
-@pytest.mark.slow
-def test_engine_and_fault_tests_pass_under_python_O(tmp_path: Path) -> None:
-    """`python -O` strips assert statements: no time limit or invariant may live in one."""
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-O", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
-         "tests/test_engines.py", "tests/test_io_faults.py", "-k", "not python_O"],
-        cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout

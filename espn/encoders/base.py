@@ -37,8 +37,12 @@ class DocumentEmbeddings:
     counts: np.ndarray
 
     def __post_init__(self) -> None:
-        assert self.cls.ndim == 2 and self.bow.ndim == 2 and self.counts.ndim == 1
-        assert len(self.cls) == len(self.counts) and int(self.counts.sum()) == len(self.bow)
+        if not (self.cls.ndim == 2 and self.bow.ndim == 2 and self.counts.ndim == 1):
+            raise ValueError(f"embeddings of {self.cls.ndim}, {self.bow.ndim} and {self.counts.ndim} dimensions "
+                             "(cls and bow take 2, counts 1)")
+        if len(self.cls) != len(self.counts) or int(self.counts.sum()) != len(self.bow):
+            raise ValueError(f"{len(self.cls)} CLS vectors, {len(self.counts)} counts summing to "
+                             f"{int(self.counts.sum())}, and {len(self.bow)} BOW vectors disagree")
 
     def __len__(self) -> int:
         return len(self.counts)

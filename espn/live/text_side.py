@@ -135,5 +135,6 @@ def _document(number: int, line: bytes) -> TextDocument:
 def _base_of(live_dir: Path) -> Path:
     """The current base directory (the writer calls us under its lock, before the new record)."""
     root = live_dir.parent
-    assert live_dir.name == LIVE_DIR
+    if live_dir.name != LIVE_DIR:
+        raise ValueError(f"{live_dir}: not an index's {LIVE_DIR} directory")
     return root / read_current(root).base

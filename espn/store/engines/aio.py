@@ -62,7 +62,8 @@ IOCB_DTYPE = np.dtype([("aio_data", _u8), ("aio_key", _u4), ("aio_rw_flags", _i4
                        ("aio_offset", _i8), ("aio_reserved2", _u8), ("aio_flags", _u4), ("aio_resfd", _u4)])
 #: struct io_event (32 bytes)
 IO_EVENT_DTYPE = np.dtype([("data", _u8), ("obj", _u8), ("res", _i8), ("res2", _i8)])
-assert IOCB_DTYPE.itemsize == 64 and IO_EVENT_DTYPE.itemsize == 32
+if IOCB_DTYPE.itemsize != 64 or IO_EVENT_DTYPE.itemsize != 32:
+    raise ImportError("struct iocb / io_event layouts are not the kernel's 64 / 32 bytes")
 
 
 def _numbers() -> tuple[int, int, int, int]:

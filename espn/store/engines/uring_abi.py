@@ -56,7 +56,8 @@ SQE_DTYPE = np.dtype([("opcode", _u1), ("flags", _u1), ("ioprio", _u2), ("fd", _
                       ("splice_fd_in", _i4), ("addr3", _u8), ("pad2", _u8)])
 #: struct io_uring_cqe (16 bytes; rings without IORING_SETUP_CQE32)
 CQE_DTYPE = np.dtype([("user_data", _u8), ("res", _i4), ("flags", _u4)])
-assert PARAMS_DTYPE.itemsize == 120 and SQE_DTYPE.itemsize == 64 and CQE_DTYPE.itemsize == 16
+if (PARAMS_DTYPE.itemsize, SQE_DTYPE.itemsize, CQE_DTYPE.itemsize) != (120, 64, 16):
+    raise ImportError("io_uring struct layouts are not the kernel's 120 / 64 / 16 bytes")
 
 
 @functools.lru_cache(maxsize=None)
