@@ -333,3 +333,28 @@ def test_a_residual_codec_that_disagrees_with_its_records_is_refused(minilm_resi
     with pytest.raises(IndexCorruptError):
         Searcher.open(index, verify="none")
 
+
+
+def test_a_snapshot_whose_codec_is_a_link_or_a_fifo_is_refused(minilm_residual: Path, tmp_path: Path) -> None:
+    """The codec files come from outside with a snapshot: a link out (to a byte-identical copy,
+    so only the link is wrong) and a FIFO are refused in one line, and nothing is restored."""
+    import os
+
+    snapshot(minilm_residual, tmp_path / "snap")
+    codec = tmp_path / "snap" / "first_stage"
+    outside = tmp_path / "outside.npy"
+    shutil.copyfile(codec / "residual_weights.npy", outside)
+    (codec / "residual_weights.npy").unlink()
+    (codec / "residual_weights.npy").symlink_to(outside)
+    with pytest.raises(IndexCorruptError, match="outside|link") as linked:
+        restore(tmp_path / "snap", tmp_path / "linked")
+    shutil.copyfile(outside, tmp_path / "weights.npy")
+    (codec / "residual_weights.npy").unlink()
+    shutil.move(tmp_path / "weights.npy", codec / "residual_weights.npy")
+    cutoffs = codec / "residual_cutoffs.npy"
+    cutoffs.unlink()
+    os.mkfifo(cutoffs)
+    with pytest.raises(IndexCorruptError, match="FIFO") as fifo:
+        restore(tmp_path / "snap", tmp_path / "fifo")
+    assert "\n" not in str(linked.value) + str(fifo.value)
+    assert not (tmp_path / "linked").exists() and not (tmp_path / "fifo").exists()
