@@ -367,17 +367,19 @@ def test_bench_text_writes(sample_index: Path, results: Path, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_bench_replication(sample_index: Path, sample_partitions: Path, results: Path, capsys, tmp_path: Path) -> None:
+def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: Path) -> None:
     pytest.importorskip("moto.server")
     from benchmarks import bench_replication
     queries = tmp_path / "queries.jsonl"
     queries.write_text("".join(json.dumps({"_id": str(i), "text": q}) + "\n"
                                for i, q in enumerate(["rivers and floods", "bread baking", "train timetables"])))
-    assert bench_replication.main(["--index", str(sample_index), "--parts", str(sample_partitions), "--quick",
-                                   "--query-file", str(queries)]) == 0
+    # The search study's four servers are left out here: test_router.py serves the same router over
+    # the same partitions and compares its rankings, which is what that study times.
+    assert bench_replication.main(["--index", str(sample_index), "--quick", "--query-file", str(queries),
+                                   "--studies", "catch-up,lag"]) == 0
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
-    assert payload["catch_up_s"]["median"] > 0 and payload["search_p50_ms"]["ratio"] > 0
+    assert payload["catch_up_s"]["median"] > 0 and "search_p50_ms" not in payload
 
 
 def test_bench_explain(sample_index: Path, results: Path, capsys) -> None:
