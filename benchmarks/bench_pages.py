@@ -1,8 +1,10 @@
 """Page indexes at scale: the posix reader against the memory reader, and each first stage's recall of
-the exhaustive MaxSim top 10 (issue 47).
+the exhaustive MaxSim top 10 (issue 47); the same for ColBERT-class token indexes (issue 46).
 
     python -m benchmarks.make_synthetic --out .espn/pages50k/index --pages 50000 --queries 50
     python -m benchmarks.bench_pages --index .espn/pages50k/index
+    python -m benchmarks.make_synthetic --out .espn/tok100k/index --tokens --docs 100000 --source .espn/pf/index
+    python -m benchmarks.bench_pages --index .espn/tok100k/index --name tokens_100k
 
 The index: a synthetic ColPali-class page index (`make_synthetic --pages`: ~1,030 int8 patch vectors
 a page, pure MaxSim, no trained CLS vector, so the build gives it the default first stage of such

@@ -4,6 +4,8 @@
     python -m benchmarks.make_synthetic --out /tmp/espn-synth --docs 20000    # small
     python -m benchmarks.make_synthetic --out /tmp/msmarco-scale --docs 8841823   # MS MARCO v1 scale
     python -m benchmarks.make_synthetic --out /tmp/espn-synth-pages --pages 50000  # page images (issue 47)
+    python -m benchmarks.make_synthetic --out /tmp/espn-synth-tokens --tokens --docs 2000000 \
+        --source .espn/pf/index   # ColBERT-class token vectors (issue 46)
 
 Geometry: the "centres" are the real MiniLM outputs of the SciFact corpus, read from a
 built SciFact index (`--source`, default .espn/scifact-index): its CLS vectors projected by
@@ -38,6 +40,14 @@ isometry (dot products unchanged; the jitter fills the other dimensions). The in
 trained CLS vector (its CLS is the normalised mean of the page's patches, so the build gives it
 the default first stage of such models), int8 records unless `--bow-dtype` says otherwise.
 Queries are 8–24 token vectors (a short text query) drawn the same way, their CLS the mean.
+
+Token mode (`--tokens`): `--docs` documents as a ColBERT-class model (ColBERT, PyLate) stores
+them, built as page mode builds pages (128-d unit token vectors, pure MaxSim, no trained CLS,
+the centroid first stage, `--bow-dtype` int8 or a residual kind), but each document's length is
+drawn from the source index's real document lengths (give it a ColBERT-class index, such as
+`benchmarks.bench_centroid_reads`'s `.espn/pf/index`: SciFact through PyLate, 157 vectors a
+document on average). 2 M such documents are 314 M vectors: 41 GB of int8 records, 11 GB of
+residual2, and the build's fp16 chunks (82 GB) on the way. Chunks default to 2,048 documents.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import SCIFACT_INDEX
+from espn.choices import STORAGE_TYPES
 
 log = logging.getLogger("make_synthetic")
 
@@ -203,8 +214,10 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
              min_bow: int = 8, max_bow: int = 120, queries: int = 2000, chunk_size: int = 16384,
              nlist: int | None = None, ann: str = "pq", pq_m: int = 32, seed: int = 0, force: bool = False,
              cls_noise: float = 1.5, bow_noise: float = 0.5, mix: float = 0.5, text: bool = False,
-             source_encoder: bool = False, patches: int | None = None, bow_dtype: str = "int8") -> dict:
+             source_encoder: bool = False, patches: int | None = None, bow_dtype: str = "int8",
+             tokens: bool = False) -> dict:
     """patches: page mode, every document has exactly this many BOW vectors (the module's docstring).
+    tokens: token mode, each document as long as a random one of the source's (the docstring).
     text: also write passages (`TextMixer`) and build the full-text index, and write the
     title of each query's centre document as its text (`OUT.query_texts.jsonl`).
     source_encoder: the vectors stay in the source index's space and the index takes its
@@ -226,7 +239,10 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     source_manifest = json.loads((Path(source) / "manifest.json").read_text())
     if source_encoder:
         d_cls, d_bow = source_manifest["encoder"]["d_cls"], source_manifest["encoder"]["d_bow"]
-    centres = load_centres(source, d_cls, d_bow, project=not source_encoder, widen=patches is not None)
+    if tokens and patches is not None:
+        raise ValueError("page mode (patches) and token mode are two different corpora: choose one")
+    maxsim = patches is not None or tokens  # pure MaxSim over 128-d unit vectors, as the models store them
+    centres = load_centres(source, d_cls, d_bow, project=not source_encoder, widen=maxsim)
     log.info("%d real centres, %d real BOW vectors from %s", len(centres["cls"]), len(centres["bow"]), source)
 
     mixer = TextMixer(source, centres["doc"]) if text else None
@@ -238,10 +254,10 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         if source_encoder:
             shutil.copytree(Path(source) / "encoder", work.encoder_dir, dirs_exist_ok=True)
             job.update(encoder_config=source_manifest["encoder"], bow_dtype="int8")
-        elif patches is not None:  # a ColPali-class page index (the module's docstring)
+        elif maxsim:  # a ColPali-class page index or a ColBERT-class one (the module's docstring)
             d_cls = d_bow
             encoder = PrecomputedEncoder(d_cls=d_cls, d_bow=d_bow, bow_reduction="sum", learned_weight=0.0,
-                                         source="synthetic-pages")
+                                         source="synthetic-tokens" if tokens else "synthetic-pages")
             encoder.save(work.encoder_dir)
             job.update(encoder_config={**encoder.config(), "has_trained_cls": False,
                                        "cls": "mean of the token vectors"}, bow_dtype=bow_dtype)
@@ -258,10 +274,11 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         for c in range(n_chunks):
             n = min(chunk_size, docs - c * chunk_size)
             counts = (np.full(n, patches, np.int64) if patches is not None
+                      else rng.choice(centres["count"], n) if tokens
                       else draw_counts(rng, n, mean_bow, min_bow, max_bow))
             sources: list[np.ndarray] = []
             cls, bow, _ = draw(rng, centres, counts, cls_noise, bow_noise, mix, sources)
-            if patches is not None:
+            if maxsim:
                 cls = mean_vectors(bow, counts)
             ids = [f"d{i}" for i in range(c * chunk_size, c * chunk_size + n)]
             titles, texts = mixer.passages(rng, *sources) if mixer is not None else (None, None)
@@ -276,7 +293,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     # Queries around the same centres: 8-24 BOW vectors, tighter jitter than documents.
     q_counts = rng.integers(8, 25, queries)
     q_cls, q_bow, q_centre = draw(rng, centres, q_counts, cls_noise * 0.8, bow_noise * 0.8, mix)
-    if patches is not None:
+    if maxsim:
         q_cls = mean_vectors(q_bow, q_counts)
     queries_path = out.with_name(out.name + ".queries.npz")
     np.savez(queries_path, cls=q_cls.astype(np.float32), bow=q_bow.astype(np.float32), counts=q_counts,
@@ -296,7 +313,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
         "generate_s": gen_s, "assemble_s": asm_s, "total_s": time.perf_counter() - started,
         "docs_per_s_generate": docs / gen_s, "docs_per_s_total": docs / (time.perf_counter() - started),
         "params": {"d_cls": d_cls, "d_bow": d_bow, "mean_bow": mean_bow, "min_bow": min_bow, "max_bow": max_bow,
-                   "patches": patches, "bow_dtype": bow_dtype if patches is not None else None,
+                   "patches": patches, "tokens": tokens, "bow_dtype": bow_dtype if maxsim else None,
                    "cls_noise": cls_noise, "bow_noise": bow_noise, "mix": mix, "seed": seed, "source": str(source)},
     }
     (out.with_name(out.name + ".synthetic.json")).write_text(json.dumps(info, indent=1))
@@ -345,18 +362,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=None, metavar="N",
                    help="page mode instead of --docs: N pages of --patches vectors each (--d-bow 128, --chunk-size 256 "
                         "unless given)")
-    p.add_argument("--bow-dtype", choices=("int8", "float16"), default="int8",
-                   help="page mode: the records' dtype (int8, as `espn index` writes page indexes by default)")
+    p.add_argument("--tokens", action="store_true",
+                   help="token mode: --docs ColBERT-class documents, their lengths drawn from --source's (--d-bow 128, "
+                        "--chunk-size 2048 unless given)")
+    p.add_argument("--bow-dtype", choices=STORAGE_TYPES, default="int8",
+                   help="page and token modes: the records' storage (int8, as `espn index` writes by default)")
     p.add_argument("--patches", type=int, default=1030, help="vectors per page in page mode (ColPali at 448 px: 1030)")
     p.add_argument("--source", type=Path, default=SCIFACT_INDEX, help="built index whose vectors give the geometry")
     p.add_argument("--queries", type=int, default=2000)
     p.add_argument("--d-cls", type=int, default=128)
-    p.add_argument("--d-bow", type=int, default=None, help="default 32, 128 with --pages")
+    p.add_argument("--d-bow", type=int, default=None, help="default 32, 128 with --pages or --tokens")
     p.add_argument("--mean-bow", type=float, default=30.0)
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: the assembler's, ~4*sqrt(N))")
     p.add_argument("--ann", choices=("flat", "pq"), default="pq",
                    help="IVF-PQ by default: an IVF-Flat of 128-d fp32 CLS would hold 0.5 KB/doc in RAM")
-    p.add_argument("--chunk-size", type=int, default=None, help="default 16384, 256 with --pages")
+    p.add_argument("--chunk-size", type=int, default=None, help="default 16384, 256 with --pages, 2048 with --tokens")
     p.add_argument("--cls-noise", type=float, default=1.5, help="CLS jitter (norm of the noise vector)")
     p.add_argument("--bow-noise", type=float, default=0.5, help="BOW jitter (norm of the noise vector)")
     p.add_argument("--mix", type=float, default=0.5, help="weight of the second real centre in a CLS vector")
@@ -376,14 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     pages = args.pages is not None
     if pages and (args.pages < 1 or args.patches < 1):
         p.error("--pages and --patches must be positive")
+    if pages and args.tokens:
+        p.error("--pages and --tokens are two kinds of corpus: give one")
     docs = args.pages if pages else 20_000 if args.quick else args.docs
-    d_bow = args.d_bow if args.d_bow is not None else 128 if pages else 32
-    chunk_size = args.chunk_size if args.chunk_size is not None else 256 if pages else 16384
+    d_bow = args.d_bow if args.d_bow is not None else 128 if pages or args.tokens else 32
+    chunk_size = args.chunk_size if args.chunk_size is not None else 256 if pages else 2048 if args.tokens else 16384
     info = generate(args.out, docs, args.source, d_cls=args.d_cls, d_bow=d_bow, mean_bow=args.mean_bow,
                     queries=args.queries, chunk_size=chunk_size, nlist=args.nlist, ann=args.ann,
                     seed=args.seed, force=args.force, cls_noise=args.cls_noise, bow_noise=args.bow_noise, mix=args.mix,
                     text=args.text, source_encoder=args.source_encoder, patches=args.patches if pages else None,
-                    bow_dtype=args.bow_dtype)
+                    bow_dtype=args.bow_dtype, tokens=args.tokens)
     print(json.dumps(info))
     return 0
 

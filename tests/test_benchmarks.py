@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -455,3 +456,27 @@ def test_bench_pages_on_a_tiny_page_index(results: Path, capsys, sample_index: P
     assert 0.0 < payload["recall"]["default_served_recall@10"] <= 1.0
     assert set(payload["latency"]) == {"posix", "memory"} and payload["latency"]["posix"]["p50_ms"] > 0
     assert payload["footprint"]["records_bytes_per_page"] > 64 * 128
+
+
+def test_token_mode_draws_real_lengths_into_a_residual_colbert_class_index(results: Path, capsys,
+                                                                            sample_index: Path, tmp_path: Path) -> None:
+    """make_synthetic's token mode (issue 46's scale corpus): ColBERT-class documents whose lengths
+    are the source's, in residual records under the centroid first stage; bench_pages measures
+    its first stages against the exhaustive MaxSim and both readers, as for pages."""
+    from benchmarks import bench_pages
+    from benchmarks.make_synthetic import generate, load_centres
+
+    out = tmp_path / "tokens"
+    info = generate(out, 120, sample_index, d_bow=128, queries=8, chunk_size=50, nlist=4, ann="flat", tokens=True,
+                    bow_dtype="residual4")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["store"]["dtype"] == "residual4" and manifest["first_stage"]["kind"] == "centroids"
+    assert manifest["encoder"]["learned_weight"] == 0.0 and manifest["encoder"]["d_bow"] == 128
+    lengths = set(load_centres(sample_index, 128, 128, widen=True)["count"].tolist())
+    records = np.load(out / "records.npy")
+    assert set(records["n_bow"].tolist()) <= lengths and len(set(records["n_bow"].tolist())) > 5
+    assert info["bow_vectors"] == int(records["n_bow"].sum())
+    assert bench_pages.main(["--index", str(out), "--quick", "--name", "tokens_quick"]) == 0
+    payload = _check(results, "tokens_quick", capsys, png=False)
+    assert 0.0 < payload["recall"]["default_served_recall@10"] <= 1.0
+    assert set(payload["latency"]) == {"posix", "memory"} and payload["latency"]["posix"]["p50_ms"] > 0
