@@ -20,6 +20,17 @@ DOC = {"title": "Eclipse night", "text": "A lunar eclipse darkens the Moon when 
        "metadata": {"topic": "written-here", "year": 2026}}
 
 
+def _the_written_document_filtered_and_explained(base_url: str) -> list[dict]:
+    """The hits of a search filtered to the written document's topic, explained, with its text."""
+    response = HTTP.post(f"{base_url}/v1/search", timeout=120, json={
+        "query": "lunar eclipse moon", "k": 3, "filter": {"topic": {"in": ["written-here"]}},
+        "explain": True, "return_text": True})
+    assert response.status_code == 200, response.text
+    hits = response.json()["results"]
+    assert [hit["id"] for hit in hits] == ["written-1"]
+    return hits
+
+
 def test_a_written_index_restarted_filters_and_explains_its_writes(sample_index: Path, tmp_path: Path) -> None:
     index = tmp_path / "index"
     shutil.copytree(sample_index, index)
@@ -31,12 +42,7 @@ def test_a_written_index_restarted_filters_and_explains_its_writes(sample_index:
     assert segments and any(name.endswith("pool_groups.npy") for s in segments for name in s.files)
 
     with running_server(index, tmp_path, "--no-warmup", name="restarted", fd_limit=1024) as server:
-        response = HTTP.post(f"{server.base_url}/v1/search", timeout=120, json={
-            "query": "lunar eclipse moon", "k": 3, "filter": {"topic": {"in": ["written-here"]}},
-            "explain": True, "return_text": True})
-        assert response.status_code == 200, response.text
-        hits = response.json()["results"]
-        assert [hit["id"] for hit in hits] == ["written-1"]
+        hits = _the_written_document_filtered_and_explained(server.base_url)
         words = {m["token"]: [hits[0][s["field"]][s["start"]:s["end"]] for s in m["spans"] if s["field"] != "joiner"]
                  for m in hits[0]["explanation"]["matches"]}
         assert "Moon" in " ".join(words["moon"]) and "eclipse" in " ".join(words["eclipse"])
@@ -59,12 +65,8 @@ def test_a_residual_index_served_across_a_restart_answers_its_own_exact_maxsim(t
         assert gone.status_code == 200, gone.text
 
     with running_server(index, tmp_path, "--no-warmup", name="residual-restarted", fd_limit=1024) as server:
-        response = HTTP.post(f"{server.base_url}/v1/search", timeout=120, json={
-            "query": "lunar eclipse moon", "k": 3, "filter": {"topic": {"in": ["written-here"]}},
-            "explain": True, "return_text": True})
-        assert response.status_code == 200, response.text
-        hits = response.json()["results"]
-        assert [hit["id"] for hit in hits] == ["written-1"] and hits[0]["explanation"]["matches"]
+        hits = _the_written_document_filtered_and_explained(server.base_url)
+        assert hits[0]["explanation"]["matches"]
         served = HTTP.post(f"{server.base_url}/v1/search", timeout=120, json={
             "query": "phases of the moon", "k": 10, "first_stage_candidates": 100})
         assert served.status_code == 200, served.text
