@@ -41,9 +41,15 @@ READERS = ("posix", "memory")
 
 
 def _queries(path: Path) -> Any:
+    """Padded query embeddings (bench_centroid_reads' .npz: cls, bow, mask) or the flat ones
+    `espn search --query-embeddings` reads (make_synthetic's: cls, bow, counts)."""
     from espn.encoders import QueryEmbeddings
+    from espn.encoders.precomputed import load_query_embeddings
 
     stored = np.load(path)
+    if "mask" not in stored.files:
+        ids, queries = load_query_embeddings(path)
+        return queries, ids
     return QueryEmbeddings(stored["cls"], stored["bow"], stored["mask"]), [str(i) for i in stored["ids"]]
 
 
@@ -164,7 +170,8 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index", type=Path, required=True, help="an int8 index with the centroid first stage")
-    p.add_argument("--queries", type=Path, required=True, help=".npz of query embeddings (ids, cls, bow, mask)")
+    p.add_argument("--queries", type=Path, required=True,
+                   help=".npz of query embeddings (ids, cls, bow, mask; or cls, bow, counts as make_synthetic writes)")
     p.add_argument("--work", type=Path, default=Path(".espn/residual"), help="where the arms' indexes are made")
     p.add_argument("--data", type=Path, default=SCIFACT, help="BEIR directory with qrels/{train,test}.tsv")
     p.add_argument("--centroids", type=int, default=None, help="retrain every arm's first stage with this many")
