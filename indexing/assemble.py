@@ -186,7 +186,7 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
             cls_tmp[rows] = chunk.cls
             docs.write(chunk.docs_blob.tobytes())
             if images is not None and chunk.images_blob is not None and chunk.images_offsets is not None:
-                images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets))
+                images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets), chunk.grids)
             elif images is not None:  # a chunk encoded before images were kept: its pages have none
                 images.append_unknown(len(chunk))
             _add_metadata(metadata, chunk, position)

@@ -25,17 +25,19 @@ class Chunk:
     """Embeddings and metadata of one chunk; arrays as stored (fp16 vectors)."""
 
     __slots__ = ("index", "cls", "bow", "counts", "ids", "docs_blob", "docs_offsets", "images_blob",
-                 "images_offsets")
+                 "images_offsets", "grids")
 
     def __init__(self, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
                  ids: np.ndarray, docs_blob: np.ndarray, docs_offsets: np.ndarray,
-                 images_blob: np.ndarray | None = None, images_offsets: np.ndarray | None = None) -> None:
+                 images_blob: np.ndarray | None = None, images_offsets: np.ndarray | None = None,
+                 grids: np.ndarray | None = None) -> None:
         self.index = index
         self.cls, self.bow, self.counts = cls, bow, counts
         self.ids = ids  # [n] bytes ('S') array of utf-8 external ids
         self.docs_blob, self.docs_offsets = docs_blob, docs_offsets  # JSON lines of {title, text}
         # A page chunk's stored images (espn.pages.images), back to back, offsets [n + 1]; None: text
         self.images_blob, self.images_offsets = images_blob, images_offsets
+        self.grids = grids  # a page chunk's patch grids [n, 4] (espn.pages.grids); None: text, or not kept
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -51,7 +53,7 @@ class Chunk:
             images_blob, images_offsets = pack_bytes([raw[a:b] for a, b, k in zip(
                 self.images_offsets[:-1].tolist(), self.images_offsets[1:].tolist(), keep) if k])
         return Chunk(self.index, self.cls[keep], self.bow[bow_rows], self.counts[keep], self.ids[keep], blob, offsets,
-                     images_blob, images_offsets)
+                     images_blob, images_offsets, None if self.grids is None else self.grids[keep])
 
 
 def chunk_path(work_dir: Path, index: int) -> Path:
@@ -78,12 +80,14 @@ def unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
 
 def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
                 ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None,
-                metadata: Sequence[dict | None] | None = None, images: Sequence[bytes] | None = None) -> Path:
+                metadata: Sequence[dict | None] | None = None, images: Sequence[bytes] | None = None,
+                grids: np.ndarray | None = None) -> Path:
     """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings).
 
     metadata: per document its metadata object or None; kept in the document's JSON line,
     from which the assembler builds the metadata columns. images: per page its stored image
-    bytes (espn.pages.images.encode_page_image), for a page corpus; None for text.
+    bytes (espn.pages.images.encode_page_image), for a page corpus; None for text. grids: the
+    pages' patch grids [n, 4] (espn.pages.grids), for a page corpus.
     """
     n = len(counts)
     if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):
@@ -98,6 +102,10 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
         if len(images) != n:
             raise ValueError(f"chunk {index}: {len(images)} images for {n} documents")
         extra["images_blob"], extra["images_offsets"] = pack_bytes(list(images))
+    if grids is not None:
+        if np.shape(grids) != (n, 4):
+            raise ValueError(f"chunk {index}: page grids of shape {np.shape(grids)} for {n} documents")
+        extra["grids"] = np.asarray(grids, dtype=np.int32)
     path = chunk_path(work_dir, index)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -120,8 +128,10 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
 
 def read_chunk(work_dir: Path, index: int) -> Chunk:
     with np.load(chunk_path(work_dir, index), allow_pickle=False) as z:
-        images = (z["images_blob"], z["images_offsets"]) if "images_blob" in z.files else (None, None)
-        return Chunk(index, z["cls"], z["bow"], z["counts"], z["ids"], z["docs_blob"], z["docs_offsets"], *images)
+        has_images = "images_blob" in z.files
+        return Chunk(index, z["cls"], z["bow"], z["counts"], z["ids"], z["docs_blob"], z["docs_offsets"],
+                     z["images_blob"] if has_images else None, z["images_offsets"] if has_images else None,
+                     z["grids"] if "grids" in z.files else None)
 
 
 def finished_chunks(work_dir: Path) -> Iterator[int]:

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from espn.encoders.base import DocumentEmbeddings
+from espn.pages.grids import unknown_grids
 from espn.pages.images import encode_page_image
 from espn.pages.corpus import DEFAULT_DPI, Page, iter_pages
 
@@ -74,7 +75,7 @@ class _PreparedPages(ShardBatches):
         return iter_pages(self.corpus, dpi=self.dpi, skip_bad=self.skip_bad)
 
     def batches(self, index: int, chunk: list[Page]) -> Iterator[dict[str, Any]]:
-        # Pages of one model have the same number of patches: batches in corpus order, no bucketing.
+        # Batches in corpus order, no bucketing: a PDF's pages share a size (and so a patch count).
         starts = range(0, len(chunk), self.batch_size)
         for number, start in enumerate(starts):
             batch = chunk[start : start + self.batch_size]
@@ -126,9 +127,10 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
                 index = int(item["chunk"])
                 cls, bow = np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts])
                 counts = np.concatenate([p.counts for p in parts])
+                grids = np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
                 if len(counts) != len(meta):
                     raise RuntimeError(f"chunk {index}: {len(counts)} encoded pages for {len(meta)} ids")
                 ids, titles, texts, metadata, images = zip(*meta)
-                write_chunk(work_dir, index, cls, bow, counts, ids, titles, texts, metadata, images)
+                write_chunk(work_dir, index, cls, bow, counts, ids, titles, texts, metadata, images, grids)
                 log.debug("chunk %d written (%d pages)", index, len(ids))
     return totals

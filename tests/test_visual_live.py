@@ -38,8 +38,8 @@ from espn.live.compaction import Plan, run_compaction
 from espn.live.live_index import LiveIndex
 from espn.live.snapshot import restore, snapshot
 from espn.live.writer import IndexWriter
-from espn.pages.images import (IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_STORED_SIDE, PageImages, encode_page_image,
-                              media_type, thumbnail)
+from espn.pages.images import (GRIDS_FILE, IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_STORED_SIDE, PageImages,
+                              encode_page_image, media_type, thumbnail)
 from espn.live.encoding import decode_page_bytes
 
 from server_fixtures import HTTP, running_server
@@ -185,6 +185,32 @@ def test_explain_gives_each_query_token_its_patch_and_the_exact_maxsim_term(
         assert texts and all(query_text[m.query_start:m.query_end] == m.token for m in texts)
 
 
+def test_each_pages_grid_is_kept_and_an_index_without_grids_explains_with_the_models_one(
+        index: Path, encoder: VisualEncoder, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    grid = encoder.page_grid()
+    assert grid is not None
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert GRIDS_FILE in manifest["files"]
+    images = PageImages.open(index, PAGES)
+    assert images is not None and images.grids is not None
+    assert images.grids.tolist() == [[grid.first, 8, 8, 81]] * PAGES
+    # an index written before grids were kept: the model's one grid
+    legacy = tmp_path / "legacy"
+    shutil.copytree(index, legacy)
+    (legacy / GRIDS_FILE).unlink()
+    del manifest["files"][GRIDS_FILE]
+    (legacy / "manifest.json").write_text(json.dumps(manifest))
+    with Searcher.open(legacy) as searcher:
+        hits = searcher.search([QUERY], k=3, explain=True)[0].hits
+    assert hits and all(hit.explanation is not None and hit.explanation.grid == (8, 8) for hit in hits)
+    # grids that do not fit the pages are left out, with a warning; the images stay
+    np.save(legacy / GRIDS_FILE, np.zeros((PAGES - 1, 4), np.int32))
+    with caplog.at_level(logging.WARNING, logger="espn.pages.images"):
+        reopened = PageImages.open(legacy, PAGES)
+    assert reopened is not None and reopened.grids is None and reopened.of(0)
+    assert "its pages have no grid" in caplog.text
+
+
 def test_live_pages_are_added_replaced_and_deleted_with_their_images(live: Path) -> None:
     generation = read_current(live)
     needed = {f.path for f in generation.needed_files()}
@@ -252,6 +278,8 @@ def test_a_merge_of_deltas_keeps_their_images_and_leaves_a_deleted_page_none(
     assert len(generation.segments) == 1 and IMAGES_FILE in merged.files
     images = PageImages.open(root / "live" / merged.name, merged.documents)
     assert images is not None and images.of(0) == b"" and images.of(1)  # "new" (deleted) has no bytes left
+    assert images.grids is not None and not images.grids[0].any()  # nor a grid
+    assert images.grids[1].tolist() == images.grids[2].tolist() and images.grids[1][1:].tolist() == [8, 8, 81]
     with Searcher.open(root, with_encoder=False) as searcher:
         assert searcher.page_image("late")[0] == stored(draw_page(22))
         assert searcher.page_image("p1")[0] == stored(draw_page(21, (90, 300)))

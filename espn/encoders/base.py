@@ -30,11 +30,14 @@ class DocumentEmbeddings:
     bow:    [sum(counts), d_bow] float32, document i's vectors are rows
             counts[:i].sum() .. counts[:i+1].sum()
     counts: [n] int32, may be 0 (every word gated out)
+    grids:  pages only: [n, 4] int32, each page's patch grid in its vectors
+            (espn.pages.grids.GRID_FIELDS, zeros: not one grid); None for text
     """
 
     cls: np.ndarray
     bow: np.ndarray
     counts: np.ndarray
+    grids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not (self.cls.ndim == 2 and self.bow.ndim == 2 and self.counts.ndim == 1):
@@ -43,6 +46,8 @@ class DocumentEmbeddings:
         if len(self.cls) != len(self.counts) or int(self.counts.sum()) != len(self.bow):
             raise ValueError(f"{len(self.cls)} CLS vectors, {len(self.counts)} counts summing to "
                              f"{int(self.counts.sum())}, and {len(self.bow)} BOW vectors disagree")
+        if self.grids is not None and self.grids.shape != (len(self.counts), 4):
+            raise ValueError(f"page grids of shape {self.grids.shape} for {len(self.counts)} pages (4 a page)")
 
     def __len__(self) -> int:
         return len(self.counts)

@@ -20,8 +20,6 @@ benchmarks/bench_gpu.py style runs only); on a CPU in float32, identical to the 
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,31 +29,16 @@ from PIL import Image
 from sentence_transformers.util import batch_to_device
 
 from ..errors import InvalidParameterError
+from ..pages.grids import PageGrid, unknown_grids
 from .base import DocumentEmbeddings, Encoder
 from .multivector import SentenceTransformersEncoder
 from .st_format import is_visual_save
 
-__all__ = ["VisualEncoder", "PageGrid", "TEXT_DOCUMENTS_REFUSED"]
+__all__ = ["VisualEncoder", "TEXT_DOCUMENTS_REFUSED"]
 
 TEXT_DOCUMENTS_REFUSED = ("a visual index takes pages: give a folder of images or PDFs, a PDF, or a JSONL of "
                           "{\"_id\", \"image\"} records, not text documents (a ColPali-class model reads any text "
                           "as a query)")
-
-
-@dataclasses.dataclass(frozen=True)
-class PageGrid:
-    """A page's stored vectors: `vectors` in all, of which vectors[first : first + rows * columns]
-    are the image patches in row-major order (row r, column c at first + r * columns + c)."""
-
-    first: int
-    rows: int
-    columns: int
-    vectors: int
-
-    def position(self, vector: int) -> tuple[int, int] | None:
-        """(row, column) of stored vector `vector`, None for a prompt vector."""
-        at = int(vector) - self.first
-        return divmod(at, self.columns) if 0 <= at < self.rows * self.columns else None
 
 
 _UNKNOWN = object()
@@ -106,7 +89,8 @@ class VisualEncoder(SentenceTransformersEncoder):
         return super().tokenize(texts, is_query=True)
 
     def batch_order(self, texts: Sequence[str]) -> list[int]:
-        return list(range(len(texts)))  # every page has the same number of patches: nothing to bucket
+        # Pages come as images (the build batches them in corpus order, indexing.pages): no text to bucket.
+        return list(range(len(texts)))
 
     def preprocess_pages(self, images: Sequence[Image.Image]) -> Mapping[str, Any]:
         """The processor's output for a batch of pages (pixel values, the visual prompt's ids), as
@@ -139,7 +123,8 @@ class VisualEncoder(SentenceTransformersEncoder):
             raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
         vectors, keep = self._run(features)
         return DocumentEmbeddings(cls=self._mean_cls(vectors, keep), bow=vectors[keep].cpu().numpy(),
-                                  counts=keep.sum(1).to(torch.int32).cpu().numpy())
+                                  counts=keep.sum(1).to(torch.int32).cpu().numpy(),
+                                  grids=self._page_grids(features, keep.cpu()))
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
         return self.embed_pages(tokens)
@@ -158,29 +143,49 @@ class VisualEncoder(SentenceTransformersEncoder):
     vector_labels = Encoder.vector_labels  # type: ignore[assignment]
 
     def page_grid(self) -> PageGrid | None:
-        """Where a page's patch vectors lie among its stored vectors, and their grid; None when the
-        model's pages have no fixed square grid (ColQwen's dynamic resolution: the grid differs
-        from page to page). Found once from the processor's output for a blank page: the kept
-        positions (attention mask) holding the image token are the patches, row-major, as the
-        vision tower emits them."""
+        """The one grid every page of this model has, for pages stored without their own
+        (`espn.pages.images`: an index written before grids were kept); None when pages differ
+        (ColQwen's dynamic resolution) or hold no single grid. Found once from a blank page."""
         if self._grid is _UNKNOWN:
-            self._grid = self._find_grid()
+            features = self.preprocess_pages([Image.new("RGB", (64, 64), (255, 255, 255))])
+            ids = features.get("input_ids")
+            if "image_grid_thw" in features or not isinstance(ids, torch.Tensor):
+                self._grid = None
+            else:
+                keep = features.get("attention_mask", torch.ones_like(ids)).bool()
+                self._grid = PageGrid.from_row(self._page_grids(features, keep)[0])
         return self._grid  # type: ignore[return-value]
 
-    def _find_grid(self) -> PageGrid | None:
+    def _page_grids(self, features: Mapping[str, Any], keep: torch.Tensor) -> np.ndarray:
+        """[B, 4] int32 (espn.pages.grids.GRID_FIELDS) of pages preprocessed into `features`, whose
+        kept vectors are `keep` [B, T]: the kept positions holding the image token are the
+        patches, row-major as the vision tower emits them, contiguous. Their grid is the
+        processor's `image_grid_thw` after the tower's merge (ColQwen: rows and columns differ
+        from page to page), else the square of their count (ColPali). Zeros for a page whose
+        image tokens are not one such grid (tiled models such as ColModernVBert)."""
         processor = getattr(self.model[0], "processor", None)
         image_token = getattr(processor, "image_token_id", None)
-        features = self.preprocess_pages([Image.new("RGB", (64, 64), (255, 255, 255))])
-        if image_token is None or "image_grid_thw" in features or "input_ids" not in features:
-            return None
-        ids = features["input_ids"][0]
-        kept = ids[features["attention_mask"][0].bool()] if "attention_mask" in features else ids
-        patches = torch.nonzero(kept == int(image_token)).flatten()
-        n = len(patches)
-        side = math.isqrt(n)
-        if n == 0 or side * side != n or int(patches[-1] - patches[0]) != n - 1:
-            return None
-        return PageGrid(first=int(patches[0]), rows=side, columns=side, vectors=len(kept))
+        ids = features.get("input_ids")
+        out = unknown_grids(len(keep))
+        if image_token is None or not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(keep.shape):
+            return out
+        patch = (ids.to(keep.device) == int(image_token)) & keep
+        count = patch.sum(1)
+        place = keep.cumsum(1) - 1  # a position's index among the stored vectors
+        first = torch.where(patch, place, place.new_full((), keep.shape[1])).amin(1)
+        last = torch.where(patch, place, place.new_full((), -1)).amax(1)
+        thw = features.get("image_grid_thw")
+        if thw is None:
+            rows = columns = count.double().sqrt().round().long()
+        else:
+            merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
+            if merge is None or tuple(thw.shape) != (len(keep), 3) or bool((thw[:, 0] != 1).any()):
+                return out
+            rows, columns = thw[:, 1] // int(merge), thw[:, 2] // int(merge)
+        fits = (count > 0) & (rows * columns == count) & (last - first + 1 == count)
+        found = torch.stack([first, rows, columns, keep.sum(1)], 1).to(torch.int32).numpy()
+        out[fits.numpy()] = found[fits.numpy()]
+        return out
 
     def query_tokens(self, texts: Sequence[str], mask: np.ndarray) -> list[list[tuple[str, str, int, int]]] | None:
         """Per query, per kept vector (`mask` [B, L] as `encode_queries` gave it): (kind, token, start,

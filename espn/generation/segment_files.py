@@ -53,7 +53,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     checkpoint("appended")
     _write_segment_arrays(staging, documents, records)
     if documents.images is not None:  # a page index keeps the pages' images (espn.pages.images)
-        write_page_images(staging, documents.images)
+        write_page_images(staging, documents.images, documents.grids)
     ann = empty_ivf(current.base)
     ann.add_with_ids(np.ascontiguousarray(documents.cls, dtype=np.float32), np.arange(first, first + n, dtype=np.int64))
     faiss.write_index(ann, str(staging / "ann.faiss"))

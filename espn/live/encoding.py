@@ -17,6 +17,7 @@ from PIL import Image
 from espn.corpus import PASSAGE_JOINER, passage_line, passage_text
 from espn.encoders import DocumentEmbeddings, Encoder
 from espn.errors import CorpusError, InvalidParameterError
+from espn.pages.grids import unknown_grids
 from espn.pages.images import UPLOAD_SUFFIXES, encode_page_image, media_type
 from espn.pages.corpus import MAX_IMAGE_BYTES, decode_image
 
@@ -30,7 +31,8 @@ class EncodedDocuments:
     ids [n] external ids; lines [n] their docs.jsonl lines (utf-8); cls [n, d_cls] and
     bow [sum(counts), d_bow] float16, as the build's chunk files store them (so a write
     and a build of the same text store the same records); counts [n] int32; images [n]
-    the stored page images (espn.pages.images) of a page index, None for text.
+    the stored page images (espn.pages.images) of a page index, None for text, and grids
+    [n, 4] int32 their patch grids (espn.pages.grids).
     """
 
     ids: list[str]
@@ -39,6 +41,7 @@ class EncodedDocuments:
     bow: np.ndarray
     counts: np.ndarray
     images: list[bytes] | None = None
+    grids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -52,16 +55,19 @@ class EncodedDocuments:
         gather = np.repeat(starts[picked] - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
         return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
                                 self.bow[gather], self.counts[picked],
-                                None if self.images is None else [self.images[i] for i in picked])
+                                None if self.images is None else [self.images[i] for i in picked],
+                                None if self.grids is None else self.grids[picked])
 
     @classmethod
     def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
         # Pages and text never meet in one index; a part without images gives its pages none (b"").
         images = None if all(p.images is None for p in parts) else \
             [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
+        grids = None if all(p.grids is None for p in parts) else \
+            np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                   np.concatenate([p.counts for p in parts]), images)
+                   np.concatenate([p.counts for p in parts]), images, grids)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
@@ -115,12 +121,13 @@ def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, st
     cls = np.concatenate([p.cls for p in parts])
     bow = np.concatenate([p.bow for p in parts])
     counts = np.concatenate([p.counts for p in parts]).astype(np.int32)
+    grids = np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
     lines = [passage_line(title, text or f"page 1 of {doc_id}",
                           {"source": doc_id, "page": 1, **(dict(metadata) if metadata else {})}).encode("utf-8")
              for doc_id, _, title, text, metadata in documents]
     return EncodedDocuments([doc_id for doc_id, *_ in documents], lines, np.ascontiguousarray(cls, dtype=np.float16),
                             np.ascontiguousarray(bow, dtype=np.float16), counts,
-                            [encode_page_image(image) for image in images])
+                            [encode_page_image(image) for image in images], grids)
 
 
 def reorder_chunk(parts: list[tuple[np.ndarray, DocumentEmbeddings]]) -> DocumentEmbeddings:

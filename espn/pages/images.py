@@ -2,11 +2,14 @@
 
 Results, explanations and the search page show the page a hit is from them.
 
-Two files per index directory (base) or delta segment, only in an index of pages:
+Three files per index directory (base) or delta segment, only in an index of pages:
 
     page_images.bin          the images one after another (JPEG, written by Pillow), no framing
     page_images_offsets.npy  int64 [documents + 1]: document i's image is
                              page_images.bin[offsets[i]:offsets[i + 1]] (empty: none stored)
+    page_grids.npy           int32 [documents, 4]: document i's patch grid in its record
+                             (espn.pages.grids.GRID_FIELDS; zeros: not known). Absent in an
+                             index written before grids were kept: its pages have none.
 
 As the passages' docs.jsonl: one append-only blob and a numpy offsets array, read by offset
 on demand, no Python object per page in memory. Every writer of a page index writes them
@@ -37,10 +40,12 @@ from PIL import Image
 from ..errors import InvalidParameterError
 from ..mapped import map_npy
 from .corpus import MAX_IMAGE_BYTES
+from .grids import GRID_FIELDS, PageGrid, unknown_grids
 
 __all__ = [
     "IMAGES_FILE",
     "IMAGE_OFFSETS_FILE",
+    "GRIDS_FILE",
     "PAGE_IMAGE_FILES",
     "MAX_STORED_SIDE",
     "STORED_QUALITY",
@@ -66,8 +71,9 @@ log = logging.getLogger(__name__)
 
 IMAGES_FILE = "page_images.bin"
 IMAGE_OFFSETS_FILE = "page_images_offsets.npy"
+GRIDS_FILE = "page_grids.npy"
 #: The files this module writes, in the order a manifest or a segment lists them.
-PAGE_IMAGE_FILES = (IMAGES_FILE, IMAGE_OFFSETS_FILE)
+PAGE_IMAGE_FILES = (IMAGES_FILE, IMAGE_OFFSETS_FILE, GRIDS_FILE)
 #: Longest side of a stored page (px): legible text on an A4 page (about 190 dpi), bounded bytes.
 MAX_STORED_SIDE = 1600
 #: JPEG quality of a stored page: text stays sharp at 85, and the file is a third of quality 95's.
@@ -143,44 +149,59 @@ def thumbnail(data: bytes, max_side: int) -> bytes:
 
 
 class PageImagesWriter:
-    """Streams the images of documents written in order into `directory`'s two files: the
-    bytes go straight to page_images.bin, the lengths (one int64 a document) stay in memory
-    until `finish()`; leaving without `finish()` (an error) removes what was written by `abort()`."""
+    """Streams the images (and patch grids) of documents written in order into `directory`'s
+    files: the bytes go straight to page_images.bin, the lengths (one int64 a document) and
+    grids (four int32) stay in memory until `finish()`; leaving without `finish()` (an error)
+    removes what was written by `abort()`."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self._blob = open(self.directory / IMAGES_FILE, "wb")
         self._lengths: list[np.ndarray] = []
+        self._grids: list[np.ndarray] = []
 
-    def append(self, images: Sequence[bytes | None]) -> None:
-        """Documents in turn, each its stored image bytes (None or b"": none)."""
+    def append(self, images: Sequence[bytes | None], grids: np.ndarray | None = None) -> None:
+        """Documents in turn, each its stored image bytes (None or b"": none) and grid row
+        (`grids` [n, 4] int32, espn.pages.grids.GRID_FIELDS; None: not known)."""
         lengths = np.zeros(len(images), dtype=np.int64)
         for i, data in enumerate(images):
             if data:
                 self._blob.write(data)
                 lengths[i] = len(data)
-        self._lengths.append(lengths)
+        self._add(lengths, grids)
 
-    def append_blob(self, blob: bytes | np.ndarray, lengths: np.ndarray) -> None:
+    def append_blob(self, blob: bytes | np.ndarray, lengths: np.ndarray, grids: np.ndarray | None = None) -> None:
         """Documents whose images lie back to back in `blob`, `lengths` [n] bytes each."""
         self._blob.write(blob.tobytes() if isinstance(blob, np.ndarray) else blob)
-        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self._add(np.asarray(lengths, dtype=np.int64), grids)
 
     def append_unknown(self, documents: int) -> None:
-        self._lengths.append(np.zeros(int(documents), dtype=np.int64))
+        self._add(np.zeros(int(documents), dtype=np.int64), None)
+
+    def _add(self, lengths: np.ndarray, grids: np.ndarray | None) -> None:
+        if grids is None:
+            grids = unknown_grids(len(lengths))
+        grids = np.asarray(grids)
+        if grids.shape != (len(lengths), len(GRID_FIELDS)) or not np.issubdtype(grids.dtype, np.integer):
+            raise ValueError(f"page grids of shape {grids.shape} ({grids.dtype}) for {len(lengths)} pages "
+                             f"(one integer row of {len(GRID_FIELDS)} a page)")
+        self._lengths.append(lengths)
+        self._grids.append(grids.astype(np.int32, copy=False))
 
     def finish(self) -> None:
-        """Write page_images_offsets.npy; both files fsynced."""
+        """Write page_images_offsets.npy and page_grids.npy; every file fsynced."""
         self._blob.flush()
         os.fsync(self._blob.fileno())
         self._blob.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        with open(self.directory / IMAGE_OFFSETS_FILE, "wb") as f:
-            np.save(f, offsets)
-            f.flush()
-            os.fsync(f.fileno())
+        grids = np.concatenate(self._grids) if self._grids else unknown_grids(0)
+        for name, array in ((IMAGE_OFFSETS_FILE, offsets), (GRIDS_FILE, grids)):
+            with open(self.directory / name, "wb") as f:
+                np.save(f, array)
+                f.flush()
+                os.fsync(f.fileno())
 
     def abort(self) -> None:
         self._blob.close()
@@ -188,11 +209,11 @@ class PageImagesWriter:
             (self.directory / name).unlink(missing_ok=True)
 
 
-def write_page_images(directory: Path, images: Sequence[bytes | None]) -> list[str]:
-    """Both files for `images` (one entry a document) in `directory`; the names written."""
+def write_page_images(directory: Path, images: Sequence[bytes | None], grids: np.ndarray | None = None) -> list[str]:
+    """The files for `images` (one entry a document) and their `grids` in `directory`; the names written."""
     writer = PageImagesWriter(directory)
     try:
-        writer.append(images)
+        writer.append(images, grids)
         writer.finish()
     except BaseException:
         writer.abort()
@@ -201,21 +222,24 @@ def write_page_images(directory: Path, images: Sequence[bytes | None]) -> list[s
 
 
 def present_image_files(directory: Path) -> list[str]:
-    """The image files `directory` holds (none, or both): what a segment's file list adds."""
+    """The image files `directory` holds (none, the images, or they and their grids): what a
+    segment's file list adds."""
     return [name for name in PAGE_IMAGE_FILES if (Path(directory) / name).is_file()]
 
 
 class PageImages:
-    """One directory's images: the blob's path and offsets [n + 1] int64 (memory-mapped).
-    A read opens the blob, reads one range and closes it: no descriptor is kept."""
+    """One directory's images: the blob's path, offsets [n + 1] int64 and grids [n, 4] int32
+    (memory-mapped; None: the directory keeps no grids). A read opens the blob, reads one range
+    and closes it: no descriptor is kept."""
 
-    def __init__(self, path: Path, offsets: np.ndarray) -> None:
-        self.path, self.offsets = Path(path), offsets
+    def __init__(self, path: Path, offsets: np.ndarray, grids: np.ndarray | None = None) -> None:
+        self.path, self.offsets, self.grids = Path(path), offsets, grids
 
     @classmethod
     def open(cls, directory: Path, documents: int) -> "PageImages | None":
         """The images of `directory` (holding `documents` documents); None when it has none, or,
-        with a warning, when its two files do not fit together."""
+        with a warning, when its two files do not fit together. Grids that do not fit the
+        documents are left out, with a warning; the images stay."""
         directory = Path(directory)
         blob, offsets_path = directory / IMAGES_FILE, directory / IMAGE_OFFSETS_FILE
         if not blob.is_file() or not offsets_path.is_file():
@@ -230,7 +254,7 @@ class PageImages:
             log.warning("%s: %s %s does not partition %s's %d bytes into %d images; its pages have no images",
                         directory, IMAGE_OFFSETS_FILE, offsets.shape, IMAGES_FILE, blob.stat().st_size, documents)
             return None
-        return cls(blob, offsets)
+        return cls(blob, offsets, _open_grids(directory, documents))
 
     def of(self, local: int) -> bytes:
         """Document `local`'s image bytes (b"": none stored)."""
@@ -240,6 +264,22 @@ class PageImages:
         with open(self.path, "rb") as f:
             f.seek(start)
             return f.read(stop - start)
+
+
+def _open_grids(directory: Path, documents: int) -> np.ndarray | None:
+    path = directory / GRIDS_FILE
+    if not path.is_file():
+        return None  # written before grids were kept
+    try:
+        grids = map_npy(path)
+    except (ValueError, OSError) as exc:
+        log.warning("%s: unreadable page grids (%s); its pages have no grid", directory, exc)
+        return None
+    if grids.dtype != np.int32 or grids.shape != (documents, len(GRID_FIELDS)):
+        log.warning("%s: %s is %s %s, not int32 [%d, %d]; its pages have no grid", directory, GRIDS_FILE,
+                    grids.dtype, grids.shape, documents, len(GRID_FIELDS))
+        return None
+    return grids
 
 
 class StoredPageImages:
@@ -252,29 +292,42 @@ class StoredPageImages:
     def any(self) -> bool:
         return any(part is not None for part in self.parts)
 
-    def of(self, number: int) -> bytes:
-        """Document `number`'s image bytes (b"": none stored)."""
+    def _locate(self, number: int) -> tuple[PageImages, int] | None:
         at = int(np.searchsorted(self.firsts, number, side="right")) - 1
         part = self.parts[at] if at >= 0 else None
         if part is None:
-            return b""
+            return None
         local = int(number) - int(self.firsts[at])
-        return part.of(local) if 0 <= local < len(part.offsets) - 1 else b""
+        return (part, local) if 0 <= local < len(part.offsets) - 1 else None
+
+    def of(self, number: int) -> bytes:
+        """Document `number`'s image bytes (b"": none stored)."""
+        found = self._locate(number)
+        return b"" if found is None else found[0].of(found[1])
+
+    def grid(self, number: int) -> PageGrid | None:
+        """Document `number`'s patch grid as it was encoded (None: not kept, or not one grid)."""
+        found = self._locate(number)
+        if found is None or found[0].grids is None:
+            return None
+        return PageGrid.from_row(found[0].grids[found[1]])
 
 
 def _copy_ranges(part: PageImages, local: np.ndarray, writer: PageImagesWriter, dead: np.ndarray | None = None) -> None:
-    """The images of documents `local` (in that order) of one part, appended to `writer`;
-    dead [len(local)] bool: documents given an empty range instead."""
+    """The images and grids of documents `local` (in that order) of one part, appended to
+    `writer`; dead [len(local)] bool: documents given an empty range and no grid instead."""
     blob = np.memmap(part.path, dtype=np.uint8, mode="r") if part.path.stat().st_size else np.zeros(0, np.uint8)
     try:
         for start in range(0, len(local), _BLOCK):
             rows = local[start : start + _BLOCK]
             starts = np.asarray(part.offsets[rows], dtype=np.int64)
             lengths = np.asarray(part.offsets[rows + 1], dtype=np.int64) - starts
+            grids = unknown_grids(len(rows)) if part.grids is None else np.array(part.grids[rows], dtype=np.int32)
             if dead is not None:
                 lengths[dead[start : start + _BLOCK]] = 0
+                grids[dead[start : start + _BLOCK]] = 0
             gather = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
-            writer.append_blob(np.asarray(blob[gather]), lengths)
+            writer.append_blob(np.asarray(blob[gather]), lengths, grids)
     finally:
         del blob
 

@@ -25,6 +25,7 @@ from ..encoders import Encoder, QueryEmbeddings
 from ..encoders.base import VectorSpans
 from ..errors import InvalidParameterError
 from ..maxsim import record_vectors
+from ..pages.stored import open_index_images
 from ..pooling.cluster import pool_vectors
 from ..pooling.groups import merge_group_spans
 from ..results import Explanation, PassageSpan, QueryResult, TokenMatch
@@ -196,18 +197,20 @@ def explain_pages(context: SearchContext, queries: Sequence[str], q: QueryEmbedd
                   results: list[QueryResult]) -> list[QueryResult]:
     """`explain_results` for an index of pages: per query vector, the page vector it matched with
     its place in the patch grid (`TokenMatch.row`, `.column`; `Explanation.grid`) and the
-    similarity, which is exactly that query vector's MaxSim term. No passage spans. A page whose
-    record does not hold the encoder's layout (pooled at build time) gets no grid positions.
+    similarity, which is exactly that query vector's MaxSim term. No passage spans. The grid is
+    the page's own, kept beside its image (`espn.pages.images`; ColQwen's differs from page to
+    page); a page whose record does not hold it (pooled at build time) gets no grid positions.
     """
     encoder = context.encoder
     assert encoder is not None
     read = _read_hits(context, results)
     if read is None:
         return results
-    targets, _, vectors, offsets, _, rows = read
+    targets, _, vectors, offsets, row_docs, rows = read
     with context.tokenizer_lock:
-        grid = encoder.page_grid()  # type: ignore[attr-defined]
+        fixed = encoder.page_grid()  # type: ignore[attr-defined]
         tokens = encoder.query_tokens(list(queries), q.mask)  # type: ignore[attr-defined]
+    stored = open_index_images(context.index, context.view)
     pair_query = np.array([i for i, _ in targets], dtype=np.int64)
     best, matched = best_matches(torch.from_numpy(np.asarray(q.bow, dtype=np.float32)), pair_query, vectors,
                                  offsets, rows)
@@ -218,6 +221,8 @@ def explain_pages(context: SearchContext, queries: Sequence[str], q: QueryEmbedd
         columns = np.flatnonzero(q.mask[i])
         scale = 1.0 / max(1, len(columns)) if mean else 1.0
         n_vectors = int(offsets[row + 1] - offsets[row])
+        # the grid the page was encoded with, else (written before grids were kept) the model's one grid
+        grid = stored.grid(int(row_docs[row])) or fixed
         page_grid = grid if grid is not None and grid.vectors == n_vectors else None
         labels = tokens[i] if tokens is not None and len(tokens[i]) == len(columns) else \
             [("text", "", 0, 0)] * len(columns)
