@@ -225,7 +225,8 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     search time, as in a real deployment; d_cls and d_bow are then the source's.
     bow_dtype: the records' dtype in page mode (the text modes keep theirs)."""
     from espn.encoders.precomputed import PrecomputedEncoder
-    from espn.index import write_json_atomic
+    from espn.first_stage.build import PAGE_FIRST_STAGE
+    from espn.index import update_manifest, write_json_atomic
     from espn.text.config import TextConfig
     from espn_indexing.build import merge_index
     from espn_indexing.chunks import write_chunk
@@ -305,6 +306,10 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
 
     asm_started = time.perf_counter()
     manifest = merge_index(out, force=force)
+    if patches is not None and manifest.get("first_stage"):
+        # what `espn index` gives an index of pages (its encoder reads images, these vectors do not)
+        manifest = update_manifest(out, first_stage={**manifest["first_stage"], "probe": PAGE_FIRST_STAGE.probe,
+                                                     "candidates": PAGE_FIRST_STAGE.candidates})
     asm_s = time.perf_counter() - asm_started
     info = {
         "out": str(out), "queries": str(queries_path), "documents": docs, "bow_vectors": total_bow,

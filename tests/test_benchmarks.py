@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from espn.first_stage.build import PAGE_FIRST_STAGE  # noqa: E402
 
 pytest.importorskip("matplotlib")
 
@@ -449,6 +450,7 @@ def test_bench_pages_on_a_tiny_page_index(results: Path, capsys, sample_index: P
     manifest = json.loads((out / "manifest.json").read_text())
     assert info["bow_vectors"] == 50 * 64 and manifest["store"]["dtype"] == "int8"
     assert manifest["first_stage"]["kind"] == "centroids" and manifest["encoder"]["learned_weight"] == 0.0
+    assert manifest["first_stage"]["probe"] == PAGE_FIRST_STAGE.probe  # what `espn index` gives pages
     assert bench_pages.main(["--index", str(out), "--quick"]) == 0
     payload = _check(results, "pages_quick", capsys, png=False)
     assert {r["setting"]["kind"] for r in payload["recall"]["rows"]} == {"centroids", "ivf", "union"}
