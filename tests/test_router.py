@@ -274,7 +274,7 @@ def test_settings_validate_shard_urls(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------
 # End to end: real `espn serve` processes on loopback
 
-SLICE = 300  # SciFact documents: enough for two partitions, small enough for ~2 minutes
+SLICE = 200  # SciFact documents: enough for two partitions, small enough for about a minute
 NLIST = 4
 
 
