@@ -13,12 +13,15 @@ and writes the same JSON and PNG under other names (benchmarks/results/):
    vs posix vs memory on this GPU and SSD;
 3. `gpu_prefetch`: bench_prefetch (hit rate against prefetch step) through the kvikio reader;
 4. `gpu`: the machine, the GPU, and what the kvikio reader reported at open (engine
-   "kvikio-gds" or "kvikio-compat", thread pool, GDS threshold, task size).
+   "kvikio-gds" or "kvikio-compat", thread pool, GDS threshold, task size);
+5. `gpu_page_encoding`: bench_page_encoding, the visual encoder on the GPU (autocast) against
+   the CPU's float32 with the tiny ColPali and ColQwen2: pages a second and fidelity. It runs
+   first, and needs CUDA only.
 
 Every measured process opens its searcher on the GPU (`Searcher` picks CUDA when torch
-sees it), so posix and memory are compared with MaxSim on the same device. Without CUDA
-or kvikio it prints one line saying which is missing and exits with status 1, measuring
-nothing. No GPU number in the docs comes from anywhere but this script.
+sees it), so posix and memory are compared with MaxSim on the same device. Without CUDA it
+prints one line saying so and exits with status 1, measuring nothing; without kvikio it
+measures the page encoding only, then says kvikio is missing in one line (status 1). No GPU number in the docs comes from anywhere but this script.
 """
 
 from __future__ import annotations
@@ -39,12 +42,18 @@ GPU_CONFIGS = "memory:0,memory:1,mmap:0,posix:0,posix:1,kvikio:0,kvikio:1"
 READER_CONFIGS = "memory:0,memory:1,posix:0,posix:1,kvikio:0,kvikio:1"
 
 
-def unavailable_reason() -> str | None:
-    """Why the GPU run cannot happen here (CUDA or kvikio missing), or None."""
+def cuda_absent() -> str | None:
+    """Why nothing can be measured here (no CUDA device), or None."""
     import torch
 
-    if not torch.cuda.is_available():
-        return "CUDA is absent (torch sees no CUDA device)"
+    return None if torch.cuda.is_available() else "CUDA is absent (torch sees no CUDA device)"
+
+
+def unavailable_reason() -> str | None:
+    """Why the whole GPU run cannot happen here (CUDA or kvikio missing), or None."""
+    absent = cuda_absent()
+    if absent is not None:
+        return absent
     from espn.store import KvikioReader
 
     reason = KvikioReader.unavailable_reason()
@@ -73,19 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", default="{}", help="JSON search overrides for every study")
     args = p.parse_args(argv)
 
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"bench_gpu: {reason}; nothing measured (run it on a CUDA machine with "
+    absent = cuda_absent()
+    if absent is not None:
+        print(f"bench_gpu: {absent}; nothing measured (run it on a CUDA machine with "
               f'pip install "espn[kvikio]")', file=sys.stderr)
         return 1
+    from benchmarks import bench_memory, bench_page_encoding, bench_prefetch
 
-    from benchmarks import bench_memory, bench_prefetch
+    print("## Page encoding: the visual encoder under autocast against the CPU's float32\n")
+    status = bench_page_encoding.main(["--device", "cuda", "--name", "gpu_page_encoding"])
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"bench_gpu: {reason}; the reader studies need it (pip install \"espn[kvikio]\")", file=sys.stderr)
+        return 1
 
     common = ["--index", str(args.index), "--params", args.params, "--repeats", str(args.repeats), "--n", str(args.n)]
     common += ["--quick"] if args.quick else []
     info = {"machine": machine(), "index": str(args.index), **describe_gpu(args.index)}
     print(f"GPU {info['gpu']}, kvikio reader: {info['kvikio_reader']}", file=sys.stderr)
-    status = 0
     print("## Memory limits (GPU)\n")
     status |= bench_memory.main([*common, "--configs", GPU_CONFIGS, "--name", "gpu_memory_limits"])
     print("\n## Readers, with and without prefetch (GPU, no memory limit)\n")

@@ -169,22 +169,37 @@ def test_bench_build(results: Path, capsys) -> None:
     assert kinds == {("x1", "bare"), ("x1", "build"), ("x2", "build")}
 
 
-def test_bench_gpu_without_cuda_or_kvikio_says_so_in_one_line(tmp_path: Path) -> None:
+def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path: Path) -> None:
     # This machine has no GPU: the GPU run must refuse in one clear line and measure nothing.
     import subprocess
 
     from benchmarks import bench_gpu
 
-    if bench_gpu.unavailable_reason() is None:
-        pytest.skip("CUDA and kvikio are present: run `python -m benchmarks.bench_gpu` instead")
+    if bench_gpu.cuda_absent() is None:
+        pytest.skip("CUDA is present: run `python -m benchmarks.bench_gpu` instead")
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "--index", str(tmp_path / "none")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "ESPN_BENCH_RESULTS": str(tmp_path / "results")})
     assert done.returncode == 1 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench_gpu: ") and "absent" in lines[0], done.stderr
-    assert "CUDA" in lines[0] or "kvikio" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("bench_gpu: ") and "CUDA is absent" in lines[0], done.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_page_encoding_compares_a_device_with_the_cpu(results: Path, capsys) -> None:
+    """bench_page_encoding, the GPU run's page study, on its CPU counterpart: the CPU against
+    itself is exact (every difference 0, every grid equal), with several grids for ColQwen. On
+    a GPU the same code measures autocast (`python -m benchmarks.bench_gpu`)."""
+    from benchmarks import bench_page_encoding
+
+    assert bench_page_encoding.main(["--device", "cpu", "--pages", "8", "--batch", "4", "--rounds", "1",
+                                     "--name", "page_encoding_cpu"]) == 0
+    rows = _check(results, "page_encoding_cpu", capsys, png=False)["rows"]
+    assert [Path(row["model"]).name for row in rows] == ["tiny-colpali", "tiny-colqwen2"]
+    for row in rows:
+        assert row["max_abs_vector_error"] == 0.0 and row["max_relative_maxsim_error"] == 0.0
+        assert row["grids_equal"] and row["top1_kept"] == row["queries"] and row["device_pages_per_s"] > 0
+    assert rows[0]["distinct_grids"] == 1 and rows[1]["distinct_grids"] == len(bench_page_encoding.SHAPES)
 
 
 def test_bench_compact_assembles_every_setting_from_one_encode(tiny_index: Path, tmp_path: Path) -> None:
