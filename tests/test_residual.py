@@ -10,6 +10,7 @@ restarted, and damaged. Real files, the real kernel and its torch counterpart.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -338,8 +339,6 @@ def test_a_residual_codec_that_disagrees_with_its_records_is_refused(minilm_resi
 def test_a_snapshot_whose_codec_is_a_link_or_a_fifo_is_refused(minilm_residual: Path, tmp_path: Path) -> None:
     """The codec files come from outside with a snapshot: a link out (to a byte-identical copy,
     so only the link is wrong) and a FIFO are refused in one line, and nothing is restored."""
-    import os
-
     snapshot(minilm_residual, tmp_path / "snap")
     codec = tmp_path / "snap" / "first_stage"
     outside = tmp_path / "outside.npy"
