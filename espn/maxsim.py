@@ -231,7 +231,8 @@ def score_records(queries: QueryScoring, records: "RecordBatch", layout: "StoreL
         bow_t, valid = queries.columns()
         cls, bow = score_pairs_native(kernel, records.addresses(), records.n_bow, layout.d_cls, layout.d_bow,
                                       layout.dtype, queries.cls.numpy(), bow_t, valid, pair_query, pair_row,
-                                      layout.require_codec() if layout.bits else None)
+                                      layout.require_codec() if layout.bits else None,
+                                      threads=torch.get_num_threads())
         if reduction == "mean":
             bow /= np.maximum(valid.sum(axis=1), 1).astype(np.float32)[pair_query]
         return np.stack([cls, bow])

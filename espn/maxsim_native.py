@@ -5,7 +5,10 @@
 GIL for the call). Where it was not built (no compiler) `load_kernel()` is None and
 `espn.maxsim.score_records` scores with torch, to the same results (fp32 summation order
 aside). One call scores every pair of a search from the records where the reads left
-them: no gather, no decode, no similarity matrix in memory.
+them: no gather, no decode, no similarity matrix in memory. A search with enough pairs is
+cut into contiguous ranges scored at once on several threads (`threads`: the process's torch
+thread budget), each range by its own call into the kernel with its own scratch: the
+kernel is single-threaded, and MaxSim is most of a search's time once the records are read.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import ctypes
 import functools
 import importlib.machinery
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +41,8 @@ LANES = 16
 #: Document vectors per register tile of the kernel: the scratch holds this many rows past
 #: the longest document.
 TILE_ROWS = 6
+#: Fewest pairs a thread is given: a pair takes 10-30 µs, a hand-off to a pool thread about 50.
+MIN_PAIRS_PER_THREAD = 16
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -77,15 +85,29 @@ def _ptr(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
 
+_pool_lock = threading.Lock()
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+
+
+def _helpers(workers: int) -> ThreadPoolExecutor:
+    """This process's pool of kernel threads, `workers` at least (made again after a fork)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
+            _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="espn-maxsim"))
+        return _pool[2]
+
+
 def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarray, d_cls: int, d_bow: int,
                        dtype: str, q_cls: np.ndarray, q_bow_t: np.ndarray, q_valid: np.ndarray,
                        pair_query: np.ndarray, pair_doc: np.ndarray,
-                       codec: ResidualCodec | None = None) -> tuple[np.ndarray, np.ndarray]:
+                       codec: ResidualCodec | None = None, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(exact CLS [P], raw MaxSim sum [P]) float32 of the pairs, read from the records at `addresses`.
 
     addresses, n_bow [n] int64 (the records must stay alive during the call); q_cls [B, d_cls]
     float32; q_bow_t [B, d_bow, S] float32 (S a multiple of LANES, zero past each query's
-    vectors); q_valid [B, S] uint8; pair_query, pair_doc [P] int64 (rows of `addresses`).
+    vectors); q_valid [B, S] uint8; pair_query, pair_doc [P] int64 (rows of `addresses`);
+    threads: at most this many ranges of pairs scored at once (this thread scores the first).
     """
     arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
         (addresses, np.int64), (n_bow, np.int64), (q_cls, np.float32), (q_bow_t, np.float32),
@@ -96,14 +118,24 @@ def score_pairs_native(lib: ctypes.CDLL, addresses: np.ndarray, n_bow: np.ndarra
     out_cls = np.empty(n_pairs, dtype=np.float32)
     out_bow = np.empty(n_pairs, dtype=np.float32)
     longest = int(n_bow.max()) if len(n_bow) else 0
-    scratch = np.empty(stride + (longest + TILE_ROWS) * d_bow, dtype=np.float32)
     residual: tuple[int | None, int, int | None, int, int] = (None, 0, None, 0, 0)
     if codec is not None:
         centroids = np.ascontiguousarray(codec.centroids, dtype=np.float32)
         residual = (_ptr(centroids), len(centroids), _ptr(codec.byte_table), codec.bits, int(codec.normalize))
-    status = lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
-                                  _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query), _ptr(pair_doc), n_pairs,
-                                  _ptr(out_cls), _ptr(out_bow), _ptr(scratch), *residual)
+
+    def score(start: int, stop: int) -> int:
+        """Pairs start:stop into out_cls and out_bow's same rows (views: the kernel sees their start)."""
+        scratch = np.empty(stride + (longest + TILE_ROWS) * d_bow, dtype=np.float32)
+        return int(lib.espn_score_pairs(_ptr(addresses), _ptr(n_bow), d_cls, d_bow, DTYPE_CODES[dtype], _ptr(q_cls),
+                                        _ptr(q_bow_t), _ptr(q_valid), stride, _ptr(pair_query[start:stop]),
+                                        _ptr(pair_doc[start:stop]), stop - start, _ptr(out_cls[start:stop]),
+                                        _ptr(out_bow[start:stop]), _ptr(scratch), *residual))
+
+    parts = max(1, min(int(threads), n_pairs // MIN_PAIRS_PER_THREAD))
+    bounds = [n_pairs * i // parts for i in range(parts + 1)]
+    others = [_helpers(parts - 1).submit(score, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if parts > 1 else []
+    statuses = [score(bounds[0], bounds[1]), *(future.result() for future in others)]
+    status = min(statuses)  # an error (negative) wins over success
     if status == -2:
         raise IndexCorruptError("a residual record names a centroid outside the codec (a damaged record)")
     if status != 0:

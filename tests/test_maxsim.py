@@ -234,3 +234,46 @@ def test_searcher_ranks_alike_with_and_without_the_kernel(sample_index, monkeypa
     for a, b in zip(native, fallback):
         assert [h.doc_id for h in a.hits] == [h.doc_id for h in b.hits]
         np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "residual4"])
+def test_pairs_scored_on_several_threads_are_one_threads_scores(tmp_path, dtype: str) -> None:
+    """The kernel's pairs cut into ranges scored at once on pool threads give exactly one call's
+    scores, and a damaged record in the last range is refused as it is in one call."""
+    from espn.errors import IndexCorruptError
+    from espn.maxsim import QueryScoring
+    from espn.maxsim_native import MIN_PAIRS_PER_THREAD, load_kernel, score_pairs_native
+    from espn.store import open_reader
+
+    kernel = load_kernel()
+    assert kernel is not None, "the native kernel was not built by pip install (gcc is required here)"
+    rng = np.random.default_rng(9)
+    layout = _layout(dtype, 32, 24, rng)
+    records = _write_records(tmp_path / "embeddings.bin", layout, rng, 60)
+    queries = QueryScoring.from_arrays(rng.standard_normal((2, layout.d_cls)).astype(np.float32),
+                                       rng.standard_normal((2, 20, layout.d_bow)).astype(np.float32),
+                                       np.ones((2, 20), dtype=bool))
+    bow_t, valid = queries.columns()
+    n_pairs = 4 * MIN_PAIRS_PER_THREAD + 3
+    pair_query, pair_doc = rng.integers(0, 2, n_pairs), np.sort(rng.integers(0, 59, n_pairs))
+    pair_doc[-1] = 59  # the last range's own document
+    with open_reader("memory", tmp_path / "embeddings.bin", records, layout) as reader:
+        with reader.submit(np.arange(60)).records() as batch:
+            buffer = np.array(batch.buffers[0], dtype=np.uint8)  # a copy this test may damage
+            addresses = buffer.__array_interface__["data"][0] + batch.starts.astype(np.int64)
+            rows = batch.rows_of(pair_doc)
+            n_bow, last = batch.n_bow.copy(), int(batch.rows_of(np.array([59]))[0])
+    args = (kernel, addresses, n_bow, layout.d_cls, layout.d_bow, layout.dtype, queries.cls.numpy(), bow_t, valid,
+            pair_query, rows, layout.codec)
+    one = score_pairs_native(*args, threads=1)
+    for threads in (2, 3, 64):
+        many = score_pairs_native(*args, threads=threads)
+        np.testing.assert_array_equal(many[0], one[0])
+        np.testing.assert_array_equal(many[1], one[1])
+    if layout.codec is not None:
+        assert n_bow[last] > 0
+        at = int(batch.starts[last]) + 2 * layout.d_cls  # the record's first centroid id (int32)
+        buffer[at : at + 4] = np.frombuffer(np.int32(len(layout.codec.centroids) + 5).tobytes(), dtype=np.uint8)
+        for threads in (1, 3):
+            with pytest.raises(IndexCorruptError, match="outside the codec"):
+                score_pairs_native(*args, threads=threads)
