@@ -10,6 +10,7 @@ pulls in torch and FAISS, so it loads on first use. A process that only needs
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import DocumentNotFoundError, EspnError, IndexCorruptError, InvalidParameterError
@@ -38,6 +39,9 @@ def __getattr__(name: str) -> Any:
     if name == "Searcher":
         # Lazy on purpose: Searcher loads torch and FAISS, and `import espn.errors` (the router,
         # `espn --help`) must not (tests/test_packaging.py checks it).
+        # As the CLI does, before torch or FAISS load OpenMP (when they have not yet): idle threads
+        # that spin starve the MaxSim kernel's own threads on a small machine. A user's value wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from .search.searcher import Searcher
 
         return Searcher

@@ -277,3 +277,20 @@ def test_pairs_scored_on_several_threads_are_one_threads_scores(tmp_path, dtype:
         for threads in (1, 3):
             with pytest.raises(IndexCorruptError, match="outside the codec"):
                 score_pairs_native(*args, threads=threads)
+
+
+def test_the_library_asks_openmp_for_passive_waits_unless_told_otherwise() -> None:
+    """Idle OpenMP threads that spin (torch's, FAISS's) starve the kernel's own threads on a small
+    machine: `espn.Searcher` sets OMP_WAIT_POLICY=PASSIVE before it loads torch, as the CLI does,
+    and leaves a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, espn; espn.Searcher; print(os.environ['OMP_WAIT_POLICY'])"
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given is not None:
+            env["OMP_WAIT_POLICY"] = given
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr[-2000:]
