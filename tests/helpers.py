@@ -12,7 +12,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from sentence_transformers import MultiVectorEncoder
+
+    from espn.encoders.visual import VisualEncoder
 
 
 #: The files a build writes byte for byte the same however it ran (resumed, sharded, merged).
@@ -118,3 +123,20 @@ async def wait_until_async(check: Callable[[], object], what: str, timeout_s: fl
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval_s)
+
+
+def visual_encoder(checkpoint: Path) -> "VisualEncoder":
+    """espn's encoder of a visual checkpoint, as `colbert:DIR` finds it (the visual kind), on the CPU."""
+    from espn.encoders import encoder_from_spec
+    from espn.encoders.visual import VisualEncoder
+
+    found = encoder_from_spec(f"colbert:{checkpoint}", device="cpu")
+    assert isinstance(found, VisualEncoder) and found.kind == "visual"
+    return found
+
+
+def visual_library(checkpoint: Path) -> "MultiVectorEncoder":
+    """Sentence Transformers' own reading of a visual checkpoint: what espn's vectors must equal."""
+    from sentence_transformers import MultiVectorEncoder
+
+    return MultiVectorEncoder(str(checkpoint), device="cpu", local_files_only=True)

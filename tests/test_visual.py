@@ -34,6 +34,8 @@ from indexing.build import default_pool_factor
 from indexing.chunks import chunk_path, read_chunk
 from indexing.pages import encode_page_corpus, page_metadata
 
+from helpers import visual_encoder, visual_library
+
 #: The issue's bound for stored (float16) records against the library's fp32 MaxSim.
 RELATIVE = 0.005
 
@@ -45,14 +47,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def library(checkpoint: Path) -> MultiVectorEncoder:
-    return MultiVectorEncoder(str(checkpoint), device="cpu", local_files_only=True)
+    return visual_library(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def encoder(checkpoint: Path) -> VisualEncoder:
-    found = encoder_from_spec(f"colbert:{checkpoint}", device="cpu")
-    assert isinstance(found, VisualEncoder) and found.kind == "visual"
-    return found
+    return visual_encoder(checkpoint)
 
 
 @pytest.fixture(scope="module")

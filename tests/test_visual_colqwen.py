@@ -26,12 +26,12 @@ from sentence_transformers import MultiVectorEncoder
 from benchmarks.bench_visual import QUERIES, draw_page
 from benchmarks.make_visual_checkpoint import write_colqwen2_checkpoint
 from espn.cli import main
-from espn.encoders import encoder_from_spec
 from espn.encoders.st_format import is_sentence_transformers_save, is_visual_save
 from espn.encoders.visual import VisualEncoder
 from espn.live.live_index import LiveIndex
 from espn.pages.images import GRIDS_FILE, PageImages
 
+from helpers import visual_encoder, visual_library
 from server_fixtures import HTTP, running_server
 
 #: (width, height): square, portrait, landscape and a larger page, each a different patch grid.
@@ -45,14 +45,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def library(checkpoint: Path) -> MultiVectorEncoder:
-    return MultiVectorEncoder(str(checkpoint), device="cpu", local_files_only=True)
+    return visual_library(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def encoder(checkpoint: Path) -> VisualEncoder:
-    found = encoder_from_spec(f"colbert:{checkpoint}", device="cpu")
-    assert isinstance(found, VisualEncoder) and found.kind == "visual"
-    return found
+    return visual_encoder(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +158,7 @@ def test_the_build_keeps_each_pages_own_grid(index: Path, library: MultiVectorEn
 
 
 def test_pages_of_many_grids_served_written_filtered_explained_restarted_and_compacted(
-        index: Path, checkpoint: Path, encoder: VisualEncoder, library: MultiVectorEncoder, tmp_path: Path) -> None:
+        index: Path, encoder: VisualEncoder, library: MultiVectorEncoder, tmp_path: Path) -> None:
     """A ColQwen page index through a real server under `ulimit -n 1024`: a new page and a
     replaced one uploaded (each a grid no base page has), one deleted; a filtered, explained search
     places every match on the hit's own grid; the same after a restart and after compaction."""

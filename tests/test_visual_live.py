@@ -27,7 +27,6 @@ from benchmarks.bench_visual import draw_page
 from benchmarks.make_visual_checkpoint import write_checkpoint
 from espn import Searcher
 from espn.cli import OWN_LOGGERS, main
-from espn.encoders import encoder_from_spec
 from espn.encoders.visual import VisualEncoder
 from espn.errors import ConflictError, DocumentNotFoundError, InvalidParameterError
 from espn.first_stage.build import DEFAULT_FIRST_STAGE, PAGE_FIRST_STAGE
@@ -42,6 +41,7 @@ from espn.pages.images import (GRIDS_FILE, IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_
                               encode_page_image, media_type, thumbnail)
 from espn.live.encoding import decode_page_bytes
 
+from helpers import visual_encoder
 from server_fixtures import HTTP, running_server
 
 PAGES = 8
@@ -61,9 +61,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def encoder(checkpoint: Path) -> VisualEncoder:
-    found = encoder_from_spec(f"visual:{checkpoint}", device="cpu")
-    assert isinstance(found, VisualEncoder)
-    return found
+    return visual_encoder(checkpoint)
 
 
 def espn(*argv: str) -> int:
