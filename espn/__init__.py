@@ -37,11 +37,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "Searcher":
-        # Lazy on purpose: Searcher loads torch and FAISS, and `import espn.errors` (the router,
-        # `espn --help`) must not (tests/test_packaging.py checks it).
         # As the CLI does, before torch or FAISS load OpenMP (when they have not yet): idle threads
         # that spin starve the MaxSim kernel's own threads on a small machine. A user's value wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Lazy on purpose: Searcher loads torch and FAISS, and `import espn.errors` (the router,
+        # `espn --help`) must not (tests/test_packaging.py checks it).
         from .search.searcher import Searcher
 
         return Searcher
