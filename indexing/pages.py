@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from espn.encoders.base import DocumentEmbeddings
-from espn.pages.grids import unknown_grids
+from espn.pages.grids import concat_grids
 from espn.pages.images import encode_page_image
 from espn.pages.corpus import DEFAULT_DPI, Page, iter_pages
 
@@ -127,7 +127,7 @@ def encode_page_corpus(corpus: Path, work_dir: Path, encoder: PageEncoder, *, dp
                 index = int(item["chunk"])
                 cls, bow = np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts])
                 counts = np.concatenate([p.counts for p in parts])
-                grids = np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
+                grids = concat_grids(parts)
                 if len(counts) != len(meta):
                     raise RuntimeError(f"chunk {index}: {len(counts)} encoded pages for {len(meta)} ids")
                 ids, titles, texts, metadata, images = zip(*meta)

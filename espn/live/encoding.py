@@ -17,7 +17,7 @@ from PIL import Image
 from espn.corpus import PASSAGE_JOINER, passage_line, passage_text
 from espn.encoders import DocumentEmbeddings, Encoder
 from espn.errors import CorpusError, InvalidParameterError
-from espn.pages.grids import unknown_grids
+from espn.pages.grids import concat_grids
 from espn.pages.images import UPLOAD_SUFFIXES, encode_page_image, media_type
 from espn.pages.corpus import MAX_IMAGE_BYTES, decode_image
 
@@ -63,8 +63,7 @@ class EncodedDocuments:
         # Pages and text never meet in one index; a part without images gives its pages none (b"").
         images = None if all(p.images is None for p in parts) else \
             [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
-        grids = None if all(p.grids is None for p in parts) else \
-            np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
+        grids = None if all(p.grids is None for p in parts) else concat_grids(parts)
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
                    np.concatenate([p.counts for p in parts]), images, grids)
@@ -121,7 +120,7 @@ def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, st
     cls = np.concatenate([p.cls for p in parts])
     bow = np.concatenate([p.bow for p in parts])
     counts = np.concatenate([p.counts for p in parts]).astype(np.int32)
-    grids = np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
+    grids = concat_grids(parts)
     lines = [passage_line(title, text or f"page 1 of {doc_id}",
                           {"source": doc_id, "page": 1, **(dict(metadata) if metadata else {})}).encode("utf-8")
              for doc_id, _, title, text, metadata in documents]

@@ -11,10 +11,11 @@ the page images (`espn.pages.images`, `page_grids.npy`) in `GRID_FIELDS` form.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["PageGrid", "GRID_FIELDS", "unknown_grids"]
+__all__ = ["PageGrid", "GRID_FIELDS", "unknown_grids", "concat_grids"]
 
 #: The stored form of a page's grid: one int32 row of these, all zeros where it is not known
 #: (a page written before grids were kept, or a model whose patches are not one grid).
@@ -48,3 +49,14 @@ class PageGrid:
 def unknown_grids(pages: int) -> np.ndarray:
     """`pages` rows that say "no grid known"."""
     return np.zeros((int(pages), len(GRID_FIELDS)), dtype=np.int32)
+
+
+class _WithGrids(Protocol):
+    grids: np.ndarray | None
+
+    def __len__(self) -> int: ...
+
+
+def concat_grids(parts: Sequence[_WithGrids]) -> np.ndarray:
+    """The grids of encoded batches one after another, "no grid known" for a batch without any."""
+    return np.concatenate([p.grids if p.grids is not None else unknown_grids(len(p)) for p in parts])
