@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from PIL import Image
     from sentence_transformers import MultiVectorEncoder
 
     from espn.encoders.visual import VisualEncoder
@@ -123,6 +125,13 @@ async def wait_until_async(check: Callable[[], object], what: str, timeout_s: fl
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval_s)
+
+
+def png(image: "Image.Image") -> bytes:
+    """A page image as PNG bytes, as an upload or a live write sends it."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def visual_encoder(checkpoint: Path) -> "VisualEncoder":

@@ -13,7 +13,6 @@ own grid), restarted and compacted.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import shutil
 from pathlib import Path
@@ -31,7 +30,7 @@ from espn.encoders.visual import VisualEncoder
 from espn.live.live_index import LiveIndex
 from espn.pages.images import GRIDS_FILE, PageImages
 
-from helpers import visual_encoder, visual_library
+from helpers import png, visual_encoder, visual_library
 from server_fixtures import HTTP, running_server
 
 #: (width, height): square, portrait, landscape and a larger page, each a different patch grid.
@@ -127,12 +126,6 @@ def test_espn_finds_each_pages_own_grid(encoder: VisualEncoder, library: MultiVe
         assert patches == list(range(first, first + rows * columns))  # the grid's cells, row-major
 
 
-def _png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The pages of SIZES and two more, listed by a JSONL with a `shape` field, built by `espn index`."""
@@ -189,7 +182,7 @@ def test_pages_of_many_grids_served_written_filtered_explained_restarted_and_com
             assert abs(sum(m["contribution"] for m in explanation["matches"]) - hit["bow_score"]) < 1e-3
 
     def upload(doc_id: str, metadata: dict) -> int:
-        body = {"image": base64.b64encode(_png(page_of[doc_id])).decode("ascii"), "metadata": metadata}
+        body = {"image": base64.b64encode(png(page_of[doc_id])).decode("ascii"), "metadata": metadata}
         return HTTP.put(f"{server.base_url}/v1/documents/{doc_id}", json=body, timeout=120).status_code
 
     with running_server(root, tmp_path, name="colqwen", fd_limit=1024) as server:

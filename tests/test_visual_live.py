@@ -41,17 +41,11 @@ from espn.pages.images import (GRIDS_FILE, IMAGE_OFFSETS_FILE, IMAGES_FILE, MAX_
                               encode_page_image, media_type, thumbnail)
 from espn.live.encoding import decode_page_bytes
 
-from helpers import visual_encoder
+from helpers import png, visual_encoder
 from server_fixtures import HTTP, running_server
 
 PAGES = 8
 QUERY = "red square in the corner"
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
