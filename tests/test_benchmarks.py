@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import common
+from espn.first_stage.build import PAGE_FIRST_STAGE
 
-from benchmarks import common  # noqa: E402
-from espn.first_stage.build import PAGE_FIRST_STAGE  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("matplotlib")
 

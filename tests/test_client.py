@@ -475,8 +475,6 @@ def test_the_client_distribution_depends_on_httpx_and_pydantic_only() -> None:
 
 
 def test_bench_client_quick(server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    if str(ROOT) not in sys.path:
-        monkeypatch.syspath_prepend(str(ROOT))
     from benchmarks import bench_client, common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)

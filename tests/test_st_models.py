@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import shutil
 import string
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,6 @@ from transformers import (AutoConfig, AutoTokenizer, BertConfig, BertModel, Mode
                           ModernBertModel)
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # benchmarks/ writes the PyLate and colbert-ai checkpoints
-    sys.path.insert(0, str(ROOT))
 
 from benchmarks.make_colbert_checkpoint import write_checkpoint  # noqa: E402
 from espn.corpus import PASSAGE_JOINER, default_title_joiner, index_title_joiner, passage_text  # noqa: E402

@@ -30,9 +30,9 @@ from espn.encoders.st_format import is_sentence_transformers_save, is_visual_sav
 from espn.encoders.visual import VisualEncoder
 from espn.errors import CorpusError, InvalidParameterError, RefusedInputError
 from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, Page, iter_pages
-from indexing.build import default_pool_factor
-from indexing.chunks import chunk_path, read_chunk
-from indexing.pages import encode_page_corpus, page_metadata
+from espn_indexing.build import default_pool_factor
+from espn_indexing.chunks import chunk_path, read_chunk
+from espn_indexing.pages import encode_page_corpus, page_metadata
 
 from helpers import visual_encoder, visual_library
 
