@@ -241,8 +241,10 @@ class Publisher:
                     problem = f"{self.where.url('LATEST')} names {latest or 'nothing'}"
             if problem is not None:
                 problem = f"the store lost generation {published}: {problem}; publishing it again"
-                self._warnings.warning(f"publishing {self.index} to {self.url}: {problem}")
+                # Recorded before it is logged: whoever reads the log line must already see the
+                # generation as unpublished in /readyz, not the old "published" until the re-upload ends.
                 self._record(error=problem, lost=True)
+                self._warnings.warning(f"publishing {self.index} to {self.url}: {problem}")
                 self._republish = True
         self._stored, self._checked_at = stored, time.monotonic()
 
