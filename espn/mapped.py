@@ -9,6 +9,13 @@ Here the descriptor is closed as soon as the mapping exists: `mmap(trackfd=False
 Python 3.13+, otherwise `mmap(2)` through ctypes with `munmap(2)` run when the last
 array viewing the mapping is garbage-collected. Pages are shared with every other
 process mapping the file, exactly as with `np.load(mmap_mode="r")`.
+
+Every `.npy` header espn reads is parsed here, under one lock (`read_npy` for a whole array):
+numpy parses a header with `ast.literal_eval`, and CPython 3.11 keeps the AST builder's
+recursion count per interpreter, not per thread, so two threads parsing at once can fail with
+"SystemError: AST constructor recursion depth mismatch" (cpython gh-106905). A server parses
+headers in several threads at once (a generation opened beside a search, a snapshot verified
+beside a write); the lock costs microseconds per file opened.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["map_npy"]
+__all__ = ["map_npy", "read_npy"]
 
 _PROT_READ, _MAP_SHARED = mmap.PROT_READ, mmap.MAP_SHARED
 
@@ -56,15 +64,45 @@ def _map_readonly(fd: int, size: int) -> Any:
     return buffer
 
 
+_HEADER_LOCK = threading.Lock()
+
+
 def _header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
-        raise ValueError(f"unsupported .npy format version {version}")
+    """(shape, Fortran order, dtype, data offset) of the `.npy` file `f`, parsed under the lock."""
+    with _HEADER_LOCK:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
     return shape, fortran, dtype, f.tell()
+
+
+def _plain_header(f: Any, path: Path | str) -> tuple[tuple[int, ...], bool, np.dtype, int, int]:
+    """_header, checked: not an object array (never unpickled), and the file holds every byte the
+    header describes; adds the element count."""
+    shape, fortran, dtype, offset = _header(f)
+    if dtype.hasobject:
+        raise ValueError(f"{path}: an object array (espn reads plain arrays only, never pickles)")
+    count = int(np.prod(shape, dtype=np.int64))
+    size = os.fstat(f.fileno()).st_size
+    if offset + count * dtype.itemsize > size:
+        raise ValueError(f"{path}: {size} bytes, the header describes {offset + count * dtype.itemsize}")
+    return shape, fortran, dtype, offset, count
+
+
+def read_npy(path: Path | str) -> np.ndarray:
+    """The array of a `.npy` file read whole into memory (writable; no descriptor kept), as
+    `np.load(path, allow_pickle=False)` with its header parsed under the lock.
+
+    Raises ValueError for an object array or a file shorter than its header says, OSError
+    when it cannot be read."""
+    with open(path, "rb") as f:
+        shape, fortran, dtype, _, count = _plain_header(f, path)
+        array = np.fromfile(f, dtype=dtype, count=count)
+    return array.reshape(shape, order="F" if fortran else "C")
 
 
 def map_npy(path: Path | str) -> np.ndarray:
@@ -74,14 +112,8 @@ def map_npy(path: Path | str) -> np.ndarray:
     OSError when it cannot be read; an empty array is returned as a small in-memory one.
     """
     with open(path, "rb") as f:
-        shape, fortran, dtype, offset = _header(f)
-        if dtype.hasobject:
-            raise ValueError(f"{path}: object arrays cannot be mapped")
-        count = int(np.prod(shape, dtype=np.int64))
+        shape, fortran, dtype, offset, count = _plain_header(f, path)
         nbytes = count * dtype.itemsize
-        size = os.fstat(f.fileno()).st_size
-        if offset + nbytes > size:
-            raise ValueError(f"{path}: {size} bytes, the header describes {offset + nbytes}")
         if nbytes == 0:
             return np.zeros(shape, dtype=dtype)
         buffer = _map_readonly(f.fileno(), offset + nbytes)

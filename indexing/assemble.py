@@ -22,6 +22,7 @@ from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
 from espn.index import FORMAT_VERSION, fsync_path, write_manifest
+from espn.mapped import map_npy
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter
 from espn.params import default_search_params
@@ -96,7 +97,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     _write_id_order(staging, written.ids, job["corpus"])
     ivf, trained_on = _build_ann(staging, job, layout, n_docs)
     file_bytes = reorder_index_records(staging, layout.block_size)
-    records = np.load(staging / "records.npy", mmap_mode="r")
+    records = map_npy(staging / "records.npy")
     first_stage = build_first_stage(staging, records, first_layout, stage_kind,
                                     defaults=default_first_stage(encoder_config))
     if layout.bits:
@@ -227,7 +228,7 @@ def _build_ann(staging: Path, job: dict[str, Any], layout: StoreLayout, n_docs: 
     """ann.faiss from cls.tmp.npy (trained on a seeded sample, then every vector added), which it
     then removes; the IVF configuration and the number of training points."""
     ivf = IVFConfig(nlist=job.get("nlist") or default_nlist(n_docs), kind=job.get("ann", "flat"), pq_m=job.get("pq_m", 32))
-    cls_tmp = np.load(staging / "cls.tmp.npy", mmap_mode="r")
+    cls_tmp = map_npy(staging / "cls.tmp.npy")
     rng = np.random.default_rng(ivf.seed)
     sample = np.sort(rng.choice(n_docs, size=min(n_docs, ivf.nlist * ivf.train_points_per_list), replace=False))
     index = build_ivf(ivf, layout.d_cls, cls_tmp[sample].astype(np.float32))

@@ -44,6 +44,7 @@ import numpy as np
 
 from espn.corpus import iter_corpus
 from espn.errors import CorpusError, InvalidParameterError
+from espn.mapped import map_npy
 
 from .chunks import write_chunk
 
@@ -102,10 +103,7 @@ def _check_numbering(files: dict[int, Path], folder: Path, suffix: str, expected
 def _open_npy(path: Path) -> np.ndarray:
     """Memory-map a .npy (an empty one cannot be mapped, so it is read)."""
     try:
-        try:
-            return np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError:
-            return np.load(path, allow_pickle=False)
+        return map_npy(path)
     except (OSError, ValueError, EOFError) as exc:
         raise CorpusError(f"{path}: not a readable .npy array ({exc})") from exc
 

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..index import sha256_file
+from ..mapped import read_npy
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
@@ -409,7 +410,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
     def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
              trust_remote_code: bool = False) -> "HFEncoder":
         directory = Path(directory)
-        projection = np.load(directory / config["projection"]) if config.get("projection") else None
+        projection = read_npy(directory / config["projection"]) if config.get("projection") else None
         return cls(
             directory / "model",
             bow_dim=int(config["d_bow"]),

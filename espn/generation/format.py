@@ -53,6 +53,7 @@ import numpy as np
 from ..errors import IndexCorruptError
 from ..files import lock_is_free, sha256_file
 from ..index import IndexDirectory, read_manifest
+from ..mapped import read_npy
 from ..metadata import MetadataColumns, schema_of
 from ..untrusted import load_json, read_bounded
 
@@ -412,7 +413,7 @@ def read_tombstones(root: Path, generation: Generation, verify: bool = False) ->
         if verify and sha256_file(path) != t.sha256:
             raise IndexCorruptError(f"{path}: checksum mismatch (corrupted)")
         try:
-            numbers = np.load(path, allow_pickle=False)  # read whole: small, and no descriptor kept
+            numbers = read_npy(path)  # read whole: small, and no descriptor kept
         except (OSError, ValueError) as exc:
             raise IndexCorruptError(f"{path}: unreadable tombstones ({exc})") from None
         if numbers.dtype != np.int64 or numbers.ndim != 1 or len(numbers) != t.count:

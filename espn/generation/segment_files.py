@@ -12,6 +12,7 @@ import faiss
 import numpy as np
 
 from espn.files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
+from espn.mapped import read_npy
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.metadata import MetadataWriter, add_from_passages
 from ..pages.images import present_image_files, write_page_images
@@ -93,7 +94,7 @@ def add_tombstones(live_dir: Path, chain: Sequence[TombstoneFile], numbers: np.n
     chain = list(chain)
     merged = np.asarray(numbers, dtype=np.int64)
     while chain and chain[-1].count <= len(merged) and chain[-1].count + len(merged) <= TOMBSTONE_MERGE_MAX:
-        older = np.load(live_dir / chain.pop().file, allow_pickle=False)
+        older = read_npy(live_dir / chain.pop().file)
         merged = np.union1d(older, merged)
     return (*chain, write_tombstones(live_dir, merged, number))
 

@@ -36,6 +36,7 @@ from espn.errors import EspnError, IndexExistsError, InvalidParameterError
 from espn.files import fsync_path, fsync_tree
 from espn.generation.format import read_current
 from espn.generation.segments import open_view
+from espn.mapped import read_npy
 
 from .live_index import LiveIndex
 
@@ -114,7 +115,7 @@ def _build(corpus: Path, out: Path, encoder: str, timeout_s: float, nice: int) -
 
 
 def _delete_every_document(out: Path) -> None:
-    ids = [bytes(item).decode() for item in np.load(out / "ids.npy", allow_pickle=False)]
+    ids = [bytes(item).decode() for item in read_npy(out / "ids.npy")]
     writer = LiveIndex(out)
     try:
         writer.delete(ids)

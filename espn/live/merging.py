@@ -11,6 +11,7 @@ import numpy as np
 
 from espn.files import file_entry, fsync_tree
 from espn.index import IndexDirectory
+from espn.mapped import read_npy
 from espn.metadata import MetadataWriter, add_from_passages
 from ..pages.images import concat_page_images
 from ..pooling.groups import concat_pool_groups
@@ -89,7 +90,7 @@ def columns_from_docs(directory: Path, n_docs: int, block: int = 65536) -> dict[
     """Metadata columns of a segment or base from its docs.jsonl (which carries every document's
     metadata), read in bounded blocks of lines; returns the manifest's `metadata` section."""
     writer = MetadataWriter(directory, n_docs)
-    offsets = np.load(directory / "docs_offsets.npy")
+    offsets = read_npy(directory / "docs_offsets.npy")
     blob = np.fromfile(directory / "docs.jsonl", dtype=np.uint8) if offsets[-1] else np.zeros(0, np.uint8)
     for start in range(0, n_docs, block):
         bounds = offsets[start : min(start + block, n_docs) + 1].tolist()

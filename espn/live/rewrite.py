@@ -19,6 +19,7 @@ from espn.errors import InvalidParameterError
 from espn.files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
 from ..first_stage.build import build_first_stage
 from espn.index import IndexDirectory, write_manifest
+from espn.mapped import map_npy
 from espn.params import default_search_params
 from ..pages.images import copy_page_images
 from ..pooling.groups import copy_pool_groups
@@ -178,7 +179,7 @@ def write_base(view: LiveView, out: Path) -> np.ndarray:
     link_tree(base.file("encoder"), out / "encoder")  # stored once per index: every base shares its bytes
     previous_stage = base.manifest.get("first_stage")
     # The centroid index is retrained on the kept documents, as a fresh build would.
-    first_stage = build_first_stage(out, np.load(out / "records.npy", mmap_mode="r"), written,
+    first_stage = build_first_stage(out, map_npy(out / "records.npy"), written,
                                     previous_stage["kind"], previous=previous_stage) if previous_stage else None
     stored = {**store}
     if layout.bits:

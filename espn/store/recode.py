@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 from ..first_stage.centroids import sample_vectors
+from ..mapped import read_npy
 from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
@@ -56,8 +57,8 @@ def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int 
     if not bits:
         raise ValueError(f"{dtype!r} is not a residual storage type")
     folder = directory / "first_stage"
-    centroids = np.load(folder / "centroids.npy")
-    records = np.load(directory / "records.npy")
+    centroids = read_npy(folder / "centroids.npy")
+    records = read_npy(directory / "records.npy")
     reader = MmapReader(directory / "embeddings.bin", records, layout)
     try:
         def vectors_of(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

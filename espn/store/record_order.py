@@ -21,6 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from ..mapped import map_npy
 from .format import RECORD_DTYPE, place_records
 
 __all__ = ["ivf_list_order", "write_in_order", "reorder_index_records", "RECORD_ORDER"]
@@ -96,7 +97,7 @@ def reorder_index_records(directory: Path, block_size: int) -> int:
     index = faiss.read_index(str(directory / "ann.faiss"), faiss.IO_FLAG_MMAP)
     order = ivf_list_order(index)
     del index
-    records = np.load(directory / "records.npy", mmap_mode="r")
+    records = map_npy(directory / "records.npy")
     if len(order) != len(records):
         raise ValueError(f"{directory}: ann.faiss holds {len(order)} documents, records.npy {len(records)}")
     target = directory / "embeddings.bin"

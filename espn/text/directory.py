@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from espn.errors import IndexCorruptError, InvalidParameterError
+from espn.mapped import map_npy
 from espn.search.hybrid import HybridParams
 from espn.index import read_manifest, sha256_file, write_json_atomic
 from espn.generation.format import read_current
@@ -36,7 +37,7 @@ def passages(directory: Path) -> Iterator[TextDocument]:
     """(doc number, title, text) of every passage in `directory/docs.jsonl` (split by
     `docs_offsets.npy`), streamed; a hole (a deleted document a merge kept numbered, an
     empty line) has none."""
-    offsets = np.load(Path(directory) / "docs_offsets.npy", mmap_mode="r")
+    offsets = map_npy(Path(directory) / "docs_offsets.npy")
     with open(Path(directory) / "docs.jsonl", "rb") as f:
         for number in range(len(offsets) - 1):
             line = f.read(int(offsets[number + 1] - offsets[number]))
