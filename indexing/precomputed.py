@@ -101,7 +101,7 @@ def _check_numbering(files: dict[int, Path], folder: Path, suffix: str, expected
 
 
 def _open_npy(path: Path) -> np.ndarray:
-    """Memory-map a .npy (an empty one cannot be mapped, so it is read)."""
+    """A .npy memory-mapped, holding no descriptor (an empty one comes back in memory)."""
     try:
         return map_npy(path)
     except (OSError, ValueError, EOFError) as exc:
