@@ -1,4 +1,4 @@
-"""Memory-mapped `.npy` arrays that hold no file descriptor.
+"""Every `.npy` espn reads: memory-mapped holding no file descriptor, or read whole; headers under one lock.
 
 `np.load(mmap_mode="r")` maps through Python's `mmap.mmap`, which keeps a duplicate of
 the file's descriptor open for as long as the array lives. An index maps several arrays
