@@ -396,3 +396,44 @@ def test_posix_reader_default_engine_is_io_uring_here(tmp_path: Path) -> None:
         assert reader.engine == AVAILABLE[0]
         if io_uring_expected():
             assert reader.engine == "io_uring"
+
+
+def test_close_waits_for_a_read_running_in_the_callers_thread(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One extent is read in the caller's thread, not the pool's. close() must wait for it too: the
+    posix reader closes its descriptor right after, and a soak run once read a reused number (an
+    io_uring ring: ESPIPE). The real read is held at its start until close() has been called."""
+    from espn.store.engines import threads as threads_module
+
+    path = tmp_path / "data.bin"
+    payload = np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8)
+    path.write_bytes(payload.tobytes())
+    started, release = threading.Event(), threading.Event()
+    real_read = threads_module.read_fully
+
+    def held_read(*args: object, **kwargs: object) -> int:
+        started.set()
+        assert release.wait(30)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(threads_module, "read_fully", held_read)
+    engine = ThreadsEngine(depth=4)
+    fd = os.open(path, os.O_RDONLY)
+    buffer = np.zeros(4096, dtype=np.uint8)
+    got: list[np.ndarray] = []
+    reader = threading.Thread(target=lambda: got.append(engine.submit(fd, np.array([4096]), np.array([4096]), buffer,
+                                                                      np.array([0])).wait()))
+    reader.start()
+    assert started.wait(30)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() returned while a read was still running in its caller's thread"
+    release.set()
+    closer.join(30)
+    reader.join(30)
+    os.close(fd)
+    assert not closer.is_alive() and got and got[0].tolist() == [4096]
+    assert np.array_equal(buffer, payload[4096:])
+    with pytest.raises(Exception, match="closed"):
+        engine.submit(fd, np.array([0]), np.array([16]), buffer, np.array([0]))

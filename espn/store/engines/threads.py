@@ -132,6 +132,11 @@ class ThreadsEngine(ReadEngine):
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="espn-io")
         self._lock = threading.Lock()
         self._closed = False
+        # Reads run in the caller's thread (one group): close() waits for them as it waits for the
+        # pool's, or the posix reader would close the descriptor under them and its number, reused
+        # by the next open (an io_uring ring, a file), would be read instead (ESPIPE, or wrong bytes).
+        self._inline = 0
+        self._inline_done = threading.Condition(self._lock)
 
     @property
     def closed(self) -> bool:
@@ -161,6 +166,12 @@ class ThreadsEngine(ReadEngine):
         if groups <= 1:
             future: Future = Future()
             futures.append(future)
+            with self._lock:
+                if self._closed:
+                    future.cancel()
+                    read.drained  # noqa: B018 - nothing ran: the claim is settled
+                    raise StoreClosedError("the threads engine is closed")
+                self._inline += 1
             try:
                 read_group(range(m))
                 future.set_result(None)
@@ -170,6 +181,11 @@ class ThreadsEngine(ReadEngine):
                 future.cancel()
                 read.drained  # noqa: B018 - nothing else runs: the claim is settled
                 raise
+            finally:
+                with self._lock:
+                    self._inline -= 1
+                    if not self._inline:
+                        self._inline_done.notify_all()
             return read
         try:
             with self._lock:
@@ -187,4 +203,5 @@ class ThreadsEngine(ReadEngine):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._inline_done.wait_for(lambda: not self._inline)  # reads in callers' threads end first
         self._pool.shutdown(wait=True)  # every task in flight ends first
