@@ -104,7 +104,7 @@ def _open_npy(path: Path) -> np.ndarray:
     """A .npy memory-mapped, holding no descriptor (an empty one comes back in memory)."""
     try:
         return map_npy(path)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError) as exc:  # map_npy says ValueError for an empty or truncated file too
         raise CorpusError(f"{path}: not a readable .npy array ({exc})") from exc
 
 
