@@ -14,10 +14,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .errors import DocumentNotFoundError, IndexCorruptError
-from .files import fsync_path, sha256_file, write_json_atomic  # their home is espn.files; here for old importers
+from .files import sha256_file, write_json_atomic
 from .mapped import map_npy
-from .pages.images import PAGE_IMAGE_FILES
-from .pooling.groups import POOL_GROUP_FILES
 from .results import Document
 
 __all__ = [
@@ -25,11 +23,11 @@ __all__ = [
     "FORMAT_VERSION",
     "FILES",
     "OPTIONAL_FILES",
+    "POOL_GROUP_FILES",
+    "PAGE_IMAGE_FILES",
     "IndexDirectory",
     "IdMap",
     "DocStore",
-    "sha256_file",
-    "fsync_path",
     "write_manifest",
     "read_manifest",
 ]
@@ -41,6 +39,15 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 #: Files every index holds (besides encoder/, which is checksummed file by file).
 FILES = ("ann.faiss", "embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy")
+#: The pooling groups of pooled records (written by espn.pooling.groups).
+GROUPS_FILE = "pool_groups.npy"
+GROUP_OFFSETS_FILE = "pool_groups_offsets.npy"
+POOL_GROUP_FILES = (GROUPS_FILE, GROUP_OFFSETS_FILE)
+#: The stored pages of a page index and their patch grids (written by espn.pages.images).
+IMAGES_FILE = "page_images.bin"
+IMAGE_OFFSETS_FILE = "page_images_offsets.npy"
+GRIDS_FILE = "page_grids.npy"
+PAGE_IMAGE_FILES = (IMAGES_FILE, IMAGE_OFFSETS_FILE, GRIDS_FILE)
 #: Files an index holds where it has them, checksummed like the others: the pooling groups
 #: of pooled records (espn.pooling.groups), the page images of a page index (espn.pages.images).
 #: Added within format 2: an index without them explains by re-encoding (has no images), and an

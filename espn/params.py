@@ -7,10 +7,12 @@ import math
 import re
 from typing import Any, Mapping
 
+from .choices import DEFAULT_FUSION, DEFAULT_LEXICAL_K, DEFAULT_MIX_WEIGHT, DEFAULT_RRF_K, FUSIONS, MODES, SYNTAXES
 from .errors import InvalidParameterError
 
 __all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS",
-           "MAX_PROBE", "MAX_CANDIDATES", "NO_TEXT_PATTERN", "has_text", "default_search_params"]
+           "MAX_PROBE", "MAX_CANDIDATES", "NO_TEXT_PATTERN", "has_text", "default_search_params",
+           "HybridParams", "MAX_LEXICAL_K", "check_syntax"]
 
 MAX_K = 10_000
 MAX_RERANK = 10_000
@@ -143,3 +145,67 @@ def default_search_params(nlist: int, num_documents: int) -> dict[str, Any]:
         "prefetch_k": None,  # follow rerank_count
         "rerank_count": DEFAULT_RERANK_COUNT,
     }
+
+
+def check_syntax(syntax: str) -> str:
+    """`syntax` if it is one of the query syntaxes the lexical side reads (espn.text.query)."""
+    if syntax not in SYNTAXES:
+        raise InvalidParameterError(f"syntax must be one of {', '.join(SYNTAXES)}, got {syntax!r}")
+    return syntax
+
+
+MAX_LEXICAL_K = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridParams:
+    """What a search may set about modes and fusion (defaults: the manifest's `hybrid` section).
+
+    mode:       dense (vectors only), lexical (BM25 only) or hybrid (both, fused)
+    fusion:     rrf, mix or zscore (see the module doc)
+    lexical_k:  candidates taken from the lexical side
+    rrf_k:      the constant of reciprocal rank fusion
+    mix_weight: α, the dense side's weight in mix and zscore, in [0, 1]
+    union:      read and MaxSim-score the documents only the lexical side found
+    syntax:     how the lexical side reads a query: plain text (default) or the opt-in
+                simple syntax ("phrases", +required, -excluded; `espn.text.query`)
+    """
+
+    mode: str = MODES[0]
+    fusion: str = DEFAULT_FUSION  # espn.choices says why zscore at 0.80
+    lexical_k: int = DEFAULT_LEXICAL_K
+    rrf_k: int = DEFAULT_RRF_K
+    mix_weight: float = DEFAULT_MIX_WEIGHT
+    union: bool = True
+    syntax: str = SYNTAXES[0]
+
+    def replace(self, **overrides: Any) -> "HybridParams":
+        given = {key: value for key, value in overrides.items() if value is not None}
+        return dataclasses.replace(self, **given).validate()
+
+    def validate(self) -> "HybridParams":
+        if self.mode not in MODES:
+            raise InvalidParameterError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.fusion not in FUSIONS:
+            raise InvalidParameterError(f"fusion must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
+        for name, low, high in (("lexical_k", 1, MAX_LEXICAL_K), ("rrf_k", 1, 100_000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidParameterError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        weight = self.mix_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                math.isfinite(weight) and 0.0 <= weight <= 1.0):
+            raise InvalidParameterError(f"mix_weight must be a number in [0, 1], got {weight!r}")
+        if not isinstance(self.union, bool):
+            raise InvalidParameterError(f"union must be true or false, got {self.union!r}")
+        check_syntax(self.syntax)
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
+                "mix_weight": self.mix_weight, "union": self.union}
+
+    @classmethod
+    def from_manifest(cls, section: Mapping[str, Any] | None) -> "HybridParams":
+        known = {f.name for f in dataclasses.fields(cls)} - {"mode", "syntax"}
+        return cls(**{key: value for key, value in (section or {}).items() if key in known}).validate()

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .encoders import Encoder, load_encoder
     from .files import lock_is_free
     from .filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES, canonical_filter
-    from .generation.live_searcher import LiveSearcher
+    from .search.live_searcher import LiveSearcher
     from .index import encoder_label
     from .generation.segments import open_view
     from .live.checks import NewDocument, WriteLimits, WriteResult
@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
                                decode_base64_image)
     from .partitioning import HASH_NAME, PartitionLayout, WrongPartitionError, owner
     from .prefetch import PrefetchEstimates
-    from .search.hybrid import MAX_LEXICAL_K, HybridParams, fuse
+    from .params import MAX_LEXICAL_K, HybridParams
+    from .search.hybrid import fuse
     from .search.searcher import Searcher
     from .search.validation import MAX_QUERY_CHARS
     from .untrusted import MAX_JSON_DEPTH, check_json_depth, load_json
@@ -94,7 +95,7 @@ _LAZY: dict[str, str] = {
     "lock_is_free": "espn.files",
     **dict.fromkeys(("MAX_FILTER_BRANCHES", "MAX_FILTER_NODES", "MAX_FILTER_VALUES", "canonical_filter"),
                     "espn.filters"),
-    "LiveSearcher": "espn.generation.live_searcher",
+    "LiveSearcher": "espn.search.live_searcher",
     "encoder_label": "espn.index",
     "open_view": "espn.generation.segments",
     **dict.fromkeys(("NewDocument", "WriteLimits", "WriteResult"), "espn.live.checks"),
@@ -114,7 +115,8 @@ _LAZY: dict[str, str] = {
                      "decode_base64_image"), "espn.pages.images"),
     **dict.fromkeys(("HASH_NAME", "PartitionLayout", "WrongPartitionError", "owner"), "espn.partitioning"),
     "PrefetchEstimates": "espn.prefetch",
-    **dict.fromkeys(("MAX_LEXICAL_K", "HybridParams", "fuse"), "espn.search.hybrid"),
+    **dict.fromkeys(("MAX_LEXICAL_K", "HybridParams"), "espn.params"),
+    "fuse": "espn.search.hybrid",
     "Searcher": "espn.search.searcher",
     "MAX_QUERY_CHARS": "espn.search.validation",
     **dict.fromkeys(("MAX_JSON_DEPTH", "check_json_depth", "load_json"), "espn.untrusted"),

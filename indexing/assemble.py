@@ -21,7 +21,8 @@ import numpy as np
 from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
-from espn.index import FORMAT_VERSION, fsync_path, write_manifest
+from espn.files import fsync_path
+from espn.index import FORMAT_VERSION, write_manifest
 from espn.mapped import map_npy
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter

@@ -24,7 +24,8 @@ from espn.encoders.st_format import is_visual_save
 from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
-from espn.index import read_manifest, write_json_atomic
+from espn.files import write_json_atomic
+from espn.index import read_manifest
 from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
 from espn.store.format import STORAGE_TYPES
 from espn.store.recode import require_centroid_stage

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from espn.index import write_json_atomic
+from espn.files import write_json_atomic
 
 __all__ = ["WorkDir"]
 

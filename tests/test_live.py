@@ -500,7 +500,7 @@ def test_a_merge_keeps_doc_numbers_and_rankings(index: Path, encoder: Encoder) -
 
 
 def test_a_retired_searcher_closes_when_its_last_lease_ends(index: Path) -> None:
-    from espn.generation.live_searcher import LiveSearcher
+    from espn.search.live_searcher import LiveSearcher
 
     live = LiveSearcher(Searcher.open(index))
     first = live.current
@@ -524,7 +524,7 @@ def _open_fds() -> int:
 def test_descriptors_do_not_grow_with_writes_or_metadata_fields(index: Path, encoder: Encoder) -> None:
     """Each generation maps its arrays without holding descriptors and shares the base's reader,
     so a worker's descriptors stay flat however many writes and metadata fields there are."""
-    from espn.generation.live_searcher import LiveSearcher
+    from espn.search.live_searcher import LiveSearcher
 
     with LiveIndex.open(index, encoder=encoder) as writer:  # a delta with many metadata fields
         writer.upsert([NewDocument("fields", "a document with many fields", metadata={f"f{i}": i for i in range(60)})])

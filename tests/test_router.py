@@ -236,7 +236,8 @@ def test_fuse_hits_equals_fusing_the_whole_pool() -> None:
     index would hold (same scores on both sides), for both fusions."""
     import numpy as np
 
-    from espn.search.hybrid import HybridParams, fuse
+    from espn.params import HybridParams
+    from espn.search.hybrid import fuse
 
     rng = np.random.default_rng(5)
     n = 60

@@ -239,13 +239,13 @@ class _FakeSearcher:
 
 def test_live_searcher_retries_a_failed_generation_on_a_capped_back_off(monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    import espn.generation.live_searcher as lease
+    import espn.search.live_searcher as lease
 
     clock = [1000.0]
     monkeypatch.setattr(lease.time, "monotonic", lambda: clock[0])
     world: dict[str, Any] = {"token": (1, 1), "opens": 0, "broken": True}
     live = lease.LiveSearcher(_FakeSearcher(0, world))  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="espn.generation.live_searcher"):
+    with caplog.at_level(logging.INFO, logger="espn.search.live_searcher"):
         for _ in range(100):  # a hundred requests: one open tried, one error logged
             assert live.refresh() is False
         assert world["opens"] == 1

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from espn.errors import InvalidParameterError
-from espn.search.hybrid import HybridParams, fuse
+from espn.params import HybridParams
+from espn.search.hybrid import fuse
 from espn.text import TextConfig, parse_query
 from espn.text import engine as text_engine
 from espn.text.engine import TextDocument, TextIndex, TextWriter, build_text_index, engine_files

@@ -23,7 +23,7 @@ from ..encoders.precomputed import load_query_embeddings
 from ..errors import InvalidParameterError
 from ..evaluation import evaluate, strictly_decreasing, write_run
 from ..filters import canonical_filter
-from ..search.hybrid import HybridParams
+from ..params import HybridParams
 from ..search.isolation import search_each, sort_outcomes
 from ..params import SearchParams
 from ..results import Hit

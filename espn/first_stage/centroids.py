@@ -35,6 +35,7 @@ from ..errors import IndexCorruptError, InvalidParameterError
 from ..mapped import map_npy
 from ..maxsim_native import centroid_estimate_native, load_kernel
 from ..params import FIRST_STAGE_KINDS, MAX_CANDIDATES, MAX_PROBE
+from ..store.sample import sample_vectors
 
 __all__ = [
     "FIRST_STAGE_DIR",
@@ -45,7 +46,6 @@ __all__ = [
     "train_centroids",
     "assign_documents",
     "build_token_centroids",
-    "sample_vectors",
     "wants_token_first_stage",
 ]
 
@@ -276,17 +276,6 @@ class TokenCentroids:
         first[1:] = key[1:] != key[:-1]
         unique_docs, inverse = np.unique(key[first] // n_tokens, return_inverse=True)
         return unique_docs, np.bincount(inverse, weights=gain[first])
-
-
-def sample_vectors(vectors_of: Any, n_docs: int, n_tokens: int, wanted: int, seed: int = 1234,
-                   block: int = 4096) -> np.ndarray:
-    """Stored vectors [~wanted, d] float32 of whole documents drawn at random (what the centroids
-    and the residual codec train on), read block by block through `vectors_of`."""
-    per_doc = max(1.0, n_tokens / max(1, n_docs))
-    rng = np.random.default_rng(seed)
-    docs = np.sort(rng.choice(n_docs, size=min(n_docs, int(wanted / per_doc) + 1), replace=False))
-    return np.concatenate([np.asarray(vectors_of(docs[a:a + block])[0], dtype=np.float32)
-                           for a in range(0, len(docs), block)])
 
 
 def build_token_centroids(out: Path, vectors_of: Any, n_docs: int, n_tokens: int,

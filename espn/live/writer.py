@@ -55,7 +55,7 @@ from ..generation.segments import empty_ivf
 from .checks import NewDocument, WriteLimits, WriteRequest, WriteResult, check_write
 from .encoding import EncodedDocuments, encode_documents, encode_page_documents
 from .resolve import IndexState, gather_kept, resolve_writes
-from ..generation.segment_files import add_tombstones, write_delta, write_tombstones
+from .segment_files import add_tombstones, write_delta, write_tombstones
 from .side_index import SideIndex
 from .staging import collect_garbage, recover
 from .status import live_stats

@@ -38,6 +38,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import InvalidParameterError
+from ..index import GRIDS_FILE, IMAGE_OFFSETS_FILE, IMAGES_FILE, PAGE_IMAGE_FILES  # the files this module writes
 from ..mapped import map_npy
 from .corpus import MAX_IMAGE_BYTES
 from .grids import GRID_FIELDS, PageGrid, unknown_grids
@@ -69,11 +70,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-IMAGES_FILE = "page_images.bin"
-IMAGE_OFFSETS_FILE = "page_images_offsets.npy"
-GRIDS_FILE = "page_grids.npy"
-#: The files this module writes, in the order a manifest or a segment lists them.
-PAGE_IMAGE_FILES = (IMAGES_FILE, IMAGE_OFFSETS_FILE, GRIDS_FILE)
 #: Longest side of a stored page (px): legible text on an A4 page (about 190 dpi), bounded bytes.
 MAX_STORED_SIDE = 1600
 #: JPEG quality of a stored page: text stays sharp at 85, and the file is a third of quality 95's.

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ..encoders.base import VectorSpans
+from ..index import GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES  # the files this module writes
 from ..mapped import map_npy
 
 __all__ = [
@@ -52,10 +53,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GROUPS_FILE = "pool_groups.npy"
-GROUP_OFFSETS_FILE = "pool_groups_offsets.npy"
-#: The files this module writes, in the order a manifest or a segment lists them.
-POOL_GROUP_FILES = (GROUPS_FILE, GROUP_OFFSETS_FILE)
 #: A stored row number within one document: pooled documents keep far fewer than 65,536 vectors.
 GROUP_DTYPE = np.dtype("<u2")
 _MAX_GROUP = int(np.iinfo(GROUP_DTYPE).max)

@@ -35,7 +35,7 @@ from ..params import SearchParams
 from ..prefetch import ScanProgress, segment_codes
 from ..results import QueryResult, SearchStats
 from ..store import PendingRead
-from ..first_stage.search import search_centroids
+from .centroid_stage import search_centroids
 from .context import SearchContext, Timer
 from .filtered import FilteredDocs, probe_matching
 from .scoring import ExtraDocs, Scored, rank_hits, score_pairs, share

@@ -24,7 +24,7 @@ from ..prefetch import PrefetchModel
 from ..generation.segments import LiveView, RecordTable
 from ..store import Reader, open_reader
 from ..store.format import StoreLayout
-from ..first_stage.search import open_centroids
+from .centroid_stage import open_centroids
 from .context import SearchContext
 from .lexical import open_text_index
 

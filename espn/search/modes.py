@@ -25,7 +25,8 @@ from .context import SearchContext, Timer
 from .dense import search_dense
 from .explain import explain_results
 from .filtered import FilteredDocs
-from .hybrid import HybridParams, fuse
+from ..params import HybridParams
+from .hybrid import fuse
 from .lexical import lexical_matches, require_text, search_batch
 from .scoring import ExtraDocs, Scored
 

@@ -41,7 +41,7 @@ from .explain import can_explain, explain_results
 from .filter_cache import CompiledFilters
 from .filtered import FilteredDocs
 from .generation import GenerationResources, open_context
-from .hybrid import HybridParams
+from ..params import HybridParams
 from .lexical import require_text
 from .modes import search_modes
 from .validation import MAX_BATCH, MAX_QUERY_CHARS, check_embeddings, check_explain, check_texts
@@ -251,7 +251,7 @@ class Searcher:
 
     def close(self) -> None:
         """Release what this Searcher holds; what it shares with other generations closes with
-        the last of them. Call it once no search runs on it (espn.generation.live_searcher.LiveSearcher does)."""
+        the last of them. Call it once no search runs on it (espn.search.live_searcher.LiveSearcher does)."""
         self._resources.close()
         if self.view is not None:
             self.view.close()

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidParameterError
-from ..first_stage.centroids import sample_vectors
 from ..mapped import read_npy
 from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
+from .sample import sample_vectors
 
 __all__ = ["recode_residual", "written_before_centroids", "require_centroid_stage", "CHUNK_DOCUMENTS"]
 

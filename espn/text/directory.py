@@ -19,8 +19,9 @@ import numpy as np
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.mapped import map_npy
-from espn.search.hybrid import HybridParams
-from espn.index import read_manifest, sha256_file, write_json_atomic
+from ..params import HybridParams
+from ..files import sha256_file, write_json_atomic
+from ..index import read_manifest
 from espn.generation.format import read_current
 from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, build_text_index, engine_files

@@ -28,6 +28,7 @@ from typing import Literal
 
 from ..choices import SYNTAXES
 from ..errors import InvalidParameterError
+from ..params import check_syntax
 
 __all__ = ["Clause", "LexicalQuery", "QuerySyntaxError", "SYNTAXES", "check_syntax", "parse_query"]
 
@@ -76,12 +77,6 @@ class LexicalQuery:
         if self.syntax == "plain":
             return self.source
         return " ".join(c.text for c in self.clauses if c.occur != "must_not") or self.source
-
-
-def check_syntax(syntax: str) -> str:
-    if syntax not in SYNTAXES:
-        raise InvalidParameterError(f"syntax must be one of {', '.join(SYNTAXES)}, got {syntax!r}")
-    return syntax
 
 
 def parse_query(query: str, syntax: str = "plain") -> LexicalQuery:

@@ -15,7 +15,7 @@ import numpy as np
 import tantivy
 
 from ..errors import IndexCorruptError, storage_full
-from ..index import fsync_path, sha256_file
+from ..files import fsync_path, sha256_file
 from .config import TextConfig
 from .schema import FIELD_DOC, SEGMENT_FILE, TextDocument, engine_files, open_index, to_document
 

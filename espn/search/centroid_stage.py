@@ -17,15 +17,15 @@ import numpy as np
 from ..ann import bitmap_selector, coarse_assign, search_preassigned
 from ..encoders import QueryEmbeddings
 from ..errors import InvalidParameterError
-from .centroids import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
+from ..first_stage.centroids import FirstStageConfig, Postings, TokenCentroids, assign_documents, postings_from_pairs
 from ..maxsim import QueryScoring
 from ..params import MAX_CANDIDATES, SearchParams
 from ..results import QueryResult, SearchStats
 from ..generation.segments import LiveView, RecordTable
 from ..store import PendingRead, Reader
-from ..search.context import SearchContext, Timer
-from ..search.filtered import FilteredDocs
-from ..search.scoring import ExtraDocs, Scored, rank_hits, score_pairs, share
+from .context import SearchContext, Timer
+from .filtered import FilteredDocs
+from .scoring import ExtraDocs, Scored, rank_hits, score_pairs, share
 
 __all__ = ["open_centroids", "search_centroids"]
 

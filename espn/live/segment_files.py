@@ -11,17 +11,17 @@ from typing import Callable, Sequence
 import faiss
 import numpy as np
 
-from espn.files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
-from espn.mapped import read_npy
-from espn.metadata import DIRECTORY as METADATA_DIR
-from espn.metadata import MetadataWriter, add_from_passages
+from ..files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
+from ..mapped import read_npy
+from ..metadata import DIRECTORY as METADATA_DIR
+from ..metadata import MetadataWriter, add_from_passages
 from ..pages.images import present_image_files, write_page_images
 from ..pooling.groups import present_group_files
-from .format import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
-from espn.store.format import RecordWriter, StoreLayout
+from ..generation.format import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
+from ..store.format import RecordWriter, StoreLayout
 
-from ..live.encoding import EncodedDocuments
-from ..live.resolve import IndexState
+from .encoding import EncodedDocuments
+from .resolve import IndexState
 
 __all__ = ["write_delta", "add_tombstones", "write_tombstones", "TOMBSTONE_MERGE_MAX"]
 

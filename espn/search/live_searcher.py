@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Iterator
 
-from ..search.searcher import Searcher
+from .searcher import Searcher
 
 __all__ = ["LiveSearcher", "RETRY_FIRST_S", "RETRY_MAX_S"]
 
