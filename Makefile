@@ -64,11 +64,11 @@ test: install browser
 # --strict, in .espn/site (`make test`). Open site/index.html, or `mkdocs serve` for live reload.
 DOCS_SITE ?= site
 docs: install
-	$(PY) -m espn_server.docs_pages docs
+	$(PY) -m tools.docs_pages docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(DOCS_SITE)
 
 docs-strict: install
-	$(PY) -m espn_server.docs_pages docs --check
+	$(PY) -m tools.docs_pages docs --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d .espn/site
 
 # Debian's Chromium and its driver for the search page's browser test (tests/test_page.py).

@@ -13,6 +13,13 @@ __all__ = [
     "CorpusError",
     "IndexCorruptError",
     "IndexExistsError",
+    "IndexNotFoundError",
+    "UnavailableError",
+    "NotEnabledError",
+    "QueueFullError",
+    "ShuttingDownError",
+    "OverBudgetError",
+    "WrongPartitionError",
     "DocumentNotFoundError",
     "BackendUnavailableError",
     "CorruptModelError",
@@ -32,7 +39,17 @@ class UsageError(Exception):
 
 
 class EspnError(Exception):
-    """Base of every error the library raises on purpose."""
+    """Base of every error the library raises on purpose.
+
+    code: a machine-readable name of the case (e.g. `index_exists`) that entry points answer
+    with; None: the entry point's name for the error's class."""
+
+    code: str | None = None
+
+    def __init__(self, *args: object, code: str | None = None) -> None:
+        super().__init__(*args)
+        if code is not None:
+            self.code = code
 
 
 class InvalidParameterError(EspnError, ValueError):
@@ -61,6 +78,50 @@ class IndexCorruptError(EspnError):
 
 class IndexExistsError(EspnError):
     """The output index exists and overwriting it was not requested."""
+
+
+class IndexNotFoundError(EspnError):
+    """No index of that name is held (never was, or it was deleted). HTTP: 404."""
+
+
+class UnavailableError(EspnError):
+    """The engine cannot take the request now (an index opening or closing, the queue full, a
+    shutdown, over the memory budget); the same request may succeed after `retry_after_s`.
+    HTTP: 503 with Retry-After."""
+
+    code = "unavailable"
+
+    def __init__(self, *args: object, code: str | None = None, retry_after_s: int = 1) -> None:
+        super().__init__(*args, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class NotEnabledError(EspnError):
+    """A feature this process was not started with (snapshots without a snapshot directory). HTTP: 404."""
+
+
+class QueueFullError(UnavailableError):
+    """More queries are waiting than the engine queues; retry later."""
+
+    code = "overloaded"
+
+
+class ShuttingDownError(UnavailableError):
+    """The engine is closing and takes no new work."""
+
+    code = "shutting_down"
+
+
+class OverBudgetError(InvalidParameterError):
+    """A request over its work budget (candidates to score, or the answer's size). HTTP: 422."""
+
+    code = "over_budget"
+
+
+class WrongPartitionError(ConflictError):
+    """A write holds an id another partition owns (a router or client with the wrong layout). HTTP: 421."""
+
+    code = "wrong_partition"
 
 
 class DocumentNotFoundError(EspnError, KeyError):

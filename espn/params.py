@@ -10,11 +10,13 @@ from typing import Any, Mapping
 from .choices import DEFAULT_FUSION, DEFAULT_LEXICAL_K, DEFAULT_MIX_WEIGHT, DEFAULT_RRF_K, FUSIONS, MODES, SYNTAXES
 from .errors import InvalidParameterError
 
-__all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS",
+__all__ = ["SearchParams", "DEFAULT_RERANK_COUNT", "MAX_K", "MAX_QUERY_CHARS", "MAX_RERANK", "MAX_PREFETCH_K", "FIRST_STAGE_KINDS",
            "MAX_PROBE", "MAX_CANDIDATES", "NO_TEXT_PATTERN", "has_text", "default_search_params",
            "HybridParams", "MAX_LEXICAL_K", "check_syntax"]
 
 MAX_K = 10_000
+#: Characters of one query text (the library refuses longer; the HTTP schema states the same bound).
+MAX_QUERY_CHARS = 10_000
 MAX_RERANK = 10_000
 MAX_PREFETCH_K = 10_000
 #: The candidate generators (espn.first_stage.centroids), here so that checking a request's parameters does

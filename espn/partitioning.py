@@ -18,17 +18,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ConflictError
+from .errors import WrongPartitionError
 
 __all__ = ["HASH_NAME", "PartitionLayout", "WrongPartitionError", "id_hashes", "owners", "owner"]
 
 HASH_NAME = "fnv1a64(utf8(id)) mod count"
 _OFFSET = np.uint64(0xCBF29CE484222325)
 _PRIME = np.uint64(0x100000001B3)
-
-
-class WrongPartitionError(ConflictError):
-    """A write holds an id another partition owns (a router or client with the wrong layout)."""
 
 
 def id_hashes(ids: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`python -m espn_server INDEX ...`: the same as `espn serve INDEX ...`."""
+"""`python -m espn_server INDEX ...`: the same as `espn serve INDEX ...` (it runs that command)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,9 @@ import sys
 
 
 def main() -> int:
-    # As in `espn`: before torch or FAISS load OpenMP, idle threads must not spin.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from espn.service import CliParser  # entry point: only once OMP_WAIT_POLICY is set (above)
-
-    from .cli import add_serve_arguments, run_command  # entry point, as espn.cli
-
-    parser = CliParser(prog="python -m espn_server", description="Serve an ESPN index over HTTP.")
-    add_serve_arguments(parser)
-    parser.set_defaults(command="serve")
-    return run_command(parser.parse_args())
+    """Replace this process with `espn serve` and the same arguments (its parser, its exit codes)."""
+    os.execv(sys.executable, [sys.executable, "-m", "espn.cli", "serve", *sys.argv[1:]])
+    return 1  # not reached: execv returns only by raising
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import ctypes
 import errno
 import gc
-import importlib.util
 import ipaddress
 import json
 import logging
@@ -29,7 +28,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from espn.errors import EspnError
-from espn.service import open_view, read_only_reason, remove_index_leftovers
+from espn.engine import startup
 
 from . import connections
 from .logs import logging_config
@@ -76,9 +75,7 @@ def _fork_workers() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods() or not hasattr(_subprocess, "spawn"):
         logger.warning("cannot fork uvicorn workers here; each worker imports torch on its own")
         return False
-    from espn.service import Searcher  # noqa: F401  torch, faiss, numpy, the encoders
-    import transformers.modeling_utils  # noqa: F401  torch._dynamo & co, imported by every HF model
-
+    startup().preload()  # torch, FAISS, the encoders, transformers' model code
     from . import app  # noqa: F401  fastapi, pydantic, prometheus_client (multiprocess mode by now)
 
     gc.collect()
@@ -109,10 +106,8 @@ def _restore_follower() -> Optional[str]:
     """A new follower (--follow, INDEX absent) starts from the newest generation; the error line, or None."""
     follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
     if follow and index and not Path(index).exists():
-        from espn.service import restore_from_store  # FAISS: after logging is set up
-
         try:
-            restore_from_store(follow, Path(index))
+            startup().restore(follow, Path(index))
         except EspnError as error:
             return f"espn serve: error: {error}"
     return None
@@ -128,15 +123,8 @@ def _check_before_start(settings: ServerSettings) -> Optional[str]:
         problem = port_problem(settings.host, settings.metrics_port, "--metrics-port (ESPN_METRICS_PORT)")
     if problem is not None:
         return f"espn serve: error: {problem}"
-    try:
-        for path in settings.index_map().values():  # every index opens lazily in the workers: check them now
-            open_view(path, verify="fast").close()
-    except (EspnError, ValueError, OSError) as error:
-        return f"espn serve: error: {error}"
-    if settings.publish is not None or settings.follow is not None:
-        if importlib.util.find_spec("boto3") is None:  # else every worker's thread would fail on its own
-            return "espn serve: error: --publish and --follow need boto3: pip install 'espn[s3]'"
-    return None
+    problem = startup().problem(settings.serve_config())  # every index opens lazily in the workers: checked now
+    return None if problem is None else f"espn serve: error: {problem}"
 
 
 def port_problem(host: str, port: int, flag: str) -> Optional[str]:
@@ -175,7 +163,7 @@ def _decide_read_only(settings: ServerSettings) -> ServerSettings:
     if settings.follow is not None:  # a follower's index changes only by what it fetches
         settings = settings.model_copy(update={"read_only": True})
     if settings.read_only is None:
-        reason = read_only_reason(settings.index)
+        reason = startup().read_only_reason(settings.index)
         settings = settings.model_copy(update={"read_only": reason is not None})
         if reason is not None:
             print(json.dumps({"level": "WARNING", "event": "read_only",
@@ -191,10 +179,9 @@ def _prepare_index_root(settings: ServerSettings) -> Optional[str]:
     if root is None:
         return None
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        removed = startup().clear_root(root)
     except OSError as error:
         return f"espn serve: error: --index-root {root}: {error.strerror or error}"
-    removed = remove_index_leftovers(root)
     if removed:
         print(json.dumps({"event": "removed leftovers of killed index creations and deletions", "root": str(root),
                           "removed": removed}), file=sys.stderr, flush=True)

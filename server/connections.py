@@ -40,9 +40,9 @@ try:  # a C extension: where its wheel is missing and it cannot build, h11 serve
 except ImportError:  # pragma: no cover - httptools is a dependency; the fallback is for odd platforms
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
-from .settings import ConnectionLimits, default_max_connections, listen_backlog
+from .connection_limits import ConnectionLimits, default_max_connections, listen_backlog
 
-__all__ = ["GuardedH11Protocol", "GuardedHttpToolsProtocol", "busy_connections", "guarded_protocol", "install"]
+__all__ = ["GuardedH11Protocol", "GuardedHttpToolsProtocol", "guarded_protocol", "install"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +114,6 @@ def install(limits: ConnectionLimits) -> None:
     """The limits of this process's connections (call before serving; again to change them)."""
     global _guard
     _guard = _Guard(limits)
-
-
-def busy_connections() -> int:
-    """Connections of this process with a request in progress (open, not waiting for one)."""
-    guard = _current()
-    return len(guard.open) - len(guard.waiting)
 
 
 def _current() -> _Guard:

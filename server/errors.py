@@ -7,6 +7,7 @@ the client gets Starlette's plain 500 with no traceback in it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Optional
@@ -17,14 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
-                         InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
-from espn.service import WrongPartitionError
+from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, EspnError, IndexCorruptError,
+                         IndexLockedError, IndexNotFoundError, InvalidParameterError, NotEnabledError,
+                         ReadOnlyIndexError, StorageFullError, UnavailableError, WriteFailedError, WrongPartitionError)
 
-from .batching import BatcherClosedError, QueueFullError
-
-__all__ = ["ApiError", "METHOD_NOT_ALLOWED_ROUTE", "ServiceUnavailableError", "allowed_methods", "error_response", "method_not_allowed_message",
-           "register_exception_handlers"]
+__all__ = ["ApiError", "METHOD_NOT_ALLOWED_ROUTE", "allowed_methods", "error_response", "flat_routes", "library_error_response",
+           "method_not_allowed_message", "register_exception_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +51,6 @@ class ApiError(Exception):
         self.code = code or _CODES.get(status_code, "error")
         self.message = message
         self.headers = headers
-
-
-class ServiceUnavailableError(ApiError):
-    """Not ready yet, shutting down, or the queue is full: retry later (503 + Retry-After)."""
-
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(503, message, code="unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 def error_response(status_code: int, code: str, message: str, *,
@@ -143,7 +135,7 @@ METHOD_NOT_ALLOWED_ROUTE = "method_not_allowed"
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
-def _routes(app: Any) -> list[Any]:
+def flat_routes(app: Any) -> list[Any]:
     """The app's routes, flat: FastAPI 0.165 wraps each included router in one route of its
     own, which `fastapi.routing.iter_route_contexts` unwraps (older FastAPI lists them flat)."""
     unwrap = getattr(fastapi.routing, "iter_route_contexts", None)
@@ -156,7 +148,7 @@ def allowed_methods(request: Request) -> str:
     answers 405. Starlette's own 405 names only the first route's methods (GET, PUT and
     DELETE of /v1/documents/{id} are three routes)."""
     path = request.scope.get("path", "")
-    routes = [r for r in _routes(request.app)
+    routes = [r for r in flat_routes(request.app)
               if getattr(r, "methods", None) and getattr(r, "path_regex", None) is not None
               and r.path_regex.match(path)]
     allowed = []
@@ -177,59 +169,53 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, exc.code, exc.message, headers=exc.headers)
 
 
-async def _on_invalid_parameter(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(422, "invalid_parameter", str(exc))
+@dataclasses.dataclass(frozen=True)
+class _Status:
+    """How a library error is answered: its status, its code (unless the error names its own),
+    its Retry-After, and whether the operator must hear of it (logged)."""
+
+    status: int
+    code: str
+    retry_after_s: Optional[int] = None
+    logged: bool = False
 
 
-async def _on_document_not_found(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(404, "document_not_found", str(exc))
+#: Library errors by class, the most specific first (a subclass is answered as itself).
+_LIBRARY: dict[type[EspnError], _Status] = {
+    WrongPartitionError: _Status(421, "wrong_partition"),
+    IndexNotFoundError: _Status(404, "not_found"),
+    DocumentNotFoundError: _Status(404, "document_not_found"),
+    NotEnabledError: _Status(404, "not_enabled"),
+    ConflictError: _Status(409, "conflict"),
+    ReadOnlyIndexError: _Status(409, "read_only"),
+    InvalidParameterError: _Status(422, "invalid_parameter"),
+    CorpusError: _Status(422, "invalid_document"),
+    IndexLockedError: _Status(503, "index_busy", retry_after_s=2),
+    StorageFullError: _Status(507, "insufficient_storage", retry_after_s=30, logged=True),
+    WriteFailedError: _Status(503, "write_failed", retry_after_s=2),
+    IndexCorruptError: _Status(503, "index_corrupt", retry_after_s=10, logged=True),
+    UnavailableError: _Status(503, "unavailable"),
+}
 
 
-async def _on_index_locked(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, "index_busy", f"{exc} (a write or a compaction is running; retry)",
-                          headers={"Retry-After": "2"})
+def library_error_response(request: Request, exc: EspnError) -> Optional[JSONResponse]:
+    """The answer to a library error (None: an error no status is given to, a bug to surface)."""
+    status = next((_LIBRARY[cls] for cls in type(exc).__mro__ if cls in _LIBRARY), None)
+    if status is None:
+        return None
+    retry_after = exc.retry_after_s if isinstance(exc, UnavailableError) else status.retry_after_s
+    if status.logged:  # only the operator can mend it (free space, restore the index)
+        logger.error("%s %s: %s", request.method, request.url.path, exc)
+    return error_response(status.status, exc.code or status.code, str(exc),
+                          headers={"Retry-After": str(retry_after)} if retry_after is not None else None)
 
 
-async def _on_conflict(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(409, "conflict", str(exc))
-
-
-async def _on_wrong_partition(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(421, "wrong_partition", str(exc))
-
-
-async def _on_read_only(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(409, "read_only", f"{exc} (this server serves the index read-only)")
-
-
-async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
-
-
-async def _on_storage_full(request: Request, exc: Exception) -> JSONResponse:
-    """The disk is full: 507 with the library's message (what was being written; nothing of it
-    kept). Logged, since only the operator can free space."""
-    logger.error("%s %s: %s", request.method, request.url.path, exc)
-    return error_response(507, "insufficient_storage", str(exc), headers={"Retry-After": "30"})
-
-
-async def _on_index_corrupt(request: Request, exc: Exception) -> JSONResponse:
-    """A file of the index failed its check while serving a request: the operator's problem (logged),
-    the client's answer a 503 naming it, never a traceback."""
-    logger.error("%s %s: %s", request.method, request.url.path, exc)
-    return error_response(503, "index_corrupt", str(exc), headers={"Retry-After": "10"})
-
-
-async def _on_corpus_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(422, "invalid_document", str(exc))
-
-
-async def _on_queue_full(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, "overloaded", f"search queue is full: {exc}", headers={"Retry-After": "1"})
-
-
-async def _on_batcher_closed(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, "shutting_down", "the server is shutting down", headers={"Retry-After": "1"})
+async def _on_library_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EspnError)
+    response = library_error_response(request, exc)
+    if response is None:
+        raise exc  # a bug stays a bug: uvicorn answers 500 without a traceback and logs it
+    return response
 
 
 def register_exception_handlers(app: FastAPI) -> None:
@@ -237,15 +223,4 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(ApiError, _on_api_error)
-    app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
-    app.add_exception_handler(ConflictError, _on_conflict)  # a subclass: Starlette picks the closest handler
-    app.add_exception_handler(WrongPartitionError, _on_wrong_partition)
-    app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)
-    app.add_exception_handler(QueueFullError, _on_queue_full)
-    app.add_exception_handler(IndexLockedError, _on_index_locked)
-    app.add_exception_handler(CorpusError, _on_corpus_error)
-    app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
-    app.add_exception_handler(WriteFailedError, _on_write_failed)
-    app.add_exception_handler(StorageFullError, _on_storage_full)  # a WriteFailedError: the closest handler wins
-    app.add_exception_handler(IndexCorruptError, _on_index_corrupt)
-    app.add_exception_handler(BatcherClosedError, _on_batcher_closed)
+    app.add_exception_handler(EspnError, _on_library_error)

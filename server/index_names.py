@@ -7,26 +7,23 @@ server.indexes serves each name under /v1/indexes/{name}/.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Optional
 
-from espn.service import is_index_directory
+from espn.engine import DEFAULT_INDEX_NAME, RULES, ServeConfig
 
-__all__ = ["DEFAULT_INDEX_NAME", "INDEX_NAME", "NAME_RULE", "resolve_indexes", "split_entries", "default_index_path",
-           "indexes_under", "resolve_models"]
+__all__ = ["DEFAULT_INDEX_NAME", "is_index_name", "resolve_indexes", "split_entries", "default_index_path",
+           "resolve_models"]
 
-#: The name of INDEX (the default index) when no --index names it.
-DEFAULT_INDEX_NAME = "default"
-#: What an index's name may be: it is a URL path segment and a directory name.
-INDEX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-#: INDEX_NAME in words, for the messages that refuse a name.
-NAME_RULE = "letters, digits, '_', '.', '-' (at most 64, not first '.', '_' or '-')"
+
+def is_index_name(name: str) -> bool:
+    """Whether `name` may name an index (the library's rule, matched whole)."""
+    return RULES.index_name_problem(name) is None
 
 
 def _index_dir(path: Path) -> Path:
     path = Path(path).expanduser().resolve()
-    if not is_index_directory(path):
+    if not RULES.is_index_directory(path):
         raise ValueError(f"{path} is not an ESPN index directory (no manifest.json)")
     return path
 
@@ -41,29 +38,30 @@ def resolve_indexes(default: Optional[Path], entries: list[str], root: Optional[
     named: dict[str, Path] = {}
 
     def add(name: str, path: Path) -> None:
-        if not INDEX_NAME.match(name):
-            raise ValueError(f"index name {name!r}: {NAME_RULE}")
+        problem = RULES.index_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
         if name in named and named[name] != path:
             raise ValueError(f"index name {name!r} given twice ({named[name]} and {path})")
         named[name] = path
 
     for entry in entries:
         name, sep, rest = entry.partition("=")
-        if sep and INDEX_NAME.match(name):
+        if sep and is_index_name(name):
             add(name, _index_dir(Path(rest)))
             continue
         path = Path(entry).expanduser().resolve()
-        if is_index_directory(path):
+        if RULES.is_index_directory(path):
             add(DEFAULT_INDEX_NAME, path)
         elif path.is_dir():
-            found = indexes_under(path)
+            found = ServeConfig.indexes_under(path)
             if not found:
                 raise ValueError(f"{path}: neither an index (no manifest.json) nor a directory of indexes")
             for name, child in found.items():
                 add(name, child)
         else:
             raise ValueError(f"--index {entry!r}: expected NAME=PATH, an index directory or a directory of indexes")
-    for name, path in indexes_under(root).items() if root is not None else ():
+    for name, path in ServeConfig.indexes_under(root).items() if root is not None else ():
         named.setdefault(name, path)  # --index-root: its indexes, unless named otherwise already
     if default is not None:
         default = Path(default)
@@ -91,23 +89,14 @@ def default_index_path(entries: list[str]) -> Optional[Path]:
     return named.get(DEFAULT_INDEX_NAME, next(iter(named.values()))) if named else None
 
 
-def indexes_under(root: Path) -> dict[str, Path]:
-    """name -> directory of each index in the directory `root` (a subdirectory with a manifest.json,
-    named after it), sorted by name; hidden names (a creation or deletion in progress) are skipped."""
-    if not root.is_dir():
-        return {}
-    return {child.name: child.resolve() for child in sorted(root.iterdir())
-            if not child.name.startswith(".") and is_index_directory(child)}
-
-
 def resolve_models(entries: list[str]) -> dict[str, str]:
     """name -> encoder spec of each `--model NAME=SPEC`; a bad or repeated name is refused."""
     models: dict[str, str] = {}
     for entry in entries:
         name, sep, spec = entry.partition("=")
-        if not sep or not INDEX_NAME.match(name) or not spec.strip():
+        if not sep or not is_index_name(name) or not spec.strip():
             raise ValueError(f"--model {entry!r}: expected NAME=SPEC (an encoder as `espn index --encoder` takes it, "
-                             f"e.g. minilm), NAME of {NAME_RULE}")
+                             f"e.g. minilm), NAME of {RULES.index_name_rule}")
         if name in models and models[name] != spec.strip():
             raise ValueError(f"model name {name!r} given twice")
         models[name] = spec.strip()

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Optional
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from espn.service import is_index_directory
+from espn.engine import RULES
 
-from .index_names import INDEX_NAME, resolve_models, split_entries
+from .index_names import is_index_name, resolve_models, split_entries
 
 __all__ = ["IndexSettings"]
 
@@ -79,6 +79,6 @@ class IndexSettings(BaseModel):
         for entry in self.indexes:
             name, sep, _ = entry.partition("=")
             path = Path(entry).expanduser().resolve()
-            if not (sep and INDEX_NAME.match(name)) and path.is_dir() and not is_index_directory(path):
+            if not (sep and is_index_name(name)) and path.is_dir() and not RULES.is_index_directory(path):
                 roots.append(path)
         return roots[0] if len(roots) == 1 else None

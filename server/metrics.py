@@ -11,7 +11,7 @@ do not collide.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,9 +24,6 @@ from prometheus_client import (
     multiprocess,
     values,
 )
-
-if TYPE_CHECKING:  # the supervisor imports this module without the library
-    from espn.service import PrefetchEstimates
 
 __all__ = ["ServerMetrics", "MULTIPROC_ENV", "CONTENT_TYPE_LATEST"]
 
@@ -88,6 +85,15 @@ class ServerMetrics:
 
     def set_index_memory(self, name: str, estimated_bytes: int) -> None:
         self.index_memory.labels(name).set(estimated_bytes)
+
+    def count_index_request(self, name: str) -> None:
+        self.index_requests.labels(name).inc()
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def set_queued(self, queries: int) -> None:
+        self.queued.set(queries)
 
     def forget_index(self, name: str) -> None:
         """A deleted index: closed, nothing held (a series of a worker's metric file cannot be removed)."""
@@ -201,7 +207,7 @@ class ServerMetrics:
         self.waves.inc(waves)
         self.waves_skipped.inc(skipped)
 
-    def set_prefetch(self, estimates: Optional[PrefetchEstimates]) -> None:
+    def set_prefetch(self, estimates: Any) -> None:
         """The prefetch cost model's verdict and terms (`Searcher.prefetch_estimates`; None: a reader
         that takes no waves)."""
         if estimates is None:

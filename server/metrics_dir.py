@@ -21,7 +21,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from espn.service import lock_is_free
+from espn.engine import startup
 
 __all__ = ["MetricsDir", "PREFIX", "remove_stale"]
 
@@ -59,7 +59,7 @@ def remove_stale(parent: Path | None = None) -> list[Path]:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
-        if _running(int(match[1])) or not lock_is_free(path):
+        if _running(int(match[1])) or not startup().lock_is_free(path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from espn.errors import RefusedInputError
-from espn.service import MAX_JSON_DEPTH, check_json_depth
+from espn.engine import RULES
 
 from .errors import error_response
 from .logs import ACCESS_LOGGER
@@ -77,9 +77,6 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-_INDEX_PREFIX = "/v1/indexes/"  # server.indexes.INDEX_PREFIX (it imports this module)
-
-
 class AccessMiddleware:
     """Counts, times and logs every HTTP request (one structured line each); sets X-Request-ID.
 
@@ -95,13 +92,8 @@ class AccessMiddleware:
         self._static: dict[tuple[str, str], str] = {}
 
     def _endpoint(self, scope: Scope) -> str:
-        # The template ("/v1/documents/{doc_id}"), never the raw path: bounded label cardinality.
-        path = scope["path"]
-        if path.startswith(_INDEX_PREFIX):  # /v1/indexes/{name}/search: the template of /v1/search under it
-            _, sep, tail = path[len(_INDEX_PREFIX):].partition("/")
-            if sep and tail:
-                inner = self._endpoint({**scope, "path": "/v1/" + tail})
-                return "/v1/indexes/{name}/" + inner[len("/v1/"):] if inner.startswith("/v1/") else inner
+        # The template ("/v1/documents/{doc_id}", "/v1/indexes/{index}/search"), never the raw path:
+        # bounded label cardinality.
         key = (scope["method"], scope["path"])
         known = self._static.get(key)
         if known is not None:
@@ -207,7 +199,7 @@ class BodyLimitMiddleware:
     another type with 415).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, max_depth: int = MAX_JSON_DEPTH) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, max_depth: int = RULES.max_json_depth) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -240,9 +232,9 @@ class BodyLimitMiddleware:
             return
         try:
             if len(buffered) > _DEPTH_IN_THREAD_BYTES:
-                await asyncio.to_thread(check_json_depth, buffered, "request body", self.max_depth)
+                await asyncio.to_thread(RULES.check_json_depth, buffered, "request body", self.max_depth)
             else:
-                check_json_depth(buffered, "request body", self.max_depth)
+                RULES.check_json_depth(buffered, "request body", self.max_depth)
         except RefusedInputError as exc:
             await error_response(400, "malformed_json", str(exc))(scope, receive, send)
             return

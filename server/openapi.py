@@ -22,13 +22,14 @@ document is rebuilt when the served generation changes, since a write may add me
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from espn.service import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
+from espn.engine import RULES, IndexLimits
+
+from .deps import INDEX_PARAMETER, AppState
 
 __all__ = ["add_contract", "filter_schema"]
 
@@ -40,7 +41,7 @@ _VALUE = {"keyword": {"type": "string"}, "keywords": {"type": "string"}, "boolea
 def _condition(kind: str) -> dict[str, Any]:
     """What one field of type `kind` takes: a value (equality), or an object of operators."""
     value = _VALUE[kind]
-    values = {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_VALUES, "items": value}
+    values = {"type": "array", "minItems": 1, "maxItems": RULES.max_filter_values, "items": value}
     operators: dict[str, Any] = {"eq": value, "in": values, "not_in": values, "exists": {"type": "boolean"}}
     if kind in ("integer", "float"):
         operators.update({op: value for op in ("gt", "gte", "lt", "lte")})
@@ -53,14 +54,14 @@ def filter_schema(fields: Mapping[str, str]) -> dict[str, Any]:
     # A filter has at most MAX_FILTER_NODES objects in all (a 422 past that); JSON Schema can bound
     # each list, not the sum.
     members: dict[str, Any] = {
-        "and": {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_BRANCHES, "items": _FILTER_REF},
-        "or": {"type": "array", "minItems": 1, "maxItems": MAX_FILTER_BRANCHES, "items": _FILTER_REF},
+        "and": {"type": "array", "minItems": 1, "maxItems": RULES.max_filter_branches, "items": _FILTER_REF},
+        "or": {"type": "array", "minItems": 1, "maxItems": RULES.max_filter_branches, "items": _FILTER_REF},
         "not": _FILTER_REF,
     }
     members.update({name: _condition(kind) for name, kind in sorted(fields.items())})
     return {
         "type": "object", "properties": members, "additionalProperties": False,
-        "description": f"members are anded; {{}} matches every document; at most {MAX_FILTER_NODES} objects in "
+        "description": f"members are anded; {{}} matches every document; at most {RULES.max_filter_nodes} objects in "
                        "all. Fields of this index: "
                        + (", ".join(f"{name} ({kind})" for name, kind in sorted(fields.items())) or "none"),
     }
@@ -71,21 +72,18 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return next(branch for branch in schema["anyOf"] if branch.get("type") != "null")
 
 
-def _add_limits(document: dict[str, Any], app: FastAPI) -> None:
-    state = app.state.espn
+def _add_limits(document: dict[str, Any], state: AppState, limits: Optional[IndexLimits]) -> None:
     schemas = document["components"]["schemas"]
     schemas["BatchSearchRequest"]["properties"]["queries"]["maxItems"] = state.settings.max_batch_queries
     for name in ("upsert", "delete"):
         schemas["BatchWriteRequest"]["properties"][name]["maxItems"] = state.settings.max_batch_writes
-    if state.live is None:  # still starting: the limits of the index are not known yet
+    if limits is None:  # still starting, or no default index: the limits of the index are not known
         return
-    searcher = state.live.current  # its schema and nlist only: no lease needed
-    schemas["Filter"] = filter_schema(searcher.metadata.schema)
+    schemas["Filter"] = filter_schema(limits.filter_fields)
     for name in ("SearchRequest", "BatchSearchRequest"):
         properties = schemas[name]["properties"]
-        _nullable(properties["nprobe"])["maximum"] = searcher.nlist
-        if searcher.centroids is None:
-            _nullable(properties["first_stage"])["enum"] = ["ivf"]
+        _nullable(properties["nprobe"])["maximum"] = limits.nlist
+        _nullable(properties["first_stage"])["enum"] = list(limits.first_stages)
         properties["filter"]["anyOf"] = [_FILTER_REF, {"type": "null"}]
 
 
@@ -111,37 +109,22 @@ def _declare_sent_errors(document: dict[str, Any]) -> None:
         schemas.pop(name, None)
 
 
-#: The routes every index also has under /v1/indexes/{name}/ (server.indexes.INDEX_ROUTES).
-_PER_INDEX = ("/v1/search", "/v1/documents", "/v1/snapshots")
-_NAME_PARAMETER: dict[str, Any] = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "title": "Name"},
-                   "description": "the index's name (`espn serve --index NAME=PATH`; GET /v1/indexes lists them)"}
-_PER_INDEX_NOTE = ("The same operation on the index `name` (an unknown name is a 404 `not_found`). The limits that "
+_PER_INDEX_NOTE = ("The operation on the index `index` (an unknown name is a 404 `not_found`). The limits that "
                    "depend on the index (nprobe's maximum, first_stage, the filter's fields) are stated in this "
                    "document for the default index.")
 
 
-def _add_index_routes(document: dict[str, Any], names: list[str]) -> None:
-    """Each operation of the default index, again under /v1/indexes/{name}/ (server.indexes);
-    `name` takes the names of the indexes this server holds."""
-    paths = document.get("paths", {})
-    parameter = copy.deepcopy(_NAME_PARAMETER)
-    parameter["schema"] = {**parameter["schema"], "enum": names}
-    for operation in paths.get("/v1/indexes/{name}", {}).values():  # GET /v1/indexes/{name}
-        for param in operation.get("parameters", []):
-            if param.get("name") == "name":
-                param["schema"]["enum"] = names
-    for path in [p for p in paths if p.startswith(_PER_INDEX)]:
-        copied: dict[str, Any] = {}
-        for method, operation in paths[path].items():
-            operation = copy.deepcopy(operation)
-            operation["operationId"] = f"{operation.get('operationId', method + path)}_index"
-            operation["parameters"] = [copy.deepcopy(parameter), *operation.get("parameters", [])]
-            operation["tags"] = ["indexes"]
-            operation["description"] = _PER_INDEX_NOTE
-            operation.setdefault("responses", {}).setdefault(
-                "404", {"description": "no index with this name", "content": {"application/json": {"schema": _ERROR_REF}}})
-            copied[method] = operation
-        paths["/v1/indexes/{name}" + path[len("/v1"):]] = copied
+def _name_indexes(document: dict[str, Any], names: list[str]) -> None:
+    """The index names this server holds as the enum of every path parameter that names an index."""
+    for path, operations in document.get("paths", {}).items():
+        if not path.startswith("/v1/indexes/{"):
+            continue
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if parameter.get("in") == "path" and parameter.get("name") in (INDEX_PARAMETER, "name"):
+                    parameter["schema"] = {**parameter.get("schema", {}), "enum": names}
+            if path.startswith(f"/v1/indexes/{{{INDEX_PARAMETER}}}/"):
+                operation["description"] = _PER_INDEX_NOTE
 
 
 def add_contract(app: FastAPI) -> None:
@@ -149,14 +132,15 @@ def add_contract(app: FastAPI) -> None:
     cache: dict[str, Any] = {}
 
     def openapi() -> dict[str, Any]:
-        live = app.state.espn.live
-        key = None if live is None else live.current.generation
+        state: AppState = app.state.espn
+        limits = state.engines.limits()
+        names = [info.name for info in state.engines.describe()]
+        key = None if limits is None else (limits.generation, tuple(names))
         if key is not None and cache.get("key") == key:
             return cache["document"]
         document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        _add_limits(document, app)
-        registry = app.state.espn.indexes
-        _add_index_routes(document, list(registry.states) if registry is not None else ["default"])
+        _add_limits(document, state, limits)
+        _name_indexes(document, names)
         _declare_sent_errors(document)
         cache.update(key=key, document=document)
         return document

@@ -21,9 +21,7 @@ from typing import Annotated, Any, Callable, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from starlette.requests import Request
 
-from espn.service import (BASE64_PATTERN, MAX_BASE64_CHARS, MAX_CANDIDATES, MAX_ID_BYTES, MAX_PREFETCH_K, MAX_PROBE,
-                          MAX_QUERY_CHARS, MAX_RERANK, NO_TEXT_PATTERN, decode_base64_image, decode_doc_id, has_text,
-                          id_problem)
+from espn.engine import RULES, SearchOptions as EngineOptions
 
 from .index_schemas import CreateIndexRequest, IndexInfo, IndexListResponse
 
@@ -54,18 +52,20 @@ __all__ = [
 ]
 
 # The same limits as the library's where the concept is the same: a query's characters
-# (espn.search.validation.MAX_QUERY_CHARS) and an id's UTF-8 bytes (espn.ids.MAX_ID_BYTES).
+# (espn.params.MAX_QUERY_CHARS) and an id's UTF-8 bytes (espn.ids.MAX_ID_BYTES).
 #: Results per query over HTTP: below the library's `espn.params.MAX_K` (10,000), because a
 #: response is built whole in memory and sent as one JSON body: 1,000 hits with their
 #: titles and texts are already megabytes, and a batch multiplies them
 #: (docs/guides/operating-limits.md).
 MAX_HTTP_K = 1000
+MAX_QUERY_CHARS = RULES.max_query_chars
+MAX_ID_BYTES = RULES.max_id_bytes
 # Hard ceiling of the schema; ServerSettings.max_batch_queries (<= this) is the live limit.
 MAX_BATCH_QUERIES = 10_000
 # An explanation holds one entry per query token per hit: explained responses stay small.
 MAX_EXPLAIN_K = 100
 #: Lexical candidates of a hybrid search over HTTP: below the library's
-#: `espn.search.hybrid.MAX_LEXICAL_K` (10,000), because each one the dense side did not find is
+#: `espn.params.MAX_LEXICAL_K` (10,000), because each one the dense side did not find is
 #: read from the SSD and MaxSim-scored within the request, and `espn route` asks every partition
 #: of a hybrid search for its whole pool (docs/guides/operating-limits.md).
 MAX_HTTP_LEXICAL_K = 1000
@@ -91,18 +91,19 @@ def _non_blank(value: str) -> str:
 
 
 def path_doc_id(request: Request) -> str:
-    """The id in a /v1/documents/{id} URL exactly as sent: the raw path after /v1/documents/,
-    percent-decoded to bytes, then strict UTF-8 and the id rules (InvalidParameterError, a 422,
-    naming the problem). Starlette's decoding would turn invalid bytes into U+FFFD, so two
-    different ids could collide."""
+    """The id in a /v1/documents/{id} or /v1/indexes/{index}/documents/{id} URL exactly as sent:
+    the raw path after the route's own segments, percent-decoded to bytes, then strict UTF-8 and
+    the id rules (InvalidParameterError, a 422, naming the problem). Starlette's decoding would
+    turn invalid bytes into U+FFFD, so two different ids could collide; an index name holds no '/'."""
     raw: bytes = request.scope.get("raw_path") or request.url.path.encode("utf-8")
-    tail = raw.split(b"/v1/documents/", 1)[-1]
-    return decode_doc_id(urllib.parse.unquote_to_bytes(tail))
+    segments = 5 if "index" in request.path_params else 3  # "", v1, [indexes, NAME,] documents
+    tail = raw.split(b"/", segments)[-1]
+    return RULES.decode_doc_id(urllib.parse.unquote_to_bytes(tail))
 
 
 def check_write_id(value: str) -> str:
     """The library's own words for what is wrong (`espn.ids`); the pattern is what the schema states."""
-    problem = id_problem(value)
+    problem = RULES.id_problem(value)
     if problem is None and not _WRITE_ID.fullmatch(value):
         problem = "has leading or trailing whitespace or a control character"
     if problem is not None:
@@ -118,14 +119,14 @@ def _integral(value: Any) -> Any:
 _INTEGRAL = BeforeValidator(_integral)  # after the bounds in Annotated[...]: the schema keeps minimum/maximum
 Integer = Annotated[int, _INTEGRAL]
 def _has_text(value: str) -> str:
-    if not has_text(value):
+    if not RULES.has_text(value):
         raise ValueError("must contain a character to search (not only whitespace or control characters)")
     return value
 
 
 # A query: what the search accepts (espn.params.has_text), stated in the schema as well.
 QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS,
-                                 json_schema_extra={"not": {"pattern": NO_TEXT_PATTERN}}), AfterValidator(_has_text)]
+                                 json_schema_extra={"not": {"pattern": RULES.no_text_pattern}}), AfterValidator(_has_text)]
 # An id's limit is the library's, in UTF-8 bytes, checked by check_write_id in the library's words;
 # JSON Schema counts characters, so the schema states the bound it implies (a byte is at most a
 # character) and a longer id gets the library's message, not pydantic's.
@@ -150,9 +151,9 @@ class SearchOptions(BaseModel):
     prefetch_step: Optional[float] = Field(
         None, gt=0.0, le=1.0, allow_inf_nan=False, description="fraction of nprobe after which prefetching starts"
     )
-    prefetch_k: Optional[Annotated[int, Field(ge=0, le=MAX_PREFETCH_K), _INTEGRAL]] = Field(
+    prefetch_k: Optional[Annotated[int, Field(ge=0, le=RULES.max_prefetch_k), _INTEGRAL]] = Field(
         None, description="candidates each prefetch wave reads")
-    rerank_count: Optional[Annotated[int, Field(ge=0, le=MAX_RERANK), _INTEGRAL]] = Field(
+    rerank_count: Optional[Annotated[int, Field(ge=0, le=RULES.max_rerank), _INTEGRAL]] = Field(
         None, description="candidates re-ranked with MaxSim")
     prefetch_waves: Optional[Annotated[int, Field(ge=1, le=1000), _INTEGRAL]] = Field(
         None, description="most prefetch waves (1 = one prefetch)")
@@ -160,9 +161,9 @@ class SearchOptions(BaseModel):
     first_stage: Optional[Literal["ivf", "centroids", "union"]] = Field(
         None, description="candidate generator: ivf (the CLS vector's IVF), centroids (token-level centroids, the "
                           "default of ColBERT/PyLate indexes) or union (both); centroids needs an index built with them")
-    first_stage_probe: Optional[Annotated[int, Field(ge=1, le=MAX_PROBE), _INTEGRAL]] = Field(
+    first_stage_probe: Optional[Annotated[int, Field(ge=1, le=RULES.max_probe), _INTEGRAL]] = Field(
         None, description="centroids each query token visits (first_stage centroids or union)")
-    first_stage_candidates: Optional[Annotated[int, Field(ge=1, le=MAX_CANDIDATES), _INTEGRAL]] = Field(
+    first_stage_candidates: Optional[Annotated[int, Field(ge=1, le=RULES.max_candidates), _INTEGRAL]] = Field(
         None, description="documents the centroid stage hands to MaxSim")
     return_text: bool = Field(False, description="include each hit's title and text")
     filter: Optional[dict[str, Any]] = Field(
@@ -186,26 +187,9 @@ class SearchOptions(BaseModel):
                                         description="hybrid: the dense side's weight in the mix (default: calibrated)")
     union: Optional[bool] = Field(None, description="hybrid: MaxSim-score what only the lexical side found")
 
-    def search_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for Searcher.search (None = index default)."""
-        return {
-            "k": self.k,
-            "nprobe": self.nprobe,
-            "prefetch_step": self.prefetch_step,
-            "prefetch_k": self.prefetch_k,
-            "rerank_count": self.rerank_count,
-            "prefetch_waves": self.prefetch_waves,
-            "prefetch": self.prefetch,
-            "first_stage": self.first_stage,
-            "first_stage_probe": self.first_stage_probe,
-            "first_stage_candidates": self.first_stage_candidates,
-            **self.mode_kwargs(),
-        }
-
-    def mode_kwargs(self) -> dict[str, Any]:
-        """The mode and fusion keyword arguments (None = index default)."""
-        return {"mode": self.mode, "fusion": self.fusion, "lexical_k": self.lexical_k, "rrf_k": self.rrf_k,
-                "mix_weight": self.mix_weight, "union": self.union, "syntax": self.syntax}
+    def engine_options(self, explain: bool = False) -> EngineOptions:
+        """These options as the engine takes them (espn.engine.SearchOptions)."""
+        return EngineOptions.from_fields({**dict(self), "explain": explain})
 
 
 class SearchRequest(SearchOptions):
@@ -424,8 +408,8 @@ class DocumentWrite(BaseModel):
     title: str = Field("", max_length=MAX_TITLE_CHARS)
     text: str = Field("", min_length=1, max_length=MAX_TEXT_CHARS, json_schema_extra=_given(**NOT_BLANK),
                       description="the passage; at least one non-whitespace character (optional beside an image)")
-    image: Optional[str] = Field(None, json_schema_extra=_given(type="string", minLength=4, maxLength=MAX_BASE64_CHARS,
-                                 pattern=BASE64_PATTERN, contentEncoding="base64"),
+    image: Optional[str] = Field(None, json_schema_extra=_given(type="string", minLength=4, maxLength=RULES.max_base64_chars,
+                                 pattern=RULES.base64_pattern, contentEncoding="base64"),
                                  description="pages: the page, PNG, JPEG or WebP in base64 (a 409 on an index of text)")
     metadata: Annotated[Optional[dict[str, Any]], BeforeValidator(_metadata_numbers)] = Field(
         None, json_schema_extra=METADATA_SCHEMA,
@@ -434,7 +418,7 @@ class DocumentWrite(BaseModel):
                     "another type than the index holds for it is a 409")
 
     _check_text = field_validator("text")(_non_blank)
-    _check_image = field_validator("image", mode="before")(lambda v: decode_base64_image(v) and v)
+    _check_image = field_validator("image", mode="before")(lambda v: RULES.decode_base64_image(v) and v)
 
     @model_validator(mode="after")
     def _text_or_image(self) -> "DocumentWrite":
@@ -443,7 +427,7 @@ class DocumentWrite(BaseModel):
         return self
 
     def image_bytes(self) -> Optional[bytes]:
-        return None if self.image is None else decode_base64_image(self.image)
+        return None if self.image is None else RULES.decode_base64_image(self.image)
 
 
 class DocumentUpsert(DocumentWrite):

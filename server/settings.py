@@ -14,11 +14,9 @@ before it binds a port.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import resource
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 from urllib.parse import urlsplit
@@ -26,14 +24,15 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from espn.service import READER_NAMES, is_index_directory
+from espn.engine import RULES, IndexConfig, ServeConfig
 
+from .connection_limits import (ConnectionLimits, check_connections_below_limit, connection_limits,
+                                default_max_connections, descriptor_limit, listen_backlog)
 from .index_names import default_index_path, resolve_indexes, split_entries
 from .index_settings import IndexSettings
 
-__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "READER_NAMES", "MIN_API_KEY_CHARS",
-           "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog",
-           "RESERVED_DESCRIPTORS"]
+__all__ = ["ServerSettings", "RouterSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "MIN_API_KEY_CHARS",
+           "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog"]
 
 ENV_PREFIX = "ESPN_"
 ROUTER_ENV_PREFIX = "ESPN_ROUTER_"
@@ -42,6 +41,9 @@ MIN_API_KEY_CHARS = 16
 # Printable ASCII without spaces: the key travels in an HTTP header, where surrounding
 # whitespace is stripped and other bytes are not portable.
 _API_KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")
+#: The library's defaults of how an index is served: the settings' defaults are these.
+_SERVED = IndexConfig()
+READER_NAMES = RULES.reader_names
 
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -86,15 +88,15 @@ class ServerSettings(IndexSettings, BaseSettings):
 
     # Micro-batching, continuous: an idle worker searches a query at once; what arrives while a
     # search runs shares the next Searcher.search call (at most `max_batch_size` queries).
-    batch_wait_ms: float = Field(2.0, ge=0.0, le=1000.0, description="with search threads > 1 and a search running, "
+    batch_wait_ms: float = Field(_SERVED.batch_wait_ms, ge=0.0, le=1000.0, description="with search threads > 1 and a search running, "
                                  "how long a free thread waits for more queries (an idle worker never waits)")
-    max_batch_size: int = Field(32, ge=1, le=1024, description="most queries per search call")
-    search_threads: int = Field(1, ge=1, le=64, description="Searcher.search calls running at once per worker")
+    max_batch_size: int = Field(_SERVED.max_batch_size, ge=1, le=1024, description="most queries per search call")
+    search_threads: int = Field(_SERVED.search_threads, ge=1, le=64, description="Searcher.search calls running at once per worker")
     inline_search_ms: float = Field(
-        25.0, ge=0.0, le=10_000.0, description="a lone query, when no other request is in progress on the worker, "
+        _SERVED.inline_search_ms, ge=0.0, le=10_000.0, description="a lone query, when no other request is in progress on the worker, "
         "is searched on its event loop instead of a search thread (an answer 0.36 ms sooner on a 2-vCPU VM) while "
         "such searches take under this many ms; 0: always on a search thread")
-    max_pending: int = Field(4096, ge=1, le=1_000_000, description="queued queries per worker before 503")
+    max_pending: int = Field(_SERVED.max_pending, ge=1, le=1_000_000, description="queued queries per worker before 503")
     torch_threads: Optional[int] = Field(None, ge=1, le=256, description="torch threads per worker; unset: cores / workers")
 
     # Reader I/O (the posix reader only; None keeps the library default).
@@ -114,12 +116,12 @@ class ServerSettings(IndexSettings, BaseSettings):
                                   description="most upserts, and most deletes, in one /v1/documents/batch")
     # Work budget of one request: queries x max(k, rerank_count, prefetch_k) candidates.
     # The default admits 256 queries at k = 1000 but not a 256-query batch re-ranking 10,000 each.
-    max_request_work: int = Field(262_144, ge=1, le=1 << 40,
+    max_request_work: int = Field(_SERVED.max_request_work, ge=1, le=1 << 40,
                                   description="most queries x max(k, rerank_count, prefetch_k) per request")
-    max_response_bytes: int = Field(16 << 20, ge=1024, le=1 << 34,
+    max_response_bytes: int = Field(_SERVED.max_response_bytes, ge=1024, le=1 << 34,
                                     description="largest estimated response (hits x bytes per hit, text included)")
     # A big batch runs as chunks of this many queries, taking turns with other requests.
-    fair_chunk_queries: int = Field(8, ge=1, le=1024, description="queries a batch request searches per turn")
+    fair_chunk_queries: int = Field(_SERVED.fair_chunk_queries, ge=1, le=1024, description="queries a batch request searches per turn")
 
     # Security and cross-origin access.
     api_key: Optional[SecretStr] = Field(
@@ -134,10 +136,10 @@ class ServerSettings(IndexSettings, BaseSettings):
     follow: Optional[str] = Field(None, description="s3://BUCKET/PREFIX to follow: serve read-only the newest "
                                                     "generation published there, fetched into the index directory "
                                                     "(restored there first when it does not exist)")
-    follow_interval_s: float = Field(2.0, gt=0.0, le=3600.0, description="how often a follower looks for a new generation")
+    follow_interval_s: float = Field(_SERVED.follow_interval_s, gt=0.0, le=3600.0, description="how often a follower looks for a new generation")
     publish: Optional[str] = Field(None, description="s3://BUCKET/PREFIX: this server is the index's writer and "
                                                      "publishes each new generation there (for followers and backup)")
-    publish_interval_s: float = Field(0.5, gt=0.0, le=3600.0,
+    publish_interval_s: float = Field(_SERVED.publish_interval_s, gt=0.0, le=3600.0,
                                       description="how often the writer looks for a generation to publish")
     snapshot_dir: Optional[Path] = Field(None, description="where POST /v1/snapshots writes snapshots (a directory "
                                                            "on the index's filesystem shares immutable files by hard "
@@ -149,24 +151,24 @@ class ServerSettings(IndexSettings, BaseSettings):
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
         None, description="refuse writes (409); unset: read-only only when the index directory is not writable")
-    write_wait_s: float = Field(10.0, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
-    write_nice: int = Field(10, ge=0, le=19, description="CPU priority (nice) of write encoding and compaction threads")
-    write_queue: int = Field(10_000, ge=1, le=1_000_000,
+    write_wait_s: float = Field(_SERVED.write_wait_s, ge=0.0, le=600.0, description="how long a write waits for the writer lock")
+    write_nice: int = Field(_SERVED.write_nice, ge=0, le=19, description="CPU priority (nice) of write encoding and compaction threads")
+    write_queue: int = Field(_SERVED.write_queue, ge=1, le=1_000_000,
                              description="documents and deletes queued per worker before writes get 503")
-    compact_max_segments: int = Field(8, ge=1, le=10_000, description="merge deltas in the background past this many")
-    compact_merge_factor: int = Field(4, ge=2, le=1000, description="deltas merged into one at a time")
-    compact_base_ratio: float = Field(0.5, gt=0.0, le=100.0,
+    compact_max_segments: int = Field(_SERVED.compact_max_segments, ge=1, le=10_000, description="merge deltas in the background past this many")
+    compact_merge_factor: int = Field(_SERVED.compact_merge_factor, ge=2, le=1000, description="deltas merged into one at a time")
+    compact_base_ratio: float = Field(_SERVED.compact_base_ratio, gt=0.0, le=100.0,
                                       description="rewrite the base once deltas hold this fraction of its documents")
-    compact_deleted_fraction: float = Field(0.2, gt=0.0, le=1.0,
+    compact_deleted_fraction: float = Field(_SERVED.compact_deleted_fraction, gt=0.0, le=1.0,
                                             description="... or past this fraction of deleted/replaced documents")
-    max_metadata_fields: int = Field(64, ge=1, le=10_000, description="metadata fields per document")
-    max_metadata_bytes: int = Field(16 << 10, ge=64, le=16 << 20,
+    max_metadata_fields: int = Field(_SERVED.max_metadata_fields, ge=1, le=10_000, description="metadata fields per document")
+    max_metadata_bytes: int = Field(_SERVED.max_metadata_bytes, ge=64, le=16 << 20,
                                     description="a document's metadata as JSON, in bytes")
-    max_index_fields: int = Field(256, ge=1, le=100_000, description="distinct metadata fields per index")
+    max_index_fields: int = Field(_SERVED.max_index_fields, ge=1, le=100_000, description="distinct metadata fields per index")
 
     # Operations.
     log_level: LogLevel = Field("info", description="server log level")
-    warmup: bool = Field(True, description="warm the index (searches and, unless read-only, the write path's encoder) "
+    warmup: bool = Field(_SERVED.warmup, description="warm the index (searches and, unless read-only, the write path's encoder) "
                                                "before /readyz reports ready")
     metrics_port: Optional[int] = Field(
         None, ge=1, le=65535, description="serve /metrics on this port only, not on the API port; unset: on the API "
@@ -179,7 +181,7 @@ class ServerSettings(IndexSettings, BaseSettings):
     @classmethod
     def _check_index(cls, value: Path) -> Path:
         value = value.expanduser().resolve()
-        if not is_index_directory(value):
+        if not RULES.is_index_directory(value):
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
         return value
 
@@ -248,12 +250,12 @@ class ServerSettings(IndexSettings, BaseSettings):
 
     @model_validator(mode="after")
     def _check_max_connections(self) -> "ServerSettings":
-        _check_connections_below_limit(self.max_connections)
+        check_connections_below_limit(self.max_connections)
         return self
 
     def connection_limits(self) -> ConnectionLimits:
         """The per-worker limits server.connections enforces."""
-        return _connection_limits(self.max_connections, self.header_timeout_s)
+        return connection_limits(self.max_connections, self.header_timeout_s)
 
     @model_validator(mode="after")
     def _check_metrics_port(self) -> "ServerSettings":
@@ -292,6 +294,21 @@ class ServerSettings(IndexSettings, BaseSettings):
             return self.torch_threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // self.workers)
+
+    def serve_config(self) -> ServeConfig:
+        """What the engine is told: the indexes, the root and its models, and how each index is served."""
+        served = {name: getattr(self, name) for name in (
+            "reader", "device", "trust_remote_code", "max_batch_size", "batch_wait_ms", "search_threads",
+            "inline_search_ms", "max_pending", "fair_chunk_queries", "max_request_work", "max_response_bytes",
+            "read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments", "compact_merge_factor",
+            "compact_base_ratio", "compact_deleted_fraction", "max_metadata_fields", "max_metadata_bytes",
+            "max_index_fields", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
+            "publish_keep", "snapshot_dir")}
+        return ServeConfig(indexes=self.index_map(), root=self.creation_root(), models=self.model_map(),
+                           memory_budget_mib=self.index_memory_budget_mib, idle_close_s=self.index_idle_close_s,
+                           graceful_s=float(self.graceful_timeout_s),
+                           index=IndexConfig(reader_options=self.reader_open_options(),
+                                             torch_threads=self.effective_torch_threads, **served))
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that rebuild these settings in another process."""
@@ -359,11 +376,11 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_max_connections(self) -> "RouterSettings":
-        _check_connections_below_limit(self.max_client_connections)
+        check_connections_below_limit(self.max_client_connections)
         return self
 
     def connection_limits(self) -> ConnectionLimits:
-        return _connection_limits(self.max_client_connections, self.header_timeout_s)
+        return connection_limits(self.max_client_connections, self.header_timeout_s)
 
     @field_validator("shards", "writers", mode="before")
     @classmethod
@@ -426,54 +443,6 @@ def check_api_key(value: Optional[SecretStr]) -> Optional[SecretStr]:
     if not _API_KEY_CHARS.match(key):
         raise ValueError("must be printable ASCII without spaces (it is sent in an HTTP header)")
     return value
-
-
-#: Descriptors kept for everything but client connections (the index's files, the metrics
-#: directory, pipes, io_uring), at least; a quarter of the limit when that is more.
-RESERVED_DESCRIPTORS = 64
-_MOST_CONNECTIONS = 65_536  # past this a worker's memory, not its descriptors, is the limit
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectionLimits:
-    """What server.connections enforces per process, and the listen backlog that goes with it."""
-
-    max_connections: int
-    header_timeout_s: float
-    backlog: int
-
-
-def descriptor_limit() -> int:
-    """This process's soft RLIMIT_NOFILE (`ulimit -n`)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return _MOST_CONNECTIONS * 2 if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def listen_backlog(limit: Optional[int] = None) -> int:
-    """The listen backlog: asyncio accepts up to this many sockets at a time before the
-    connection cap sees any of them, so it is small next to the descriptor limit."""
-    limit = descriptor_limit() if limit is None else limit
-    return max(8, min(limit // 32, 2048))
-
-
-def default_max_connections(limit: Optional[int] = None) -> int:
-    """Open connections a worker allows by default: the descriptor limit less what is reserved for
-    the index and less four accept bursts (sockets accepted, or closed, but not yet seen by the cap)."""
-    limit = descriptor_limit() if limit is None else limit
-    return max(1, min(limit - max(RESERVED_DESCRIPTORS, limit // 4) - 4 * listen_backlog(limit), _MOST_CONNECTIONS))
-
-
-def _check_connections_below_limit(max_connections: Optional[int]) -> None:
-    limit = descriptor_limit()
-    most = limit - RESERVED_DESCRIPTORS - 4 * listen_backlog(limit)
-    if max_connections is not None and max_connections > most:
-        raise ValueError(f"max connections {max_connections} must stay below the open-file limit {limit} "
-                         f"(`ulimit -n`) less {limit - most} descriptors (index files, accept bursts): at most "
-                         f"{most}, or descriptors run out before it applies")
-
-
-def _connection_limits(max_connections: Optional[int], header_timeout_s: float) -> ConnectionLimits:
-    return ConnectionLimits(max_connections or default_max_connections(), header_timeout_s, listen_backlog())
 
 
 def settings_error_line(command: str, prefix: str, error: ValidationError) -> str:

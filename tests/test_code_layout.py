@@ -269,24 +269,69 @@ def test_the_library_and_the_server_never_import_the_build_job() -> None:
 
 
 #: What the server (espn_server, the router included) may import from the library: its one door and its errors.
-SERVER_DOOR = ("espn.service", "espn.errors")
+SERVER_DOOR = ("espn.engine", "espn.errors")
+#: The most names the server may take from the door.
+MAX_DOOR_NAMES = 25
 
 
-def test_the_server_imports_from_the_library_only_its_facade_and_errors() -> None:
-    """espn.service is the library as the server sees it (searching with per-query isolation,
-    documents, writes, status, snapshots, the limits its schemas validate against): the server
-    reaches no module behind it, in functions and type-only imports too."""
+def test_the_server_imports_from_the_library_only_its_door_and_errors() -> None:
+    """espn.engine is the library as the server sees it (a registry of engines, the dataclasses
+    they take and give, the rules of what arrives from outside): the server reaches no module
+    behind it, in functions and type-only imports too, takes few names from it, and the door
+    is a module of names, not a lazy bag (no module-level __getattr__)."""
     behind = [f"{edge.where}: {edge.source} imports {edge.target}" for edge in imports()
               if edge.source.split(".")[0] == "espn_server" and edge.target.split(".")[0] == "espn"
               and edge.target not in SERVER_DOOR]
     assert not behind, _report(f"imports of the library from server/ other than {' and '.join(SERVER_DOOR)}", behind)
+    taken = sorted({alias.name for module in project().values() if module.name.startswith("espn_server")
+                    for node in ast.walk(module.tree) if isinstance(node, ast.ImportFrom)
+                    and _resolve(module, node) == SERVER_DOOR[0] for alias in node.names})
+    assert len(taken) <= MAX_DOOR_NAMES, f"server/ takes {len(taken)} names from {SERVER_DOOR[0]}: {taken}"
+    door = project()[SERVER_DOOR[0]]
+    lazy = [f"{door.path}:{node.lineno}" for node in door.tree.body
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert not lazy, f"a module-level __getattr__ in the door: {lazy}"
 
 
-def test_the_servers_write_service_uses_the_live_package() -> None:
-    """The server writes through its door (test above), and what the door lends for writes is espn.live's."""
-    users = [edge for edge in imports() if edge.source == "espn.service"
-             and (edge.target == "espn.live" or edge.target.startswith("espn.live."))]
-    assert users, "espn.service names nothing of espn.live: the server's writes have no way to the live index"
+def _unit(module: str) -> Optional[str]:
+    """The first-level unit of the library a module belongs to (espn.search.dense -> search)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "espn" and len(parts) > 1 else None
+
+
+def _layers() -> dict[str, int]:
+    """unit -> layer, from the numbered list between `<!-- layers -->` markers of architecture.md."""
+    block = re.search(r"<!-- layers -->\n(.*?)\n<!-- /layers -->", ARCHITECTURE.read_text(encoding="utf-8"), re.S)
+    assert block, f"{ARCHITECTURE.relative_to(ROOT)}: no <!-- layers --> list"
+    layers = {}
+    for line in block.group(1).splitlines():
+        number, _, units = line.partition(". ")
+        for unit in units.split(","):
+            layers[unit.strip()] = int(number)
+    return layers
+
+
+def test_the_librarys_units_import_only_units_of_lower_layers() -> None:
+    """The layer order of architecture.md: no import up or sideways between first-level units of
+    espn/ (type-only imports aside), every unit listed, so no strongly connected set of units."""
+    layers = _layers()
+    units = {unit for module in project() if (unit := _unit(module)) is not None}
+    unlisted = sorted(units - set(layers))
+    assert not unlisted, f"units of espn/ missing from the layers of docs/architecture.md: {unlisted}"
+    wrong = []
+    for edge in imports():
+        source, target = _unit(edge.source), _unit(edge.target)
+        if edge.type_checking or source is None or target is None or source == target:
+            continue
+        if layers[target] >= layers[source]:
+            wrong.append(f"{edge.where}: {source} (layer {layers[source]}) imports {target} (layer {layers[target]})")
+    assert not wrong, _report("imports between units of espn/ that do not go down a layer", wrong)
+    edges: dict[str, set[str]] = {}
+    for edge in imports():
+        source, target = _unit(edge.source), _unit(edge.target)
+        if not edge.type_checking and source and target and source != target:
+            edges.setdefault(source, set()).add(target)
+    assert not _circles(edges), _report("strongly connected sets of units", [str(c) for c in _circles(edges)])
 
 
 def _layout_paths(text: str) -> set[str]:

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from espn_server.docs_pages import write_pages
+from tools.docs_pages import write_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -253,5 +253,6 @@ def test_background_compaction_merges_deltas(live_server) -> None:
     assert len(current.segments) <= 3 and any(s.documents > 1 for s in current.segments)
     for i in range(4):
         assert HTTP.get(f"{live_server.base_url}/v1/documents/c-{i}", headers=AUTH).status_code == 200
-    assert HTTP.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH).status_code == 404
+    deleted = HTTP.get(f"{live_server.base_url}/v1/documents/s0010", headers=AUTH)
+    assert deleted.status_code == 404, (deleted.text, read_current(live_server.index))
     assert "Traceback" not in live_server.log()

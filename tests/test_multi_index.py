@@ -138,7 +138,7 @@ def test_readiness_and_metrics_report_each_index(server: ServerProcess) -> None:
     assert [item["name"] for item in ready["indexes"]] == ["a", "b"]
     metrics = HTTP.get(server.base_url + "/metrics", timeout=30).text
     assert 'espn_index_requests_total{index="b"}' in metrics and 'espn_index_open{index="a"} 1.0' in metrics
-    assert 'endpoint="/v1/indexes/{name}/search"' in metrics
+    assert 'endpoint="/v1/indexes/{index}/search"' in metrics
 
 
 def _open_descriptors(server: ServerProcess) -> int:
@@ -162,7 +162,8 @@ def test_an_idle_index_closes_and_reopens_with_the_same_answers(server: ServerPr
     assert _indexes(server)["a"]["open"]  # the default index stays open
     assert _ids(_post(server, "/v1/indexes/b/search", QUERY)) == before
     assert _indexes(server)["b"]["open"]
-    assert _get(server, "/v1/indexes/b/documents/only-in-b").status_code == 200
+    found = _get(server, "/v1/indexes/b/documents/only-in-b")
+    assert found.status_code == 200, found.text
     # Closed and reopened again and again under the descriptor limit: nothing is left open.
     _wait_closed(server, "b")
     closed = _open_descriptors(server)
@@ -201,7 +202,8 @@ def test_a_restart_keeps_both_indexes(server: ServerProcess, root: Path) -> None
     server.terminate()
     with _serve(root, "multi-restarted") as again:
         assert list(_indexes(again)) == ["a", "b"]
-        assert _get(again, "/v1/indexes/b/documents/only-in-b").status_code == 200
+        found = _get(again, "/v1/indexes/b/documents/only-in-b")
+        assert found.status_code == 200, found.text
         assert _get(again, "/v1/indexes/a/documents/only-in-b").status_code == 404
         assert _get(again, "/v1/documents/only-in-a").status_code == 200
         assert _get(again, "/v1/indexes/b/documents/only-in-a").status_code == 404

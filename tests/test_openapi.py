@@ -74,7 +74,7 @@ def _schema_of(response: dict) -> str:
 def test_every_error_is_declared_with_the_shape_it_is_sent_in() -> None:
     """The server's handlers send every 4xx/5xx as ErrorResponse (server.errors), the body-timeout
     middleware answers 408 on any route, and the write routes can fail with 503 and 507."""
-    from espn_server.docs_pages import openapi_document
+    from tools.docs_pages import openapi_document
 
     document = openapi_document()
     assert "HTTPValidationError" not in json.dumps(document)

@@ -8,7 +8,6 @@ commands live in `app` (parser and dispatch), `search`, `calibrate` and `verify`
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Sequence
 

@@ -30,7 +30,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import numpy as np
 
 from espn.errors import EspnError, IndexExistsError, InvalidParameterError
 from espn.files import fsync_path, fsync_tree

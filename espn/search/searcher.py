@@ -34,7 +34,7 @@ from ..store import Reader
 from ..store.format import StoreLayout
 from ..text.engine import TextIndex
 from ..text.query import parse_query
-from .context import SearchContext, Timer
+from .context import Timer
 from .dense import search_dense
 from .exhaustive import score_documents, search_exhaustive, search_maxsim_exhaustive
 from .explain import can_explain, explain_results
@@ -287,7 +287,7 @@ class Searcher:
         lexical matches; computed after the search, for the returned hits only, and timed as
         stage "explain". False costs nothing.
         mode: dense (default), lexical or hybrid; fusion, lexical_k, rrf_k, mix_weight and
-        union tune hybrid search (`espn.search.hybrid.HybridParams`). syntax: how the lexical side
+        union tune hybrid search (`espn.params.HybridParams`). syntax: how the lexical side
         reads the queries, "plain" text (default: never an operator, never an error) or
         "simple" (phrases, +required, -excluded; lenient, see `espn.text.query`).
         embeddings: these queries already encoded by `encode` (the server encodes concurrent

@@ -2,7 +2,7 @@
 
 Each check raises InvalidParameterError naming the parameter; per-request numbers
 (`k`, `nprobe`, ...) are checked by `espn.params.SearchParams.validate`, modes and fusion by
-`espn.search.hybrid.HybridParams`.
+`espn.params.HybridParams`.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from typing import Any, Sequence
 
 from ..encoders import QueryEmbeddings
 from ..errors import InvalidParameterError
-from ..params import has_text
+from ..params import MAX_QUERY_CHARS, has_text
 from ..store.format import StoreLayout
 
 __all__ = ["MAX_QUERY_CHARS", "MAX_BATCH", "check_texts", "check_explain", "check_embeddings"]
 
-MAX_QUERY_CHARS = 10_000
 MAX_BATCH = 1024
 
 

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from .buffers import BufferPool
-from .engines import EngineRead, IoLimits, ReadEngine, StoreClosedError, open_engine
+from .engines import EngineRead, IoLimits, StoreClosedError, open_engine
 from .engines.threads import read_fully
 from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
 from .format import StoreLayout
@@ -161,11 +161,6 @@ class PosixReader(Reader):
     def engine(self) -> str:
         """The read engine in use: "io_uring", "aio" or "threads"."""
         return self._engine.name
-
-    @property
-    def read_engine(self) -> ReadEngine:
-        """The engine object itself (its limits; tests drive it directly)."""
-        return self._engine
 
     @property
     def buffer_pool(self) -> BufferPool:

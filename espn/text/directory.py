@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.mapped import map_npy
@@ -101,8 +100,3 @@ def install_text_index(base: Path, config: TextConfig) -> dict[str, Any]:
     write_json_atomic(base / "manifest.json", manifest)
     log.info("%s: full-text index of %d passages added in %.1fs", base, count, section["build_s"])
     return section
-
-
-def text_files_bytes(directory: Path) -> int:
-    """Bytes of a text index directory's own files."""
-    return int(np.sum([(Path(directory) / name).stat().st_size for name in engine_files(directory)]))

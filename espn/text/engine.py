@@ -16,7 +16,6 @@ published generation, which drops whatever an unpublished one added.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os

@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, StrictInt, StrictStr, ValidationError
 
 from espn.errors import InvalidParameterError
-from espn.service import HybridParams, load_json
+from espn.engine import PARTITIONS, RULES
 
 from ..schemas import DocumentResponse, ErrorResponse, ReadinessResponse, SearchResponse, WriteResponse
 from .models import ShardsBatch
@@ -117,7 +117,7 @@ def retry_after(answer: PartitionAnswer, default: Optional[int] = None) -> Optio
 
 
 def _parse(answer: PartitionAnswer, model: type[M], what: str, *, strict: bool = False) -> M:
-    data = load_json(answer.content, what, max_bytes=len(answer.content), finite=True, error=BadAnswer)
+    data = RULES.load_json(answer.content, what, max_bytes=len(answer.content), finite=True, error=BadAnswer)
     try:
         return model.model_validate(data, strict=strict)
     except ValidationError as exc:
@@ -214,7 +214,7 @@ def _check_response(response: SearchResponse, asked: dict[str, Any], what: str) 
         raise BadAnswer(f"{what}: stats.hit_rate = {stats.hit_rate!r} is not in [0, 1]")
     if stats.mode == "hybrid" and stats.hybrid:
         try:
-            HybridParams.from_manifest(stats.hybrid)
+            PARTITIONS.hybrid_params(stats.hybrid)
         except (InvalidParameterError, TypeError, ValueError) as exc:
             raise BadAnswer(f"{what}: stats.hybrid is not fusion parameters ({str(exc)[:200]})") from None
         rerank_count = stats.hybrid.get("rerank_count", 0)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..errors import ServiceUnavailableError
+from ..errors import ApiError
 from ..schemas import ErrorResponse
 from ..settings import RouterSettings
 from .fanout import Fanout, RouterMetrics
@@ -40,12 +40,12 @@ class RouterState:
 
     def require_fanout(self) -> Fanout:
         if self.fanout is None:
-            raise ServiceUnavailableError("the router is not started", retry_after_s=1)
+            raise ApiError(503, "the router is not started", code="unavailable", headers={"Retry-After": "1"})
         return self.fanout
 
     def require_writers(self) -> WriterPool:
         if self.writers is None:
-            raise ServiceUnavailableError("the router is not started", retry_after_s=1)
+            raise ApiError(503, "the router is not started", code="unavailable", headers={"Retry-After": "1"})
         return self.writers
 
     def observe(self, endpoint: str, started: float, status: int = 200, partial: bool = False) -> None:

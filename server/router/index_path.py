@@ -16,7 +16,7 @@ from typing import Optional
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import error_response
-from ..index_names import INDEX_NAME
+from ..index_names import is_index_name
 
 __all__ = ["RouterIndexRoutes", "shard_path", "ROUTED"]
 
@@ -48,7 +48,7 @@ class RouterIndexRoutes:
         name, _, tail = path[len(_PREFIX):].partition("/")
         raw_prefix = f"{_PREFIX}{name}/".encode()
         raw_path: bytes = scope.get("raw_path") or path.encode()
-        if (not INDEX_NAME.match(name) or tail.split("/", 1)[0] not in ROUTED
+        if (not is_index_name(name) or tail.split("/", 1)[0] not in ROUTED
                 or not raw_path.startswith(raw_prefix)):
             await error_response(404, "not_found", f"no route {path!r}: the router forwards "
                                f"{', '.join(sorted(ROUTED))} under {_PREFIX}{{name}}/")(scope, receive, send)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from espn.service import DEFAULT_RERANK_COUNT, HybridParams, fuse
+from espn.engine import PARTITIONS
 
 from ..schemas import MAX_EXPLAIN_K, MAX_HTTP_K, SearchHit, SearchOptions, SearchResponse
 from .models import RoutedSearchResponse, RoutedStats, ShardFailure
@@ -56,13 +56,13 @@ def fuse_hits(per_shard: Sequence[Sequence[SearchHit]], k: int, hybrid: dict[str
     nan = float("nan")
     dense = np.array([nan if h.dense_score is None else h.dense_score for h in hits], dtype=np.float32)
     lexical = np.array([nan if h.lexical_score is None else h.lexical_score for h in hits], dtype=np.float32)
-    params = HybridParams.from_manifest(hybrid)
-    rerank_count = int(hybrid.get("rerank_count", DEFAULT_RERANK_COUNT))  # every shard reports its own
+    params = PARTITIONS.hybrid_params(hybrid)
+    rerank_count = PARTITIONS.rerank_count(hybrid)  # every shard reports its own
     in_lexical = _top(lexical, params.lexical_k)
     pool = np.union1d(_top(dense, rerank_count), in_lexical)
     lexical_pool = np.full(len(hits), np.nan, dtype=np.float32)
     lexical_pool[in_lexical] = lexical[in_lexical]  # below the global lexical top: not on that list
-    fused = fuse(pool, dense[pool], lexical_pool[pool], params)
+    fused = PARTITIONS.fuse(pool, dense[pool], lexical_pool[pool], params)
     out = []
     for row, score, lexical_score in zip(fused.doc[:k].tolist(), fused.score[:k].tolist(), fused.lexical[:k].tolist()):
         out.append(hits[row].model_copy(update={

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import httpx
 from fastapi.responses import JSONResponse
 
-from espn.service import HASH_NAME, PartitionLayout, owner
+from espn.engine import PARTITIONS
 
 from ..schemas import ErrorResponse, WriteResponse
 from .answers import (MAX_SMALL_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, check_readiness, check_write,
@@ -85,7 +85,7 @@ class WriterPool:
         return len(self.writers)
 
     def owner(self, doc_id: str) -> int:
-        return owner(doc_id, self.count)
+        return PARTITIONS.owner(doc_id, self.count)
 
     async def _get(self, partition: int, method: str, path: str, headers: Optional[dict[str, str]] = None,
                    content: Optional[bytes] = None) -> PartitionAnswer | WriteOutcome:
@@ -120,13 +120,13 @@ class WriterPool:
             reported = check_readiness(answer)
         except BadAnswer as exc:
             return self._bad(partition, "/readyz", str(exc), applied="no write was sent")
-        expected = PartitionLayout(partition, self.count)
-        if reported is None or PartitionLayout(reported.index, reported.count, reported.by) != expected:
+        expected = PARTITIONS.layout(partition, self.count)
+        if reported is None or PARTITIONS.layout(reported.index, reported.count, reported.by) != expected:
             says = ("reports no partition" if reported is None else
                     f"reports partition {reported.index} of {reported.count} by "
                     f"{None if reported.by is None else reported.by[:80]!r}")
             message = (f"writer {url} {says}; this router has it as partition {partition} of {self.count} by "
-                       f"{HASH_NAME!r}: check --writers (one URL per partition, in partition order) and the index "
+                       f"{PARTITIONS.hash_name!r}: check --writers (one URL per partition, in partition order) and the index "
                        "it serves")
             self.on_failure(url, "layout_mismatch", message)
             return writer_error(503, "layout_mismatch", message, partition=partition)

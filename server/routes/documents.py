@@ -1,8 +1,7 @@
 """/v1/documents: a passage by its external id; writes to a live index (PUT, DELETE, batch).
 
 A write is checked (ids, text, metadata limits: a 422 before anything is queued) and handed
-to this worker's write service (server/writes.py, through `deps.get_writes`), whose group
-committer (espn.live.commit.GroupCommit) takes it: writes that arrive
+to the index's engine, whose group committer takes it: writes that arrive
 while a generation is being published are encoded together and published as the next
 generation, under the index's writer lock, which the workers take in turn. This worker
 swaps to the new generation before it answers; other workers look at live/CURRENT (one
@@ -16,25 +15,22 @@ NUL, a control character, invalid UTF-8 or a lone surrogate is a 422 naming it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Annotated, Any, Optional
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import AfterValidator
 
-from espn.service import MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE
+from espn.engine import RULES, Engine, NewDocument, WriteResult
 
-from ..deps import AppState, get_search, get_state, get_writes
+from ..deps import get_engine
 from ..errors import METHOD_NOT_ALLOWED_ROUTE, ApiError
 from ..schemas import (ID_LIMIT, ID_SCHEMA, BatchWriteRequest, DocumentResponse,
                        DocumentWrite, ErrorResponse, WriteResponse, check_write_id, path_doc_id)
-from ..search_service import SearchService
-from ..writes import NewDocument, WriteResult
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/documents", tags=["documents"])
+router = APIRouter(prefix="/documents", tags=["documents"])
 
 _ERROR = {"model": ErrorResponse}
 _READ_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -88,23 +84,15 @@ async def get_document(
     doc_id: StoredId,
     image: bool = Query(False, description="an index of pages: answer with the page's stored image (JPEG, at most "
                                            "1,600 px a side) instead of its JSON"),
-    max_side: Optional[int] = Query(None, ge=MIN_THUMBNAIL_SIDE, le=MAX_THUMBNAIL_SIDE,
+    max_side: Optional[int] = Query(None, ge=RULES.min_thumbnail_side, le=RULES.max_thumbnail_side,
                                     description="with image=true: a thumbnail at most this many px a side"),
-    service: SearchService = Depends(get_search),
+    engine: Engine = Depends(get_engine),
 ) -> Any:
     if image:
-        data, media_type = await asyncio.to_thread(_page_image, service, path_doc_id(request), max_side)
+        data, media_type = await engine.page_image(path_doc_id(request), max_side)
         return Response(content=data, media_type=media_type, headers={"Cache-Control": "no-cache"})
-    document = await service.document(path_doc_id(request))
+    document = await engine.document(path_doc_id(request))
     return DocumentResponse(id=document.doc_id, title=document.title, text=document.text, metadata=document.metadata)
-
-
-def _page_image(service: SearchService, doc_id: str, max_side: Optional[int]) -> tuple[bytes, str]:
-    """A page's stored image from the newest generation (as `SearchService.document` reads a passage:
-    one stat of live/CURRENT, then a lease), in a worker thread: it reads the file."""
-    service.live.refresh()
-    with service.live.lease() as searcher:
-        return searcher.page_image(doc_id, max_side)
 
 
 def _response(result: WriteResult) -> WriteResponse:
@@ -128,10 +116,10 @@ async def put_document(
                                 description=f"external document id: {ID_LIMIT}, no surrounding whitespace, no "
                                             "control characters"),
                       AfterValidator(check_write_id)],
-    state: AppState = Depends(get_state),
+    engine: Engine = Depends(get_engine),
 ) -> WriteResponse:
     document = NewDocument(path_doc_id(request), body.text, body.title, body.metadata, body.image_bytes())
-    result = await get_writes(state).apply([document], [])
+    result = await engine.write([document], [])
     if result.replaced:
         response.status_code = 200
     return _response(result)
@@ -146,9 +134,9 @@ async def put_document(
 async def delete_document(
     request: Request,
     doc_id: StoredId,
-    state: AppState = Depends(get_state),
+    engine: Engine = Depends(get_engine),
 ) -> WriteResponse:
-    return _response(await get_writes(state).apply([], [path_doc_id(request)]))
+    return _response(await engine.write([], [path_doc_id(request)]))
 
 
 @router.post(
@@ -157,10 +145,10 @@ async def delete_document(
     summary="Upserts and deletes applied as one generation (all or nothing)",
     responses=_WRITE_ERRORS,
 )
-async def write_batch(body: BatchWriteRequest, state: AppState = Depends(get_state)) -> WriteResponse:
-    limit = state.settings.max_batch_writes
+async def write_batch(body: BatchWriteRequest, request: Request, engine: Engine = Depends(get_engine)) -> WriteResponse:
+    limit = request.app.state.espn.settings.max_batch_writes
     if max(len(body.upsert), len(body.delete)) > limit:
         raise ApiError(422, f"at most {limit} upserts and {limit} deletes per batch (ESPN_MAX_BATCH_WRITES)",
                        code="invalid_request")
     upserts = [NewDocument(d.id, d.text, d.title, d.metadata, d.image_bytes()) for d in body.upsert]
-    return _response(await get_writes(state).apply(upserts, body.delete))
+    return _response(await engine.write(upserts, body.delete))

@@ -1,8 +1,8 @@
 """GET /v1/indexes: the indexes this server holds (`espn serve --index NAME=PATH ...`); POST creates one
-and DELETE /v1/indexes/{name} removes one (server.index_admin), behind the API key like every /v1 route.
+and DELETE /v1/indexes/{name} removes one, behind the API key like every /v1 route.
 
-Each index's own routes are under /v1/indexes/{name}/ (server.indexes hands them to the
-routes of /v1/search, /v1/documents and /v1/snapshots with that index's state)."""
+Each index's own routes are under /v1/indexes/{name}/: the routes of /v1/search, /v1/documents
+and /v1/snapshots, mounted again with the index's name as a path parameter (server.app)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Response
 
+from espn.engine import IndexInfo as EngineIndexInfo
+
 from ..deps import AppState, get_state
-from ..index_admin import create_index, delete_index
 from ..schemas import CreateIndexRequest, ErrorResponse, IndexInfo, IndexListResponse
 
 router = APIRouter(prefix="/v1/indexes", tags=["indexes"])
@@ -39,24 +40,24 @@ _DELETE_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _registry(state: AppState) -> Any:
-    assert state.indexes is not None  # build_app makes it
-    return state.indexes
+def index_info(info: EngineIndexInfo) -> IndexInfo:
+    """The engine's view of an index as the HTTP model (also in /readyz)."""
+    return IndexInfo(name=info.name, default=info.default, open=info.open, documents=info.documents,
+                     generation=info.generation, encoder=info.encoder,
+                     mode=None if info.read_only is None else "read-only" if info.read_only else "read-write",
+                     memory_mib=round(info.memory_bytes / 2**20, 3))
 
 
 @router.get("", response_model=IndexListResponse, summary="List the indexes: name, documents, encoder, open or closed")
 async def list_indexes(state: AppState = Depends(get_state)) -> IndexListResponse:
-    return IndexListResponse(indexes=_registry(state).describe())
+    return IndexListResponse(indexes=[index_info(info) for info in state.engines.describe()])
 
 
 @router.get("/{name}", response_model=IndexInfo, summary="One index: documents, encoder, open or closed",
             responses=_NOT_FOUND)
 async def get_index(name: str = Path(description="the index's name (`--index NAME=PATH`)"),
                     state: AppState = Depends(get_state)) -> IndexInfo:
-    registry = _registry(state)
-    registry.get(name)  # 404 for a name it does not hold
-    (info,) = [item for item in registry.describe() if item.name == name]
-    return info
+    return index_info(state.engines.info(name))
 
 
 @router.post("", response_model=IndexInfo, status_code=201, responses=_CREATE_ERRORS,
@@ -65,12 +66,12 @@ async def get_index(name: str = Path(description="the index's name (`--index NAM
                          "bundled sample corpus, then every sample document is deleted, so it starts empty and "
                          "takes writes under /v1/indexes/{name}/documents. Takes tens of seconds (a build).")
 async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_state)) -> IndexInfo:
-    return await create_index(_registry(state), body)
+    return index_info(await state.engines.create(body.name, body.model))
 
 
 @router.delete("/{name}", status_code=204, response_class=Response, responses=_DELETE_ERRORS,
                summary="Delete an index: its requests finish, it closes, its directory is removed")
 async def remove_index(name: str = Path(description="the index's name"),
                        state: AppState = Depends(get_state)) -> Response:
-    await delete_index(_registry(state), name, float(state.settings.graceful_timeout_s))
+    await state.engines.delete(name)
     return Response(status_code=204)

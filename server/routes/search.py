@@ -1,4 +1,4 @@
-"""POST /v1/search and /v1/search/batch: request model -> the search service (micro-batched) -> response model."""
+"""POST /v1/search and /v1/search/batch: request model -> the engine (micro-batched) -> response model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from espn.engine import RULES, Document, Engine, QueryAnswer
 from espn.errors import InvalidParameterError
-from espn.service import Document, QueryResult, has_text
 
-from ..batching import BatchedResult
-from ..deps import get_search
+from ..deps import get_engine
 from ..errors import ApiError
 from ..middleware import LOG_EXTRA_KEY
 from ..schemas import (
@@ -30,9 +29,8 @@ from ..schemas import (
     SearchResponse,
     SearchStatsModel,
 )
-from ..search_service import SearchService
 
-router = APIRouter(prefix="/v1/search", tags=["search"])
+router = APIRouter(prefix="/search", tags=["search"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON or invalid UTF-8"},
@@ -58,26 +56,26 @@ def _json(model: BaseModel) -> Response:
 # response_model documents the answer (OpenAPI); the routes serialise it themselves (`_json`).
 @router.post("", response_model=SearchResponse, response_model_exclude_unset=True, summary="Search one query",
              responses=_ERRORS)
-async def search(body: SearchRequest, request: Request, service: SearchService = Depends(get_search)) -> Response:
-    return await search_one(service, request, body)
+async def search(body: SearchRequest, request: Request, engine: Engine = Depends(get_engine)) -> Response:
+    return await search_one(engine, request, body)
 
 
-async def search_one(service: SearchService, request: Request, body: SearchRequest) -> Response:
+async def search_one(engine: Engine, request: Request, body: SearchRequest) -> Response:
     """The route's work, also run by `server.search_fast_path` for the requests it takes."""
-    (response,), _, _ = await _search(service, request, [body.query], body, explain=bool(body.explain))
+    (response,), _, _ = await _search(engine, request, [body.query], body, explain=bool(body.explain))
     return _json(response)
 
 
 @router.post("/batch", response_model=BatchSearchResponse, response_model_exclude_unset=True,
              summary="Search several queries", responses=_ERRORS)
 async def search_batch(
-    body: BatchSearchRequest, request: Request, service: SearchService = Depends(get_search)
+    body: BatchSearchRequest, request: Request, engine: Engine = Depends(get_engine)
 ) -> Response:
     """One query's failure is that query's: a blank or too long text, or one the search
     refuses, is an `invalid_query` entry of `errors`; a failure that is not a refusal (a bug, a
     failed read) is an `internal_error` entry, its traceback in the server's log; every other
     query is answered."""
-    limit = service.settings.max_batch_queries
+    limit = request.app.state.espn.settings.max_batch_queries
     if len(body.queries) > limit:
         raise ApiError(422, f"queries: at most {limit} queries per batch, got {len(body.queries)}",
                        code="invalid_request")
@@ -87,11 +85,11 @@ async def search_batch(
     rows = [i for i in range(len(body.queries)) if i not in unsearchable]
     responses: list[SearchResponse] = []
     if not rows:  # no text to search: the request's own parameters are still checked
-        await service.check(body)
+        await engine.check(body.engine_options())
     else:
-        # The library searches each query alone when it refuses the batch (espn.service.search_isolated):
-        # a refused query is that query's entry of `errors`, the others are answered.
-        responses, refused, broken = await _search(service, request, [body.queries[i] for i in rows], body,
+        # The engine searches each query alone when it refuses the batch: a refused query is that
+        # query's entry of `errors`, the others are answered.
+        responses, refused, broken = await _search(engine, request, [body.queries[i] for i in rows], body,
                                                    rows=rows)
         errors += [QueryError(index=i, error="invalid_query", message=f"queries[{i}]: {exc}")
                    for i, exc in refused.items()]
@@ -105,38 +103,35 @@ def _text_problem(query: str) -> Optional[str]:
     """Why a batch's query text cannot be searched (None: it can), as /v1/search's schema says it."""
     if len(query) > MAX_QUERY_CHARS:
         return f"{len(query)} characters; at most {MAX_QUERY_CHARS}"
-    if not has_text(query):
+    if not RULES.has_text(query):
         return "no text (only whitespace or control characters)"
     return None
 
 
-async def _search(service: SearchService, request: Request, queries: Sequence[str], options: SearchOptions,
+async def _search(engine: Engine, request: Request, queries: Sequence[str], options: SearchOptions,
                   explain: bool = False, rows: Optional[Sequence[int]] = None
                   ) -> tuple[list[SearchResponse], dict[int, InvalidParameterError], list[int]]:
-    """The queries searched by the service, as responses; the request's log line names its batch
+    """The queries searched by the engine, as responses; the request's log line names its batch
     sizes. rows (a batch: each query's position in the request): a query the search refuses is
     isolated, returned by its row beside the responses of the others, whose `index` is their row;
     so is a query whose search failed otherwise (its row in the list returned last)."""
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k})
-    answers = await service.search(queries, options, explain=explain, isolate=rows is not None)
+    answer = await engine.search(queries, options.engine_options(explain), isolate=rows is not None)
+    responses = [_to_response(queries[at], item, answer.documents, answer.engine)
+                 for at, item in zip(answer.positions, answer.answers)]
     refused: dict[int, InvalidParameterError] = {}
     failed: list[int] = []
     if rows is not None:
-        responses = [_to_response(queries[at], item, answers.documents, answers.engine)
-                     for at, item in zip(answers.answered, answers.results)]
-        for at, response in zip(answers.answered, responses):
+        for at, response in zip(answer.positions, responses):
             response.index = rows[at]
-        refused = {rows[at]: exc for at, exc in answers.refused.items()}
-        failed = [rows[at] for at in answers.failed]
-    else:
-        responses = [_to_response(query, item, answers.documents, answers.engine)
-                     for query, item in zip(queries, answers.results)]
-    batch_sizes = sorted({item.batch_size for item in answers.results})
+        refused = {rows[at]: exc for at, exc in answer.refused.items()}
+        failed = [rows[at] for at in answer.failed]
+    batch_sizes = sorted({item.batch_size for item in answer.answers})
     setattr(request.state, LOG_EXTRA_KEY, {"queries": len(queries), "k": options.k, "batch_sizes": batch_sizes})
     return responses, refused, failed
 
 
-def _to_response(query: str, item: BatchedResult[QueryResult], documents: Optional[dict[str, Document]],
+def _to_response(query: str, item: QueryAnswer, documents: Optional[dict[str, Document]],
                  reader_engine: str) -> SearchResponse:
     stats = item.result.stats
     hits = []

@@ -74,7 +74,7 @@ from .submission import WITHDRAWN, QueueBroken
 from .uring_abi import (ARCHES, CQE_DTYPE, IORING_ASYNC_CANCEL_ANY, IORING_ENTER_EXT_ARG, IORING_ENTER_GETEVENTS,
                         IORING_FEAT_EXT_ARG, IORING_FEAT_SINGLE_MMAP, IORING_OFF_CQ_RING, IORING_OFF_SQES,
                         IORING_OFF_SQ_RING, IORING_OP_ASYNC_CANCEL, IORING_OP_READ, IORING_REGISTER_PROBE,
-                        IORING_SETUP_SINGLE_ISSUER, IO_URING_OP_SUPPORTED, NR_ENTER, NR_REGISTER, PARAMS_DTYPE,
+                        IO_URING_OP_SUPPORTED, NR_ENTER, NR_REGISTER, PARAMS_DTYPE,
                         SETUP_FLAGS, SQE_DTYPE, io_uring_enter, io_uring_setup, libc_syscall, round_up_pow2, syscall)
 
 __all__ = ["UringEngine", "SQE_DTYPE", "CQE_DTYPE", "PARAMS_DTYPE", "io_uring_setup", "io_uring_enter",

@@ -28,7 +28,9 @@ import logging
 import time
 from typing import Any, Callable, Generic, Hashable, Mapping, Optional, Sequence, TypeVar, Union
 
-__all__ = ["MicroBatcher", "BatchedResult", "QueueFullError", "BatcherClosedError"]
+from ..errors import QueueFullError, ShuttingDownError
+
+__all__ = ["MicroBatcher", "BatchedResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +40,6 @@ SearchFn = Callable[[list[str], Mapping[str, Any]], Sequence[R]]
 #: exception that group raised (a failure reaches only its own group); a result may itself be
 #: an exception, that one query's (the group's others were answered).
 SearchManyFn = Callable[[list[tuple[list[str], Mapping[str, Any]]]], list[Union[Sequence[R], BaseException]]]
-
-
-class QueueFullError(RuntimeError):
-    """More queries are waiting than `max_pending`; the caller should retry later."""
-
-
-class BatcherClosedError(RuntimeError):
-    """The batcher is shutting down and takes no new queries."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +180,7 @@ class MicroBatcher(Generic[R]):
     async def _submit_now(self, queries: Sequence[str],
                           params: Mapping[str, Any]) -> list[Union[BatchedResult[R], Exception]]:
         if self._closing or self._dispatcher is None or self._dispatcher.done():
-            raise BatcherClosedError("the search queue is closed")
+            raise ShuttingDownError("the search queue is closed: the index is closing")
         if self._pending + len(queries) > self._max_pending:
             raise QueueFullError(f"{self._pending} queries are queued (limit {self._max_pending})")
         loop = asyncio.get_running_loop()
@@ -357,7 +351,7 @@ class MicroBatcher(Generic[R]):
                 future: "concurrent.futures.Future[list[Any]]", started: float, handed_out: "asyncio.Future[None]") -> None:
         """On the loop: each waiter gets its result or its exception; then what queued meanwhile goes."""
         self._in_flight -= 1
-        exc = BatcherClosedError("the search queue is closed") if future.cancelled() else future.exception()
+        exc = ShuttingDownError("the search queue is closed: the index is closing") if future.cancelled() else future.exception()
         outcomes: list[Any] = [exc] * len(groups) if exc is not None else future.result()
         elapsed = time.monotonic() - started
         size = sum(len(items) for _, items in groups)

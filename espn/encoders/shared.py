@@ -17,7 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from espn.service import Encoder, load_encoder
+from . import load_encoder
+from .base import Encoder
 
 __all__ = ["SharedEncoders", "encoder_key"]
 

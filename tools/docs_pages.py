@@ -13,7 +13,7 @@
   one line per module, from the first sentence of each module's docstring.
 
 Each generated part sits between `<!-- generated:NAME -->` and `<!-- /generated -->` in a
-page whose other text is written by hand. `python -m espn_server.docs_pages docs` rewrites
+page whose other text is written by hand. `python -m tools.docs_pages docs` rewrites
 them (`make docs` does); `--check` exits 1 when one is out of date, and
 tests/test_docs_site.py fails in the same case.
 """
@@ -31,12 +31,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from espn.service import MAX_ID_BYTES, MAX_K, MAX_LEXICAL_K, MAX_QUERY_CHARS, build_parser
-
-from .app import build_app
-from .schemas import MAX_HTTP_K, MAX_HTTP_LEXICAL_K
-from .settings import ServerSettings
-from .settings_doc import replace_blocks, write_readme
+from espn.cli import build_parser
+from espn.ids import MAX_ID_BYTES
+from espn.params import MAX_K, MAX_LEXICAL_K, MAX_QUERY_CHARS
+from espn_server.app import build_app
+from espn_server.schemas import MAX_HTTP_K, MAX_HTTP_LEXICAL_K
+from espn_server.settings import ServerSettings
+from espn_server.settings_doc import replace_blocks, write_readme
 
 __all__ = ["cli_reference", "openapi_document", "http_reference", "limits_table", "layout_tree", "write_pages"]
 
@@ -165,14 +166,14 @@ def limits_table() -> str:
     """Markdown: the limits a request meets in the library (and `espn search`, `espn add`) and over
     HTTP, one row per concept; where they differ, the HTTP constant has its own name and why."""
     rows = [
-        ("query text", f"{MAX_QUERY_CHARS:,} characters", "the same", "`espn.search.validation.MAX_QUERY_CHARS`", ""),
+        ("query text", f"{MAX_QUERY_CHARS:,} characters", "the same", "`espn.params.MAX_QUERY_CHARS`", ""),
         ("document id", f"{MAX_ID_BYTES:,} UTF-8 bytes", "the same, refused in the library's words",
          "`espn.ids.MAX_ID_BYTES`", ""),
         ("results per query (`k`)", f"{MAX_K:,}", f"{MAX_HTTP_K:,}", "`espn.params.MAX_K`, "
          "`espn_server.schemas.MAX_HTTP_K`", "a response is built whole in memory and sent as one JSON body, and "
          "a batch multiplies it"),
         ("lexical candidates (`lexical_k`)", f"{MAX_LEXICAL_K:,}", f"{MAX_HTTP_LEXICAL_K:,}",
-         "`espn.search.hybrid.MAX_LEXICAL_K`, `espn_server.schemas.MAX_HTTP_LEXICAL_K`",
+         "`espn.params.MAX_LEXICAL_K`, `espn_server.schemas.MAX_HTTP_LEXICAL_K`",
          "each is read and MaxSim-scored within the request, and `espn route` asks every partition for its "
          "whole pool"),
     ]
@@ -238,7 +239,7 @@ def write_pages(docs: Path, check: bool = False) -> list[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m espn_server.docs_pages", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.docs_pages", description=__doc__.split("\n\n")[0])
     parser.add_argument("docs", type=Path, help="the docs/ folder")
     parser.add_argument("--check", action="store_true", help="exit 1 if a generated part is out of date")
     args = parser.parse_args(argv)

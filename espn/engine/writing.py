@@ -1,12 +1,11 @@
-"""The write service: this worker's writes to the live index, for the routes of /v1/documents.
+"""Writes of one served index: the group committer and the background compaction.
 
 It holds the group committer (espn.live.commit.GroupCommit over an espn.live LiveIndex),
-made at the first write (its encoder loads in its thread), and starts a compaction in a
-background thread once the policy asks for one. It owns that thread: `close` (the app's
-lifespan, at shutdown) lets a running compaction finish and joins it before the committer
-publishes what was accepted and stops, then closes the writer, whose side indexes remove
-their work directories (`live/stage-text-*`). Routes get it through `deps.get_writes` and
-know nothing of the writer.
+made at the first write or at warm-up (its encoder loads in its thread), and starts a
+compaction in a background thread once the policy asks for one. It owns that thread:
+`close` lets a running compaction finish and joins it before the committer publishes what
+was accepted and stops, then closes the writer, whose side indexes remove their work
+directories (`live/stage-text-*`).
 """
 
 from __future__ import annotations
@@ -15,34 +14,37 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from pathlib import Path
 from typing import Callable, Sequence
 
-from espn.errors import EspnError
-from espn.service import (CompactionPolicy, CompactionRunningError, GroupCommit, LiveIndex, LiveSearcher,
-                          MetadataLimits, NewDocument, WriteLimits, WriteResult, lower_priority)
+from ..errors import EspnError
+from ..live.checks import NewDocument, WriteLimits, WriteResult
+from ..live.commit import GroupCommit, lower_priority
+from ..live.compaction import CompactionPolicy, CompactionRunningError
+from ..live.live_index import LiveIndex
+from ..metadata import MetadataLimits
+from .config import IndexConfig
 
-from .settings import ServerSettings
-
-__all__ = ["WriteService", "NewDocument", "WriteResult"]
+__all__ = ["Writing"]
 
 logger = logging.getLogger(__name__)
 
 
-class WriteService:
-    """Checks, queues and publishes writes (GroupCommit), and compacts past the policy's thresholds."""
+class Writing:
+    """Checks, queues and publishes writes (GroupCommit), and compacts past the policy's thresholds.
 
-    def __init__(self, settings: ServerSettings, live: LiveSearcher) -> None:
-        self.settings = settings
-        self.limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
-                                                 settings.max_index_fields))
-        self.policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
-                                       settings.compact_base_ratio, settings.compact_deleted_fraction)
+    on_publish(generation): called on the publishing thread once a generation is durable, before
+    its writers are answered (the search side swaps to it there)."""
 
-        def serve_it(generation: int) -> None:  # this worker searches the new generation before it answers
-            live.refresh()
-
-        self.committer = GroupCommit(LiveIndex(settings.index, limits=self.limits), wait_s=settings.write_wait_s,
-                                     nice=settings.write_nice, max_queued=settings.write_queue, on_publish=serve_it)
+    def __init__(self, index: Path, config: IndexConfig, on_publish: Callable[[int], None]) -> None:
+        self.index = index
+        self.config = config
+        self.limits = WriteLimits(MetadataLimits(config.max_metadata_fields, config.max_metadata_bytes,
+                                                 config.max_index_fields))
+        self.policy = CompactionPolicy(config.compact_max_segments, config.compact_merge_factor,
+                                       config.compact_base_ratio, config.compact_deleted_fraction)
+        self.committer = GroupCommit(LiveIndex(index, limits=self.limits), wait_s=config.write_wait_s,
+                                     nice=config.write_nice, max_queued=config.write_queue, on_publish=on_publish)
         self._lock = threading.Lock()  # guards the compaction thread and `_closed`
         self._compaction: threading.Thread | None = None
         self._closed = False
@@ -51,8 +53,7 @@ class WriteService:
         """Load what the first write would (the document encoder: a second of CPU, more on a busy
         machine) and encode one passage, nothing published, so that the first write is as fast
         as the next. Also removes what a stopped server left in live/ (a staging directory
-        whose owner is gone), when no other writer holds the lock at this moment (else that
-        writer's own recovery does it)."""
+        whose owner is gone), when no other writer holds the lock at this moment."""
         self.committer.index.warmup()  # a passage, or a blank page for an index of pages
         self.committer.index.recover()  # never written to: left as it was
 
@@ -61,16 +62,15 @@ class WriteService:
         return self.committer.submit(upserts, deletes)
 
     async def apply(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteResult:
-        """One write, answered once the generation holding it is durable and this worker serves it."""
+        """One write, answered once the generation holding it is durable and this process serves it."""
         result = await asyncio.wrap_future(self.submit(upserts, deletes))
         self.maybe_compact()
         return result
 
     def maybe_compact(self) -> None:
-        """Past the policy's thresholds, compact in a background thread of this worker: a merge of
-        small deltas or a base rewrite, from a snapshot. Searches and writes go on; writes wait
-        only for the swap. One compaction per index at a time: when another worker's is running,
-        this one is one log line."""
+        """Past the policy's thresholds, compact in a background thread: a merge of small deltas or
+        a base rewrite, from a snapshot. Searches and writes go on; writes wait only for the swap.
+        One compaction per index at a time: when another process's is running, this is one log line."""
         with self._lock:
             if self._closed or (self._compaction is not None and self._compaction.is_alive()):
                 return
@@ -85,10 +85,10 @@ class WriteService:
         return self.committer.run_exclusive(run).result()
 
     def _compact(self) -> None:
-        lower_priority(self.settings.write_nice)  # the work before the swap takes what searches leave
-        compactor = LiveIndex(self.settings.index, limits=self.limits)
+        lower_priority(self.config.write_nice)  # the work before the swap takes what searches leave
+        compactor = LiveIndex(self.index, limits=self.limits)
         try:
-            compactor.maintain(self.policy, wait_s=self.settings.write_wait_s, swap=self._swap)
+            compactor.maintain(self.policy, wait_s=self.config.write_wait_s, swap=self._swap)
         except CompactionRunningError:
             logger.info("compaction not started: another one is running on this index")
         except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
@@ -99,9 +99,8 @@ class WriteService:
             compactor.close()  # its side indexes' writers (a text engine's) go with it
 
     def close(self) -> None:
-        """Let a running compaction finish (its swap runs on the committer's thread) and join it,
-        publish what was accepted and stop the committer's threads, then close the writer (its
-        side indexes remove their work directories). Idempotent."""
+        """Let a running compaction finish and join it, publish what was accepted and stop the
+        committer's threads, then close the writer. Idempotent."""
         with self._lock:
             self._closed = True  # no compaction starts from now on
             compaction = self._compaction

@@ -1,0 +1,116 @@
+"""How an engine serves its indexes: one frozen config per index and one for the registry.
+
+The entry point (the server's settings, or a Python caller) builds these once; the engine
+reads nothing from argv or the environment. The defaults are the library's: a caller that
+sets nothing gets what `espn serve` gets without flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ..files import is_index_directory
+from .rules import RULES
+
+__all__ = ["IndexConfig", "ServeConfig", "DEFAULT_INDEX_NAME"]
+
+#: The name of the default index when nothing names it.
+DEFAULT_INDEX_NAME = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexConfig:
+    """How each index is opened, searched and written (the same for every index of a registry).
+
+    Reading: reader (None: kvikio where CUDA works, else posix), device, reader_options (the
+    reader's open options), torch_threads (per process), trust_remote_code.
+    Searching: micro-batching (max_batch_size, batch_wait_ms, search_threads, inline_search_ms,
+    max_pending, fair_chunk_queries) and the work budget of one request (max_request_work,
+    max_response_bytes).
+    Writing: read_only (None: decided from the index's files), the writer lock's wait, the
+    write threads' nice level, the queue, the compaction policy and the metadata limits.
+    Replication: follow or publish an object-store prefix; snapshot_dir for snapshots by name.
+    """
+
+    reader: Optional[str] = None
+    device: Optional[str] = None
+    reader_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    torch_threads: int = 1
+    trust_remote_code: bool = False
+    max_batch_size: int = 32
+    batch_wait_ms: float = 2.0
+    search_threads: int = 1
+    inline_search_ms: float = 25.0
+    max_pending: int = 4096
+    fair_chunk_queries: int = 8
+    max_request_work: int = 262_144
+    max_response_bytes: int = 16 << 20
+    read_only: Optional[bool] = None
+    write_wait_s: float = 10.0
+    write_nice: int = 10
+    write_queue: int = 10_000
+    compact_max_segments: int = 8
+    compact_merge_factor: int = 4
+    compact_base_ratio: float = 0.5
+    compact_deleted_fraction: float = 0.2
+    max_metadata_fields: int = 64
+    max_metadata_bytes: int = 16 << 10
+    max_index_fields: int = 256
+    warmup: bool = True
+    follow: Optional[str] = None
+    follow_interval_s: float = 2.0
+    publish: Optional[str] = None
+    publish_interval_s: float = 0.5
+    publish_keep: Optional[int] = None
+    snapshot_dir: Optional[Path] = None
+
+    def replace(self, **changes: Any) -> "IndexConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The indexes of one registry and how it holds them.
+
+    indexes:          name -> directory, the default index first (None of them: start with none;
+                      then `root` must be set, and requests name their index)
+    root:             where indexes are created and deleted by name (None: they are not)
+    models:           name -> encoder spec that created indexes may use
+    memory_budget_mib: estimated memory the open indexes may hold (0: no budget)
+    idle_close_s:     close an index other than the default after this long without a request (0: never)
+    graceful_s:       how long a deletion waits for the requests inside an index
+    index:            how every index is served
+    """
+
+    indexes: Mapping[str, Path]
+    root: Optional[Path] = None
+    models: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    memory_budget_mib: float = 0.0
+    idle_close_s: float = 0.0
+    graceful_s: float = 30.0
+    index: IndexConfig = IndexConfig()
+
+    def __post_init__(self) -> None:
+        for name in (*self.indexes, *self.models):
+            problem = RULES.index_name_problem(name)
+            if problem is not None:
+                raise ValueError(problem)
+        if not self.indexes and self.root is None:
+            raise ValueError("no index to serve: give an index or an index root")
+
+    @property
+    def default_name(self) -> Optional[str]:
+        """The default index's name (the first); None when the registry starts with none."""
+        return next(iter(self.indexes), None)
+
+    @staticmethod
+    def indexes_under(root: Path) -> dict[str, Path]:
+        """name -> directory of each index in `root` (a subdirectory with a manifest, named after
+        it), sorted by name; hidden names (a creation or deletion in progress) are skipped."""
+        if not root.is_dir():
+            return {}
+        return {child.name: child.resolve() for child in sorted(root.iterdir())
+                if not child.name.startswith(".") and RULES.index_name_problem(child.name) is None
+                and is_index_directory(child)}
