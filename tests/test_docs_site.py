@@ -62,8 +62,11 @@ def test_generated_pages_are_current() -> None:
 
 
 def test_error_codes_sent_and_documented_agree() -> None:
-    sources = "\n".join(p.read_text() for p in sorted(ROOT.joinpath("server").rglob("*.py")))
-    patterns = [r'code="(\w+)"', r'error_response\(\s*\d+,\s*"(\w+)"', r'_error\(\s*\d+,\s*"(\w+)"',
+    # The server's own answers, and the codes the library's errors carry (the server answers with them).
+    files = [*ROOT.joinpath("server").rglob("*.py"), ROOT / "espn" / "errors.py", *ROOT.joinpath("espn", "engine").rglob("*.py")]
+    sources = "\n".join(p.read_text() for p in sorted(files))
+    patterns = [r'code="(\w+)"', r'^\s+code = "(\w+)"$', r'_Status\(\d{3}, "(\w+)"',
+                r'error_response\(\s*\d+,\s*"(\w+)"', r'_error\(\s*\d+,\s*"(\w+)"',
                 r'"error":\s*"(\w+)"', r'\berror="(\w+)"', r'error_body\([^()]*, "(\w+)"\)', r'code, message = "(\w+)"', r'^\s+\d{3}: "(\w+)",$']
     codes = {code for pattern in patterns for code in re.findall(pattern, sources, re.M)}
     assert {"method_not_allowed", "conflict", "over_budget", "invalid_utf8", "write_timeout"} <= codes  # the regexes see

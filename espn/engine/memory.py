@@ -41,5 +41,5 @@ async def make_room(held: Iterable[ServedIndex], opening: ServedIndex, budget_mi
             raise UnavailableError(
                 f"index {opening.name!r} needs an estimated {need / MIB:.1f} MiB and the open indexes hold "
                 f"{used / MIB:.1f} MiB with requests inside: over the memory budget of {budget_mib:g} MiB "
-                "(--index-memory-budget); retry later", code="over_memory_budget", retry_after_s=5)
+                "(--index-memory-budget); retry later", retry_after_s=5)
         await close(idle[0], "memory budget")
