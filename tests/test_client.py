@@ -1,10 +1,11 @@
 """The typed client (clients/python, `espn_client`) against a real `espn serve` of the sample index.
 
 Every route through the sync and the async client, with every request recorded and held to the
-path+method list of the server's live OpenAPI document; the client's models held to that
-document's schemas; answers compared with raw HTTP's; error answers as exceptions carrying the
-server's code and message. Retries and timeouts run against a tiny HTTP server on loopback that
+path+method list of the server's live OpenAPI document; answers compared with raw HTTP's; error
+answers as exceptions carrying the server's code and message. Retries and timeouts run against a tiny HTTP server on loopback that
 answers 503/507 with Retry-After (or stalls) on cue: a real server, whose answers are chosen.
+(The models against the OpenAPI document and the sync client against the async one:
+tests/test_client_contract.py; hostile answers: tests/test_client_bounds.py.)
 """
 
 from __future__ import annotations
@@ -36,20 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 AUTH = {"Authorization": f"Bearer {CLIENT_API_KEY}"}
 QUERY = "what causes ocean tides"
 FILTER = {"topic": {"in": ["oceans", "weather"]}}
-#: Each client model and the server's schema it stands for (components/schemas of /openapi.json).
-MODELS = {
-    models.SearchRequest: "SearchRequest", models.BatchSearchRequest: "BatchSearchRequest",
-    models.DocumentWrite: "DocumentWrite", models.DocumentUpsert: "DocumentUpsert",
-    models.BatchWriteRequest: "BatchWriteRequest", models.SnapshotRequest: "SnapshotRequest",
-    models.PassageSpan: "PassageSpanModel", models.TokenMatch: "TokenMatchModel",
-    models.Explanation: "ExplanationModel", models.LexicalMatch: "LexicalMatchModel", models.SearchHit: "SearchHit",
-    models.SearchStats: "SearchStatsModel", models.SearchResponse: "SearchResponse", models.QueryError: "QueryError",
-    models.BatchSearchResponse: "BatchSearchResponse", models.Document: "DocumentResponse",
-    models.WriteResponse: "WriteResponse", models.Health: "HealthResponse", models.Readiness: "ReadinessResponse",
-    models.SnapshotInfo: "SnapshotInfo", models.SnapshotList: "SnapshotList", models.ErrorBody: "ErrorResponse",
-    models.IndexInfo: "IndexInfo", models.IndexList: "IndexListResponse",
-    models.CreateIndexRequest: "CreateIndexRequest",
-}
 
 
 @pytest.fixture(scope="module")
@@ -89,41 +76,6 @@ class Recorder:
                 if not any(m == method and pattern.match(p) for m, p in self.sent):
                     missing.add((method, template))
         return missing
-
-
-# -- the models against the document -------------------------------------------------------
-
-_JSON = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-
-
-def _json_types(prop: dict[str, Any], schemas: dict[str, Any]) -> set[str]:
-    """The JSON types a property's schema admits (refs resolved, anyOf/oneOf joined, enums' types)."""
-    if "$ref" in prop:
-        return _json_types(schemas[prop["$ref"].rsplit("/", 1)[1]], schemas)
-    if "anyOf" in prop or "oneOf" in prop:
-        return set().union(*(_json_types(p, schemas) for p in prop.get("anyOf", prop.get("oneOf"))))
-    if "type" in prop:
-        kinds = set(prop["type"] if isinstance(prop["type"], list) else [prop["type"]])
-        return kinds | {"integer"} if "number" in kinds else kinds  # a number takes JSON integers
-    if "enum" in prop or "const" in prop:
-        return {_JSON[type(v)] for v in prop.get("enum", [prop.get("const")])}
-    return {"any"}
-
-
-@pytest.mark.parametrize("client_model", list(MODELS), ids=lambda m: m.__name__)
-def test_the_client_models_match_the_servers_schemas(client_model, openapi) -> None:
-    schemas = openapi["components"]["schemas"]
-    theirs = schemas[MODELS[client_model]]
-    ours = client_model.model_json_schema(ref_template="#/$defs/{model}")
-    ours_defs = {**ours.get("$defs", {}), client_model.__name__: ours}
-    assert set(ours["properties"]) == set(theirs["properties"]), MODELS[client_model]
-    for name, prop in theirs["properties"].items():
-        their_types = _json_types(prop, schemas)
-        our_types = _json_types(ours["properties"][name], ours_defs)
-        assert "any" in our_types or their_types <= our_types, (MODELS[client_model], name, their_types, our_types)
-    # A result field the client requires, the server always sends.
-    if issubclass(client_model, models._Result):
-        assert set(ours.get("required", [])) <= set(theirs.get("required", [])), MODELS[client_model]
 
 
 # -- every route, sync and async -------------------------------------------------------------
