@@ -7,6 +7,7 @@
   optional field: the client sends nothing for it, and the server uses its default.
 - Its sync half against its async half: client.py is what clients/python/scripts/unasync.py
   writes from async_client.py, holds no `async` or `await`, and has the same methods.
+- Its reference page against its constants: the defaults it quotes are the code's.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from espn_client import AsyncClient, Client, models
+import espn_client
+from espn_client import AsyncClient, Client, RetryPolicy, models
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENAPI = ROOT / "docs" / "reference" / "openapi.json"
 UNASYNC = ROOT / "clients" / "python" / "scripts" / "unasync.py"
+REFERENCE = ROOT / "docs" / "reference" / "python-client.md"
 #: Each client model and the server's schema it stands for (components/schemas of the document).
 MODELS: dict[type[models.BaseModel], str] = {
     models.SearchRequest: "SearchRequest", models.BatchSearchRequest: "BatchSearchRequest",
@@ -183,3 +186,17 @@ def test_both_clients_have_the_same_methods_and_parameters() -> None:
             assert [(p.name, p.kind, p.default) for p in signature.parameters.values()] == [
                 (p.name, p.kind, p.default) for p in other.parameters.values()], name
             assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) != (name in ("__init__", "__repr__")), name
+
+
+# -- the reference page against the constants ------------------------------------------------------
+
+def test_the_reference_page_quotes_the_clients_defaults() -> None:
+    page = REFERENCE.read_text(encoding="utf-8")
+    parameters = inspect.signature(Client).parameters.values()
+    shown = ", ".join(f"{p.name}=RetryPolicy()" if p.default == RetryPolicy() else f"{p.name}={p.default!r}"
+                      for p in parameters if p.default is not inspect.Parameter.empty)
+    assert f"`Client(base_url, *, {shown})`" in page
+    for name in ("DEFAULT_TIMEOUT_S", "DEFAULT_DEADLINE_S", "DEFAULT_MAX_ANSWER_BYTES", "MAX_ERROR_BODY_BYTES"):
+        assert f"| `{name}` | {getattr(espn_client, name)!r}" in page, name
+    for error in ("DeadlineExceededError", "ResponseTooLargeError", "MalformedResponseError", "ResponseError"):
+        assert f"| `{error}` |" in page, error
