@@ -405,6 +405,26 @@ def test_async_retries_and_timeouts() -> None:
         gone.health()  # the loopback server is closed: nothing listens
 
 
+def test_a_transport_that_hands_over_the_body_already_read() -> None:
+    """httpx.MockTransport (what applications' own tests plug in) reads each body itself: the
+    client takes it as it is, under the same cap (a user's transport, not a stand-in for the server)."""
+    body = json.dumps(_SEARCH_ANSWER).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    with httpx.Client(transport=transport) as http, Client("http://espn.test", http_client=http) as espn:
+        assert espn.search("q").results[0].id == "d1"
+    with httpx.Client(transport=transport) as http, Client("http://espn.test", http_client=http,
+                                                            max_answer_bytes=100) as espn:
+        with pytest.raises(espn_client.ResponseTooLargeError):
+            espn.search("q")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=transport) as http, \
+                AsyncClient("http://espn.test", http_client=http) as espn:
+            assert (await espn.search("q")).results[0].id == "d1"
+
+    asyncio.run(run())
+
+
 # -- packaging ---------------------------------------------------------------------------------
 
 def test_importing_the_client_imports_no_framework_and_nothing_of_espn() -> None:

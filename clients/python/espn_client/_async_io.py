@@ -6,6 +6,7 @@ one (scripts/unasync.py rewrites `_async_io` to `_sync_io`)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from ._exchange import Exchange
@@ -42,6 +43,9 @@ async def within(exchange: Exchange[T], run: Callable[[], Awaitable[T]]) -> T:
     if left is None:
         return await run()
     try:
+        if sys.version_info >= (3, 11):  # a scope on this task; wait_for runs the call as a task of its own
+            async with asyncio.timeout(max(left, 0.0)):
+                return await run()
         return await asyncio.wait_for(run(), max(left, 0.0))
     except asyncio.TimeoutError:
         raise exchange.expired() from None

@@ -147,9 +147,16 @@ class Answer:
     status_code: int
     headers: httpx.Headers
     content: bytes
-    method: str
-    url: str
+    request: httpx.Request
     truncated: bool = False
+
+    @property
+    def method(self) -> str:
+        return self.request.method
+
+    @property
+    def url(self) -> str:
+        return str(self.request.url)
 
     @property
     def text(self) -> str:

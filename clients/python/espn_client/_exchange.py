@@ -106,17 +106,20 @@ class Deadline:
     def allows_wait(self, wait_s: float) -> bool:
         return self.at is None or time.monotonic() + wait_s < self.at
 
-    def clamp(self, timeout: Union[float, None, httpx.Timeout]) -> httpx.Timeout:
-        """httpx's timeouts, none longer than the time left: a read that starts before the deadline
-        ends by it or one read later (the sync client checks the deadline between reads)."""
-        given = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+    def clamp(self, timeout: Union[float, None, httpx.Timeout]) -> Union[float, httpx.Timeout]:
+        """httpx's timeouts, none longer than the time left (as given when they all fit): a read
+        that starts before the deadline ends by it or one read later (the sync client checks the
+        deadline between reads)."""
         left = self.left_s()
         if left is None:
-            return given
-        left = max(left, 0.001)
-        parts = [left if part is None else min(part, left) for part in (given.connect, given.read, given.write,
-                                                                        given.pool)]
-        return httpx.Timeout(connect=parts[0], read=parts[1], write=parts[2], pool=parts[3])
+            return httpx.Timeout(None) if timeout is None else timeout
+        if not isinstance(timeout, httpx.Timeout):
+            return timeout if timeout is not None and timeout <= left else max(left, 0.001)
+        parts = (timeout.connect, timeout.read, timeout.write, timeout.pool)
+        if all(part is not None and part <= left for part in parts):
+            return timeout
+        clamped = [max(left, 0.001) if part is None else min(part, max(left, 0.001)) for part in parts]
+        return httpx.Timeout(connect=clamped[0], read=clamped[1], write=clamped[2], pool=clamped[3])
 
 
 class _Inflater:
@@ -150,13 +153,17 @@ class AnswerReader:
     def __init__(self, response: httpx.Response, call: Call[Any], max_bytes: int, deadline: Deadline) -> None:
         self.status_code = response.status_code
         self.headers = response.headers
-        self.method, self.url = response.request.method, str(response.request.url)
+        self.request = response.request
         self.deadline = deadline
         self.is_answer = self.status_code in call.ok
         self.limit = max_bytes if self.is_answer else min(max_bytes, MAX_ERROR_BODY_BYTES)
         self.body = bytearray()
         self.truncated = False
-        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        # A transport that hands over a body it has read and decoded itself (httpx.MockTransport,
+        # a Response made with content=): fed whole, as identity.
+        self.already_read = response.is_stream_consumed
+        encoding = "identity" if self.already_read else response.headers.get("content-encoding", "identity")
+        encoding = encoding.strip().lower()
         if encoding in ("gzip", "x-gzip", "deflate"):
             self.inflater: Optional[_Inflater] = _Inflater(encoding)
         elif encoding in ("", "identity"):
@@ -207,7 +214,7 @@ class AnswerReader:
                                                     f"{len(self.body)} bytes read)")
 
     def answer(self) -> Answer:
-        return Answer(self.status_code, self.headers, bytes(self.body), self.method, self.url, self.truncated)
+        return Answer(self.status_code, self.headers, bytes(self.body), self.request, self.truncated)
 
     def broken(self, exc: httpx.HTTPError) -> EspnError:
         """What a failure while the body arrived becomes (never tried again: the server may have acted)."""
@@ -217,9 +224,10 @@ class AnswerReader:
         return self.error(kind, f"broken off after {len(self.body)} bytes ({type(exc).__name__}: {exc})")
 
     def error(self, kind: type[EspnError], what: str) -> EspnError:
-        return kind(f"{self.method} {self.url}: the answer (status {self.status_code}) is {what}; it begins: "
+        method, url = self.request.method, str(self.request.url)
+        return kind(f"{method} {url}: the answer (status {self.status_code}) is {what}; it begins: "
                     f"{excerpt(self.body)!r}", status_code=self.status_code, excerpt=excerpt(self.body),
-                    method=self.method, url=self.url)
+                    method=method, url=url)
 
     def _too_large(self, how: str) -> EspnError:
         return self.error(ResponseTooLargeError, f"over max_answer_bytes ({self.limit} bytes, counted decompressed): "
@@ -241,7 +249,7 @@ class Exchange(Generic[T]):
         self.attempt = 0
         self.reader: Optional[AnswerReader] = None
 
-    def start(self) -> httpx.Timeout:
+    def start(self) -> Union[float, httpx.Timeout]:
         """The next try begins: httpx's timeouts for it."""
         self.attempt += 1
         self.reader = None

@@ -101,9 +101,12 @@ class AsyncClient:
         try:
             reader = exchange.read(response)
             try:
-                async for chunk in response.aiter_raw():
-                    if not reader.feed(chunk):
-                        break
+                if reader.already_read:
+                    reader.feed(response.content)
+                else:
+                    async for chunk in response.aiter_raw():
+                        if not reader.feed(chunk):
+                            break
             except httpx.HTTPError as exc:
                 raise reader.broken(exc) from exc
             return reader.answer()

@@ -101,9 +101,12 @@ class Client:
         try:
             reader = exchange.read(response)
             try:
-                for chunk in response.iter_raw():
-                    if not reader.feed(chunk):
-                        break
+                if reader.already_read:
+                    reader.feed(response.content)
+                else:
+                    for chunk in response.iter_raw():
+                        if not reader.feed(chunk):
+                            break
             except httpx.HTTPError as exc:
                 raise reader.broken(exc) from exc
             return reader.answer()
