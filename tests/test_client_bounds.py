@@ -24,6 +24,7 @@ import zlib
 from typing import Any, Callable, Iterator
 
 import pytest
+from helpers import HTTP_TIMEOUT_S
 
 import espn_client
 from espn_client import (AsyncClient, Client, DeadlineExceededError, MalformedResponseError, RequestTimeoutError,
@@ -44,7 +45,7 @@ SLACK_S = 10.0
 TRICKLE_GAP_S = 2.0
 TRICKLE_BYTES = 40
 #: What the slow cases leave the client's own per-read timeout at: far longer than the deadline.
-READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = HTTP_TIMEOUT_S
 #: Seconds a subprocess measuring memory may take (its call ends in well under one).
 SUBPROCESS_TIMEOUT_S = 120
 
@@ -346,14 +347,15 @@ def test_garbage_is_an_espn_client_error_with_status_and_excerpt(hostile: str, c
 
 def test_other_answers_are_checked_too(hostile: str) -> None:
     """Not only search: every route's answer goes through the same reader and the same checks."""
-    with Client(f"{hostile}/html", retry=RetryPolicy(attempts=1)) as espn:
+    with Client(f"{hostile}/html", retry=RetryPolicy(attempts=1), timeout=READ_TIMEOUT_S) as espn:
         for call in (espn.health, espn.ready, espn.limits, espn.list_indexes, lambda: espn.get_document("d")):
             with pytest.raises(MalformedResponseError):
                 call()
-    with Client(f"{hostile}/deep", retry=RetryPolicy(attempts=1)) as espn:
+    with Client(f"{hostile}/deep", retry=RetryPolicy(attempts=1), timeout=READ_TIMEOUT_S) as espn:
         with pytest.raises(MalformedResponseError, match="OpenAPI"):
             espn.limits()
-    with Client(f"{hostile}/bomb", retry=RetryPolicy(attempts=1), max_answer_bytes=1 << 20) as espn:
+    with Client(f"{hostile}/bomb", retry=RetryPolicy(attempts=1), max_answer_bytes=1 << 20,
+                timeout=READ_TIMEOUT_S) as espn:
         for call in (espn.metrics, lambda: espn.get_page_image("d")):
             with pytest.raises(ResponseTooLargeError):
                 call()
@@ -363,5 +365,5 @@ def test_limits_are_checked_when_the_client_is_made() -> None:
     for options in ({"deadline_s": 0}, {"deadline_s": -1.0}, {"max_answer_bytes": 0}, {"concurrency": 0}):
         with pytest.raises(ValueError, match=next(iter(options))):
             Client("http://127.0.0.1:9", **options)
-    with contextlib.closing(Client("http://127.0.0.1:9", deadline_s=None)) as unbounded:
+    with contextlib.closing(Client("http://127.0.0.1:9", deadline_s=None, timeout=READ_TIMEOUT_S)) as unbounded:
         assert unbounded.deadline_s is None
