@@ -19,8 +19,7 @@ import urllib.parse
 from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
-import pydantic_core
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from .models import (CreateIndexRequest, IndexInfo, IndexList, BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, Health, Readiness, SearchParams, SearchRequest, SearchResponse, ServerLimits,
@@ -32,6 +31,8 @@ __all__ = ["RetryPolicy", "Routes", "Answer", "Call", "DocumentCalls", "DEFAULT_
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+#: Any JSON value, parsed by pydantic's own parser (which refuses nesting past its limit).
+_JSON = TypeAdapter(Any)
 #: Seconds for connect, read, write and pool alike; a search of a cold index can take a second.
 DEFAULT_TIMEOUT_S = 30.0
 #: POST /v1/indexes runs a build (tens of seconds): its default time limit.
@@ -171,9 +172,9 @@ class Answer:
         return self.content.decode(charset, "replace")
 
     def json(self) -> Any:
-        """The body's JSON, parsed by pydantic-core (nesting deeper than its limit is a ValueError,
-        not a RecursionError)."""
-        return pydantic_core.from_json(self.content)
+        """The body's JSON, parsed by pydantic (nesting deeper than its limit is a ValidationError, a
+        ValueError, where the standard library's parser would raise RecursionError)."""
+        return _JSON.validate_json(self.content)
 
 
 @dataclasses.dataclass(frozen=True)
