@@ -241,7 +241,8 @@ class DocumentCalls:
     def page_image(self, doc_id: str, max_side: Optional[int]) -> Call[tuple[bytes, str]]:
         query = "?image=true" + (f"&max_side={int(max_side)}" if max_side is not None else "")
         return Call("GET", self.routes.document(doc_id) + query,
-                    lambda r: (r.content, r.headers.get("content-type", "application/octet-stream")), expects="an image")
+                    lambda r: (r.content, r.headers.get("content-type", "application/octet-stream")),
+                    expects="an image")
 
     def delete(self, doc_id: str) -> Call[WriteResponse]:
         return Call("DELETE", self.routes.document(doc_id), model(WriteResponse))

@@ -15,7 +15,6 @@ import zlib
 from typing import Any, Generic, Optional, TypeVar, Union
 
 import httpx
-
 from pydantic import ValidationError
 
 from ._core import Answer, Call, RetryPolicy, retry_after_s
@@ -27,6 +26,7 @@ __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_MAX_ANSWER_BYTES", "MAX_ERROR_BODY_BYT
            "result_of"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=EspnError)
 
 #: Seconds one call may take in all: its tries, the waits between them and the reading of each
 #: answer (httpx's timeouts bound each read, not the whole). A build has its own (create_index).
@@ -84,7 +84,8 @@ def _what_is_wrong(call: Call[Any], exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the body"
-        return f"not {call.expects or 'a ' + exc.title}: {exc.error_count()} error(s), the first at {where}: {first['msg']}"
+        what = call.expects or f"a {exc.title}"
+        return f"not {what}: {exc.error_count()} error(s), the first at {where}: {first['msg']}"
     return f"not {call.expects or 'what the route returns'}: {exc}"
 
 
@@ -184,7 +185,8 @@ class AnswerReader:
         try:
             return self._inflate(self.inflater, raw)
         except zlib.error as exc:
-            raise self.error(MalformedResponseError, f"not valid {self.headers.get('content-encoding')} ({exc})") from exc
+            encoding = self.headers.get("content-encoding")
+            raise self.error(MalformedResponseError, f"not valid {encoding} ({exc})") from exc
 
     def _inflate(self, inflater: _Inflater, raw: bytes) -> bool:
         """Decode in steps of at most INFLATE_STEP_BYTES, each taken before the next is made: one
@@ -223,7 +225,7 @@ class AnswerReader:
         kind = RequestTimeoutError if isinstance(exc, httpx.TimeoutException) else TransportError
         return self.error(kind, f"broken off after {len(self.body)} bytes ({type(exc).__name__}: {exc})")
 
-    def error(self, kind: type[EspnError], what: str) -> EspnError:
+    def error(self, kind: type[E], what: str) -> E:
         method, url = self.request.method, str(self.request.url)
         return kind(f"{method} {url}: the answer (status {self.status_code}) is {what}; it begins: "
                     f"{excerpt(self.body)!r}", status_code=self.status_code, excerpt=excerpt(self.body),
@@ -289,10 +291,8 @@ class Exchange(Generic[T]):
     def expired(self) -> DeadlineExceededError:
         """The error of a call past its deadline, with what its last answer had brought."""
         if self.reader is not None:
-            error = self.reader.error(DeadlineExceededError, f"still arriving at the deadline "
-                                                              f"({self.deadline.seconds} s)")
-            assert isinstance(error, DeadlineExceededError)
-            return error
+            what = f"still arriving at the deadline ({self.deadline.seconds} s)"
+            return self.reader.error(DeadlineExceededError, what)
         return DeadlineExceededError(f"{self.call.method} {self.url}: no answer within the deadline "
                                      f"({self.deadline.seconds} s, {self.attempt} tries)", method=self.call.method,
                                      url=self.url)

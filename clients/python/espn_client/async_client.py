@@ -181,7 +181,8 @@ class AsyncClient:
         return {doc_id: document for doc_id, document in zip(ids, documents) if document is not None}
 
     async def put_document(self, doc_id: str, text: Optional[str] = None, *, title: str = "",
-                           metadata: Optional[Mapping[str, Any]] = None, image: Optional[bytes] = None) -> WriteResponse:
+                           metadata: Optional[Mapping[str, Any]] = None,
+                           image: Optional[bytes] = None) -> WriteResponse:
         """PUT /v1/documents/{id}: add it, or replace the document with this id. image: on an index
         of pages, the page (PNG, JPEG or WebP bytes; text then optional)."""
         return await self._send(self._calls.put(doc_id, text, title, metadata, image))
@@ -208,7 +209,8 @@ class AsyncClient:
         in order, one at a time. Each batch is its own generation: if one fails, the batches
         before it stay written."""
         size = chunk_size or (await self.limits()).max_batch_writes
-        return [await self._send(self._calls.batch(u, d)) for u, d in chunk_writes(upsert, delete, size, max_body_bytes)]
+        batches = chunk_writes(upsert, delete, size, max_body_bytes)
+        return [await self._send(self._calls.batch(u, d)) for u, d in batches]
 
     # -- snapshots and the server ------------------------------------------------------------
 
