@@ -1,7 +1,7 @@
 """What holds the typed client to the server and to itself, read from source (no server runs).
 
 - Its models against the server's OpenAPI document (docs/reference/openapi.json, which
-  `python -m espn_server.docs_pages docs --check` keeps equal to what the app publishes): every
+  `python -m tools.docs_pages docs --check` keeps equal to what the app publishes): every
   field of every model has the schema's name, type (refs, arrays, enums and nullability
   included), required-ness and, for results, default. Requests may also take null for an
   optional field: the client sends nothing for it, and the server uses its default.
