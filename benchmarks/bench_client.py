@@ -12,7 +12,8 @@ rotates from query to query, so that a load spike of a shared machine falls on a
 The table gives each caller's p50 per round, the median of the rounds, and for each client the
 median over rounds of its per-query difference to the raw httpx caller of its kind (the
 overhead); then the client's own work measured apart, in-process (the
-request built; the answer validated into `SearchResponse`, against `json.loads`).
+request built; the answer's body streamed through the client's reader, which holds it to the
+cap and the deadline; the answer validated into `SearchResponse`, against `json.loads`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import httpx
 from benchmarks.common import ROOT, free_port, machine, machine_line, markdown_table, median, write_results
 from espn_client import AsyncClient, Client, SearchResponse
 from espn_client._core import Routes, search_call, search_params
+from espn_client._exchange import DEFAULT_DEADLINE_S, DEFAULT_MAX_ANSWER_BYTES, AnswerReader, Deadline
 
 SAMPLE_INDEX = ROOT / ".espn" / "sample-index"
 QUERIES = ROOT / "espn" / "data" / "sample_queries.jsonl"
@@ -123,6 +125,16 @@ def client_work_us(url: str, api_key: Optional[str], query: str, k: int, repeats
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     content = httpx.post(f"{url}/v1/search", json={"query": query, "k": k}, headers=headers, timeout=30).content
     routes = Routes()
+    call = search_call(routes, query, None, search_params(k, None, None, None, {}))
+    request = httpx.Request("POST", f"{url}/v1/search")
+
+    def read_answer() -> Any:
+        response = httpx.Response(200, headers={"content-length": str(len(content))}, stream=httpx.ByteStream(content),
+                                  request=request)
+        reader = AnswerReader(response, call, DEFAULT_MAX_ANSWER_BYTES, Deadline(DEFAULT_DEADLINE_S))
+        for chunk in response.iter_raw():
+            reader.feed(chunk)
+        return reader.answer()
 
     def per_call_us(work: Callable[[], Any]) -> float:
         samples = []
@@ -134,6 +146,7 @@ def client_work_us(url: str, api_key: Optional[str], query: str, k: int, repeats
         return median(samples)
 
     return {"build call": per_call_us(lambda: search_call(routes, query, None, search_params(k, None, None, None, {}))),
+            "answer read (cap, deadline)": per_call_us(read_answer),
             "json.loads": per_call_us(lambda: json.loads(content)),
             "SearchResponse validate": per_call_us(lambda: SearchResponse.model_validate_json(content))}
 

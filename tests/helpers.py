@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from espn.encoders.visual import VisualEncoder
 
 
+#: Seconds any HTTP request of the tests may wait to connect, to send, for each read and for a
+#: pooled connection: chosen for a loaded 2-core machine (a whole suite on xdist workers beside
+#: other jobs), where a first search of a `--no-warmup` server, which loads its model then, took
+#: longer than httpx's default 5 s. Every HTTP client of the tests uses it or longer
+#: (tests/test_http_timeouts.py); waiting costs nothing when the answer comes.
+HTTP_TIMEOUT_S = 60.0
+
 #: The files a build writes byte for byte the same however it ran (resumed, sharded, merged).
 CONTENT_FILES = ("embeddings.bin", "records.npy", "ids.npy", "ids_sorted.npy", "docs.jsonl", "docs_offsets.npy",
                  "ann.faiss")

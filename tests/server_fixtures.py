@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import httpx
-from helpers import wait_until
+from helpers import HTTP_TIMEOUT_S, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -23,8 +23,8 @@ BIN = Path(sys.executable).parent
 #: Client loads the CA bundle into a new SSL context: 56 ms of CPU on the CI VM, paid by every
 #: poll of a readiness loop (half the CPU of the replication test's own process). Without
 #: keep-alive each request still opens and closes its own connection, as `HTTP.get()` does.
-#: Thread-safe: the concurrent tests share it.
-HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+#: Thread-safe: the concurrent tests share it. Its timeout is the tests' HTTP_TIMEOUT_S.
+HTTP = httpx.Client(timeout=HTTP_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:
@@ -63,7 +63,7 @@ class ServerProcess:
         def ready() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-6000:]}")
-            return HTTP.get(f"{self.base_url}/readyz", timeout=2.0).status_code == 200
+            return HTTP.get(f"{self.base_url}/readyz").status_code == 200
 
         wait_until(ready, lambda: f"the server to be ready ({timeout:.0f} s):\n{self.log()[-6000:]}",
                    timeout_s=timeout, interval_s=0.2, ignore=(httpx.HTTPError,))

@@ -1,10 +1,12 @@
 """The typed client (clients/python, `espn_client`) against a real `espn serve` of the sample index.
 
 Every route through the sync and the async client, with every request recorded and held to the
-path+method list of the server's live OpenAPI document; the client's models held to that
-document's schemas; answers compared with raw HTTP's; error answers as exceptions carrying the
-server's code and message. Retries and timeouts run against a tiny HTTP server on loopback that
-answers 503/507 with Retry-After (or stalls) on cue: a real server, whose answers are chosen.
+path+method list of the server's live OpenAPI document; answers compared with raw HTTP's; error
+answers as exceptions carrying the server's code and message. Retries and timeouts run against a
+tiny HTTP server on loopback that answers 503/507 with Retry-After (or stalls) on cue: a real
+server, whose answers are chosen.
+(The models against the OpenAPI document and the sync client against the async one:
+tests/test_client_contract.py; hostile answers: tests/test_client_bounds.py.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from conftest import CLIENT_API_KEY
+from helpers import HTTP_TIMEOUT_S
 
 import espn_client
 from espn_client import (AsyncClient, Client, ConflictError, InvalidRequestError, NotFoundError, RequestTimeoutError,
@@ -36,20 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 AUTH = {"Authorization": f"Bearer {CLIENT_API_KEY}"}
 QUERY = "what causes ocean tides"
 FILTER = {"topic": {"in": ["oceans", "weather"]}}
-#: Each client model and the server's schema it stands for (components/schemas of /openapi.json).
-MODELS = {
-    models.SearchRequest: "SearchRequest", models.BatchSearchRequest: "BatchSearchRequest",
-    models.DocumentWrite: "DocumentWrite", models.DocumentUpsert: "DocumentUpsert",
-    models.BatchWriteRequest: "BatchWriteRequest", models.SnapshotRequest: "SnapshotRequest",
-    models.PassageSpan: "PassageSpanModel", models.TokenMatch: "TokenMatchModel",
-    models.Explanation: "ExplanationModel", models.LexicalMatch: "LexicalMatchModel", models.SearchHit: "SearchHit",
-    models.SearchStats: "SearchStatsModel", models.SearchResponse: "SearchResponse", models.QueryError: "QueryError",
-    models.BatchSearchResponse: "BatchSearchResponse", models.Document: "DocumentResponse",
-    models.WriteResponse: "WriteResponse", models.Health: "HealthResponse", models.Readiness: "ReadinessResponse",
-    models.SnapshotInfo: "SnapshotInfo", models.SnapshotList: "SnapshotList", models.ErrorBody: "ErrorResponse",
-    models.IndexInfo: "IndexInfo", models.IndexList: "IndexListResponse",
-    models.CreateIndexRequest: "CreateIndexRequest",
-}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +48,7 @@ def server(client_server):
 
 @pytest.fixture(scope="module")
 def raw(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60.0) as http:
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=HTTP_TIMEOUT_S) as http:
         yield http
 
 
@@ -89,41 +78,6 @@ class Recorder:
                 if not any(m == method and pattern.match(p) for m, p in self.sent):
                     missing.add((method, template))
         return missing
-
-
-# -- the models against the document -------------------------------------------------------
-
-_JSON = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
-
-
-def _json_types(prop: dict[str, Any], schemas: dict[str, Any]) -> set[str]:
-    """The JSON types a property's schema admits (refs resolved, anyOf/oneOf joined, enums' types)."""
-    if "$ref" in prop:
-        return _json_types(schemas[prop["$ref"].rsplit("/", 1)[1]], schemas)
-    if "anyOf" in prop or "oneOf" in prop:
-        return set().union(*(_json_types(p, schemas) for p in prop.get("anyOf", prop.get("oneOf"))))
-    if "type" in prop:
-        kinds = set(prop["type"] if isinstance(prop["type"], list) else [prop["type"]])
-        return kinds | {"integer"} if "number" in kinds else kinds  # a number takes JSON integers
-    if "enum" in prop or "const" in prop:
-        return {_JSON[type(v)] for v in prop.get("enum", [prop.get("const")])}
-    return {"any"}
-
-
-@pytest.mark.parametrize("client_model", list(MODELS), ids=lambda m: m.__name__)
-def test_the_client_models_match_the_servers_schemas(client_model, openapi) -> None:
-    schemas = openapi["components"]["schemas"]
-    theirs = schemas[MODELS[client_model]]
-    ours = client_model.model_json_schema(ref_template="#/$defs/{model}")
-    ours_defs = {**ours.get("$defs", {}), client_model.__name__: ours}
-    assert set(ours["properties"]) == set(theirs["properties"]), MODELS[client_model]
-    for name, prop in theirs["properties"].items():
-        their_types = _json_types(prop, schemas)
-        our_types = _json_types(ours["properties"][name], ours_defs)
-        assert "any" in our_types or their_types <= our_types, (MODELS[client_model], name, their_types, our_types)
-    # A result field the client requires, the server always sends.
-    if issubclass(client_model, models._Result):
-        assert set(ours.get("required", [])) <= set(theirs.get("required", [])), MODELS[client_model]
 
 
 # -- every route, sync and async -------------------------------------------------------------
@@ -233,14 +187,15 @@ async def _every_index_route_async(espn: AsyncClient) -> None:
 
 def test_every_route_sync_and_async_covers_the_openapi_document(server, openapi) -> None:
     sync_sent, async_sent = Recorder(), Recorder()
-    with httpx.Client(event_hooks={"request": [sync_sent.hook]}) as http, \
+    with httpx.Client(event_hooks={"request": [sync_sent.hook]}, timeout=HTTP_TIMEOUT_S) as http, \
             Client(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn, \
             Client(server.base_url, api_key=CLIENT_API_KEY, http_client=http, index="default") as named:
         _every_route_sync(espn)
         _every_index_route_sync(named)
 
     async def run() -> None:
-        async with httpx.AsyncClient(event_hooks={"request": [async_sent.ahook]}) as http:
+        async with httpx.AsyncClient(event_hooks={"request": [async_sent.ahook]},
+                                     timeout=HTTP_TIMEOUT_S) as http:
             async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY, http_client=http) as espn, \
                     AsyncClient(server.base_url, api_key=CLIENT_API_KEY, http_client=http, index="default") as named:
                 await _every_route_async(espn)
@@ -271,7 +226,7 @@ def _same_answer(ours: Any, theirs: dict[str, Any]) -> None:
 
 def test_results_identical_to_raw_http(server, raw) -> None:
     body = {"query": QUERY, "k": 5, "filter": FILTER, "return_text": True, "explain": True}
-    with Client(server.base_url, api_key=CLIENT_API_KEY) as espn:
+    with Client(server.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S) as espn:
         _same_answer(espn.search(QUERY, k=5, filter=FILTER, return_text=True, explain=True),
                      raw.post("/v1/search", json=body).json())
         _same_answer(espn.search(QUERY, k=4, mode="hybrid", fusion="rrf"),
@@ -283,7 +238,7 @@ def test_results_identical_to_raw_http(server, raw) -> None:
         assert espn.ready().model_dump(exclude_unset=True) == raw.get("/readyz").json()
 
     async def run() -> models.SearchResponse:
-        async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY) as espn:
+        async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S) as espn:
             return await espn.search(QUERY, k=5, filter=FILTER, return_text=True, explain=True)
 
     _same_answer(asyncio.run(run()), raw.post("/v1/search", json=body).json())
@@ -292,7 +247,7 @@ def test_results_identical_to_raw_http(server, raw) -> None:
 # -- errors ------------------------------------------------------------------------------------
 
 def test_error_answers_are_exceptions_with_the_servers_code_and_message(server, raw) -> None:
-    with Client(server.base_url, api_key=CLIENT_API_KEY) as espn:
+    with Client(server.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S) as espn:
         with pytest.raises(NotFoundError) as missing:
             espn.get_document("no-such-document")
         theirs = raw.get("/v1/documents/no-such-document").json()
@@ -314,19 +269,19 @@ def test_error_answers_are_exceptions_with_the_servers_code_and_message(server, 
             espn.search(QUERY, nprobes=4)
         with pytest.raises(ValueError, match="twice"):
             espn.write_many(upsert=[{"id": "x2", "text": "a"}], delete=["x2"])
-    with Client(server.base_url, api_key="wrong-key-0123456789") as stranger:
+    with Client(server.base_url, api_key="wrong-key-0123456789", timeout=HTTP_TIMEOUT_S) as stranger:
         with pytest.raises(UnauthorizedError) as refused:
             stranger.search(QUERY)
         assert refused.value.code == "unauthorized"
         assert stranger.health().status == "ok"  # operations endpoints take no key
 
     async def run() -> None:
-        async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY) as espn:
+        async with AsyncClient(server.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S) as espn:
             with pytest.raises(NotFoundError, match="document_not_found"):
                 await espn.delete_document("no-such-document")
             with pytest.raises(InvalidRequestError, match="invalid_parameter"):
                 await espn.search_batch([QUERY], filter={"yeer": 1})
-        async with AsyncClient(server.base_url) as anonymous:
+        async with AsyncClient(server.base_url, timeout=HTTP_TIMEOUT_S) as anonymous:
             with pytest.raises(UnauthorizedError):
                 await anonymous.get_document("s0001")
 
@@ -396,7 +351,8 @@ def _unavailable(status: int, retry_after: str | None) -> tuple[int, dict[str, s
 def test_retries_honour_retry_after_and_stop(tmp_path: Path) -> None:
     cue = Cue()
     ok = (200, {}, _SEARCH_ANSWER, 0.0)
-    with loopback(cue) as url, Client(url, api_key="k-0123456789abcdef", index="tenant a") as espn:
+    with loopback(cue) as url, Client(url, api_key="k-0123456789abcdef", index="tenant a",
+                                                  timeout=HTTP_TIMEOUT_S) as espn:
         cue.set(_unavailable(503, "1"), _unavailable(507, "1"), ok)
         assert espn.search("q").results[0].id == "d1"
         times = [t for t, *_ in cue.requests]
@@ -425,7 +381,8 @@ def test_retries_honour_retry_after_and_stop(tmp_path: Path) -> None:
         with pytest.raises(espn_client.ApiError) as plain:
             espn.health()
         assert plain.value.code == "http_500"
-    with loopback(cue) as url, Client(url, retry=RetryPolicy(attempts=3, backoff_s=0.2)) as espn:
+    with loopback(cue) as url, Client(url, retry=RetryPolicy(attempts=3, backoff_s=0.2),
+                                                  timeout=HTTP_TIMEOUT_S) as espn:
         cue.set(_unavailable(503, None), _unavailable(503, None), ok)  # no Retry-After: exponential back-off
         espn.search("q")
         gaps = [b[0] - a[0] for a, b in zip(cue.requests, cue.requests[1:])]
@@ -436,7 +393,7 @@ def test_async_retries_and_timeouts() -> None:
     cue = Cue()
 
     async def run(url: str) -> None:
-        async with AsyncClient(url, timeout=0.5) as espn:
+        async with AsyncClient(url, timeout=0.5) as espn:  # short on purpose: a stall of 1.5 s is tested
             cue.set(_unavailable(503, "1"), (200, {}, _SEARCH_ANSWER, 0.0))
             assert (await espn.search("q")).results[0].id == "d1"
             assert len(cue.requests) == 2 and cue.requests[1][0] - cue.requests[0][0] >= 0.95
@@ -447,10 +404,31 @@ def test_async_retries_and_timeouts() -> None:
     with loopback(cue) as url:
         asyncio.run(run(url))
         cue.set((200, {}, _SEARCH_ANSWER, 1.5))
-        with Client(url, timeout=0.5) as espn, pytest.raises(RequestTimeoutError):
+        with Client(url, timeout=0.5) as espn, pytest.raises(RequestTimeoutError):  # short on purpose, as above
             espn.search("q")
-    with Client(url, retry=RetryPolicy(attempts=2, backoff_s=0.01)) as gone, pytest.raises(espn_client.TransportError):
+    with Client(url, retry=RetryPolicy(attempts=2, backoff_s=0.01), timeout=HTTP_TIMEOUT_S) as gone, \
+            pytest.raises(espn_client.TransportError):
         gone.health()  # the loopback server is closed: nothing listens
+
+
+def test_a_transport_that_hands_over_the_body_already_read() -> None:
+    """httpx.MockTransport (what applications' own tests plug in) reads each body itself: the
+    client takes it as it is, under the same cap (a user's transport, not a stand-in for the server)."""
+    body = json.dumps(_SEARCH_ANSWER).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    with httpx.Client(transport=transport) as http, Client("http://espn.test", http_client=http) as espn:
+        assert espn.search("q").results[0].id == "d1"
+    with httpx.Client(transport=transport) as http, Client("http://espn.test", http_client=http,
+                                                            max_answer_bytes=100) as espn:
+        with pytest.raises(espn_client.ResponseTooLargeError):
+            espn.search("q")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=transport) as http, \
+                AsyncClient("http://espn.test", http_client=http) as espn:
+            assert (await espn.search("q")).results[0].id == "d1"
+
+    asyncio.run(run())
 
 
 # -- packaging ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from espn_client import Client, ConflictError, InvalidRequestError, NotFoundError
 from espn.files import resident_bytes
 from espn_server.settings import ServerSettings
+from helpers import HTTP_TIMEOUT_S
 from server_fixtures import HTTP, ServerProcess, running_server
 
 KEY = "index-admin-test-key-0123"
@@ -100,7 +101,7 @@ def test_leftovers_of_killed_creations_and_deletions_are_removed(server: ServerP
 def test_creating_and_deleting_need_the_api_key(server: ServerProcess) -> None:
     for method, path, body in [("POST", "/v1/indexes", {"name": "x", "model": "small"}),
                                ("DELETE", "/v1/indexes/b", None)]:
-        response = HTTP.request(method, server.base_url + path, json=body, timeout=30)
+        response = HTTP.request(method, server.base_url + path, json=body)
         assert response.status_code == 401 and response.json()["error"] == "unauthorized", (method, path)
     assert "b" in _indexes(server)
 
@@ -136,7 +137,7 @@ def test_the_default_and_unknown_indexes_cannot_be_deleted(server: ServerProcess
 
 
 def test_a_created_index_starts_empty_takes_writes_and_is_searched(server: ServerProcess, root: Path) -> None:
-    with Client(server.base_url, api_key=KEY) as espn:
+    with Client(server.base_url, api_key=KEY, timeout=HTTP_TIMEOUT_S) as espn:
         info = espn.create_index("made", "small")
         assert (info.name, info.documents, info.default) == ("made", 0, False)
         assert info.encoder == _indexes(server)["a"]["encoder"]
@@ -167,7 +168,7 @@ def test_the_memory_budget_closes_the_least_recently_used_idle_index(server: Ser
     listed = _indexes(server)
     assert listed["made"]["open"] and not listed["b"]["open"]
     assert "memory budget" in server.log()
-    metrics = HTTP.get(server.base_url + "/metrics", timeout=30).text
+    metrics = HTTP.get(server.base_url + "/metrics").text
     assert 'espn_index_memory_bytes{index="made"}' in metrics
 
 
@@ -182,7 +183,7 @@ def test_two_workers_keep_see_and_delete_created_indexes(server: ServerProcess, 
         (root / "indexes" / ".tmp-copy").rename(root / "indexes" / "copied")
         for _ in range(4):
             assert _request(again, "GET", "/v1/indexes/copied").status_code == 200
-        with Client(again.base_url, api_key=KEY) as espn:
+        with Client(again.base_url, api_key=KEY, timeout=HTTP_TIMEOUT_S) as espn:
             espn.delete_index("made")
             with pytest.raises(NotFoundError):
                 espn.delete_index("made")

@@ -59,7 +59,7 @@ def _served(server: ServerProcess, present: list[str], absent: list[str], top: d
     for query, doc_id in top.items():
         response = HTTP.post(f"{server.base_url}/v1/search", json={"query": query, "k": 3}, timeout=60)
         assert response.status_code == 200 and response.json()["results"][0]["id"] == doc_id, (query, response.text)
-    ready = HTTP.get(f"{server.base_url}/readyz", timeout=10).json()
+    ready = HTTP.get(f"{server.base_url}/readyz").json()
     assert ready["status"] == "ready"
     return int(ready["generation"])
 
@@ -116,7 +116,7 @@ def _serve_read_only(index: Path, logs: Path, generation: int, elephant: str, vo
     with running_server(index, logs, "--no-warmup", *flags, name="read-only", espn=espn) as server:
         assert _served(server, ["p-1", "s0002", "c-0", "c-1", "c-2"], ["p-2", "s0001"],
                        {elephant: "p-1", volcano: "c-2"}) == generation
-        assert HTTP.get(f"{server.base_url}/readyz", timeout=10).json()["mode"] == "read-only"
+        assert HTTP.get(f"{server.base_url}/readyz").json()["mode"] == "read-only"
         for method, path, body in [("PUT", "/v1/documents/x", {"text": "refused"}), ("DELETE", "/v1/documents/p-1", None),
                                    ("POST", "/v1/documents/batch", {"delete": ["p-1"]})]:
             response = HTTP.request(method, f"{server.base_url}{path}", json=body, timeout=60)

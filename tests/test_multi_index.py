@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from espn_server.router.app import build_router_app
 from espn_server.index_names import resolve_indexes
 from espn_server.settings import RouterSettings
+from helpers import HTTP_TIMEOUT_S
 from server_fixtures import HTTP, ServerProcess, running_server
 
 KEY = "multi-index-test-key-0123"
@@ -118,7 +119,7 @@ def test_the_api_key_guards_every_index_route(server: ServerProcess) -> None:
     for method, path in [("GET", "/v1/indexes"), ("GET", "/v1/indexes/b"), ("POST", "/v1/indexes/b/search"),
                          ("GET", "/v1/indexes/b/documents/s0001"), ("DELETE", "/v1/indexes/b/documents/s0001"),
                          ("POST", "/v1/indexes/nope/search"), ("GET", "/v1/indexes/b/snapshots")]:
-        response = HTTP.request(method, server.base_url + path, json=QUERY, timeout=30)
+        response = HTTP.request(method, server.base_url + path, json=QUERY)
         assert response.status_code == 401 and response.json()["error"] == "unauthorized", (method, path)
     assert _get(server, "/v1/indexes/b/documents/s0001").status_code == 200  # not deleted
 
@@ -134,9 +135,9 @@ def test_an_unknown_index_is_a_404(server: ServerProcess) -> None:
 
 def test_readiness_and_metrics_report_each_index(server: ServerProcess) -> None:
     _post(server, "/v1/indexes/b/search", QUERY)
-    ready = HTTP.get(server.base_url + "/readyz", timeout=30).json()
+    ready = HTTP.get(server.base_url + "/readyz").json()
     assert [item["name"] for item in ready["indexes"]] == ["a", "b"]
-    metrics = HTTP.get(server.base_url + "/metrics", timeout=30).text
+    metrics = HTTP.get(server.base_url + "/metrics").text
     assert 'espn_index_requests_total{index="b"}' in metrics and 'espn_index_open{index="a"} 1.0' in metrics
     assert 'endpoint="/v1/indexes/{index}/search"' in metrics
 
@@ -182,7 +183,7 @@ def test_snapshots_are_per_index(server: ServerProcess, root: Path) -> None:
 
 
 def test_the_router_forwards_per_index(server: ServerProcess) -> None:
-    settings = RouterSettings(shards=[server.base_url], writers=[server.base_url])
+    settings = RouterSettings(shards=[server.base_url], writers=[server.base_url], timeout_ms=HTTP_TIMEOUT_S * 1000)
     with TestClient(build_router_app(settings)) as router:
         direct = _ids(_post(server, "/v1/indexes/b/search", QUERY))
         routed = router.post("/v1/indexes/b/search", json=QUERY, headers=AUTH)

@@ -53,7 +53,7 @@ def servers(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _document(server: ServerProcess) -> dict:
-    response = HTTP.get(f"{server.base_url}/openapi.json", timeout=30)
+    response = HTTP.get(f"{server.base_url}/openapi.json")
     assert response.status_code == 200
     return response.json()
 

@@ -90,7 +90,7 @@ def test_idle_sockets_and_a_trickling_body_under_ulimit_256_do_not_stop_searches
             started = time.monotonic()
             answered = []
             while time.monotonic() - started < 4:  # through the body timeout and into the header timeout
-                answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier melt", "k": 3}, timeout=30)
+                answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier melt", "k": 3})
                 answered.append(answer.status_code)
             assert answered and set(answered) == {200}, answered
             timed_out = _read_all(trickle, 10)
@@ -103,7 +103,7 @@ def test_idle_sockets_and_a_trickling_body_under_ulimit_256_do_not_stop_searches
             dripping.join(10)
             for sock in [*idle, trickle]:
                 sock.close()
-        assert HTTP.get(f"{server.base_url}/readyz", timeout=10).status_code == 200
+        assert HTTP.get(f"{server.base_url}/readyz").status_code == 200
         # One access line per answered request (as many as the 4 s loop fits), and besides them
         # one summary per minute: nothing per idle connection.
         grown = server.log().encode()[before:].decode(errors="replace").splitlines()
@@ -141,7 +141,7 @@ def test_past_the_cap_with_every_connection_busy_a_new_one_gets_503(index: Path,
             assert _read_all(sock, 10).startswith(b"HTTP/1.1 408")
             sock.close()
         refused.close()
-        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier", "k": 2}, timeout=30).status_code == 200
+        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "glacier", "k": 2}).status_code == 200
 
 
 def test_a_max_connections_at_the_descriptor_limit_is_refused_at_start(index: Path) -> None:
@@ -192,7 +192,7 @@ def _start_router(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen
 
     def listening() -> bool:
         assert process.poll() is None, log.read_text()[-2000:]  # not ignored: a router that exited fails at once
-        HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        HTTP.get(f"http://127.0.0.1:{port}/healthz")
         return True
 
     wait_until(listening, lambda: f"espn route to listen:\n{log.read_text()[-2000:]}", timeout_s=60, interval_s=0.3,
@@ -219,19 +219,17 @@ def test_the_router_takes_the_servers_key_answers_401_before_parsing_and_logs_no
         router: tuple[str, Path]) -> None:
     base, log = router
     key = "router-key-" + "x" * 24
-    malformed = HTTP.post(f"{base}/v1/search", content=b'{"query": ', headers={"content-type": "application/json"},
-                           timeout=10)
+    malformed = HTTP.post(f"{base}/v1/search", content=b'{"query": ', headers={"content-type": "application/json"})
     assert malformed.status_code == 401 and malformed.json()["error"] == "unauthorized"
-    assert HTTP.post(f"{base}/v1/search?api_key={key}", json={"query": "q"}, timeout=10).status_code == 401
-    wrong = HTTP.post(f"{base}/v1/search", json={"query": "q"}, headers={"Authorization": "Bearer " + "y" * 40},
-                       timeout=10)
+    assert HTTP.post(f"{base}/v1/search?api_key={key}", json={"query": "q"}).status_code == 401
+    wrong = HTTP.post(f"{base}/v1/search", json={"query": "q"}, headers={"Authorization": "Bearer " + "y" * 40})
     assert wrong.status_code == 401
     keyed = {"Authorization": f"Bearer {key}"}
-    assert HTTP.post(f"{base}/v1/search", content=b'{"query": ', headers={**keyed, "content-type": "application/json"},
-                      timeout=10).status_code in (400, 422)
-    passed = HTTP.post(f"{base}/v1/search?secret=hunter2", json={"query": "q"}, headers=keyed, timeout=10)
+    assert HTTP.post(f"{base}/v1/search", content=b'{"query": ',
+                     headers={**keyed, "content-type": "application/json"}).status_code in (400, 422)
+    passed = HTTP.post(f"{base}/v1/search?secret=hunter2", json={"query": "q"}, headers=keyed)
     assert passed.status_code == 503 and passed.json()["error"] == "no_shard_answered"  # past the key: no shard runs
-    assert HTTP.get(f"{base}/healthz", timeout=10).status_code == 200  # health needs no key
+    assert HTTP.get(f"{base}/healthz").status_code == 200  # health needs no key
 
     def access_lines() -> list[dict]:
         return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{") and '"request"' in line]

@@ -75,12 +75,12 @@ def test_bad_explain_requests_are_422(client: httpx.Client, body: dict, message:
 
 
 def test_the_page_and_its_assets_are_served_offline(server) -> None:
-    page = HTTP.get(f"{server.base_url}/", timeout=30)  # the page itself needs no key; its API calls do
+    page = HTTP.get(f"{server.base_url}/")  # the page itself needs no key; its API calls do
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     links = re.findall(r'(?:src|href)="([^"]+)"', page.text)
     assert links and all(link.startswith(("/", "data:")) for link in links), links  # nothing from a CDN
     for asset in ("search.js", "search.css"):
-        response = HTTP.get(f"{server.base_url}/page-assets/{asset}", timeout=30)
+        response = HTTP.get(f"{server.base_url}/page-assets/{asset}")
         assert response.status_code == 200 and len(response.text) > 500
         assert "http://" not in response.text and "https://" not in response.text
 
@@ -255,7 +255,7 @@ def test_api_docs_page_renders_the_operations_in_a_real_browser(browser, server)
     assert "Unable to render" not in browser.page_source
     shown = {element.get_attribute("data-path") or element.text
              for element in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
-    spec = HTTP.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    spec = HTTP.get(f"{server.base_url}/openapi.json").json()
     assert spec["openapi"].startswith("3.1")
     assert {"/v1/search", "/v1/search/batch", "/v1/documents/{doc_id}"} <= shown
     assert shown == set(spec["paths"]), set(spec["paths"]) ^ shown

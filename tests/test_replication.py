@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
-from helpers import run_espn, wait_until
+from helpers import HTTP_TIMEOUT_S, run_espn, wait_until
 from server_fixtures import BIN, HTTP, REPO, ServerProcess, free_port, s3_server
 
 from espn.partitioning import owner
@@ -94,7 +94,7 @@ def _records(prefix: str) -> set[int]:
 
 
 def _replication(server: ServerProcess) -> dict[str, Any]:
-    return HTTP.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
+    return HTTP.get(f"{server.base_url}/readyz").json().get("replication") or {}
 
 
 @pytest.mark.slow
@@ -207,7 +207,7 @@ def test_writes_through_the_router_reach_every_follower_across_crashes(s3_env: d
         watching.set()
         watcher.join(10)
         # ... and holds every acknowledged write, on the partition that owns it.
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
             for doc_id in sorted(acknowledged):
                 for follower in followers[owner(doc_id, PARTITIONS)]:
                     status = client.get(f"{follower.base_url}/v1/documents/{doc_id}").status_code

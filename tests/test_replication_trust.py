@@ -145,7 +145,7 @@ def test_crafted_records_are_refused_before_anything_is_written(sample_index: Pa
         with LiveIndex.open(index) as writer:
             writer.upsert([NewDocument("w2", "the write after the attacks")])
         publish(index, url)
-        wait_until(lambda: HTTP.get(f"{follower.base_url}/v1/documents/w2", timeout=10).status_code == 200,
+        wait_until(lambda: HTTP.get(f"{follower.base_url}/v1/documents/w2").status_code == 200,
                "the follower to serve generation 2")
         assert not _replication(follower)["stale"]
     assert not outside.exists() and not (tmp_path / "restored").exists() and not (tmp_path / "restored.partial").exists()
@@ -154,7 +154,7 @@ def test_crafted_records_are_refused_before_anything_is_written(sample_index: Pa
 
 
 def _replication(server: Any) -> dict[str, Any]:
-    return HTTP.get(f"{server.base_url}/readyz", timeout=10).json().get("replication") or {}
+    return HTTP.get(f"{server.base_url}/readyz").json().get("replication") or {}
 
 
 def test_a_corrupted_blob_is_refused_and_nothing_is_renamed_into_place(sample_index: Path, tmp_path: Path,
@@ -311,13 +311,12 @@ def test_a_store_emptied_under_a_running_writer_is_noticed_and_refilled(sample_i
     shutil.copytree(sample_index, index)
 
     def reset_store() -> None:  # the S3 server restarted empty: every bucket and object gone
-        HTTP.post(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset", timeout=10).raise_for_status()
+        HTTP.post(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset").raise_for_status()
 
     with running_server(index, tmp_path, "--publish", url, "--publish-interval-s", "0.1", env=env,
                         name="writer") as writer:
         def write(doc_id: str) -> int:
-            answer = HTTP.put(f"{writer.base_url}/v1/documents/{doc_id}", json={"text": f"document {doc_id}"},
-                               timeout=30)
+            answer = HTTP.put(f"{writer.base_url}/v1/documents/{doc_id}", json={"text": f"document {doc_id}"})
             assert answer.status_code in (200, 201), answer.text
             return int(answer.json()["generation"])
 

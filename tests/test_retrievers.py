@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from conftest import CLIENT_API_KEY
+from helpers import HTTP_TIMEOUT_S
 
 # Haystack sends usage telemetry unless told not to; this machine is offline, and tests send nothing.
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")
@@ -52,7 +53,7 @@ def url(client_server) -> str:
 
 @pytest.fixture(scope="module")
 def raw(url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, headers=AUTH, timeout=60.0) as http:
+    with httpx.Client(base_url=url, headers=AUTH, timeout=HTTP_TIMEOUT_S) as http:
         yield http
 
 
@@ -104,8 +105,8 @@ class TestLangChainStandardRetrieverSuite(RetrieversIntegrationTests):
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
         # Fresh clients per retriever: an AsyncClient's pool belongs to the event loop it first ran on.
-        return {"client": Client(self.base_url, api_key=CLIENT_API_KEY),
-                "async_client": AsyncClient(self.base_url, api_key=CLIENT_API_KEY), "k": 4}
+        return {"client": Client(self.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S),
+                "async_client": AsyncClient(self.base_url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S), "k": 4}
 
     @property
     def retriever_query_example(self) -> str:
@@ -124,8 +125,8 @@ def test_langchain_returns_what_http_returns(url: str, raw: httpx.Client) -> Non
     assert _langchain_rows(retriever.invoke(QUERY, k=3, filter=None, explain=True, mode="hybrid")) == expected(
         raw, 3, explain=True, mode="hybrid")
     assert _langchain_rows(asyncio.run(retriever.ainvoke(QUERY, nprobe=2))) == expected(raw, 5, METADATA_FILTER, nprobe=2)
-    only_sync = espn_langchain.EspnRetriever(client=Client(url, api_key=CLIENT_API_KEY), k=2, fetch_metadata=False,
-                                             return_text=False)
+    only_sync = espn_langchain.EspnRetriever(client=Client(url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S), k=2,
+                                             fetch_metadata=False, return_text=False)
     documents = asyncio.run(only_sync.ainvoke(QUERY))  # LangChain's default: the sync search in a thread
     assert [d.id for d in documents] == [row["id"] for row in expected(raw, 2)]
     assert all(d.page_content == "" and "topic" not in d.metadata for d in documents)
@@ -138,7 +139,8 @@ def _llama_rows(nodes: list[Any]) -> list[dict]:
 
 
 def test_llama_index_returns_what_http_returns(url: str, raw: httpx.Client) -> None:
-    client, async_client = Client(url, api_key=CLIENT_API_KEY), AsyncClient(url, api_key=CLIENT_API_KEY)
+    client = Client(url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S)
+    async_client = AsyncClient(url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S)
     retriever = espn_llama_index.EspnRetriever(client, async_client=async_client, similarity_top_k=5,
                                                filters=LLAMA_FILTERS)
     want = expected(raw, 5, METADATA_FILTER)
@@ -165,8 +167,8 @@ def test_llama_index_returns_what_http_returns(url: str, raw: httpx.Client) -> N
 ])
 def test_llama_index_filters_select_what_espn_filters_select(url: str, raw: httpx.Client, llama: Any,
                                                              espn: dict) -> None:
-    retriever = espn_llama_index.EspnRetriever(Client(url, api_key=CLIENT_API_KEY), similarity_top_k=4,
-                                               filters=llama, fetch_metadata=False)
+    retriever = espn_llama_index.EspnRetriever(Client(url, api_key=CLIENT_API_KEY, timeout=HTTP_TIMEOUT_S),
+                                               similarity_top_k=4, filters=llama, fetch_metadata=False)
     assert [n.node.id_ for n in retriever.retrieve(QUERY)] == [row["id"] for row in expected(raw, 4, espn)]
 
 
@@ -178,7 +180,7 @@ def _haystack_rows(documents: list[Any]) -> list[dict]:
 
 def test_haystack_returns_what_http_returns(url: str, raw: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ESPN_API_KEY", CLIENT_API_KEY)  # the default Secret reads it
-    retriever = espn_haystack.EspnRetriever(url=url, top_k=5, filters=HAYSTACK_FILTERS)
+    retriever = espn_haystack.EspnRetriever(url=url, timeout=HTTP_TIMEOUT_S, top_k=5, filters=HAYSTACK_FILTERS)
     want = expected(raw, 5, METADATA_FILTER)
     assert _haystack_rows(retriever.run(query=QUERY)["documents"]) == want
     assert _haystack_rows(asyncio.run(retriever.run_async(query=QUERY))["documents"]) == want
@@ -191,18 +193,18 @@ def test_haystack_returns_what_http_returns(url: str, raw: httpx.Client, monkeyp
     pipeline.add_component("retriever", espn_haystack.EspnRetriever.from_dict(retriever.to_dict()))
     out = pipeline.run({"retriever": {"query": QUERY}})
     assert _haystack_rows(out["retriever"]["documents"]) == want
-    explained = espn_haystack.EspnRetriever(url=url, top_k=2, explain=True, search_params={"mode": "hybrid"},
-                                            filter={"topic": "oceans"})
+    explained = espn_haystack.EspnRetriever(url=url, timeout=HTTP_TIMEOUT_S, top_k=2, explain=True,
+                                            search_params={"mode": "hybrid"}, filter={"topic": "oceans"})
     assert _haystack_rows(explained.run(query=QUERY)["documents"]) == expected(raw, 2, {"topic": "oceans"},
                                                                                explain=True, mode="hybrid")
 
 
 def test_framework_filters_the_server_cannot_run_are_refused_before_any_request(url: str) -> None:
     with pytest.raises(ValueError, match="meta.<field>"):
-        espn_haystack.EspnRetriever(url=url).run(query=QUERY, filters={"field": "content", "operator": "==",
-                                                                       "value": "x"})
+        espn_haystack.EspnRetriever(url=url, timeout=HTTP_TIMEOUT_S).run(
+            query=QUERY, filters={"field": "content", "operator": "==", "value": "x"})
     with pytest.raises(ValueError, match="text_match"):
-        espn_llama_index.EspnRetriever(Client(url), filters=MetadataFilters(filters=[
+        espn_llama_index.EspnRetriever(Client(url, timeout=HTTP_TIMEOUT_S), filters=MetadataFilters(filters=[
             MetadataFilter(key="topic", operator=FilterOperator.TEXT_MATCH, value="ocean")]))
     with pytest.raises(ValueError, match="client"):
         espn_langchain.EspnRetriever(k=3)

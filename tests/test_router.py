@@ -336,7 +336,7 @@ class Server:
         def ready() -> bool:
             if self.process.poll() is not None:
                 pytest.fail(f"espn serve exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
-            return HTTP.get(self.url + "/readyz", timeout=2).status_code == 200
+            return HTTP.get(self.url + "/readyz").status_code == 200
 
         wait_until(ready, lambda: f"espn serve to be ready:\n{self.log.read_text()[-3000:]}",
                    timeout_s=max(0.0, deadline - time.monotonic()), interval_s=0.5, ignore=(httpx.TransportError,))
@@ -486,16 +486,16 @@ def test_espn_route_command_serves_health_and_readiness(tmp_path: Path) -> None:
     try:
         def listening() -> bool:
             assert process.poll() is None, f"espn route exited:\n{log.read_text()[-2000:]}"
-            HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+            HTTP.get(f"http://127.0.0.1:{port}/healthz")
             return True
 
         wait_until(listening, lambda: f"espn route to listen:\n{log.read_text()[-2000:]}", timeout_s=60,
                    interval_s=0.3, ignore=(httpx.TransportError,))
-        health = HTTP.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        health = HTTP.get(f"http://127.0.0.1:{port}/healthz")
         assert health.status_code == 200
-        ready = HTTP.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        ready = HTTP.get(f"http://127.0.0.1:{port}/readyz")
         assert ready.status_code == 503 and ready.json()["detail"] == "0 of 1 shard(s) ready"
-        search = HTTP.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "q"}, timeout=5)
+        search = HTTP.post(f"http://127.0.0.1:{port}/v1/search", json={"query": "q"})
         assert search.status_code == 503 and search.json()["failed_shards"][0]["error"] == "unreachable"
     finally:
         process.send_signal(signal.SIGTERM)

@@ -77,22 +77,22 @@ def _finite_scores(answer: dict[str, Any]) -> bool:
 
 def test_good_partitions_are_relayed(router: str, partitions: list[FakePartition]) -> None:
     (a,), (b,) = _ids(0, 1, "good"), _ids(1, 1, "good")
-    search = HTTP.post(f"{router}/v1/search", json={"query": "q", "k": 3}, timeout=30)
+    search = HTTP.post(f"{router}/v1/search", json={"query": "q", "k": 3})
     assert search.status_code == 200 and search.json()["partial"] is False
     assert [h["id"] for h in search.json()["results"]] == ["a0", "b0", "a1"]
-    created = HTTP.put(f"{router}/v1/documents/{a}", json={"text": "one"}, timeout=30)
+    created = HTTP.put(f"{router}/v1/documents/{a}", json={"text": "one"})
     assert created.status_code == 201 and created.json()["created"] == [a], created.text
     assert created.headers["x-espn-partition"] == "0"
-    assert HTTP.put(f"{router}/v1/documents/{a}", json={"text": "one again"}, timeout=30).status_code == 200
-    batch = HTTP.post(f"{router}/v1/documents/batch", json={"upsert": [{"id": b, "text": "two"}]}, timeout=30)
+    assert HTTP.put(f"{router}/v1/documents/{a}", json={"text": "one again"}).status_code == 200
+    batch = HTTP.post(f"{router}/v1/documents/batch", json={"upsert": [{"id": b, "text": "two"}]})
     assert batch.status_code == 200 and batch.json()["applied"] == [1] and batch.json()["created"] == [b]
-    assert HTTP.get(f"{router}/v1/documents/{b}", timeout=30).json()["text"] == "two"
-    assert HTTP.delete(f"{router}/v1/documents/{b}", timeout=30).json()["deleted"] == [b]
+    assert HTTP.get(f"{router}/v1/documents/{b}").json()["text"] == "two"
+    assert HTTP.delete(f"{router}/v1/documents/{b}").json()["deleted"] == [b]
     # The server's code for the server's case: no partition holds the id.
-    missing = HTTP.get(f"{router}/v1/documents/{b}", timeout=30)
+    missing = HTTP.get(f"{router}/v1/documents/{b}")
     assert missing.status_code == 404 and missing.json()["error"] == "document_not_found"
     # The writer's own refusal is passed on, with the partition named.
-    again = HTTP.delete(f"{router}/v1/documents/{b}", timeout=30)
+    again = HTTP.delete(f"{router}/v1/documents/{b}")
     assert again.status_code == 404 and again.json()["error"] == "document_not_found"
     assert again.json()["partition"] == 1
 
@@ -152,8 +152,8 @@ def test_a_bad_partition_is_never_relayed_as_success(router: str, partitions: li
 
 def test_failures_are_counted_per_partition(router: str, partitions: list[FakePartition]) -> None:
     partitions[1].mode = "nan"
-    HTTP.post(f"{router}/v1/search", json={"query": "q"}, timeout=30)
-    metrics = HTTP.get(f"{router}/metrics", timeout=30).text
+    HTTP.post(f"{router}/v1/search", json={"query": "q"})
+    metrics = HTTP.get(f"{router}/metrics").text
     line = f'espn_router_shard_failures_total{{error="bad_response",shard="{partitions[1].url}"}}'
     assert line in metrics and 'espn_router_partial_responses_total{endpoint="search"}' in metrics
 
@@ -162,10 +162,10 @@ def test_a_404_that_is_not_document_not_found_is_a_failure(router: str, partitio
     """A wrong URL prefix (or a proxy's 404 page) is not the document missing."""
     (b,) = _ids(1, 1, "path")
     partitions[1].mode = "path_404"
-    read = HTTP.get(f"{router}/v1/documents/{b}", timeout=30)
+    read = HTTP.get(f"{router}/v1/documents/{b}")
     assert read.status_code == 503 and read.json()["failed_shards"][0]["error"] == "http_404", read.text
     # To a write, a 404 is the writer's refusal: passed on (not acknowledged), the partition named.
-    write = HTTP.put(f"{router}/v1/documents/{b}", json={"text": "x"}, timeout=30)
+    write = HTTP.put(f"{router}/v1/documents/{b}", json={"text": "x"})
     assert write.status_code == 404 and write.json()["error"] == "writer_error" and write.json()["partition"] == 1
 
 
@@ -194,14 +194,14 @@ def test_a_writer_readyz_of_any_shape_gets_no_write_and_no_500(partitions: list[
     with _router(partitions, tmp_path, "route") as server:
         for readyz, status, error in READYZ_CASES:
             bad.readyz = readyz
-            assert HTTP.get(f"{server.base_url}/readyz", timeout=30).status_code == 200  # the router's: status only
+            assert HTTP.get(f"{server.base_url}/readyz").status_code == 200  # the router's: status only
             sent = len(bad.requests)
-            refused = HTTP.put(f"{server.base_url}/v1/documents/{b}", json={"text": "x"}, timeout=30)
+            refused = HTTP.put(f"{server.base_url}/v1/documents/{b}", json={"text": "x"})
             assert refused.status_code == status and refused.json()["error"] == error, (readyz[:80], refused.text)
             assert refused.json()["partition"] == 1 and bad.url in refused.json()["message"]
             assert [r for r in bad.requests[sent:] if r[0] == "PUT"] == [], readyz[:80]  # no write was sent
         bad.readyz = None  # fixed: the next write checks it again and goes through
-        assert HTTP.put(f"{server.base_url}/v1/documents/{b}", json={"text": "x"}, timeout=30).status_code in (200, 201)
+        assert HTTP.put(f"{server.base_url}/v1/documents/{b}", json={"text": "x"}).status_code in (200, 201)
 
 
 def _memory_kib(pid: int) -> dict[str, int]:
@@ -219,14 +219,14 @@ def test_an_oversized_answer_costs_the_router_at_most_the_limit(
     memory grows by about that much, not by the gigabyte."""
     with _router(partitions, tmp_path, "route") as server:
         for _ in range(20):  # the code paths warm, so that what grows after is the answer
-            assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}, timeout=30).status_code == 200
+            assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}).status_code == 200
         before = _memory_kib(server.pid)
         partitions[1].mode = "huge"
         answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}, timeout=120)
         after = _memory_kib(server.pid)
         assert answer.status_code == 200 and answer.json()["failed_shards"][0]["error"] == "too_large"
         partitions[1].mode = "good"
-        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}, timeout=30).json()["partial"] is False
+        assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}).json()["partial"] is False
     grown_mib = (after["VmHWM"] - before["VmHWM"]) / 1024
     streamed_mib = partitions[1].streamed / (1 << 20)
     record_property("router_peak_before_mib", before["VmHWM"] / 1024)

@@ -25,7 +25,7 @@ import pytest
 from espn.params import MAX_QUERY_CHARS
 from espn_server.settings import ServerSettings
 
-from helpers import wait_until
+from helpers import HTTP_TIMEOUT_S, wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
 
 API_KEY = "test-key-0123456789abcdef"
@@ -419,7 +419,7 @@ def test_api_key_is_required(server) -> None:
     assert HTTP.get(f"{server.base_url}/v1/documents/x").status_code == 401
     assert HTTP.get(f"{server.base_url}/healthz").status_code == 200  # probes need no key
     # CORS is off unless configured: no Access-Control headers, even for a preflight.
-    preflight = httpx.options(f"{server.base_url}/v1/search", headers={
+    preflight = httpx.options(f"{server.base_url}/v1/search", timeout=HTTP_TIMEOUT_S, headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in preflight.headers
 
@@ -500,7 +500,7 @@ def _metrics_once(url: str, done: Callable[[str], bool], timeout_s: float = 30.0
 
     def arrived() -> bool:
         nonlocal text
-        text = HTTP.get(url, timeout=10).text
+        text = HTTP.get(url).text
         return done(text)
 
     wait_until(arrived, f"the last request's counts in {url}", timeout_s, interval_s=0.05)
@@ -655,7 +655,7 @@ def test_metrics_on_their_own_port(sample_index: Path, tmp_path: Path) -> None:
     with running_server(sample_index, tmp_path, "--metrics-port", str(port), env={"ESPN_API_KEY": API_KEY},
                         name="metrics-port") as server:
         # A fresh posix worker says its prefetch verdict before any search: waves are tried.
-        assert _metric(HTTP.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, "espn_prefetch_waves_pay") == 1
+        assert _metric(HTTP.get(f"http://127.0.0.1:{port}/metrics").text, "espn_prefetch_waves_pay") == 1
         assert HTTP.post(f"{server.base_url}/v1/search", json={"query": QUERIES[1]}, headers=AUTH,
                           timeout=60).status_code == 200
         assert HTTP.get(f"{server.base_url}/metrics").status_code == 404

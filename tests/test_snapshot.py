@@ -145,7 +145,7 @@ def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_ackno
                         env={"ESPN_API_KEY": key}) as server:
         base = server.base_url
         assert not killed.exists()  # removed when the server started
-        assert HTTP.post(f"{base}/v1/snapshots", timeout=30).status_code == 401
+        assert HTTP.post(f"{base}/v1/snapshots").status_code == 401
         acknowledged: dict[str, int] = {}
         stop = threading.Event()
 
@@ -169,11 +169,10 @@ def test_a_snapshot_over_http_while_writes_run_restores_exactly_the_writes_ackno
                 future.result()
         assert taken.status_code == 201, taken.text
         generation = taken.json()["generation"]
-        again = HTTP.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers, timeout=30)
+        again = HTTP.post(f"{base}/v1/snapshots", json={"name": "mid-writes"}, headers=headers)
         assert again.status_code == 409
-        assert HTTP.post(f"{base}/v1/snapshots", json={"name": "../escape"}, headers=headers,
-                          timeout=30).status_code == 422
-        listed = HTTP.get(f"{base}/v1/snapshots", headers=headers, timeout=30).json()["snapshots"]
+        assert HTTP.post(f"{base}/v1/snapshots", json={"name": "../escape"}, headers=headers).status_code == 422
+        listed = HTTP.get(f"{base}/v1/snapshots", headers=headers).json()["snapshots"]
         assert listed == [{"name": "mid-writes", "generation": generation}]
     restore(tmp_path / "snaps" / "mid-writes", tmp_path / "restored")
     with Searcher.open(tmp_path / "restored") as searcher:
@@ -191,7 +190,7 @@ def test_snapshots_over_http_are_off_without_a_directory(index: Path, tmp_path: 
     from server_fixtures import running_server
 
     with running_server(index, tmp_path, "--no-warmup") as server:
-        off = HTTP.post(f"{server.base_url}/v1/snapshots", timeout=30)
+        off = HTTP.post(f"{server.base_url}/v1/snapshots")
         assert off.status_code == 404 and "--snapshot-dir" in off.json()["message"]
 
 
@@ -224,7 +223,7 @@ def test_same_name_snapshots_racing_over_http_acknowledge_one_verified_copy(inde
                     assert answer.json()["error"] == "conflict" and name in answer.json()["message"]
             assert cli_main(["verify", str(snaps / name)]) == 0
             restore(snaps / name, tmp_path / f"restored-{round_}")
-        listed = HTTP.get(f"{base}/v1/snapshots", timeout=30).json()["snapshots"]
+        listed = HTTP.get(f"{base}/v1/snapshots").json()["snapshots"]
         assert [s["name"] for s in listed] == ["race-0", "race-1", "race-2"]
     assert sorted(p.name for p in snaps.iterdir()) == ["race-0", "race-1", "race-2"]
 

@@ -71,7 +71,7 @@ def test_a_snapshot_on_a_full_disk_is_a_507_leaving_nothing_and_succeeds_once_sp
             assert full.json()["error"] == "insufficient_storage"
             assert "no space left on device" in full.json()["message"] and "nightly" in full.json()["message"]
             assert not (snaps / "nightly").exists() and not (snaps / "nightly.partial").exists()
-            assert HTTP.get(f"{server.base_url}/v1/snapshots", timeout=30).json()["snapshots"] == []
+            assert HTTP.get(f"{server.base_url}/v1/snapshots").json()["snapshots"] == []
             assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "glaciers", "k": 3},
                               timeout=60).status_code == 200
             ballast.unlink()
@@ -131,8 +131,8 @@ def test_writes_on_a_full_disk_are_507_lose_nothing_acknowledged_and_resume(inde
                 assert answer.status_code == 507, answer.text
                 assert answer.json()["error"] == "insufficient_storage"
                 assert "no space left on device" in answer.json()["message"]
-            assert HTTP.get(f"{base}/v1/documents/acked-1", timeout=30).status_code == 200
-            assert HTTP.get(f"{base}/v1/documents/refused-0", timeout=30).status_code == 404
+            assert HTTP.get(f"{base}/v1/documents/acked-1").status_code == 200
+            assert HTTP.get(f"{base}/v1/documents/refused-0").status_code == 404
             assert HTTP.post(f"{base}/v1/search", json={"query": "disk filled", "k": 3}, timeout=60).status_code == 200
             ballast.unlink()
             after = HTTP.put(f"{base}/v1/documents/acked-2", json={"text": "written once space came back"},

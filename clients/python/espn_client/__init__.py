@@ -12,13 +12,15 @@ Haystack are the modules `espn_client.langchain`, `espn_client.llama_index` and
 importing `espn_client` imports none of them.
 """
 
-from ._core import RetryPolicy
+from ._core import DEFAULT_TIMEOUT_S, RetryPolicy
+from ._exchange import DEFAULT_DEADLINE_S, DEFAULT_MAX_ANSWER_BYTES, MAX_ERROR_BODY_BYTES
 from .async_client import AsyncClient
 from .client import Client
-from .errors import (ApiError, BadRequestError, ConflictError, EspnError, ForbiddenError, InsufficientStorageError,
-                     InvalidRequestError, MethodNotAllowedError, MisdirectedRequestError, NotFoundError,
-                     PayloadTooLargeError, RequestTimeoutError, TooManyRequestsError, TransportError,
-                     UnauthorizedError, UnavailableError)
+from .errors import (ApiError, BadRequestError, ConflictError, DeadlineExceededError, EspnError, ForbiddenError,
+                     InsufficientStorageError, InvalidRequestError, MalformedResponseError, MethodNotAllowedError,
+                     MisdirectedRequestError, NotFoundError, PayloadTooLargeError, RequestTimeoutError,
+                     ResponseError, ResponseTooLargeError, TooManyRequestsError, TransportError, UnauthorizedError,
+                     UnavailableError)
 from .models import (BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, ErrorBody, Explanation, Health, LexicalMatch, PassageSpan, QueryError, Readiness,
                      SearchHit, SearchParams, SearchRequest, SearchResponse, SearchStats, ServerLimits, SnapshotInfo,
@@ -29,7 +31,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client", "AsyncClient", "RetryPolicy",
-    "EspnError", "TransportError", "RequestTimeoutError", "ApiError", "BadRequestError", "UnauthorizedError",
+    "DEFAULT_TIMEOUT_S", "DEFAULT_DEADLINE_S", "DEFAULT_MAX_ANSWER_BYTES", "MAX_ERROR_BODY_BYTES",
+    "EspnError", "TransportError", "RequestTimeoutError", "DeadlineExceededError", "ResponseError",
+    "ResponseTooLargeError", "MalformedResponseError", "ApiError", "BadRequestError", "UnauthorizedError",
     "ForbiddenError", "NotFoundError", "MethodNotAllowedError", "ConflictError", "MisdirectedRequestError",
     "PayloadTooLargeError", "InvalidRequestError", "TooManyRequestsError", "UnavailableError",
     "InsufficientStorageError",

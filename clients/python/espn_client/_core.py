@@ -1,8 +1,8 @@
 """What the sync and async clients share: routes, request building, answers to models, retries, chunks.
 
-Each public method of `Client` and `AsyncClient` builds a `Call` here (method, path, body, the
-model of its answer), sends it with its own transport loop, and hands the answer to `Call.parse`.
-The loops differ only in how they wait (time.sleep or asyncio.sleep).
+Each public method of `Client` and `AsyncClient` builds a `Call` here (method, path, body, how
+its answer becomes a result); the client's transport loop sends it and reads the answer
+(_exchange.py bounds that read) into an `Answer`, which `Call.parse` turns into the result.
 """
 
 from __future__ import annotations
@@ -10,26 +10,29 @@ from __future__ import annotations
 import base64
 import dataclasses
 import email.utils
+import codecs
 import json
 import random
+import re
 import time
 import urllib.parse
 from typing import Any, Callable, Generic, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
-from .errors import ApiError, api_error
 from .models import (CreateIndexRequest, IndexInfo, IndexList, BatchSearchRequest, BatchSearchResponse, BatchWriteRequest, Document, DocumentUpsert,
                      DocumentWrite, Health, Readiness, SearchParams, SearchRequest, SearchResponse, ServerLimits,
                      SnapshotInfo, SnapshotList, SnapshotRequest, WriteResponse)
 
-__all__ = ["RetryPolicy", "Routes", "Call", "DocumentCalls", "DEFAULT_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "Upsert",
+__all__ = ["RetryPolicy", "Routes", "Answer", "Call", "DocumentCalls", "DEFAULT_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "Upsert",
            "search_params", "search_call", "query_list", "batch_call", "chunks", "chunk_writes", "merge_batches",
            "limits_from_openapi", "retry_after_s", "auth_headers"]
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+#: Any JSON value, parsed by pydantic's own parser (which refuses nesting past its limit).
+_JSON = TypeAdapter(Any)
 #: Seconds for connect, read, write and pool alike; a search of a cold index can take a second.
 DEFAULT_TIMEOUT_S = 30.0
 #: POST /v1/indexes runs a build (tens of seconds): its default time limit.
@@ -138,37 +141,62 @@ class Routes:
 
 
 @dataclasses.dataclass(frozen=True)
+class Answer:
+    """An answer read whole, within the client's limits: its status, headers and decoded body.
+    truncated: an error answer's body cut at the most the client reads of one."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+    request: httpx.Request
+    truncated: bool = False
+
+    @property
+    def method(self) -> str:
+        return self.request.method
+
+    @property
+    def url(self) -> str:
+        return str(self.request.url)
+
+    @property
+    def text(self) -> str:
+        """The body as text, in the charset its Content-Type names (UTF-8 if none, or one Python lacks)."""
+        named = re.search(r"charset=\"?([\w.:-]+)", self.headers.get("content-type", ""))
+        charset = "utf-8"
+        if named:
+            try:
+                charset = codecs.lookup(named.group(1)).name
+            except LookupError:
+                pass
+        return self.content.decode(charset, "replace")
+
+    def json(self) -> Any:
+        """The body's JSON, parsed by pydantic (nesting deeper than its limit is a ValidationError, a
+        ValueError, where the standard library's parser would raise RecursionError)."""
+        return _JSON.validate_json(self.content)
+
+
+@dataclasses.dataclass(frozen=True)
 class Call(Generic[T]):
     """One request and how its answer becomes a result. ok: statuses that are answers, not errors
-    (readiness: 503 is an answer). retry: False for a call whose 503 is not worth waiting for."""
+    (readiness: 503 is an answer). retry: False for a call whose 503 is not worth waiting for.
+    timeout: seconds for each read and for the whole call, when the call needs longer than the
+    client's (a build); None: the client's."""
 
     method: str
     path: str
-    parse: Callable[[httpx.Response], T]
+    parse: Callable[[Answer], T]
     body: Optional[dict[str, Any]] = None
     ok: frozenset[int] = frozenset({200, 201})
     retry: bool = True
-    timeout: Optional[float] = None  # seconds; None: the client's
-
-    def result(self, response: httpx.Response) -> T:
-        if response.status_code not in self.ok:
-            raise error_of(response)
-        return self.parse(response)
+    timeout: Optional[float] = None
+    expects: str = ""  # what the answer is, for the message when it is not ("": its model's name)
 
 
-def error_of(response: httpx.Response) -> ApiError:
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = None
-    return api_error(response.status_code, body, response.text,
-                     retry_after_s=retry_after_s(response.headers.get("retry-after")),
-                     method=response.request.method, url=str(response.request.url))
-
-
-def model(cls: type[M]) -> Callable[[httpx.Response], M]:
+def model(cls: type[M]) -> Callable[[Answer], M]:
     """An answer's JSON validated into `cls` (pydantic-core parses the bytes itself)."""
-    return lambda response: cls.model_validate_json(response.content)
+    return lambda answer: cls.model_validate_json(answer.content)
 
 
 def search_params(k: Optional[int], filter: Optional[Mapping[str, Any]], mode: Optional[str],
@@ -213,7 +241,8 @@ class DocumentCalls:
     def page_image(self, doc_id: str, max_side: Optional[int]) -> Call[tuple[bytes, str]]:
         query = "?image=true" + (f"&max_side={int(max_side)}" if max_side is not None else "")
         return Call("GET", self.routes.document(doc_id) + query,
-                    lambda r: (r.content, r.headers.get("content-type", "application/octet-stream")))
+                    lambda r: (r.content, r.headers.get("content-type", "application/octet-stream")),
+                    expects="an image")
 
     def delete(self, doc_id: str) -> Call[WriteResponse]:
         return Call("DELETE", self.routes.document(doc_id), model(WriteResponse))
@@ -249,28 +278,35 @@ class DocumentCalls:
         return Call("GET", self.routes.ready, model(Readiness), ok=frozenset({200, 503}), retry=False)
 
     def metrics(self) -> Call[str]:
-        return Call("GET", self.routes.metrics, lambda r: r.text)
+        return Call("GET", self.routes.metrics, lambda r: r.text, expects="text")
 
     def limits(self) -> Call[ServerLimits]:
-        return Call("GET", self.routes.openapi, lambda r: limits_from_openapi(r.json()))
+        return Call("GET", self.routes.openapi, lambda r: limits_from_openapi(r.json()), expects="an OpenAPI document")
 
 
 def _upsert(document: Upsert) -> DocumentUpsert:
     return document if isinstance(document, DocumentUpsert) else DocumentUpsert.model_validate(dict(document))
 
 
-def limits_from_openapi(document: Mapping[str, Any]) -> ServerLimits:
+def limits_from_openapi(document: Any) -> ServerLimits:
     """The live limits a server publishes in its OpenAPI document (server/openapi.py writes the
-    settings into `maxItems`); the defaults where it says nothing."""
-    schemas = document.get("components", {}).get("schemas", {})
+    settings into `maxItems`); the defaults where it says nothing. A document that is not an
+    OpenAPI object raises ValueError."""
+    if not isinstance(document, dict):
+        raise ValueError(f"an OpenAPI document is a JSON object, not {type(document).__name__}")
     found: dict[str, int] = {}
-    queries = schemas.get("BatchSearchRequest", {}).get("properties", {}).get("queries", {})
-    if isinstance(queries.get("maxItems"), int):
-        found["max_batch_queries"] = queries["maxItems"]
-    upsert = schemas.get("BatchWriteRequest", {}).get("properties", {}).get("upsert", {})
-    if isinstance(upsert.get("maxItems"), int):
-        found["max_batch_writes"] = upsert["maxItems"]
+    for schema, field, limit in (("BatchSearchRequest", "queries", "max_batch_queries"),
+                                 ("BatchWriteRequest", "upsert", "max_batch_writes")):
+        value = _member(document, "components", "schemas", schema, "properties", field, "maxItems")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            found[limit] = value
     return ServerLimits(**found)
+
+
+def _member(document: Any, *path: str) -> Any:
+    for name in path:
+        document = document.get(name) if isinstance(document, dict) else None
+    return document
 
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -323,8 +359,10 @@ def merge_batches(parts: Sequence[tuple[int, BatchSearchResponse]]) -> BatchSear
     return BatchSearchResponse(responses=responses, errors=errors)
 
 
-def auth_headers(api_key: Optional[str], headers: Optional[Mapping[str, str]]) -> dict[str, str]:
-    out = {"User-Agent": user_agent(), **(headers or {})}
+def auth_headers(api_key: Optional[str], headers: Optional[Mapping[str, str]], accept_encoding: str) -> dict[str, str]:
+    """The headers of every request: the client's name, the encodings it reads (those whose inflating
+    it bounds), the caller's own, and the API key as a bearer token."""
+    out = {"User-Agent": user_agent(), "Accept-Encoding": accept_encoding, **(headers or {})}
     if api_key is not None:
         if not api_key:
             raise ValueError("api_key: the server's ESPN_API_KEY, or None when it has none")

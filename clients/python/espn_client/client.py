@@ -1,24 +1,34 @@
-"""`Client`: the espn HTTP API from synchronous code (`AsyncClient` in async_client.py is its twin).
+# Generated from async_client.py by clients/python/scripts/unasync.py: edit that file and run the script
+# (tests/test_client.py checks that this file is what the script writes).
+"""`Client`: the espn HTTP API from synchronous code.
 
     from espn_client import Client
 
     with Client("http://localhost:8000", api_key="...") as espn:
-        hits = espn.search("what causes ocean tides", k=5, filter={"topic": "oceans"}).results
+        answer = espn.search("what causes ocean tides", k=5, filter={"topic": "oceans"})
+        hits = answer.results
+
+Generated from async_client.py (`AsyncClient`, the twin of this class), with `async` and
+`await` taken out, by clients/python/scripts/unasync.py. The calls and their answers are built and
+checked by code both share (_core.py, _exchange.py).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
 
-from ._core import (DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, Call, DocumentCalls, RetryPolicy, Routes, Upsert,
-                    auth_headers, batch_call, chunk_writes, chunks, merge_batches, query_list, search_call,
+from ._sync_io import gather, sleep, within
+from ._core import (DEFAULT_MAX_BODY_BYTES, DEFAULT_TIMEOUT_S, Answer, Call, DocumentCalls, RetryPolicy, Routes,
+                    Upsert, auth_headers, batch_call, chunk_writes, chunks, merge_batches, query_list, search_call,
                     search_params)
-from .errors import ApiError, RequestTimeoutError, TransportError
-from .models import (IndexInfo, BatchSearchResponse, Document, Health, Readiness, SearchResponse, ServerLimits, SnapshotInfo,
-                     WriteResponse)
+from ._exchange import ACCEPT_ENCODING, DEFAULT_DEADLINE_S, DEFAULT_MAX_ANSWER_BYTES, Exchange
+from .errors import ApiError, TransportError
+from .models import (BatchSearchResponse, Document, Health, IndexInfo, Readiness, SearchResponse, ServerLimits,
+                     SnapshotInfo, WriteResponse)
 
 __all__ = ["Client"]
 
@@ -31,55 +41,77 @@ class Client:
     base_url: e.g. "http://localhost:8000". api_key: the server's ESPN_API_KEY, sent as
     `Authorization: Bearer <key>`. index: None for today's routes (`/v1/search`, ...), or the
     name of an index of a server that holds several (`/v1/indexes/{name}/search`, ...).
-    timeout: seconds (or an `httpx.Timeout`). retry: when 503 and 507 answers are retried.
-    http_client: an `httpx.Client` of your own (proxies, TLS, transports); it is not closed here.
+    timeout: seconds for connecting, sending, each read and a pooled connection (or an
+    `httpx.Timeout`). deadline_s: seconds a whole call may take, its tries, their waits and the
+    reading of its answer together (None: no deadline). max_answer_bytes: the most bytes of one
+    answer's body held, counted after decompression. retry: when 503 and 507 answers are retried.
+    concurrency: how many requests `search_many` and `get_documents` keep in flight.
+    http_client: an `httpx.Client` of your own (proxies, TLS, transports); not closed here.
+    Threads may share it.
 
-    Thread-safe: one Client can serve the threads of an application. Errors are
-    `espn_client.ApiError` subclasses carrying the server's `code` and `message`."""
+    Errors are `espn_client.EspnError` subclasses carrying the answer's status and the start of
+    its body; an error status is an `ApiError` with the server's `code` and `message`."""
 
     def __init__(self, base_url: str, *, api_key: Optional[str] = None, index: Optional[str] = None,
-                 timeout: Union[float, httpx.Timeout] = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),
-                 headers: Optional[Mapping[str, str]] = None, http_client: Optional[httpx.Client] = None) -> None:
+                 timeout: Union[float, httpx.Timeout] = DEFAULT_TIMEOUT_S,
+                 deadline_s: Optional[float] = DEFAULT_DEADLINE_S, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+                 retry: RetryPolicy = RetryPolicy(), headers: Optional[Mapping[str, str]] = None,
+                 http_client: Optional[httpx.Client] = None, concurrency: int = 4) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency: at least 1, got {concurrency}")
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s: seconds above 0, or None for no deadline; got {deadline_s!r}")
+        if max_answer_bytes < 1:
+            raise ValueError(f"max_answer_bytes: at least 1, got {max_answer_bytes}")
         self.base_url = base_url.rstrip("/")
         self.index = index
-        self.retry = retry
         self.timeout = timeout
-        self._api_key = api_key
+        self.deadline_s = deadline_s
+        self.max_answer_bytes = max_answer_bytes
+        self.retry = retry
+        self.concurrency = concurrency
         self._routes = Routes(index)
         self._calls = DocumentCalls(self._routes)
-        self._headers = auth_headers(api_key, headers)
+        self._headers = auth_headers(api_key, headers, ACCEPT_ENCODING)
         self._owned = http_client is None
         self._http = http_client if http_client is not None else httpx.Client(timeout=timeout)
         self._limits: Optional[ServerLimits] = None
 
-    # -- the transport loop ----------------------------------------------------------------
+    # -- the transport loop ------------------------------------------------------------------
 
     def _send(self, call: Call[T]) -> T:
-        attempt = 0
+        """The call's result: tried again after a 503, a 507 or a connection never opened (as the
+        retry policy and the deadline allow); every failure an `EspnError`."""
+        exchange = Exchange(call, self.base_url, self.timeout, self.retry, self.deadline_s, self.max_answer_bytes)
+        return within(exchange, lambda: self._tries(exchange))
+
+    def _tries(self, exchange: Exchange[T]) -> T:
         while True:
-            attempt += 1
             try:
-                response = self._http.request(call.method, self.base_url + call.path, json=call.body,
-                                              headers=self._headers,
-                                              timeout=self.timeout if call.timeout is None else call.timeout)
-            except httpx.TimeoutException as exc:
-                raise RequestTimeoutError(f"{call.method} {call.path}: no answer within the timeout ({exc})") from exc
-            except httpx.ConnectError as exc:
-                wait = self.retry.delay_s(attempt, None) if call.retry else None
-                if wait is None:
-                    raise TransportError(f"{call.method} {self.base_url}{call.path}: {exc}") from exc
-                time.sleep(wait)
-                continue
-            except httpx.TransportError as exc:
-                raise TransportError(f"{call.method} {self.base_url}{call.path}: {exc}") from exc
+                return exchange.result(self._answer(exchange))
+            except (httpx.HTTPError, ApiError) as failure:
+                sleep(exchange.wait_after(failure))
+
+    def _answer(self, exchange: Exchange[T]) -> Answer:
+        """One try: the request sent and its answer read, streamed, within the exchange's limits."""
+        call = exchange.call
+        request = self._http.build_request(call.method, exchange.url, json=call.body, headers=self._headers,
+                                           timeout=exchange.start())
+        response = self._http.send(request, stream=True)
+        try:
+            reader = exchange.read(response)
             try:
-                return call.result(response)
-            except ApiError as error:
-                wait = (self.retry.delay_s(attempt, error.retry_after_s)
-                        if call.retry and error.status_code in self.retry.statuses else None)
-                if wait is None:
-                    raise
-                time.sleep(wait)
+                if reader.already_read:
+                    reader.feed(response.content)
+                else:
+                    for chunk in response.iter_raw():
+                        if not reader.feed(chunk):
+                            break
+            except httpx.HTTPError as exc:
+                raise reader.broken(exc) from exc
+            return reader.answer()
+        finally:
+            response.close()
 
     def close(self) -> None:
         if self._owned:
@@ -98,33 +130,34 @@ class Client:
     # -- search ----------------------------------------------------------------------------
 
     def search(self, query: str, k: Optional[int] = None, *, filter: Optional[Mapping[str, Any]] = None,
-               mode: Optional[str] = None, return_text: Optional[bool] = None, explain: Optional[bool] = None,
-               **params: Any) -> SearchResponse:
+                     mode: Optional[str] = None, return_text: Optional[bool] = None, explain: Optional[bool] = None,
+                     **params: Any) -> SearchResponse:
         """POST /v1/search: one query. params: any other parameter of the API (nprobe,
         rerank_count, fusion, ...; see `espn_client.SearchParams`); unset ones keep the index's
         defaults. explain: per-hit explanations (k <= 100)."""
-        return self._send(search_call(self._routes, query, explain, search_params(k, filter, mode, return_text, params)))
+        return self._send(search_call(self._routes, query, explain,
+                                            search_params(k, filter, mode, return_text, params)))
 
     def search_batch(self, queries: Sequence[str], k: Optional[int] = None, *,
-                     filter: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
-                     return_text: Optional[bool] = None, **params: Any) -> BatchSearchResponse:
+                           filter: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
+                           return_text: Optional[bool] = None, **params: Any) -> BatchSearchResponse:
         """POST /v1/search/batch: several queries in one request (at most the server's
         max_batch_queries; `search_many` splits longer lists). A query that cannot be searched
         is an entry of `errors`; the others are answered."""
         return self._send(batch_call(self._routes, queries, search_params(k, filter, mode, return_text, params)))
 
     def search_many(self, queries: Sequence[str], k: Optional[int] = None, *,
-                    filter: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
-                    return_text: Optional[bool] = None, chunk_size: Optional[int] = None,
-                    **params: Any) -> BatchSearchResponse:
+                          filter: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None,
+                          return_text: Optional[bool] = None, chunk_size: Optional[int] = None,
+                          **params: Any) -> BatchSearchResponse:
         """Any number of queries, sent as batches of `chunk_size` (default: the server's
-        max_batch_queries, read once from its OpenAPI document); one answer, `index` counted
-        over the whole list."""
+        max_batch_queries, read once from its OpenAPI document), `concurrency` batches in flight;
+        one answer, `index` counted over the whole list."""
         body = search_params(k, filter, mode, return_text, params)
-        size = chunk_size or self.limits().max_batch_queries
-        parts = [(offset * size, self._send(batch_call(self._routes, part, body)))
-                 for offset, part in enumerate(chunks(query_list(queries), size))]
-        return merge_batches(parts)
+        size = chunk_size or (self.limits()).max_batch_queries
+        calls = [batch_call(self._routes, part, body) for part in chunks(query_list(queries), size)]
+        answers = gather([functools.partial(self._send, call) for call in calls], self.concurrency)
+        return merge_batches([(at * size, answer) for at, answer in enumerate(answers)])
 
     # -- documents -------------------------------------------------------------------------
 
@@ -133,18 +166,23 @@ class Client:
         return self._send(self._calls.get(doc_id))
 
     def get_documents(self, doc_ids: Iterable[str], *, missing_ok: bool = False) -> dict[str, Document]:
-        """Several documents by id, one request each; missing_ok: leave out absent ids instead of raising."""
-        found: dict[str, Document] = {}
-        for doc_id in doc_ids:
+        """Several documents by id, one request each, `concurrency` at a time; missing_ok: leave out
+        absent ids instead of raising."""
+        def get(doc_id: str) -> Optional[Document]:
             try:
-                found[doc_id] = self.get_document(doc_id)
+                return self.get_document(doc_id)
             except ApiError as error:
                 if not (missing_ok and error.status_code == 404):
                     raise
-        return found
+                return None
+
+        ids = list(doc_ids)
+        documents = gather([functools.partial(get, doc_id) for doc_id in ids], self.concurrency)
+        return {doc_id: document for doc_id, document in zip(ids, documents) if document is not None}
 
     def put_document(self, doc_id: str, text: Optional[str] = None, *, title: str = "",
-                     metadata: Optional[Mapping[str, Any]] = None, image: Optional[bytes] = None) -> WriteResponse:
+                           metadata: Optional[Mapping[str, Any]] = None,
+                           image: Optional[bytes] = None) -> WriteResponse:
         """PUT /v1/documents/{id}: add it, or replace the document with this id. image: on an index
         of pages, the page (PNG, JPEG or WebP bytes; text then optional)."""
         return self._send(self._calls.put(doc_id, text, title, metadata, image))
@@ -164,13 +202,15 @@ class Client:
         return self._send(self._calls.batch(upsert, delete))
 
     def write_many(self, upsert: Iterable[Upsert] = (), delete: Iterable[str] = (), *,
-                   chunk_size: Optional[int] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-                   ) -> list[WriteResponse]:
+                         chunk_size: Optional[int] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+                         ) -> list[WriteResponse]:
         """Any number of upserts and deletes, as batches the server takes (at most `chunk_size`
-        of each, default the server's max_batch_writes, and bodies under `max_body_bytes`).
-        Each batch is its own generation: if one fails, the batches before it stay written."""
-        size = chunk_size or self.limits().max_batch_writes
-        return [self._send(self._calls.batch(u, d)) for u, d in chunk_writes(upsert, delete, size, max_body_bytes)]
+        of each, default the server's max_batch_writes, and bodies under `max_body_bytes`), sent
+        in order, one at a time. Each batch is its own generation: if one fails, the batches
+        before it stay written."""
+        size = chunk_size or (self.limits()).max_batch_writes
+        batches = chunk_writes(upsert, delete, size, max_body_bytes)
+        return [self._send(self._calls.batch(u, d)) for u, d in batches]
 
     # -- snapshots and the server ------------------------------------------------------------
 
@@ -192,9 +232,10 @@ class Client:
 
     def create_index(self, name: str, model: str, timeout_s: Optional[float] = None) -> IndexInfo:
         """POST /v1/indexes: a new, empty index `name` with the server's configured model `model` (its
-        `--model NAME=SPEC`); it then takes writes through `Client(url, index=name)`. A build: tens of
-        seconds, so it has a time limit of its own (timeout_s, default 600 s). `ConflictError` when the
-        name is taken, `InvalidRequestError` for an unknown model (the message lists the configured ones)."""
+        `--model NAME=SPEC`); it then takes writes through a client made with `index=name`. A build:
+        tens of seconds, so it has a time limit of its own for each read and the whole call
+        (timeout_s, default 600 s) and is not retried. `ConflictError` when the name is taken,
+        `InvalidRequestError` for an unknown model (the message lists the configured ones)."""
         return self._send(self._calls.create_index(name, model, timeout_s))
 
     def delete_index(self, name: str) -> None:
@@ -222,7 +263,7 @@ class Client:
                 pass
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.base_url} not ready after {timeout_s} s")
-            time.sleep(poll_s)
+            sleep(poll_s)
 
     def metrics(self) -> str:
         """GET /metrics: the Prometheus text."""
