@@ -2,9 +2,13 @@
 
 >>> from espn import Searcher                      # doctest: +SKIP
 >>> Searcher.open("INDEX").search(["query"], k=10)  # doctest: +SKIP
+>>> from espn import Index                         # doctest: +SKIP
+>>> index = Index.create("NEW-INDEX")              # doctest: +SKIP
+>>> index.add([{"id": "d1", "text": "The Moon pulls the oceans."}])  # doctest: +SKIP
 
-Only the light names (errors, parameters, result types) load eagerly: `Searcher`
-pulls in torch and FAISS, so it loads on first use. A process that only needs
+Only the light names (errors, parameters, result types) load eagerly: `Searcher` and
+`Index` (an index in this process that takes writes, espn.engine.embedded) pull in torch
+and FAISS, so they load on first use. A process that only needs
 `espn.errors` (the router, `espn --help`) never imports them.
 """
 
@@ -18,10 +22,12 @@ from .params import SearchParams
 from .results import Document, Hit, QueryResult, SearchStats
 
 if TYPE_CHECKING:
+    from .engine.embedded import Index
     from .search.searcher import Searcher
 
 __all__ = [
     "Searcher",
+    "Index",
     "SearchParams",
     "Hit",
     "QueryResult",
@@ -36,6 +42,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Index":
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as for Searcher, below
+        # Lazy on purpose, as Searcher: torch and FAISS load with it.
+        from .engine.embedded import Index
+
+        return Index
     if name == "Searcher":
         # As the CLI does, before torch or FAISS load OpenMP (when they have not yet): idle threads
         # that spin starve the MaxSim kernel's own threads on a small machine. A user's value wins.

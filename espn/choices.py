@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
            "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI",
-           "STORAGE_TYPES"]
+           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
 READER_NAMES = ("kvikio", "memory", "mmap", "posix")
@@ -58,3 +58,6 @@ STEMMER_LANGUAGES = ("arabic", "danish", "dutch", "english", "finnish", "french"
 
 #: How records store vectors (espn.store.format; residual: espn.store.residual).
 STORAGE_TYPES = ("float16", "int8", "residual2", "residual4")
+#: How a new index stores its vectors unless told, built (`espn index`) or created (`espn create`):
+#: chosen on SciFact train queries (docs/benchmarks/compact-records.md).
+DEFAULT_BOW_DTYPE = "int8"

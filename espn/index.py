@@ -70,15 +70,21 @@ def _index_files(directory: Path) -> list[str]:
     return names
 
 
-def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """Add size and sha256 of every file, then write manifest.json atomically (fsynced)."""
+def write_manifest(directory: Path, manifest: Mapping[str, Any],
+                   known: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Add size and sha256 of every file, then write manifest.json atomically (fsynced).
+    known: the entries of files whose checksums were taken already (immutable files linked in,
+    such as a saved encoder's), used when their sizes still agree."""
     directory = Path(directory)
+    known = known or {}
     full = dict(manifest)
     full["format_version"] = FORMAT_VERSION
-    full["files"] = {
-        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
-        for name in _index_files(directory)
-    }
+    full["files"] = {}
+    for name in _index_files(directory):
+        size = (directory / name).stat().st_size
+        entry = known.get(name)
+        full["files"][name] = dict(entry) if entry is not None and entry["bytes"] == size else \
+            {"bytes": size, "sha256": sha256_file(directory / name)}
     write_json_atomic(directory / MANIFEST, full)
     return full
 

@@ -21,8 +21,9 @@ MAX_RERANK = 10_000
 MAX_PREFETCH_K = 10_000
 #: The candidate generators (espn.first_stage.centroids), here so that checking a request's parameters does
 #: not load FAISS. ivf: the CLS (pooled) vector in the IVF (today's pipeline); centroids: the
-#: token-level centroid index; union: both, their candidates re-ranked together.
-FIRST_STAGE_KINDS = ("ivf", "centroids", "union")
+#: token-level centroid index; union: both, their candidates re-ranked together; exact: every
+#: live document is a candidate (what an index too small for a fitted first stage searches with).
+FIRST_STAGE_KINDS = ("ivf", "centroids", "union", "exact")
 MAX_PROBE = 1024  # centroids a query token visits
 MAX_CANDIDATES = 10_000  # documents the centroid stage hands to MaxSim
 
@@ -61,7 +62,8 @@ class SearchParams:
                    but the last; 1: the paper's single prefetch after δ clusters)
     prefetch:      False runs the sequential reference path (same results, no thread)
     first_stage:   candidate generator: "ivf" (the CLS vector's IVF), "centroids" (the
-                   token-level centroid index) or "union" (both); None: the manifest's
+                   token-level centroid index), "union" (both) or "exact" (every live document,
+                   scored with MaxSim); None: the manifest's
     first_stage_probe: centroids each query token visits (None: the manifest's)
     first_stage_candidates: documents the centroid stage hands to MaxSim (None: the manifest's)
     """

@@ -1,8 +1,9 @@
 """Assemble stage: chunk files -> a finished index directory, published by an atomic rename.
 
 Streams chunk by chunk: records go straight into embeddings.bin, CLS vectors into
-a temporary fp16 memmap that feeds IVF training (on a sample) and `add`; the only
-arrays sized by the corpus are numpy memmaps.
+a temporary fp16 memmap from which espn.live.fitting fits the IVF (on a sample), the first
+stage and residual codes, as it does for every base; the only arrays sized by the corpus are
+numpy memmaps.
 """
 
 from __future__ import annotations
@@ -15,32 +16,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
-from espn.ann import IVFConfig, build_ivf, default_nlist
 from espn.corpus import PASSAGE_JOINER
 from espn.errors import CorpusError, IndexExistsError
 from espn.files import fsync_path
 from espn.index import FORMAT_VERSION, write_manifest
-from espn.mapped import map_npy
+from espn.live.fitting import CLS_TABLE, Fit, fit_base
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter
-from espn.params import default_search_params
 from espn.partitioning import PartitionLayout, owners
-from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
-from espn.store.recode import recode_residual, require_centroid_stage, written_before_centroids
-from espn.store.record_order import RECORD_ORDER, reorder_index_records
+from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout, stored_cls
+from espn.store.recode import require_centroid_stage, written_before_centroids
 
 from espn.text.config import TextConfig
 
-from espn.first_stage.build import build_first_stage, default_first_stage, first_stage_kind
+from espn.first_stage.build import default_first_stage, first_stage_kind
 from espn.text.directory import DEFAULT_HYBRID, build_for_directory
 
 from .chunks import Chunk, chunk_path, read_chunk
 from .workdir import WorkDir
 
-__all__ = ["assemble", "publish", "default_search_params"]
+__all__ = ["assemble", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +93,10 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     first_layout = written_before_centroids(layout)  # residual records are coded once the centroids exist
     written = _write_records(work, chunks, staging, first_layout, n_docs, id_width, partition_layout)
     _write_id_order(staging, written.ids, job["corpus"])
-    ivf, trained_on = _build_ann(staging, job, layout, n_docs)
-    file_bytes = reorder_index_records(staging, layout.block_size)
-    records = map_npy(staging / "records.npy")
-    first_stage = build_first_stage(staging, records, first_layout, stage_kind,
-                                    defaults=default_first_stage(encoder_config))
-    if layout.bits:
-        del records
-        layout, file_bytes = recode_residual(staging, first_layout, layout.dtype)
+    # A build has its whole corpus: it is fitted from the start (espn.live.fitting).
+    fit = Fit(exact=False, stage=dataclasses.replace(default_first_stage(encoder_config), kind=stage_kind),
+              dtype=layout.dtype, ann=job.get("ann", "flat"), pq_m=job.get("pq_m", 32), nlist=job.get("nlist"))
+    fitted = fit_base(staging, first_layout, n_docs, fit, pool_factor=layout.pool_factor)
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
@@ -112,13 +105,13 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "encoder": encoder_config,
         "counts": {"documents": n_docs, "bow_vectors": written.n_bow, "bow_vectors_encoded": written.n_encoded},
-        "store": {**layout.manifest(), "file_bytes": file_bytes, "record_order": RECORD_ORDER},
-        "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
-                "metric": "inner_product", "trained_on": trained_on},
+        "store": fitted["store"],
+        "ann": fitted["ann"],
+        "fit": fitted["fit"],
         "score": {"w": weight if weight is not None else 0.3,
                   "bow_reduction": encoder_config.get("bow_reduction", "mean"),
                   "calibrated": weight is not None},
-        "search_defaults": default_search_params(ivf.nlist, n_docs),
+        "search_defaults": fitted["search_defaults"],
         "partition": partition_layout.to_json(),
         "source": {"corpus": job["corpus"]},
         # How a title joins its text in the passages the encoder read (a build from before it
@@ -128,13 +121,13 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     }
     if written.metadata is not None:
         manifest["metadata"] = written.metadata
-    if first_stage is not None:
-        manifest["first_stage"] = first_stage
+    if fitted["first_stage"] is not None:
+        manifest["first_stage"] = fitted["first_stage"]
     if job.get("text_index") is not None:
         manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
         manifest["hybrid"] = DEFAULT_HYBRID.to_json()
     manifest = write_manifest(staging, manifest)
-    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, written.n_bow, file_bytes / 1e6,
+    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, written.n_bow, fitted["store"]["file_bytes"] / 1e6,
              time.perf_counter() - started)
     return manifest
 
@@ -169,7 +162,7 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
     records = np.lib.format.open_memmap(staging / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n_docs,))
     ids = np.lib.format.open_memmap(staging / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n_docs,))
     docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
-    cls_tmp = np.lib.format.open_memmap(staging / "cls.tmp.npy", mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
+    cls_tmp = np.lib.format.open_memmap(staging / CLS_TABLE, mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
     docs_offsets[0] = 0
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
@@ -185,7 +178,7 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
             written = writer.append(chunk.cls, chunk.bow, chunk.counts)
             records[rows] = written
             ids[rows] = chunk.ids
-            cls_tmp[rows] = chunk.cls
+            cls_tmp[rows] = stored_cls(chunk.cls, layout)  # the IVF is fitted on the CLS as stored
             docs.write(chunk.docs_blob.tobytes())
             if images is not None and chunk.images_blob is not None and chunk.images_offsets is not None:
                 images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets), chunk.grids)
@@ -223,22 +216,6 @@ def _write_id_order(staging: Path, ids: np.ndarray, corpus: str) -> None:
             f"(documents #{int(order[first]) + 1} and #{int(order[first + 1]) + 1}); ids must be unique"
         )
     np.save(staging / "ids_sorted.npy", order)
-
-
-def _build_ann(staging: Path, job: dict[str, Any], layout: StoreLayout, n_docs: int) -> tuple[IVFConfig, int]:
-    """ann.faiss from cls.tmp.npy (trained on a seeded sample, then every vector added), which it
-    then removes; the IVF configuration and the number of training points."""
-    ivf = IVFConfig(nlist=job.get("nlist") or default_nlist(n_docs), kind=job.get("ann", "flat"), pq_m=job.get("pq_m", 32))
-    cls_tmp = map_npy(staging / "cls.tmp.npy")
-    rng = np.random.default_rng(ivf.seed)
-    sample = np.sort(rng.choice(n_docs, size=min(n_docs, ivf.nlist * ivf.train_points_per_list), replace=False))
-    index = build_ivf(ivf, layout.d_cls, cls_tmp[sample].astype(np.float32))
-    for start in range(0, n_docs, 65536):
-        index.add(np.asarray(cls_tmp[start : start + 65536], dtype=np.float32))
-    faiss.write_index(index, str(staging / "ann.faiss"))
-    del cls_tmp
-    (staging / "cls.tmp.npy").unlink()
-    return ivf, int(len(sample))
 
 
 def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:

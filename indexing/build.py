@@ -21,6 +21,7 @@ from espn.encoders import Encoder, encoder_from_spec, load_encoder
 from espn.encoders.colbert_checkpoint import checkpoint_format
 from espn.encoders.precomputed import PrecomputedEncoder
 from espn.encoders.st_format import is_visual_save
+from espn.choices import DEFAULT_BOW_DTYPE
 from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
@@ -43,10 +44,9 @@ __all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "B
 
 log = logging.getLogger(__name__)
 
-#: Storage defaults of new indexes, chosen on SciFact train queries (docs/benchmarks/compact-records.md):
-#: pooling by 2 and int8 cut embeddings.bin 4.0x with nDCG@10 0.7057 against 0.7063.
+#: Pooling by 2 (and int8, espn.choices.DEFAULT_BOW_DTYPE) cut embeddings.bin 4.0x with nDCG@10
+#: 0.7057 against 0.7063 on SciFact train queries (docs/benchmarks/compact-records.md).
 DEFAULT_POOL_FACTOR = 2
-DEFAULT_BOW_DTYPE = "int8"
 
 
 def default_pool_factor(encoder: str) -> int:

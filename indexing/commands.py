@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from espn.choices import DEFAULT_BOW_DTYPE
 from espn.errors import UsageError
 from espn.live.commands import print_write
 from espn.live.live_index import LiveIndex
 from espn.text.config import TextConfig
 from espn.text.directory import add_text_index
 
-from .build import DEFAULT_BOW_DTYPE, BuildConfig, build_from_embeddings, build_index, keeping_partial, merge_index
+from .build import BuildConfig, build_from_embeddings, build_index, keeping_partial, merge_index
 from .bulk import add_corpus
 
 __all__ = ["COMMANDS", "text_config", "cmd_index", "cmd_text_index", "cmd_index_merge", "cmd_add"]

@@ -162,7 +162,7 @@ def _decide_read_only(settings: ServerSettings) -> ServerSettings:
     """Decided once, here, so every worker agrees (and it is logged once)."""
     if settings.follow is not None:  # a follower's index changes only by what it fetches
         settings = settings.model_copy(update={"read_only": True})
-    if settings.read_only is None:
+    if settings.read_only is None and settings.index is not None:
         reason = startup().read_only_reason(settings.index)
         settings = settings.model_copy(update={"read_only": reason is not None})
         if reason is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,10 @@ class IndexInfo(BaseModel):
     generation: Optional[int] = Field(default=None, description="the live-index generation served, when open")
     encoder: str = Field(description="the encoder's kind and model name from the index's manifest, e.g. hf:all-MiniLM-L6-v2")
     mode: Optional[str] = Field(default=None, description='"read-write" or "read-only", when open')
+    fit: Optional[dict[str, Any]] = Field(
+        default=None, description="what the index is fitted on: exact (searched exactly while small), "
+                                  "fitted_on_documents, fitted_at, added_since_fit, growth_since_fit, and "
+                                  "refit_running (kind, documents written of how many, since when; null: none runs)")
     memory_mib: Optional[float] = Field(
         default=None, description="estimated memory the index holds when open (MiB; what --index-memory-budget "
                                   "counts): the size of the files its searches map, all but embeddings.bin, "

@@ -72,6 +72,14 @@ class ServerMetrics:
         self.index_requests = Counter(
             "espn_index_requests", "requests to /v1/indexes/{name}/...", ["index"], registry=reg,
         )
+        self.compactions = Counter(
+            "espn_compactions", "compactions swapped in per index: merge (deltas merged) or rewrite (a new base, "
+            "fitted on the index's documents again: a re-fit)", ["index", "kind"], registry=reg,
+        )
+        self.compaction_seconds = Histogram(
+            "espn_compaction_seconds", "time of a compaction from its start to its swap, per kind",
+            ["kind"], buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600), registry=reg,
+        )
         self.index_memory = Gauge(
             "espn_index_memory_bytes", "estimated memory the open index holds, summed over the workers holding it "
             "(what --index-memory-budget counts; 0 when closed)", ["index"], multiprocess_mode="livesum", registry=reg,
@@ -85,6 +93,10 @@ class ServerMetrics:
 
     def set_index_memory(self, name: str, estimated_bytes: int) -> None:
         self.index_memory.labels(name).set(estimated_bytes)
+
+    def observe_compaction(self, name: str, kind: str, seconds: float) -> None:
+        self.compactions.labels(name, kind).inc()
+        self.compaction_seconds.labels(kind).observe(seconds)
 
     def count_index_request(self, name: str) -> None:
         self.index_requests.labels(name).inc()

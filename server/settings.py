@@ -55,9 +55,10 @@ class ServerSettings(IndexSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
     # What to serve.
-    index: Path = Field(description="index directory built by `espn index` (the one holding manifest.json); "
-                                    "the default index, served by /v1/search, /v1/documents, ...; unset: the "
-                                    "--index named `default`, else the first --index")
+    index: Optional[Path] = Field(None, description="index directory (the one holding manifest.json): the default "
+                                    "index, served by /v1/search, /v1/documents, ...; unset: the --index named "
+                                    "`default`, else the first --index; neither: no default index (with "
+                                    "--index-root, every index is named: /v1/indexes/{name}/...)")
     reader: Optional[str] = Field(None, description=f"embedding reader ({', '.join(READER_NAMES)}); unset: kvikio "
                                                     "with CUDA, else posix")
     device: Optional[str] = Field(None, description="torch device for MaxSim; unset: the library's choice")
@@ -179,7 +180,9 @@ class ServerSettings(IndexSettings, BaseSettings):
 
     @field_validator("index")
     @classmethod
-    def _check_index(cls, value: Path) -> Path:
+    def _check_index(cls, value: Optional[Path]) -> Optional[Path]:
+        if value is None:
+            return None
         value = value.expanduser().resolve()
         if not RULES.is_index_directory(value):
             raise ValueError(f"{value} is not an ESPN index directory (no manifest.json)")
@@ -221,6 +224,10 @@ class ServerSettings(IndexSettings, BaseSettings):
 
     @model_validator(mode="after")
     def _check_indexes(self) -> "ServerSettings":
+        if self.index is None and self.index_root is None:
+            raise ValueError("no index to serve: give INDEX, --index or --index-root")
+        if self.index is None and (self.follow is not None or self.publish is not None):
+            raise ValueError("--follow and --publish replicate one index: give INDEX")
         if len(self.index_map()) > 1 and (self.follow is not None or self.publish is not None):
             raise ValueError("--follow and --publish replicate one index: serve several indexes without them")
         return self
@@ -304,7 +311,9 @@ class ServerSettings(IndexSettings, BaseSettings):
             "compact_base_ratio", "compact_deleted_fraction", "max_metadata_fields", "max_metadata_bytes",
             "max_index_fields", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
             "publish_keep", "snapshot_dir")}
-        return ServeConfig(indexes=self.index_map(), root=self.creation_root(), models=self.model_map(),
+        indexes = self.index_map()
+        return ServeConfig(indexes=indexes, default=next(iter(indexes)) if self.index is not None else None,
+                           root=self.creation_root(), models=self.model_map(),
                            memory_budget_mib=self.index_memory_budget_mib, idle_close_s=self.index_idle_close_s,
                            graceful_s=float(self.graceful_timeout_s),
                            index=IndexConfig(reader_options=self.reader_open_options(),

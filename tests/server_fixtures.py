@@ -34,8 +34,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_command(index: Path, *flags: str) -> list[str]:
-    return [str(BIN / "espn"), "serve", str(index), *flags]
+def serve_command(index: Optional[Path], *flags: str) -> list[str]:
+    """`espn serve [INDEX] FLAGS` (no INDEX: a server of named indexes only, --index-root)."""
+    return [str(BIN / "espn"), "serve", *([str(index)] if index is not None else []), *flags]
 
 
 class ServerProcess:
@@ -86,7 +87,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(index: Path, log_dir: Path, *flags: str, env: Optional[dict[str, str]] = None,
+def running_server(index: Optional[Path], log_dir: Path, *flags: str, env: Optional[dict[str, str]] = None,
                    name: str = "server", fd_limit: Optional[int] = None,
                    espn: Sequence[str] = ()) -> Iterator[ServerProcess]:
     """Start `espn serve INDEX --port <free>` with `flags`, wait for /readyz, always stop it.

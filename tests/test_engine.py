@@ -67,7 +67,7 @@ def test_the_lifecycle_moves_only_along_its_edges_and_wakes_its_waiters() -> Non
 
 
 def _config(default: Path, others: dict[str, Path], root: Path | None = None, **index: object) -> ServeConfig:
-    return ServeConfig(indexes={"default": default, **others}, root=root,
+    return ServeConfig(indexes={"default": default, **others}, default="default", root=root,
                        index=IndexConfig(reader="memory", warmup=False, **index))  # type: ignore[arg-type]
 
 

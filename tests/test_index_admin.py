@@ -1,11 +1,11 @@
-"""Creating and deleting indexes over HTTP, and the memory budget (issue 48 part 1).
+"""Creating and deleting indexes over HTTP, and the memory budget.
 
 One module-scoped server holds a directory of indexes (`--index DIR`, the index root): `a`
 (the default) and `b`, copies of the sample index, with a configured model, an API key and
-a memory budget that fits the default and one other index. One index is created (a build of
-the sample corpus, the slow part), written to, searched; then the server restarts with two
-workers, which keep it, see an index that appears in the root, and both forget it once
-deleted through either.
+a memory budget that fits the default and one other index. One index is created (empty, in a
+fraction of a second once its model is saved), written to, searched; then the server restarts
+with two workers, which keep it, see an index that appears in the root, and both forget it
+once deleted through either.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from espn_client import Client, ConflictError, InvalidRequestError, NotFoundError
 from espn.files import resident_bytes
+from espn.live.create import STAGING_MARK, TEMPLATES_DIR
 from espn_server.settings import ServerSettings
 from helpers import HTTP_TIMEOUT_S
 from server_fixtures import HTTP, ServerProcess, running_server
@@ -40,10 +41,19 @@ def root(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("index-admin")
     for name in ("a", "b"):
         shutil.copytree(sample_index, root / "indexes" / name)
-    # What a killed creation and a killed deletion leave: removed at start-up, never served.
+    # What a killed creation and a killed deletion leave (marked as espn's staging): removed at
+    # start-up, never served; a directory of the same kind of name that espn did not make is kept.
     (root / "indexes" / ".creating-x-1234" / "index").mkdir(parents=True)
+    (root / "indexes" / ".creating-x-1234" / STAGING_MARK).touch()
     shutil.copytree(sample_index, root / "indexes" / ".deleted-y-5678")
+    (root / "indexes" / ".deleted-y-5678" / STAGING_MARK).touch()
+    (root / "indexes" / ".deleted-mine").mkdir()
     return root
+
+
+def _listing(root: Path) -> list[str]:
+    """The index root's entries, but for espn's saved models (created indexes link their files)."""
+    return sorted(p.name for p in (root / "indexes").iterdir() if p.name != TEMPLATES_DIR)
 
 
 def _budget_mib(root: Path) -> float:
@@ -94,7 +104,7 @@ def test_the_index_root_is_given_or_the_one_directory_of_indexes(root: Path, tmp
 
 
 def test_leftovers_of_killed_creations_and_deletions_are_removed(server: ServerProcess, root: Path) -> None:
-    assert sorted(p.name for p in (root / "indexes").iterdir()) == ["a", "b"]
+    assert _listing(root) == [".deleted-mine", "a", "b"]  # what espn did not make stays
     assert "removed leftovers" in server.log()
 
 
@@ -120,11 +130,11 @@ def test_bad_creations_are_refused(server: ServerProcess, body: Any, status: int
     assert words in response.text
 
 
-def test_a_failed_build_is_a_500_that_leaves_nothing_behind(server: ServerProcess, root: Path) -> None:
+def test_a_failed_creation_is_a_503_that_leaves_nothing_behind(server: ServerProcess, root: Path) -> None:
     response = _request(server, "POST", "/v1/indexes", {"name": "never", "model": "broken"})
     assert response.status_code == 503 and response.json()["error"] == "create_failed", response.text
     assert "/no/such/model" in response.json()["message"]
-    assert sorted(p.name for p in (root / "indexes").iterdir()) == ["a", "b"]
+    assert _listing(root) == [".deleted-mine", "a", "b"]
     assert "never" not in _indexes(server)
 
 
@@ -146,7 +156,7 @@ def test_a_created_index_starts_empty_takes_writes_and_is_searched(server: Serve
         with pytest.raises(InvalidRequestError, match="small"):
             espn.create_index("other", "nope")
     assert (root / "indexes" / "made" / "manifest.json").is_file()
-    assert not [p for p in (root / "indexes").iterdir() if p.name.startswith(".")]  # its build directory is gone
+    assert [name for name in _listing(root) if name.startswith(".")] == [".deleted-mine"]  # its staging is gone
     assert _ids(_request(server, "POST", "/v1/indexes/made/search", QUERY)) == []  # the sample's documents are gone
     assert _request(server, "GET", "/v1/indexes/made/documents/s0001").status_code == 404
     written = _request(server, "POST", "/v1/indexes/made/documents/batch", {"upsert": DOCS})
@@ -188,7 +198,7 @@ def test_two_workers_keep_see_and_delete_created_indexes(server: ServerProcess, 
             with pytest.raises(NotFoundError):
                 espn.delete_index("made")
         assert not (root / "indexes" / "made").exists()
-        assert not [p for p in (root / "indexes").iterdir() if p.name.startswith(".")]
+        assert [name for name in _listing(root) if name.startswith(".")] == [".deleted-mine"]
         for _ in range(4):
             response = _request(again, "POST", "/v1/indexes/made/search", QUERY)
             assert response.status_code == 404 and response.json()["error"] == "not_found", response.text

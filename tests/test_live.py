@@ -252,6 +252,8 @@ CRASHER = textwrap.dedent("""
         run_compaction(writer, Plan("merge", tuple(s.name for s in writer.current().segments)))
     elif sys.argv[3] == "rewrite":
         writer.compact()
+    elif sys.argv[3] == "refit":
+        writer.refit()
     elif sys.argv[3] == "group":
         from espn.live.commit import GroupCommit
         commit = GroupCommit(writer)
@@ -270,7 +272,9 @@ CRASHER = textwrap.dedent("""
 @pytest.mark.parametrize("step, job", [("appended", "write"), ("tombstones", "write"), ("text-published", "write"),
                                        ("generation", "write"), ("published", "write"), ("queued", "group"),
                                        ("merge-built", "merge"), ("compact-records", "rewrite"),
-                                       ("swap-carried", "rewrite"), ("text-published", "rewrite")])
+                                       ("swap-carried", "rewrite"), ("text-published", "rewrite"),
+                                       ("compact-records", "refit"), ("swap-carried", "refit"),
+                                       ("swap-renamed", "refit")])
 def test_kill_9_leaves_exactly_the_acknowledged_writes(index: Path, encoder: Encoder, step: str, job: str) -> None:
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("acked", "an acknowledged document about volcanoes erupting")])

@@ -65,7 +65,7 @@ def _through_fast_path(method: str, path: str, body: bytes, content_type: bytes 
 
     # A registry not started: a search the fast path takes ends in the engine's own 503 ("starting").
     (tmp_path / "manifest.json").write_text("{}")
-    fast = SearchFastPath(behind, open_engines(ServeConfig(indexes={"default": tmp_path})))
+    fast = SearchFastPath(behind, open_engines(ServeConfig(indexes={"default": tmp_path}, default="default")))
     headers = [(b"content-type", content_type)] if content_type is not None else []
     scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}
     messages = [{"type": "http.request", "body": body, "more_body": False}]

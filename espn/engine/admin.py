@@ -1,9 +1,12 @@
 """Creating and deleting indexes by name in a registry's root.
 
-A created index is made there by espn.live.create and moved into place by one rename; a
-deleted one is renamed to a hidden tombstone there, then removed. Other processes see either
-through the directory itself (espn.engine.registry). The default index, and an index served
-from outside the root, cannot be deleted.
+A created index is written empty there by espn.live.create (nothing trained: it is searched
+exactly while small and fitted on its own documents as it grows) and moved into place by one
+rename, in a fraction of a second: each configured model is loaded once, at its first
+creation, and saved once in the root (`.espn-models/`), and every index created with it links
+those files. A deleted index is renamed to a hidden tombstone there, then removed. Other
+processes see either through the directory itself (espn.engine.registry). The default index,
+and an index served from outside the root, cannot be deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConflictError, EspnError, IndexExistsError, IndexNotFoundError, InvalidParameterError, UnavailableError
-from ..live.create import create_empty_index, remove_index
+from ..encoders import encoder_from_spec
+from ..live.create import EncoderFiles, create_index as create_empty, encoder_template, remove_index
 from .messages import Lifecycle
 from .rules import RULES
 from .served import ServedIndex
@@ -23,9 +27,13 @@ from .served import ServedIndex
 if TYPE_CHECKING:  # the registry calls these with itself
     from .registry import Registry
 
-__all__ = ["create_index", "delete_index"]
+__all__ = ["create_index", "delete_index", "MAX_CONCURRENT_CREATIONS"]
 
 logger = logging.getLogger(__name__)
+
+#: Creations running at once in one process (each a fraction of a second once its model's files
+#: are saved; the first of a model loads it): more are refused with 503 and Retry-After.
+MAX_CONCURRENT_CREATIONS = 4
 
 
 def _root(registry: "Registry", what: str) -> Path:
@@ -55,10 +63,14 @@ async def create_index(registry: "Registry", name: str, model: str) -> ServedInd
     if name in registry.held or name in registry.creating or (root / name).exists():
         raise ConflictError(f"an index named {name!r} exists (or is being created); DELETE it first or choose "
                             "another name", code="index_exists")
+    if len(registry.creating) >= MAX_CONCURRENT_CREATIONS:
+        raise UnavailableError(f"{len(registry.creating)} indexes are being created in this process (at most "
+                               f"{MAX_CONCURRENT_CREATIONS} at once); retry", retry_after_s=1)
     registry.creating.add(name)
     started = time.perf_counter()
     try:
-        path = await asyncio.to_thread(create_empty_index, root, name, spec)
+        files = await _model_files(registry, model, spec)
+        path = await asyncio.to_thread(create_empty, root / name, files)
     except IndexExistsError as exc:  # created by another process meanwhile
         raise ConflictError(f"an index named {name!r} exists: {exc}", code="index_exists") from exc
     except (EspnError, OSError) as exc:
@@ -71,6 +83,23 @@ async def create_index(registry: "Registry", name: str, model: str) -> ServedInd
     logger.info("index created", extra={"index": name, "model": model,
                                         "seconds": round(time.perf_counter() - started, 1)})
     return served
+
+
+async def _model_files(registry: "Registry", model: str, spec: str) -> EncoderFiles:
+    """The saved files of a configured model in the root (loaded and saved at its first use, one
+    load at a time per model, then kept by the registry)."""
+    async with registry.model_lock(model):
+        files = registry.templates.get(model)
+        if files is None:
+            config = registry.config.index
+            # bow_dim None: an encoder that would fit a projection stores its vectors unprojected
+            # (espn.live.create says why).
+            encoder = await asyncio.to_thread(encoder_from_spec, spec, None, config.device,
+                                              trust_remote_code=config.trust_remote_code)
+            assert registry.root is not None  # checked by the caller
+            files = registry.templates[model] = await asyncio.to_thread(encoder_template, registry.root, encoder)
+            del encoder  # its files are saved: a created index's searches load their own
+        return files
 
 
 async def delete_index(registry: "Registry", name: str) -> None:

@@ -74,8 +74,9 @@ class IndexConfig:
 class ServeConfig:
     """The indexes of one registry and how it holds them.
 
-    indexes:          name -> directory, the default index first (None of them: start with none;
-                      then `root` must be set, and requests name their index)
+    indexes:          name -> directory of the indexes held from the start
+    default:          the default index's name, one of `indexes` (None: no default index; then every
+                      request names its index, /v1/indexes/{name}/...)
     root:             where indexes are created and deleted by name (None: they are not)
     models:           name -> encoder spec that created indexes may use
     memory_budget_mib: estimated memory the open indexes may hold (0: no budget)
@@ -85,6 +86,7 @@ class ServeConfig:
     """
 
     indexes: Mapping[str, Path]
+    default: Optional[str] = None
     root: Optional[Path] = None
     models: Mapping[str, str] = dataclasses.field(default_factory=dict)
     memory_budget_mib: float = 0.0
@@ -99,11 +101,13 @@ class ServeConfig:
                 raise ValueError(problem)
         if not self.indexes and self.root is None:
             raise ValueError("no index to serve: give an index or an index root")
+        if self.default is not None and self.default not in self.indexes:
+            raise ValueError(f"the default index {self.default!r} is not among the indexes")
 
     @property
     def default_name(self) -> Optional[str]:
-        """The default index's name (the first); None when the registry starts with none."""
-        return next(iter(self.indexes), None)
+        """The default index's name; None when the registry holds no default index."""
+        return self.default
 
     @staticmethod
     def indexes_under(root: Path) -> dict[str, Path]:

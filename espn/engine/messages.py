@@ -119,6 +119,7 @@ class IndexInfo:
     generation: Optional[int] = None
     read_only: Optional[bool] = None
     memory_bytes: int = 0
+    fit: Optional[Mapping[str, Any]] = None  # what its base is fitted on, a re-fit running (espn.live.status)
 
     @property
     def open(self) -> bool:

@@ -46,6 +46,10 @@ class Engine(Protocol):
         """Upserts and deletes published together as one generation, answered once durable and
         served by this process (ReadOnlyIndexError on an index served read-only)."""
 
+    async def refit(self) -> bool:
+        """Start fitting the index on its own documents again, in the background (a base rewrite:
+        searches and writes go on); False when a compaction of this process already runs."""
+
     async def snapshot(self, name: Optional[str] = None) -> SnapshotInfo:
         """A consistent copy of the generation served now, under the snapshot directory."""
 
@@ -126,6 +130,8 @@ class Observer(Protocol):
 
     def count_index_request(self, name: str) -> None: ...
 
+    def observe_compaction(self, name: str, kind: str, seconds: float) -> None: ...
+
 
 class NullObserver:
     """An Observer that keeps nothing (an engine embedded in a program)."""
@@ -165,4 +171,7 @@ class NullObserver:
         pass
 
     def count_index_request(self, name: str) -> None:
+        pass
+
+    def observe_compaction(self, name: str, kind: str, seconds: float) -> None:
         pass

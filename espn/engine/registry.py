@@ -22,7 +22,8 @@ from ..encoders.shared import SharedEncoders
 from ..errors import EspnError, IndexNotFoundError, ShuttingDownError, UnavailableError
 from ..files import is_index_directory
 from ..index import encoder_label
-from ..live.create import live_documents
+from ..live.create import EncoderFiles, live_documents
+from ..live.status import fit_status
 from .admin import create_index, delete_index
 from .config import ServeConfig
 from .lifecycle import SERVING
@@ -35,6 +36,13 @@ from .served import ServedIndex
 __all__ = ["Registry"]
 
 logger = logging.getLogger(__name__)
+
+
+def _fit_status(path: Path) -> Optional[Mapping[str, Any]]:
+    try:
+        return fit_status(path)
+    except (EspnError, OSError, ValueError, KeyError, TypeError):  # a listing never fails on one index
+        return None
 
 
 def _built_documents(path: Path) -> int:
@@ -55,6 +63,8 @@ class Registry:
         for name, path in config.indexes.items():
             self.hold(name, path, default=name == config.default_name)
         self.creating: set[str] = set()  # names being created in this process now
+        self.templates: dict[str, EncoderFiles] = {}  # configured model -> its saved files in the root
+        self._model_locks: dict[str, asyncio.Lock] = {}
         self._inside = 0  # requests inside any index of this registry
         self._started = self._closing = False
         self._warm: Optional[asyncio.Task[None]] = None
@@ -79,6 +89,10 @@ class Registry:
         self.held[name] = served
         self.encoder_names[name] = encoder_label(path)
         return served
+
+    def model_lock(self, model: str) -> asyncio.Lock:
+        """One load of a configured model at a time (espn.engine.admin)."""
+        return self._model_locks.setdefault(model, asyncio.Lock())
 
     def forget(self, name: str) -> None:
         """Stop holding a (closed) index: deleted, here or by another process."""
@@ -269,7 +283,7 @@ class Registry:
                          documents=live.current.searchable_documents if live is not None else served.documents,
                          encoder=self.encoder_names[served.name], generation=served.generation,
                          read_only=served.read_only if live is not None else None,
-                         memory_bytes=served.estimate_memory())
+                         memory_bytes=served.estimate_memory(), fit=_fit_status(served.path))
 
     def readiness(self) -> Readiness:
         if self.default_name is None:

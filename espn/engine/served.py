@@ -84,6 +84,9 @@ class ServedIndex:
             self.documents = self.live.current.searchable_documents
         return result
 
+    async def refit(self) -> bool:
+        return await asyncio.to_thread(self._writing().refit)
+
     async def snapshot(self, name: Optional[str] = None) -> SnapshotInfo:
         directory = self._snapshot_dir()
         name = name or default_name()  # to the millisecond, with a random suffix: never taken
@@ -224,7 +227,8 @@ class ServedIndex:
                                      "read-only mount); writes are refused", code="read_only")
         with self._writing_made:  # the warm-up's thread and the first write may ask at once
             if self.writing is None:
-                self.writing = Writing(self.path, self.config, lambda generation: self._serve_newest(live))
+                self.writing = Writing(self.path, self.config, lambda generation: self._serve_newest(live),
+                                       lambda kind, seconds: self.observer.observe_compaction(self.name, kind, seconds))
             return self.writing
 
     @staticmethod

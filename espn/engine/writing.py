@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -34,9 +35,11 @@ class Writing:
     """Checks, queues and publishes writes (GroupCommit), and compacts past the policy's thresholds.
 
     on_publish(generation): called on the publishing thread once a generation is durable, before
-    its writers are answered (the search side swaps to it there)."""
+    its writers are answered (the search side swaps to it there); on_compacted(kind, seconds):
+    once a compaction of this process has been swapped in."""
 
-    def __init__(self, index: Path, config: IndexConfig, on_publish: Callable[[int], None]) -> None:
+    def __init__(self, index: Path, config: IndexConfig, on_publish: Callable[[int], None],
+                 on_compacted: Callable[[str, float], None] = lambda kind, seconds: None) -> None:
         self.index = index
         self.config = config
         self.limits = WriteLimits(MetadataLimits(config.max_metadata_fields, config.max_metadata_bytes,
@@ -47,6 +50,7 @@ class Writing:
                                      nice=config.write_nice, max_queued=config.write_queue, on_publish=on_publish)
         self._lock = threading.Lock()  # guards the compaction thread and `_closed`
         self._compaction: threading.Thread | None = None
+        self._on_compacted = on_compacted  # (merge or rewrite, seconds): a rewrite fits the index again
         self._closed = False
 
     def warmup(self) -> None:
@@ -69,26 +73,41 @@ class Writing:
 
     def maybe_compact(self) -> None:
         """Past the policy's thresholds, compact in a background thread: a merge of small deltas or
-        a base rewrite, from a snapshot. Searches and writes go on; writes wait only for the swap.
-        One compaction per index at a time: when another process's is running, this is one log line."""
+        a base rewrite (which fits the index on its documents again), from a snapshot. Searches and
+        writes go on; writes wait only for the swap. One compaction per index at a time: when
+        another process's is running, this is one log line."""
+        plan = self.policy.plan(self.committer.index.current())
+        if plan is not None:
+            self._start(plan.kind)
+
+    def refit(self) -> bool:
+        """Start a re-fit in the background now (a base rewrite, espn.live.fitting); False when a
+        compaction of this process already runs."""
+        return self._start("refit")
+
+    def _start(self, kind: str) -> bool:
         with self._lock:
             if self._closed or (self._compaction is not None and self._compaction.is_alive()):
-                return
-            if not self.policy.due(self.committer.index.current()):
-                return
+                return False
             # Not a daemon: `close` joins it, so that the process never ends in the middle of a compaction.
-            self._compaction = threading.Thread(target=self._compact, name="espn-compact")
+            self._compaction = threading.Thread(target=self._compact, args=(kind,), name=f"espn-{kind}")
             self._compaction.start()
+            return True
 
     def _swap(self, run: Callable[[], int]) -> int:
         """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
         return self.committer.run_exclusive(run).result()
 
-    def _compact(self) -> None:
+    def _compact(self, kind: str) -> None:
         lower_priority(self.config.write_nice)  # the work before the swap takes what searches leave
         compactor = LiveIndex(self.index, limits=self.limits)
+        started = time.perf_counter()
         try:
-            compactor.maintain(self.policy, wait_s=self.config.write_wait_s, swap=self._swap)
+            if kind == "refit":
+                compactor.refit(wait_s=self.config.write_wait_s, swap=self._swap)
+            else:
+                compactor.maintain(self.policy, wait_s=self.config.write_wait_s, swap=self._swap)
+            self._on_compacted("merge" if kind == "merge" else "rewrite", time.perf_counter() - started)
         except CompactionRunningError:
             logger.info("compaction not started: another one is running on this index")
         except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write

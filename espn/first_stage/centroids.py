@@ -91,6 +91,12 @@ class FirstStageConfig:
     def uses_centroids(self) -> bool:
         return self.kind in ("centroids", "union")
 
+    @property
+    def scores_every_candidate(self) -> bool:
+        """Whether the stage's candidates are all scored with exact MaxSim (the centroid stages and
+        exact), rather than the IVF's head re-ranked (espn.search.centroid_stage)."""
+        return self.kind != "ivf"
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1,4 +1,5 @@
-"""`espn delete | compact | stats | snapshot | restore | publish`: the commands that act on a live index.
+"""`espn create | delete | compact | refit | stats | snapshot | restore | publish`: the commands that act on a
+live index.
 
 Their parsers are espn.live.parsers (registered into the `espn` command by espn.cli, which
 runs these through its dispatch once logging is configured). `espn add`, whose bulk path
@@ -12,8 +13,11 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from espn.encoders import encoder_from_spec
 from espn.errors import InvalidParameterError, UsageError
+from espn.text.config import TextConfig
 
+from .create import NewIndex, create_index
 from .live_index import LiveIndex
 from .replication.publisher import publish
 from .replication.restore import restore_from_store
@@ -22,8 +26,8 @@ from .replication.store import is_store_url
 from .snapshot import restore, snapshot
 from .status import live_stats
 
-__all__ = ["COMMANDS", "iter_ids_file", "print_write", "cmd_delete", "cmd_compact", "cmd_stats", "cmd_snapshot",
-           "cmd_restore", "cmd_publish"]
+__all__ = ["COMMANDS", "iter_ids_file", "print_write", "cmd_create", "cmd_delete", "cmd_compact", "cmd_refit",
+           "cmd_stats", "cmd_snapshot", "cmd_restore", "cmd_publish"]
 
 
 def iter_ids_file(path: Path) -> Iterator[str]:
@@ -50,6 +54,24 @@ def cmd_delete(args: argparse.Namespace) -> int:
     with LiveIndex(args.index) as writer:
         result = writer.apply(deletes=ids, wait_s=args.wait)
     print_write(args.index, f"{len(result.deleted)} deleted", result)
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    # bow_dim None: an encoder that would fit a projection stores its vectors unprojected (espn.live.create).
+    encoder = encoder_from_spec(args.encoder, bow_dim=None, device=args.device, trust_remote_code=args.trust_remote_code)
+    options = NewIndex(dtype=args.bow_dtype, first_stage=args.first_stage,
+                       text_index=None if args.no_text_index else TextConfig())
+    create_index(args.index, encoder, options)
+    print(f"{args.index}: created empty ({encoder.kind} encoder); it takes writes now (`espn add`, or PUT over HTTP)")
+    return 0
+
+
+def cmd_refit(args: argparse.Namespace) -> int:
+    with LiveIndex(args.index) as writer:
+        result = writer.refit(wait_s=args.wait)
+        live_documents = writer.current().live_documents
+    print_write(args.index, f"fitted on its {live_documents} live documents", result)
     return 0
 
 
@@ -100,8 +122,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 #: The live-index commands by name, for espn.cli's dispatch.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "create": cmd_create,
     "delete": cmd_delete,
     "compact": cmd_compact,
+    "refit": cmd_refit,
     "stats": cmd_stats,
     "snapshot": cmd_snapshot,
     "restore": cmd_restore,

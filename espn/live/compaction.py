@@ -7,8 +7,10 @@ Two kinds of job (`Plan`), one at a time per index (`live/COMPACT`, an exclusive
   nothing published before or meanwhile needs renumbering, and the tombstones stay valid.
   The records are not copied either: the merged delta's rows point where the sources' did.
 - *rewrite*: a new base (a complete index directory, written the way the build writes
-  one) from the live documents of every segment, deleted ones dropped. It ranks exactly as
-  a fresh build of those documents with this encoder state.
+  one) from the live documents of every segment, deleted ones dropped, its IVF, centroids
+  and residual codes fitted on them (espn.live.fitting). It ranks exactly as a fresh build of
+  those documents with this encoder. A *refit* is a rewrite asked for even with nothing to
+  merge (`espn refit`).
 
 Both work from a snapshot (the generation current when the job starts, held open so its
 files stay) in a staging directory, *without* the writer lock: writes go on and publish
@@ -44,6 +46,7 @@ from ..generation.format import Generation
 from ..generation.segments import LiveView, open_view
 
 from .merging import merge_segments, side_on_swap
+from .progress import PROGRESS_FILE, Progress
 from .rewrite import rewrite
 from .staging import Staging
 from .writer import IndexWriter
@@ -59,14 +62,15 @@ class CompactionRunningError(IndexLockedError):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """kind "merge": the deltas named `segments` (consecutive) become one; "rewrite": a new base."""
+    """kind "merge": the deltas named `segments` (consecutive) become one; "rewrite": a new base;
+    "refit": a new base even when there is nothing to merge or drop."""
 
     kind: str
     segments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("merge", "rewrite"):
-            raise InvalidParameterError(f"compaction kind must be merge or rewrite, got {self.kind!r}")
+        if self.kind not in ("merge", "rewrite", "refit"):
+            raise InvalidParameterError(f"compaction kind must be merge, rewrite or refit, got {self.kind!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +132,17 @@ def run_compaction(writer: IndexWriter, plan: Plan | None, policy: CompactionPol
             plan = plan if plan is not None else (policy or CompactionPolicy()).plan(snapshot)
             if plan is None or (plan.kind == "rewrite" and not snapshot.segments and not snapshot.tombstones):
                 return None
-            with Staging(writer, "compact", wait_s) as staging:
-                if plan.kind == "merge":
-                    number = _merge(writer, view, plan, staging.path, wait_s, swap)
-                else:
-                    number = rewrite(writer, view, staging.path, wait_s, swap)
+            log.info("compaction: %s of generation %d (%d documents)", plan.kind, snapshot.number,
+                     snapshot.live_documents)
+            report = Progress(writer.live_dir / PROGRESS_FILE, plan.kind, snapshot.number)
+            try:
+                with Staging(writer, "compact", wait_s) as staging:
+                    if plan.kind == "merge":
+                        number = _merge(writer, view, plan, staging.path, wait_s, swap)
+                    else:
+                        number = rewrite(writer, view, staging.path, wait_s, swap, report)
+            finally:
+                report.done()
         finally:
             view.close()
     with contextlib.suppress(IndexLockedError):  # the snapshot's files go now, or at the next write

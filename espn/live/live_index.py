@@ -41,6 +41,12 @@ class LiveIndex(IndexWriter):
         number = run_compaction(self, Plan("rewrite"), wait_s=wait_s, compaction_wait_s=wait_s)
         return WriteResult(self.current().number if number is None else number)
 
+    def refit(self, wait_s: float = 0.0, swap: Callable[[Callable[[], int]], int] | None = None) -> WriteResult:
+        """Rewrite the base now, fitting its IVF, centroids and residual codes on the index's live
+        documents (espn.live.fitting), from a snapshot as `compact` does; writes go on meanwhile."""
+        number = run_compaction(self, Plan("refit"), wait_s=wait_s, compaction_wait_s=wait_s, swap=swap)
+        return WriteResult(self.current().number if number is None else number)
+
     def maintain(self, policy: CompactionPolicy | None = None, wait_s: float = 10.0,
                  swap: Callable[[Callable[[], int]], int] | None = None) -> int | None:
         """Run the compaction `policy` asks for now, if any; the generation it published, or

@@ -25,22 +25,25 @@ __all__ = ["merge_segments", "columns_from_docs", "side_on_swap"]
 
 def merge_segments(writer: IndexWriter, sources: Sequence[SegmentInfo], out: Path, *, dead: np.ndarray,
                    first: int | None = None, id_shift: int = 0, records: tuple[ByteRange, ...] | None = None,
-                   offset_shift: int = 0) -> SegmentInfo:
+                   offset_shift: int = 0, table: np.ndarray | None = None,
+                   ann: faiss.IndexIVF | None = None) -> SegmentInfo:
     """Consecutive delta segments as one, written to `out` (its `name` is left empty).
 
     dead: global doc numbers (of the sources) to leave as holes: kept in the numbering, out
     of the IVF, with no id and no passage. first/id_shift: the merged segment's first doc
     number and what is added to its IVF's ids (a rewrite's carry renumbers; a merge does not).
     records/offset_shift: where its records lie (a carry moved them) and the shift of every
-    record offset; by default the sources' ranges, unshifted.
+    record offset; by default the sources' ranges, unshifted. table/ann: the records' rows and
+    the IVF when the carry wrote them anew (a base fitted again codes and lists them its way).
     """
     root = writer.root
     first = sources[0].first if first is None else first
     out.mkdir()
     n = sum(s.documents for s in sources)
     parts = [IndexDirectory(root / LIVE_DIR / s.name, {}) for s in sources]
-    table = np.concatenate([p.load_array("records.npy") for p in parts])
-    table["offset"] += offset_shift
+    if table is None:
+        table = np.concatenate([p.load_array("records.npy") for p in parts])
+        table["offset"] += offset_shift
     hole = np.zeros(n, dtype=bool)
     hole[np.asarray(dead, dtype=np.int64) - sources[0].first] = True
     ids = np.concatenate([p.load_array("ids.npy") for p in parts])
@@ -51,12 +54,13 @@ def merge_segments(writer: IndexWriter, sources: Sequence[SegmentInfo], out: Pat
     _concat_docs(parts, hole, out)
     group_files = concat_pool_groups([p.path for p in parts], [s.documents for s in sources], out)
     image_files = concat_page_images([p.path for p in parts], [s.documents for s in sources], out, holes=hole)
-    ann = writer.empty_ivf(writer.current().base)
-    for part in parts:
-        source = faiss.read_index(str(part.file("ann.faiss")))  # in memory: merge_from moves its entries
-        ann.merge_from(faiss.extract_index_ivf(source), id_shift)
-    if hole.any():
-        ann.remove_ids(faiss.IDSelectorBatch(np.flatnonzero(hole).astype(np.int64) + first))
+    if ann is None:
+        ann = writer.empty_ivf(writer.current().base)
+        for part in parts:
+            source = faiss.read_index(str(part.file("ann.faiss")))  # in memory: merge_from moves its entries
+            ann.merge_from(faiss.extract_index_ivf(source), id_shift)
+        if hole.any():
+            ann.remove_ids(faiss.IDSelectorBatch(np.flatnonzero(hole).astype(np.int64) + first))
     faiss.write_index(ann, str(out / "ann.faiss"))
     columns = columns_from_docs(out, n)
     fsync_tree(out)

@@ -1,5 +1,5 @@
-"""The parsers of `espn delete | compact | stats | snapshot | restore | publish`, the commands
-that act on a live index (their code: espn.live.commands).
+"""The parsers of `espn create | delete | compact | refit | stats | snapshot | restore | publish`,
+the commands that act on a live index (their code: espn.live.commands).
 
 FAISS-free: `espn --help` builds these without loading the writer, and FAISS loads after
 logging is configured (its loader's lines show with -v).
@@ -11,6 +11,9 @@ import argparse
 from pathlib import Path
 from typing import Callable
 
+from ..choices import DEFAULT_BOW_DTYPE, ENCODER_SPECS, STORAGE_TYPES, TRUST_REMOTE_CODE_HELP
+from ..params import FIRST_STAGE_KINDS
+
 __all__ = ["register", "add_wait_option"]
 
 Handler = Callable[[argparse.Namespace], int]
@@ -21,8 +24,14 @@ _WAIT_HELP = "seconds to wait for the writer lock, which other writers hold whil
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
     """Add the live-index commands to the `espn` subcommands; `handler` runs them (espn.cli's
     dispatch, which imports their code, espn.live.commands, once logging is configured)."""
+    _add_create(sub, handler)
     _add_delete(sub, handler)
     _add_compact(sub, handler)
+    p = sub.add_parser("refit", help="rewrite a live index's base now, fitting its IVF, token centroids and residual "
+                                     "codes on its own documents (writes go on meanwhile)")
+    p.add_argument("index", type=Path)
+    add_wait_option(p)
+    p.set_defaults(handler=handler)
     p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
     p.add_argument("index", type=Path)
     p.set_defaults(handler=handler)
@@ -33,6 +42,23 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler
 
 def add_wait_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=60.0, help=_WAIT_HELP)
+
+
+def _add_create(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("create", help="create an empty index that takes writes at once (`espn add`, PUT over HTTP); "
+                                      "it is searched exactly while small and fitted on its own documents as it grows")
+    p.add_argument("index", type=Path, help="the index directory to create (must not exist)")
+    p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+    p.add_argument("--bow-dtype", choices=STORAGE_TYPES, default=DEFAULT_BOW_DTYPE,
+                   help=f"how vectors are stored (default {DEFAULT_BOW_DTYPE}); residual2/residual4 are int8 until "
+                        "the index is fitted")
+    p.add_argument("--first-stage", choices=FIRST_STAGE_KINDS, default=None,
+                   help="the candidate generator once fitted (default: centroids for models without a trained CLS "
+                        "vector, else ivf); exact until then")
+    p.add_argument("--no-text-index", action="store_true", help="no full-text index (lexical and hybrid search need one)")
+    p.add_argument("--device", help="torch device of the encoder (default: cuda if available)")
+    p.set_defaults(handler=handler)
 
 
 def _add_delete(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:

@@ -1,5 +1,6 @@
-"""A compaction's base rewrite: a new base from the live documents of a snapshot, written the
-way the build writes one, then swapped in with what was published meanwhile carried over
+"""A compaction's base rewrite: a new base from the live documents of a snapshot, written and
+fitted the way the build writes one (espn.live.fitting), then swapped in with what was
+published meanwhile carried over, coded and listed as the new base codes and lists its own
 (see espn.live.compaction)."""
 
 from __future__ import annotations
@@ -12,26 +13,21 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import faiss
 import numpy as np
 
-from espn.errors import InvalidParameterError
-from espn.files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
-from ..first_stage.build import build_first_stage
-from espn.index import IndexDirectory, write_manifest
-from espn.mapped import map_npy
-from espn.params import default_search_params
-from ..pages.images import copy_page_images
-from ..pooling.groups import copy_pool_groups
+from ..ann import load_ivf
+from ..files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
 from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
-from ..generation.segments import LiveView, empty_ivf
-from espn.store import open_reader
-from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout
-from espn.store.recode import recode_residual, written_before_centroids
-from espn.store.record_order import RECORD_ORDER, reorder_index_records
+from ..generation.segments import LiveView, empty_ivf, open_view
+from ..index import IndexDirectory, write_manifest
+from ..pages.images import copy_page_images
 from ..pages.stored import open_index_images
+from ..pooling.groups import copy_pool_groups
 from ..pooling.spans import open_index_groups
-
+from ..store import open_reader
+from ..store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from ..store.recode import written_before_centroids
+from .fitting import CLS_TABLE, Fit, fit_base
 from .merging import columns_from_docs, merge_segments, side_on_swap
 from .side_index import SwapSource
 from .writer import IndexWriter
@@ -42,10 +38,10 @@ log = logging.getLogger(__name__)
 
 
 def rewrite(writer: IndexWriter, view: LiveView, staging: Path, wait_s: float,
-             swap: Callable[[Callable[[], int]], int]) -> int:
+            swap: Callable[[Callable[[], int]], int], progress: Callable[[int, int], None] | None = None) -> int:
     snapshot = view.generation
     out = staging / "base"
-    keep = write_base(view, out)
+    keep = write_base(view, out, progress)
     for index in writer.side_indexes:  # the new base's own side indexes (text), built before the swap
         index.on_rewrite(out)
     checkpoint("compact-staged")
@@ -73,13 +69,8 @@ def _carry(writer: IndexWriter, snapshot: Generation, keep: np.ndarray, live_mas
         segments: tuple[SegmentInfo, ...] = ()
         end = base_bytes
         if carried:
-            added = current.embeddings_bytes - snapshot.embeddings_bytes
-            source = writer.root / current.base / "embeddings.bin"
-            _copy_range(source, snapshot.embeddings_bytes, current.embeddings_bytes, out / "embeddings.bin")
-            end = base_bytes + added
-            moved = ByteRange(base_bytes, end, sha256_file(out / "embeddings.bin", base_bytes, end))
-            merged = merge_segments(writer, carried, staging / "carry", dead=since[since >= snapshot.total],
-                                    first=n, id_shift=shift, records=(moved,), offset_shift=base_bytes - snapshot.embeddings_bytes)
+            merged = _carry_segments(writer, carried, staging, snapshot.total, since[since >= snapshot.total], shift)
+            end = merged.records[-1].stop
             segments = (merged,)
         checkpoint("swap-carried")
 
@@ -114,94 +105,120 @@ def _carry(writer: IndexWriter, snapshot: Generation, keep: np.ndarray, live_mas
     return number
 
 
-def _copy_range(source: Path, start: int, stop: int, target: Path) -> None:
-    """Append bytes [start, stop) of `source` to `target` and fsync it."""
-    with open(source, "rb") as src, open(target, "ab") as dst:
-        src.seek(start)
-        left = stop - start
-        while left > 0:
-            block = src.read(min(left, 1 << 22))
-            if not block:
-                raise OSError(errno.EIO, f"{source} ends before byte {stop}")
-            dst.write(block)
-            left -= len(block)
-        dst.flush()
-        os.fsync(dst.fileno())
+def _carry_segments(writer: IndexWriter, carried: list[SegmentInfo], staging: Path, since_total: int,
+                    dead: np.ndarray, shift: int) -> SegmentInfo:
+    """The deltas published during the rewrite, as one delta of the new base (staging/base):
+    their records read back and written again as the new base codes them (it was fitted anew:
+    another residual codec, perhaps another storage type), appended to its embeddings.bin, and
+    their IVF entries listed under its new quantizer. Called under the writer lock."""
+    out = staging / "base"
+    new = StoreLayout.from_manifest(IndexDirectory.open(out, verify="none").manifest["store"], out)
+    new = dataclasses.replace(new, pool_factor=1)  # the records hold pooled vectors: written as they are
+    view = open_view(writer.root, verify="none")  # the current generation: the writer lock keeps it
+    numbers = np.arange(since_total, view.generation.total, dtype=np.int64)
+    table = np.zeros(len(numbers), dtype=RECORD_DTYPE)
+    ann = empty_ivf(load_ivf(out / "ann.faiss"))
+    start = (out / "embeddings.bin").stat().st_size
+    stored = dataclasses.replace(StoreLayout.from_manifest(view.base.manifest["store"], view.base.path), pool_factor=1)
+    reader = open_reader("mmap", view.embeddings, view.records, stored)  # type: ignore[arg-type]
+    try:
+        with RecordWriter(out / "embeddings.bin", new, resume_at=start) as records_out:
+            for at in range(0, len(numbers), 4096):
+                part = numbers[at : at + 4096]
+                data = reader.read(part)
+                table[at : at + len(part)] = records_out.append(data.cls.numpy(), data.vectors.numpy(),
+                                                                np.diff(data.offsets))
+                alive = ~np.isin(part, dead)
+                ann.add_with_ids(np.ascontiguousarray(data.cls.numpy()[alive], dtype=np.float32), part[alive] + shift)
+            end = records_out.close()
+    finally:
+        reader.close()
+        view.close()
+    moved = ByteRange(start, end, sha256_file(out / "embeddings.bin", start, end))
+    return merge_segments(writer, carried, staging / "carry", dead=dead, first=since_total + shift, id_shift=shift,
+                          records=(moved,), table=table, ann=ann)
 
 
-def write_base(view: LiveView, out: Path) -> np.ndarray:
+def write_base(view: LiveView, out: Path, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """A complete index directory at `out` from the live documents of `view`, the way the build
-    writes one: live documents in doc-number order, records through `RecordWriter`, the IVF
-    of the frozen quantizer with the vectors added in order, search defaults for the new
-    count. Returns the doc numbers kept ([n] int64, sorted)."""
+    writes one: live documents in doc-number order, records through `RecordWriter`, then fitted
+    on those documents (espn.live.fitting: the IVF, the first stage, residual codes; exact while
+    an index created empty is small), search defaults for the new count. Returns the doc
+    numbers kept ([n] int64, sorted). progress(done, total): documents written so far."""
     snapshot = view.generation
     out.mkdir()
     base = view.base
     store = base.manifest["store"]
-    # The stored vectors are pooled already: rewrite them as they are (same storage type).
-    layout = dataclasses.replace(StoreLayout.from_manifest(store, base.path), pool_factor=1)
-    # Residual records are coded against the centroids this rewrite retrains: int8 until then.
-    written = written_before_centroids(layout)
+    # The stored vectors are pooled already: they are read, and written again, as they are.
+    stored = dataclasses.replace(StoreLayout.from_manifest(store, base.path), pool_factor=1)
+    fit = Fit.from_manifest(base.manifest)
     keep = np.flatnonzero(view.live) if view.live is not None else np.arange(snapshot.total)
-    if len(keep) == 0:
-        raise InvalidParameterError("compact: every document is deleted; an index needs at least one")
     n = len(keep)
-    id_width = max(m.ids.dtype.itemsize for m in view.ids.maps)
+    # Residual records are coded against the centroids this base fits: int8 until then.
+    written = written_before_centroids(dataclasses.replace(stored, dtype=fit.for_documents(n).dtype, codec=None))
+    id_width = max([m.ids.dtype.itemsize for m in view.ids.maps] + [1])
     records = np.lib.format.open_memmap(out / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n,))
     ids = np.lib.format.open_memmap(out / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n,))
-    ann = empty_ivf(view.ann)
-    reader = open_reader("mmap", view.embeddings, view.records, layout)  # type: ignore[arg-type]
+    cls_table = np.lib.format.open_memmap(out / CLS_TABLE, mode="w+", dtype=np.float16, shape=(n, stored.d_cls))
+    reader = open_reader("mmap", view.embeddings, view.records, stored)  # type: ignore[arg-type]
+    # Records stored as the new base stores them are copied byte for byte (never decoded and coded
+    # again, which would round them a second time at each rewrite); others are coded anew.
+    as_stored = written.dtype == stored.dtype and written.codec is None
+    source = np.memmap(view.embeddings, dtype=np.uint8, mode="r") if as_stored and n else None
     n_bow = 0
     try:
         with RecordWriter(out / "embeddings.bin", written) as writer:
             for at in range(0, n, 4096):
-                numbers = keep[at : at + 4096]
-                data = reader.read(numbers)
+                part = keep[at : at + 4096]
+                data = reader.read(part)
                 counts = np.diff(data.offsets)
-                records[at : at + len(numbers)] = writer.append(data.cls.numpy(), data.vectors.numpy(), counts)
-                ann.add(data.cls.float().numpy())
+                rows = slice(at, at + len(counts))
+                if source is not None:
+                    table = view.records[part]
+                    records[rows] = writer.append_stored(_gather(source, table["offset"], table["length"]),
+                                                         table["length"], table["n_bow"])
+                else:
+                    records[rows] = writer.append(data.cls.numpy(), data.vectors.numpy(), counts)
+                cls_table[rows] = data.cls.numpy()
                 n_bow += int(counts.sum())
-            file_bytes = writer.close()
+                if progress is not None:
+                    progress(rows.stop, n)
+            writer.close()
     finally:
         reader.close()
+        source = None  # the mapping of the snapshot's records goes with it
     checkpoint("compact-records")
     copy_pool_groups(open_index_groups(view.base, view), keep, out)  # listed by write_manifest
     copy_page_images(open_index_images(view.base, view), keep, out)  # likewise
     _copy_ids_and_docs(view, keep, ids, out)
     columns = columns_from_docs(out, n)
-    records.flush()
-    ids.flush()
-    del records
+    for array in (records, ids, cls_table):
+        array.flush()
+    del records, cls_table
     np.save(out / "ids_sorted.npy", np.argsort(ids, kind="stable"))
     del ids
-    faiss.write_index(ann, str(out / "ann.faiss"))
-    file_bytes = reorder_index_records(out, layout.block_size)  # each IVF list's records together, as a build
+    fitted = fit_base(out, written, n, fit, pool_factor=store.get("pool_factor", 1))
     link_tree(base.file("encoder"), out / "encoder")  # stored once per index: every base shares its bytes
-    previous_stage = base.manifest.get("first_stage")
-    # The centroid index is retrained on the kept documents, as a fresh build would.
-    first_stage = build_first_stage(out, map_npy(out / "records.npy"), written,
-                                    previous_stage["kind"], previous=previous_stage) if previous_stage else None
-    stored = {**store}
-    if layout.bits:
-        recoded, file_bytes = recode_residual(out, written, layout.dtype)
-        stored = {**store, **recoded.manifest(), "pool_factor": store.get("pool_factor", 1)}
-    manifest = {key: value for key, value in base.manifest.items() if key != "files"}
+    manifest = {key: value for key, value in base.manifest.items() if key not in ("files", "metadata", "first_stage")}
     manifest["created"] = utc_now()
     manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
-    manifest["store"] = {**stored, "file_bytes": file_bytes, "record_order": RECORD_ORDER}
-    manifest["search_defaults"] = default_search_params(int(view.ann.nlist), n)
-    manifest.pop("metadata", None)
-    manifest.pop("first_stage", None)
-    if first_stage is not None:
-        manifest["first_stage"] = first_stage
+    manifest["store"] = {**{key: value for key, value in store.items() if key != "residual"}, **fitted["store"]}
+    for section in ("ann", "fit", "search_defaults"):
+        manifest[section] = fitted[section]
+    if fitted["first_stage"] is not None:
+        manifest["first_stage"] = fitted["first_stage"]
     if columns is not None:
         manifest["metadata"] = columns
-    carried = int(base.manifest.get("compacted", {}).get("added_since_fit", 0))
-    from_deltas = int((keep >= snapshot.base_documents).sum())
-    manifest["compacted"] = {"from_generation": snapshot.number, "added_since_fit": carried + from_deltas}
+    manifest["compacted"] = {"from_generation": snapshot.number}
     write_manifest(out, manifest)
     fsync_tree(out)
     return keep
+
+
+def _gather(blob: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The byte ranges [offset, offset + length) of `blob`, one after the other."""
+    offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    return blob[np.repeat(offsets - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))]
 
 
 def link_tree(source: Path, target: Path) -> tuple[int, int]:

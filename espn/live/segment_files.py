@@ -18,7 +18,7 @@ from ..metadata import MetadataWriter, add_from_passages
 from ..pages.images import present_image_files, write_page_images
 from ..pooling.groups import present_group_files
 from ..generation.format import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
-from ..store.format import RecordWriter, StoreLayout
+from ..store.format import RecordWriter, StoreLayout, stored_cls
 
 from .encoding import EncodedDocuments
 from .resolve import IndexState
@@ -56,7 +56,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     if documents.images is not None:  # a page index keeps the pages' images (espn.pages.images)
         write_page_images(staging, documents.images, documents.grids)
     ann = empty_ivf(current.base)
-    ann.add_with_ids(np.ascontiguousarray(documents.cls, dtype=np.float32), np.arange(first, first + n, dtype=np.int64))
+    ann.add_with_ids(stored_cls(documents.cls, layout), np.arange(first, first + n, dtype=np.int64))  # as stored
     faiss.write_index(ann, str(staging / "ann.faiss"))
     fsync_tree(staging)
     final = live_dir / name

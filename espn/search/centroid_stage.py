@@ -1,9 +1,12 @@
-"""The centroid first stage at query time (the index format and its build: `espn.first_stage.centroids`).
+"""The first stages that score every candidate exactly, at query time: the centroid stages
+(the index format and its build: `espn.first_stage.centroids`) and exact.
 
 For models without a trained CLS vector: each query token's nearest centroids give
 candidates (`TokenCentroids.candidates`), every candidate is read and scored with exact
 MaxSim; "union" adds the IVF's top `rerank_count`. A live generation searches the base's
-centroid index plus the postings of each delta segment, computed once per segment.
+centroid index plus the postings of each delta segment, computed once per segment. "exact"
+takes every live document as a candidate: the search of an index too small for a fitted
+first stage (espn.live.fitting), which ranks as the brute-force reference does.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
     outcome check (`espn.prefetch`) keeps this arm only while its searches are not slower
     than those that read every candidate in one read after the stage (the other arm, and
     prefetch=False). Both score the same candidates exactly, so they rank alike."""
-    if context.centroids is None:
+    if stage.uses_centroids and context.centroids is None:
         raise InvalidParameterError(f"first_stage {stage.kind!r} needs a centroid index, and this index has "
                                     f"none (build it with `espn index --first-stage centroids`)")
     batch = len(q)
@@ -129,7 +132,8 @@ def search_centroids(context: SearchContext, q: QueryEmbeddings, params: SearchP
         missed=share(read - reads.prefetched, i, batch), waves=reads.n_waves if reads.wave_size else 0,
         engine=context.reader.engine,
         matched=None if filtered is None else filtered.matches,
-        filter_path=None if filtered is None else "all" if filtered.matches >= context.live_count else "centroids"))
+        filter_path=None if filtered is None else "all" if filtered.matches >= context.live_count else
+        "exact" if stage.kind == "exact" else "centroids"))
         for i, hits in enumerate(out)]
 
 
@@ -222,7 +226,13 @@ def _candidate_mask(context: SearchContext, allowed: np.ndarray | None,
 def centroid_candidates(context: SearchContext, q: QueryEmbeddings, xq: np.ndarray, params: SearchParams,
                         stage: FirstStageConfig, mask: np.ndarray | None, timer: Timer) -> Iterator[np.ndarray]:
     """Per query, as each is ranked, the doc numbers to score, best estimate first: the centroid
-    estimate's top, and for "union" the IVF's after them."""
+    estimate's top, and for "union" the IVF's after them; for "exact", every document the mask admits."""
+    if stage.kind == "exact":
+        every = np.arange(context.num_documents, dtype=np.int64) if mask is None else np.flatnonzero(mask)
+        for _ in range(len(q)):
+            yield every
+        timer.lap("first_stage")
+        return
     assert context.centroids is not None
     labels = None
     if stage.kind == "union" and params.rerank_count > 0:

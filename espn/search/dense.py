@@ -67,7 +67,7 @@ def search_dense(context: SearchContext, q: QueryEmbeddings, params: SearchParam
     pools: filled with one Scored per query: the head and the extra documents, exact CLS
     and MaxSim (`espn.search.modes` fuses them)."""
     stage = context.first_stage.replace(params.first_stage, params.first_stage_probe, params.first_stage_candidates)
-    if stage.uses_centroids:
+    if stage.scores_every_candidate:
         return search_centroids(context, q, params, stage, timer, allowed, filtered, extra, pools)
     restricted = filtered if filtered is not None and filtered.matches < context.live_count else None
     selector = select_documents(context, allowed, restricted)

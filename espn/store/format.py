@@ -50,6 +50,7 @@ __all__ = [
     "StoreLayout",
     "quantize_int8",
     "dequantize_int8",
+    "stored_cls",
     "split_records",
     "decode_residual_rows",
     "record_nbytes",
@@ -205,6 +206,16 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     return out.copy_(decoded)
 
 
+def stored_cls(cls: np.ndarray, layout: StoreLayout) -> np.ndarray:
+    """[n, d_cls] float32: the CLS vectors as records of `layout` store them, as a reader decodes
+    them. Every IVF is built from these (a build, a delta, a rewrite), so one that is fitted again
+    from the records finds what a fresh build of the same documents found."""
+    if layout.dtype == "int8":
+        codes, scales = quantize_int8(cls)
+        return dequantize_int8(torch.from_numpy(codes), torch.from_numpy(scales.view(np.float16))).float().numpy()
+    return np.asarray(cls, dtype=STORAGE_DTYPE).astype(np.float32)
+
+
 def split_records(buffer: torch.Tensor, starts: np.ndarray, n_bow: np.ndarray, layout: StoreLayout
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The stored values of records in one byte buffer, as they are stored (not decoded).
@@ -344,6 +355,23 @@ class RecordWriter:
 
         rows = np.empty(len(counts), dtype=RECORD_DTYPE)
         rows["offset"], rows["length"], rows["n_bow"] = offsets, lengths, counts
+        return rows
+
+    def append_stored(self, blob: np.ndarray, lengths: np.ndarray, n_bow: np.ndarray) -> np.ndarray:
+        """Write records already stored as this layout stores them (bytes copied as they are, never
+        decoded and coded again: no rounding twice); returns their rows of records.npy.
+
+        blob: the records' bytes one after the other [sum(lengths)] uint8; n_bow their vector counts."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        offsets, end = place_records(lengths, self.layout.block_size, self.position)
+        buf = np.zeros(end - self.position, dtype=np.uint8)
+        sources = np.cumsum(lengths) - lengths
+        gather = np.repeat(offsets - self.position - sources, lengths) + np.arange(int(lengths.sum()))
+        buf[gather] = blob
+        self._file.write(buf.tobytes())
+        self.position = end
+        rows = np.empty(len(lengths), dtype=RECORD_DTYPE)
+        rows["offset"], rows["length"], rows["n_bow"] = offsets, lengths, n_bow
         return rows
 
     def close(self) -> int:

@@ -101,6 +101,8 @@ def reorder_index_records(directory: Path, block_size: int) -> int:
     if len(order) != len(records):
         raise ValueError(f"{directory}: ann.faiss holds {len(order)} documents, records.npy {len(records)}")
     target = directory / "embeddings.bin"
+    if len(records) == 0:  # nothing to order (an index created empty)
+        return target.stat().st_size
     staged = directory / "embeddings.bin.ordered"
     new_records, size = write_in_order(target, records, order, block_size, staged)
     del records

@@ -27,7 +27,8 @@ _CREATE_ERRORS: dict[int | str, dict[str, Any]] = {
                                                  "--read-only"},
     422: {"model": ErrorResponse, "description": "`unknown_model`: no configured model of that name (the message "
                                                  "lists them); `invalid_request`: a bad name or body"},
-    503: {"model": ErrorResponse, "description": "`create_failed`: the build failed (the message says why)"},
+    503: {"model": ErrorResponse, "description": "`create_failed`: the creation failed (the message says why); "
+                                                 "`unavailable`: too many creations at once (`Retry-After`)"},
 }
 _DELETE_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_FOUND,
@@ -45,7 +46,8 @@ def index_info(info: EngineIndexInfo) -> IndexInfo:
     return IndexInfo(name=info.name, default=info.default, open=info.open, documents=info.documents,
                      generation=info.generation, encoder=info.encoder,
                      mode=None if info.read_only is None else "read-only" if info.read_only else "read-write",
-                     memory_mib=round(info.memory_bytes / 2**20, 3))
+                     memory_mib=round(info.memory_bytes / 2**20, 3),
+                     fit=dict(info.fit) if info.fit is not None else None)
 
 
 @router.get("", response_model=IndexListResponse, summary="List the indexes: name, documents, encoder, open or closed")
@@ -62,11 +64,25 @@ async def get_index(name: str = Path(description="the index's name (`--index NAM
 
 @router.post("", response_model=IndexInfo, status_code=201, responses=_CREATE_ERRORS,
              summary="Create an empty index with one of the server's configured models (`--model NAME=SPEC`)",
-             description="Builds the index in the index root (`--index-root`): its quantizers are trained on the "
-                         "bundled sample corpus, then every sample document is deleted, so it starts empty and "
-                         "takes writes under /v1/indexes/{name}/documents. Takes tens of seconds (a build).")
+             description="Writes an empty index in the index root (`--index-root`), in a fraction of a second "
+                         "(the first creation with a model loads it once): it takes writes under "
+                         "/v1/indexes/{name}/documents at once, is searched exactly while small, and is fitted on "
+                         "its own documents as it grows (nothing is trained on other text).")
 async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_state)) -> IndexInfo:
     return index_info(await state.engines.create(body.name, body.model))
+
+
+@router.post("/{name}/refit", response_model=IndexInfo, status_code=202, responses={
+    **_NOT_FOUND, 409: {"model": ErrorResponse, "description": "`read_only`: the index is served read-only"}},
+    summary="Fit the index on its own documents again, in the background (searches and writes go on)",
+    description="Starts a base rewrite that fits the index's IVF, token centroids and residual codes on its live "
+                "documents (an index also re-fits itself as it grows). The answer's `fit.refit_running` shows "
+                "its progress, as GET /v1/indexes/{name} does until it ends.")
+async def refit_index(name: str = Path(description="the index's name"),
+                      state: AppState = Depends(get_state)) -> IndexInfo:
+    async with state.engines.use(name) as engine:
+        await engine.refit()
+    return index_info(state.engines.info(name))
 
 
 @router.delete("/{name}", status_code=204, response_class=Response, responses=_DELETE_ERRORS,

@@ -1,0 +1,211 @@
+"""An index that grows: created empty in one call with nothing fitted on foreign text, searched
+exactly while small, fitted on its own documents once it holds EXACT_MAX_DOCUMENTS of them and
+fitted again as it grows (each base rewrite), with writes carried over a re-fit coded as the
+new base codes its own. Documents are written through the library's write path with
+precomputed token vectors (a ColBERT-class index: pure MaxSim, the centroid first stage once
+fitted), so thousands of them cost seconds; tests/test_index_admin.py creates indexes of a
+real model over HTTP, and tests/test_growth_server.py serves one through a re-fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from espn import files
+from espn.encoders import QueryEmbeddings, encoder_from_spec
+from espn.encoders.precomputed import PrecomputedEncoder
+from espn.engine.embedded import Index
+from espn.live.checks import NewDocument
+from espn.live.create import NewIndex, create_index
+from espn.live.encoding import EncodedDocuments
+from espn.live.fitting import EXACT_MAX_DOCUMENTS
+from espn.live.live_index import LiveIndex
+from espn.live.status import live_stats
+from espn.search.searcher import Searcher
+from espn_indexing.build import build_from_embeddings
+
+DIM = 32
+TOPICS = 48
+
+
+def _corpus(n: int, seed: int = 7) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """n documents of 8..40 unit token vectors around one of TOPICS topic centres: (ids, cls, bow, counts)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((TOPICS, DIM)).astype(np.float32)
+    topic = rng.integers(0, TOPICS, n)
+    counts = rng.integers(8, 41, n)
+    bow = centres[np.repeat(topic, counts)] + 0.6 * rng.standard_normal((int(counts.sum()), DIM)).astype(np.float32)
+    bow /= np.linalg.norm(bow, axis=1, keepdims=True)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    cls = np.add.reduceat(bow, starts) / counts[:, None]
+    cls /= np.linalg.norm(cls, axis=1, keepdims=True)
+    return [f"d{i:06d}" for i in range(n)], cls.astype(np.float16), bow.astype(np.float16), counts.astype(np.int32)
+
+
+def _write(index: Path, ids: list[str], cls: np.ndarray, bow: np.ndarray, counts: np.ndarray, batch: int) -> None:
+    """The documents published in batches, each as one generation, with the compaction policy run
+    after each (what a server does): the base is rewritten, and fitted, as the index grows."""
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    with LiveIndex.open(index) as writer:
+        for at in range(0, len(ids), batch):
+            rows = range(at, min(at + batch, len(ids)))
+            upserts = [NewDocument(ids[i], f"document {ids[i]}", metadata={"topic": i % 5}) for i in rows]
+            lines = [json.dumps({"title": "", "text": d.text, "metadata": d.metadata}).encode() for d in upserts]
+            encoded = EncodedDocuments([d.doc_id for d in upserts], lines, cls[at:rows.stop],
+                                       bow[starts[at]:starts[rows.stop]], counts[at:rows.stop])
+            (outcome,) = writer.publish([writer.check(upserts, [])], [encoded])
+            assert not isinstance(outcome, Exception), outcome
+            writer.maintain()
+
+
+def _queries(n: int = 24, seed: int = 11) -> QueryEmbeddings:
+    _, cls, bow, counts = _corpus(n, seed)
+    length = 8
+    mask = np.zeros((n, length), dtype=bool)
+    padded = np.zeros((n, length, DIM), dtype=np.float32)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for i in range(n):
+        take = min(length, int(counts[i]))
+        padded[i, :take] = bow[starts[i] : starts[i] + take]
+        mask[i, :take] = True
+    return QueryEmbeddings(cls.astype(np.float32), padded, mask)
+
+
+def _recall(searcher: Searcher, queries: QueryEmbeddings, k: int = 10, **params: object) -> float:
+    """Mean overlap of the search's top k with the exhaustive MaxSim top k."""
+    exact = searcher.search_maxsim_exhaustive(queries, k)
+    found = searcher.search(["q"] * len(queries), k=k, embeddings=queries, **params)  # type: ignore[arg-type]
+    return float(np.mean([len({h.doc_id for h in a.hits} & {h.doc_id for h in b}) / k
+                           for a, b in zip(found, exact)]))
+
+
+def _fresh_build(out: Path, ids: list[str], cls: np.ndarray, bow: np.ndarray, counts: np.ndarray) -> Path:
+    """`espn index --embeddings` of the same documents, in the same order, stored as the created index stores them."""
+    source = out.with_name(out.name + "-shards")
+    for folder in ("cls", "bow", "counts", "ids"):
+        (source / folder).mkdir(parents=True)
+    (source / "embeddings.json").write_text(json.dumps({"format": "espn-precomputed", "version": 1, "d_cls": DIM,
+                                                        "d_bow": DIM, "bow_reduction": "sum", "score_weight": 0.0}))
+    np.save(source / "cls" / "0.npy", cls)
+    np.save(source / "bow" / "0.npy", bow)
+    np.save(source / "counts" / "0.npy", counts)
+    (source / "ids" / "0.txt").write_text("".join(f"{i}\n" for i in ids))
+    build_from_embeddings(source, out, bow_dtype="int8", text_index=None, first_stage="centroids")
+    return out
+
+
+@pytest.fixture()
+def created(tmp_path: Path) -> Path:
+    encoder = PrecomputedEncoder(DIM, DIM, bow_reduction="sum", learned_weight=0.0)
+    return create_index(tmp_path / "grown", encoder, NewIndex(first_stage="centroids", text_index=None))
+
+
+def test_a_created_index_is_empty_answers_searches_and_encoded_nothing(tmp_path: Path) -> None:
+    encoder = encoder_from_spec("minilm", bow_dim=None)  # the real default model, offline
+    seen: list[str] = []
+    tokenize = encoder.tokenize
+
+    def counted(texts, is_query):  # type: ignore[no-untyped-def]
+        seen.extend(texts)
+        return tokenize(texts, is_query)
+
+    encoder.tokenize = counted  # type: ignore[method-assign]  # every text the model is given is recorded
+    created = create_index(tmp_path / "made", encoder)
+    assert seen == []  # nothing, of the sample corpus or any other, was encoded into it
+    manifest = json.loads((created / "manifest.json").read_text())
+    assert manifest["counts"] == {"documents": 0, "bow_vectors": 0} and manifest["fit"]["exact"] is True
+    assert manifest["first_stage"]["kind"] == "exact" and manifest["ann"]["nlist"] == 1
+    assert manifest["encoder"]["projection"] is None  # no PCA fitted on foreign text
+    assert manifest["text"]["documents"] == 0
+    assert (created / "docs.jsonl").stat().st_size == 0 and (created / "embeddings.bin").stat().st_size == 0
+    with Searcher.open(created) as searcher:
+        assert searcher.search(["ocean tides"], k=3)[0].hits == []
+        assert searcher.search(["ocean tides"], k=3, mode="hybrid")[0].hits == []
+    assert live_stats(created)["exact"] is True and live_stats(created)["rebuild_recommended"] is False
+
+
+def test_small_is_exact_and_the_first_fit_is_on_its_own_documents(created: Path) -> None:
+    n = EXACT_MAX_DOCUMENTS + 400
+    ids, cls, bow, counts = _corpus(n)
+    small = 600
+    _write(created, ids[:small], cls[:small], bow[: int(counts[:small].sum())], counts[:small], batch=150)
+    queries = _queries()
+    with Searcher.open(created) as searcher:
+        assert searcher.manifest["fit"]["exact"] is True
+        exact = searcher.search_maxsim_exhaustive(queries, 10)
+        found = searcher.search(["q"] * len(queries), k=10, embeddings=queries)
+        for a, b in zip(found, exact):  # every document scored: the exhaustive reference's ranking
+            assert [h.doc_id for h in a.hits] == [h.doc_id for h in b]
+            np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b], rtol=1e-5)
+        filtered = searcher.search(["q"], k=5, embeddings=queries[:1], filter={"topic": 3})[0]
+        assert filtered.hits and all(int(h.doc_id[1:]) % 5 == 3 for h in filtered.hits)
+        assert filtered.stats.filter_path == "exact"
+    _write(created, ids[small:], cls[small:], bow[int(counts[:small].sum()):], counts[small:], batch=400)
+    with LiveIndex.open(created) as writer:
+        writer.refit()
+    stats = live_stats(created)
+    assert stats["exact"] is False and stats["fitted_on_documents"] == n and stats["live_documents"] == n
+    fresh = _fresh_build(created.parent / "fresh", ids, cls, bow, counts)
+    with Searcher.open(created) as searcher, Searcher.open(fresh) as built:
+        fit = searcher.manifest["fit"]
+        assert fit["documents"] == n and searcher.nlist > 1 and searcher.manifest["first_stage"]["kind"] == "centroids"
+        assert searcher.manifest["first_stage"]["centroids"] == built.manifest["first_stage"]["centroids"] > 1
+        assert searcher.nlist == built.nlist
+        grown = searcher.search(["q"] * len(queries), k=10, embeddings=queries)
+        fresh_hits = built.search(["q"] * len(queries), k=10, embeddings=queries)
+        for a, b in zip(grown, fresh_hits):  # fitted on its own documents: it ranks as a fresh build of them
+            assert [h.doc_id for h in a.hits] == [h.doc_id for h in b.hits]
+        assert _recall(searcher, queries, first_stage="exact") == 1.0  # the exact stage stays a request away
+
+
+def test_writes_during_a_refit_are_carried_over_coded_for_the_new_base(created: Path) -> None:
+    """A re-fit trains a new quantizer and (residual records) a new codec: what was written while it
+    ran is re-coded and listed anew at the swap, so it is found exactly as before."""
+    n = EXACT_MAX_DOCUMENTS + 200
+    ids, cls, bow, counts = _corpus(n + 50, seed=3)
+    end = int(counts[:n].sum())
+    _write(created, ids[:n], cls[:n], bow[:end], counts[:n], batch=n)
+    late = EncodedDocuments(ids[n:], [b'{"title": "", "text": "late"}'] * 50, cls[n:], bow[end:], counts[n:])
+
+    def write_at(step: str) -> None:
+        if step == "compact-staged":  # another writer publishes while the new base waits for its swap
+            with LiveIndex(created) as other:
+                upserts = [NewDocument(i, "late") for i in ids[n:]]
+                assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
+
+    files._checkpoint = write_at  # the named crash points' hook: only the timing is arranged
+    try:
+        with LiveIndex(created) as writer:
+            writer.refit()
+    finally:
+        files._checkpoint = lambda step: None
+    stats = live_stats(created)
+    assert stats["live_documents"] == n + 50 and stats["delta_documents"] == 50 and not stats["exact"]
+    with Searcher.open(created) as searcher:
+        queries = QueryEmbeddings(cls[n:].astype(np.float32), np.zeros((50, 1, DIM), np.float32),
+                                  np.zeros((50, 1), dtype=bool))
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for i in range(3):  # each late document's own tokens find it first, through the fitted stage
+            tokens = bow[starts[n + i] : starts[n + i] + 8].astype(np.float32)
+            query = QueryEmbeddings(queries.cls[i : i + 1], tokens[None], np.ones((1, len(tokens)), dtype=bool))
+            assert searcher.search(["q"], k=1, embeddings=query)[0].hits[0].doc_id == ids[n + i]
+        assert _recall(searcher, _queries()) >= 0.95
+
+
+def test_the_embedded_index_creates_writes_searches_and_refits(tmp_path: Path) -> None:
+    """espn.Index, with the default model: what the getting-started page shows."""
+    encoder_from_spec("minilm", bow_dim=None)  # loads offline, from the wheel of the default model
+    with Index.create(tmp_path / "embedded") as index:
+        assert index.search(["ocean tides"], k=3)[0].hits == []
+        index.add([{"id": "moon", "text": "The Moon pulls the oceans into tides."},
+                   {"id": "tea", "text": "Green tea is steeped in water below boiling."}])
+        assert index.search(["what causes ocean tides"], k=1)[0].hits[0].doc_id == "moon"
+        index.delete(["moon"])
+        assert [h.doc_id for h in index.search(["ocean tides"], k=2)[0].hits] == ["tea"]
+        index.refit()
+        assert index.stats()["live_documents"] == 1 and index.document("tea").text.startswith("Green")
+    with Index.open(tmp_path / "embedded") as again:  # across a restart
+        assert [h.doc_id for h in again.search(["tea"], k=5)[0].hits] == ["tea"]
