@@ -287,8 +287,8 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all kept positions)."""
         refusal = None
-        if "token_type_ids" not in self._forward_keys:
-            refusal = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
+        if not {"input_ids", "attention_mask"} <= self._forward_keys:
+            refusal = f"the ONNX export takes a backbone of input_ids and attention_mask ({type(self.model).__name__} is not)"
         weights = self._weights_file()
         probe = self._encode(["a probe of the exported graph", "two"], is_query=True) if refusal is None else {}
         return checked_query_graph(lambda: self.model, self.name, self.query_backend, self.device,

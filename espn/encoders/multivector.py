@@ -240,8 +240,9 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all scored positions)."""
         backbone = self.backbone.auto_model
         refusal = None
-        if "token_type_ids" not in inspect.signature(backbone.forward).parameters:
-            refusal = f"the ONNX export takes BERT-like backbones only ({type(backbone).__name__} is not)"
+        if not {"input_ids", "attention_mask"} <= set(inspect.signature(backbone.forward).parameters):
+            refusal = (f"the ONNX export takes a backbone of input_ids and attention_mask ({type(backbone).__name__} "
+                       "is not)")
         elif self.model.get_backend() != "torch":
             refusal = f"the checkpoint runs on {self.model.get_backend()}, not torch"
         probe: dict[str, Any] = {}

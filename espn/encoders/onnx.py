@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import logging
 import os
@@ -64,16 +65,24 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "espn" / "onnx"
 
 
+def _backbone_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
+    """The keyword inputs of `model`'s forward: ids and mask, and token types 0 where the backbone
+    takes them (BERT-like); ModernBERT and its kin take none."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        inputs["token_type_ids"] = torch.zeros_like(input_ids)
+    return inputs
+
+
 class _HiddenStates(torch.nn.Module):
-    """input_ids, attention_mask [B, T] int64 -> last hidden state [B, T, H] (token types 0)."""
+    """input_ids, attention_mask [B, T] int64 -> last hidden state [B, T, H] (token types 0 where taken)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+        return self.model(**_backbone_inputs(self.model, input_ids, attention_mask)).last_hidden_state
 
 
 def _export(model: torch.nn.Module, out: Any) -> None:
@@ -133,8 +142,7 @@ class OnnxEncoderGraph:
         """Largest |graph - torch| over the hidden states of one batch at `positions` [B, T] bool
         (default: the unmasked ones; ColBERT queries also keep their unattended expansion tokens)."""
         with torch.inference_mode():
-            expected = model(input_ids=input_ids, attention_mask=attention_mask,
-                             token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+            expected = model(**_backbone_inputs(model, input_ids, attention_mask)).last_hidden_state
         got = self.hidden_states(input_ids, attention_mask)
         valid = attention_mask.bool() if positions is None else positions.bool()
         return float((got - expected.float()).abs()[valid].max())
