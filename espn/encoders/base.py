@@ -14,12 +14,25 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans"]
+__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans", "trimmed_span"]
 
 #: For each BOW vector of one text, in the order the vectors are stored (a document's
 #: record, a query's unmasked columns), the character spans `(start, end)` of the text it
 #: came from: one span for a token, several for a word pooled over its occurrences.
 VectorSpans = list[list[tuple[int, int]]]
+
+
+def trimmed_span(text: str, start: int, end: int) -> tuple[int, int]:
+    """`text[start:end]` clipped to the text and without the whitespace at its ends (a byte-level BPE
+    token's offsets hold the space before its word): the characters a token came from. A token of
+    whitespace alone keeps its span."""
+    start, end = max(0, start), min(len(text), end)
+    low, high = start, end
+    while low < high and text[low].isspace():
+        low += 1
+    while high > low and text[high - 1].isspace():
+        high -= 1
+    return (low, high) if low < high else (start, end)
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .backbone_config import normalised_configs
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
 from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
@@ -230,8 +230,8 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         out: list[VectorSpans] = []
         for row, shift in enumerate(shifts):
             keep, text, offsets = encoded["keep"][row], encoded["text"][row], encoded["offset_mapping"][row]
-            out.append([[(int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)] if text[p] else []
-                        for p in torch.nonzero(keep).flatten().tolist()])
+            out.append([[trimmed_span(texts[row], int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)]
+                        if text[p] else [] for p in torch.nonzero(keep).flatten().tolist()])
         return out
 
     def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]]:

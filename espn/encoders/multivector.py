@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .backbone_config import normalised_configs
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
 from .onnx import QueryGraphOwner, checked_query_graph
@@ -217,7 +217,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
                 if expansion is not None and bool(expansion[row, p]):
                     entries.append(("expansion", (0, 0), token))
                 elif end > len(prompt) and not bool(specials[row, p]):
-                    entries.append(("text", (max(start, len(prompt)) - len(prompt), end - len(prompt)), token))
+                    entries.append(("text", trimmed_span(texts[row], start - len(prompt), end - len(prompt)), token))
                 elif end > 0:
                     entries.append(("marker", (0, 0), token))
                 else:
