@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import InvalidParameterError
+
 __all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans", "trimmed_span"]
 
 #: For each BOW vector of one text, in the order the vectors are stored (a document's
@@ -95,12 +97,17 @@ class QueryEmbeddings:
 class Encoder(abc.ABC):
     """Turns text into CLS and BOW vectors; one subclass per model family.
 
-    `kind` names the family in the manifest and the registry. `save` writes what the
-    query side needs (config, projection) into an index's `encoder/` directory and
-    `load` rebuilds the identical encoder from it offline.
+    `kind` names the family in the manifest and the registry; `modality` what it reads as
+    documents. `from_pretrained` makes a fresh encoder from a model (what `espn index --encoder`
+    names), `save` writes what the query side needs (config, projection) into an index's
+    `encoder/` directory and `load` rebuilds the identical encoder from it offline.
     """
 
     kind: str = ""
+    #: What the encoder reads as documents: "text" (passages) or "image" (pages; queries are text).
+    modality: str = "text"
+    #: "fp32", or an int8 precision where the encoder has an ONNX graph (espn.encoders.int8).
+    precision: str = "fp32"
     d_cls: int
     d_bow: int
     #: How the BOW score is normalised: "mean" (MaxSim sum / number of query
@@ -111,6 +118,19 @@ class Encoder(abc.ABC):
     #: Whether the model trained its CLS vector for retrieval (ColBERTer, the HF sentence
     #: encoders). ColBERT checkpoints have none: their CLS vector is a mean of token vectors.
     has_trained_cls: bool = True
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **options: Any) -> "Encoder":
+        """A fresh (unfitted) encoder from a model: a directory (or, where the family allows, a Hub
+        name) and the family's options (device, trust_remote_code, precision, ...)."""
+        raise InvalidParameterError(f"the {cls.kind or cls.__name__} encoder is not made from a model")
+
+    def prepare_precision(self) -> None:
+        """Ready the encoder's precision before anything is encoded; an encoder without an int8 path
+        refuses any precision but fp32 (InvalidParameterError, one line)."""
+        if self.precision != "fp32":
+            raise InvalidParameterError(f"the {self.kind} encoder has no ONNX path: precision {self.precision!r} "
+                                        "is refused (fp32 only)")
 
     # -- tokenisation: runs in DataLoader worker processes -------------------------
     @abc.abstractmethod

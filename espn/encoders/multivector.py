@@ -46,6 +46,7 @@ from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
+from .int8 import check_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .st_format import is_sentence_transformers_save, read_save_json
 
@@ -68,8 +69,10 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
 
     def __init__(self, checkpoint_dir: str | Path, device: str | None = None, name: str | None = None,
                  query_backend: str = "auto", weights_sha256: str | None = None,
-                 trust_remote_code: bool = False) -> None:
-        """query_backend: "auto" (ONNX Runtime for the queries' backbone on a CPU where it exports),
+                 trust_remote_code: bool = False, precision: str = "fp32") -> None:
+        """precision: "fp32" or int8 (espn.encoders.int8.PRECISIONS: the backbone of queries and documents
+        on the quantised ONNX graph, CPU); query_backend: "auto" (ONNX Runtime for the queries' backbone
+        on a CPU where it exports),
         "onnx" or "torch"; weights_sha256: the backbone weights' hash when known (the manifest's);
         trust_remote_code: allow a backbone that needs its own Python code (`--trust-remote-code`)."""
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -105,19 +108,21 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         self.similarity = str(self.model.similarity_fn_name)
         self.bow_reduction = "mean" if self.similarity == "meanmaxsim" else "sum"
         self.prompts = {task: self._prompt(task) for task in ("query", "document")}
+        check_precision(precision, self.device, query_backend)
+        self.precision = precision
         self.query_backend = query_backend
         self._weights_sha256 = weights_sha256
         self._graph: Any = None
         self._graph_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None,
-                        trust_remote_code: bool = False) -> "SentenceTransformersEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None, trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "SentenceTransformersEncoder":
         path, _, query = str(location).partition("?")
         if query:
             raise InvalidParameterError(f"colbert: {path} is a Sentence Transformers save, whose settings are its own "
                                         f"(prompts, lengths, expansion in its configs); drop ?{query}")
-        return cls(Path(path), device=device, trust_remote_code=trust_remote_code)
+        return cls(Path(path), device=device, trust_remote_code=trust_remote_code, precision=precision)
 
     # -- the checkpoint --------------------------------------------------------------
     def _backbone_path(self) -> str:
@@ -175,7 +180,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         return torch.nn.functional.normalize(sums, p=2, dim=-1).cpu().numpy()
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
-        vectors, keep = self._run(tokens)
+        vectors, keep = self._run(tokens, self._document_graph())
         return DocumentEmbeddings(cls=self._mean_cls(vectors, keep), bow=vectors[keep].cpu().numpy(),
                                   counts=keep.sum(1).to(torch.int32).cpu().numpy())
 
@@ -236,6 +241,10 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
                   else "") for kind, _, token in row] for row in self._positions(texts, is_query)]
 
     # -- ONNX queries ----------------------------------------------------------------
+    def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:
+        vectors, keep = self._run(self.tokenize(texts, is_query), graph)
+        return [vectors[row][keep[row]].cpu().numpy() for row in range(len(texts))]
+
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all scored positions)."""
         backbone = self.backbone.auto_model
@@ -278,6 +287,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
             "has_trained_cls": False,
             "weights_sha256": self._weights_sha256 or (sha256_file(weights) if weights else None),
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **self.precision_config(),
         }
 
     def save(self, directory: Path) -> None:
@@ -289,4 +299,5 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
              trust_remote_code: bool = False) -> "SentenceTransformersEncoder":
         return cls(Path(directory) / "model", device=device, name=config.get("name"),
-                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)
+                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code,
+                   precision=str(config.get("precision", "fp32")))

@@ -74,8 +74,12 @@ class VisualEncoder(SentenceTransformersEncoder):
                                else torch.float16)
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None,
-                        trust_remote_code: bool = False) -> "VisualEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None, trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "VisualEncoder":
+        """precision: fp32 only (a page model has no ONNX path)."""
+        if precision != "fp32":
+            raise InvalidParameterError(f"visual: a page model has no ONNX path; precision {precision!r} is refused "
+                                        "(fp32 only)")
         path, _, query = str(location).partition("?")
         if query:
             raise InvalidParameterError(f"visual: {path} is a Sentence Transformers save, whose settings are its own; "
