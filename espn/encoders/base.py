@@ -16,12 +16,21 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 
-__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans", "trimmed_span"]
+__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans", "overflowed", "trimmed_span"]
 
 #: For each BOW vector of one text, in the order the vectors are stored (a document's
 #: record, a query's unmasked columns), the character spans `(start, end)` of the text it
 #: came from: one span for a token, several for a word pooled over its occurrences.
 VectorSpans = list[list[tuple[int, int]]]
+
+
+def overflowed(encoded: Any) -> np.ndarray | None:
+    """[B] bool: which texts a fast tokenizer's call (truncation on) cut, from each encoding's
+    overflow; None for a slow tokenizer, which keeps no encodings."""
+    encodings = getattr(encoded, "encodings", None)
+    if not encodings:
+        return None
+    return np.array([bool(encoding.overflowing) for encoding in encodings], dtype=bool)
 
 
 def trimmed_span(text: str, start: int, end: int) -> tuple[int, int]:
@@ -81,17 +90,21 @@ class QueryEmbeddings:
     cls:  [B, d_cls] float32
     bow:  [B, L, d_bow] float32, zero where mask is False
     mask: [B, L] bool
+    truncated: [B] bool, the queries the model did not read to their end (longer than its query
+          length: espn.search.long_queries); None where the encoder does not say
     """
 
     cls: np.ndarray
     bow: np.ndarray
     mask: np.ndarray
+    truncated: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.cls)
 
     def __getitem__(self, rows: slice | np.ndarray) -> "QueryEmbeddings":
-        return QueryEmbeddings(self.cls[rows], self.bow[rows], self.mask[rows])
+        return QueryEmbeddings(self.cls[rows], self.bow[rows], self.mask[rows],
+                               None if self.truncated is None else self.truncated[rows])
 
 
 class Encoder(abc.ABC):

@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from .backbone_config import normalised_configs
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed, trimmed_span
 from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
 from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
@@ -222,6 +222,9 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
             keep = real & ~torch.isin(out["input_ids"], self.skiplist_ids)
         out["keep"], out["text"] = keep, text
         out["expansion"] = ~real if expand else torch.zeros_like(real)
+        truncated = overflowed(encoded)
+        if truncated is not None:
+            out["truncated"] = torch.from_numpy(truncated)
         return out
 
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
@@ -286,7 +289,9 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         vectors = self._vectors(tokens, self._query_graph())
         keep = tokens["keep"].to(self.device)
         bow = vectors * keep[..., None]
-        return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
+        truncated = tokens.get("truncated")
+        return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy(),
+                               truncated=None if truncated is None else truncated.numpy())
 
     # -- ONNX queries ----------------------------------------------------------------
     def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:

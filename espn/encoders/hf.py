@@ -29,7 +29,7 @@ import torch
 from ..errors import InvalidParameterError
 from ..index import sha256_file
 from ..mapped import read_npy
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
 from .int8 import check_precision
@@ -191,6 +191,8 @@ class HFEncoder(QueryGraphOwner, Encoder):
         )
         if self.bow_pooling == "words" and not is_query:
             tokens["word_ids"] = self._kept_words(tokens)
+        if is_query:
+            tokens["truncated"] = overflowed(tokens)
         return tokens
 
     def _kept_words(self, tokens: Any) -> torch.Tensor:
@@ -349,7 +351,8 @@ class HFEncoder(QueryGraphOwner, Encoder):
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         cls, hidden, mask = self._forward(tokens, self._query_graph())
         bow = self._project(hidden) * mask[..., None]
-        return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy())
+        return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy(),
+                               truncated=tokens.get("truncated"))
 
     # -- index-time projection -------------------------------------------------------
     @property

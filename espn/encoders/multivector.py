@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 QUERY_BACKENDS = ("auto", "onnx", "torch")
 #: Modules after the backbone that change no mask: the scoring mask is theirs to leave as it is.
 _MASK_NEUTRAL = ("Dense", "Normalize")
+#: Above this a module's query length is no length (a tokenizer without one says 1e30).
+_MAX_QUERY_LENGTH = 1 << 20
 
 
 class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
@@ -151,7 +153,26 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         task = "query" if is_query else "document"
         features = dict(self.model.preprocess(list(texts), prompt=self.prompts[task], task=task))
         features["task"] = task
+        if is_query:
+            filled = self._filled(features)
+            if filled is not None:
+                features["truncated"] = filled
         return features
+
+    def _filled(self, features: Mapping[str, Any]) -> torch.Tensor | None:
+        """[B] bool: the queries whose tokens (prompt included) reach the query length the library
+        cuts them at (the query expansion's width, else query_length or max_seq_length): read to
+        that length and no further. None where the length is unknown."""
+        expansion = getattr(self.backbone, "query_expansion", None)
+        limit = expansion.get("length") if isinstance(expansion, dict) else None
+        limit = limit or getattr(self.backbone, "query_length", None) or getattr(self.backbone, "max_seq_length", None)
+        mask = features.get("attention_mask")
+        if not isinstance(limit, int) or not 0 < limit <= _MAX_QUERY_LENGTH or not isinstance(mask, torch.Tensor):
+            return None  # no length, or a tokenizer's "no limit" (model_max_length of 1e30)
+        real = mask.bool()
+        if "query_expansion_positions" in features:
+            real = real & ~features["query_expansion_positions"].bool()
+        return real.sum(1) >= limit
 
     # -- model -----------------------------------------------------------------------
     def _module_kwargs(self, name: str, module: torch.nn.Module, task: str) -> dict[str, Any]:
@@ -163,7 +184,8 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     def _run(self, tokens: Mapping[str, Any], graph: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> vectors [B, T', D] float32 (T' after any token pooling), keep [B, T'] bool (the scoring mask)."""
         task = str(tokens["task"])
-        features = batch_to_device({k: v for k, v in tokens.items() if k != "task"}, torch.device(self.device))
+        features = batch_to_device({k: v for k, v in tokens.items() if k not in ("task", "truncated")},
+                                   torch.device(self.device))
         if graph is None:
             with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
                 features = self.model(features, task=task)
@@ -187,7 +209,9 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         vectors, keep = self._run(tokens, self._query_graph())
         bow = vectors * keep[..., None]
-        return QueryEmbeddings(cls=self._mean_cls(vectors, keep), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
+        truncated = tokens.get("truncated")
+        return QueryEmbeddings(cls=self._mean_cls(vectors, keep), bow=bow.cpu().numpy(), mask=keep.cpu().numpy(),
+                               truncated=None if truncated is None else truncated.cpu().numpy())
 
     # -- explanations ----------------------------------------------------------------
     def _positions(self, texts: Sequence[str], is_query: bool) -> list[list[tuple[str, tuple[int, int], int]]]:

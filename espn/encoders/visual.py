@@ -90,7 +90,9 @@ class VisualEncoder(SentenceTransformersEncoder):
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
         if not is_query:
             raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
-        return super().tokenize(texts, is_query=True)
+        features = dict(super().tokenize(texts, is_query=True))
+        features.pop("truncated", None)  # the processor reads a query whole (espn.search.long_queries)
+        return features
 
     def batch_order(self, texts: Sequence[str]) -> list[int]:
         # Pages come as images (the build batches them in corpus order, indexing.pages): no text to bucket.
@@ -116,7 +118,8 @@ class VisualEncoder(SentenceTransformersEncoder):
         """-> vectors [B, T, D] float32, keep [B, T] bool (the scoring mask the pipeline leaves)."""
         del graph  # queries run on torch
         task = str(tokens["task"])
-        features = batch_to_device({k: v for k, v in tokens.items() if k != "task"}, torch.device(self.device))
+        features = batch_to_device({k: v for k, v in tokens.items() if k not in ("task", "truncated")},
+                                   torch.device(self.device))
         with torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.device.startswith("cuda")):
             features = self.model(features, task=task)
         return features["token_embeddings"].float(), features["attention_mask"].bool()

@@ -38,6 +38,7 @@ from .context import SearchContext, Timer
 from .dense import search_dense
 from .exhaustive import score_documents, search_exhaustive, search_maxsim_exhaustive
 from .explain import can_explain, explain_results
+from .long_queries import mark_truncated
 from .filter_cache import CompiledFilters
 from .filtered import FilteredDocs
 from .generation import GenerationResources, open_context
@@ -311,7 +312,8 @@ class Searcher:
         if embeddings is None:
             embeddings = self.encode(queries)
         timer.lap("encode")
-        results = search_dense(self.context, embeddings, params, timer, filtered=filtered)
+        results = mark_truncated(self.encoder, queries, embeddings,
+                                 search_dense(self.context, embeddings, params, timer, filtered=filtered))
         return self._explain(queries, embeddings, results) if explain else results
 
     def check_request(self, hybrid: HybridParams, explain: bool = False) -> None:
