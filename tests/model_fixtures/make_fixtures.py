@@ -13,10 +13,17 @@ it imports only that library, torch, transformers and tokenizers (never espn):
   ModernBERT's special tokens for ModernBERT) and saved by that release's own tokenizer class;
 - a seeded tiny backbone (hidden 32, two layers) built from that release's config class;
 - the library's own model over it (PyLate's `ColBERT`, Sentence Transformers' `MultiVectorEncoder`,
-  colbert-ai's `ColBERT`, colpali-engine's `ColPali` / `ColQwen2`), saved by the library's own save;
+  colbert-ai's `ColBERT`), saved by the library's own save;
 - the reference: the library's encode of `QUERY_COUNT` sample queries and of every passage of
-  espn/data/sample_corpus.jsonl (pages drawn here for the visual ones), scored by the library's
-  own similarity, written as `reference.json` beside the checkpoint.
+  espn/data/sample_corpus.jsonl, scored by the library's own similarity, written as
+  `reference.json` beside the checkpoint.
+
+colpali-engine (ColPali, ColQwen2) has no fixture: its 0.3.x releases that take torch 2.13
+(0.3.18, on transformers >= 5.3) import torchvision (Qwen2-VL's image processor), whose PyPI
+wheels link against the CUDA build of torch (`libtorch_cuda.so`, `libc10_cuda.so`); the CPU
+build of torchvision is only on PyTorch's own index, and the releases before 0.3.14 pin
+torch < 2.9. The tiny page models of the tests are written by transformers and Sentence
+Transformers (benchmarks/make_visual_checkpoint.py).
 
 The outputs live in tests/model_fixtures/<name>/ (checkpoint files plus reference.json); the test
 matrix (tests/test_model_fixtures.py) indexes each one with espn and compares. A new format is
@@ -63,7 +70,6 @@ ENVIRONMENTS: dict[str, tuple[list[str], list[str], str]] = {
     "pylate-1.6": ([TORCH, "sentence-transformers==5.3.0", "transformers==5.3.0", "datasets", "accelerate>=0.31.0",
                     "pandas>=2.2.1", "ujson==5.12.0", "ninja==1.11.1.4", "fastkmeans==0.5.0"], ["pylate==1.6.0"],
                    "PyLate 1.6.0 with the transformers (5.3.0) and Sentence Transformers (5.3.0) it pins"),
-    "colpali-0.3": ([TORCH, "colpali-engine==0.3.18"], [], "colpali-engine 0.3.18, the transformers it resolves"),
     # colbert-ai 0.2.22 does not pin transformers, but fails under transformers 5 (HF_ColBERT.from_pretrained:
     # "'HF_ColBERT' object has no attribute 'all_tied_weights_keys'"); its users run transformers 4.
     "colbert-ai-0.2.22": ([TORCH, "colbert-ai==0.2.22", "transformers<5"], [],
@@ -81,8 +87,6 @@ FIXTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                              "expansion": True}),
     "st-6.2-modernbert-pooling": ("st-6.2", "st", {"arch": "modernbert", "pool": 2}),
     "colbert-ai-0.2.22-bert": ("colbert-ai-0.2.22", "colbert_ai", {"arch": "bert"}),
-    "colpali-0.3-colpali": ("colpali-0.3", "colpali", {"family": "colpali"}),
-    "colpali-0.3-colqwen2": ("colpali-0.3", "colpali", {"family": "colqwen2"}),
 }
 
 
@@ -296,69 +300,7 @@ def build_colbert_ai(out: Path, arch: str) -> None:
                     [v.numpy() for v in q_vectors], {**versions("colbert-ai", "transformers", "torch"), "arch": arch})
 
 
-#: Page images of the visual fixtures: a few coloured shapes and words per page, drawn here.
-PAGE_COUNT = 12
-VISUAL_QUERIES = ["quarterly revenue table", "a red circle on the first page", "what is the total of sales growth",
-                  "blue square", "annual report summary"]
-
-
-def draw_pages() -> list[Any]:
-    from PIL import Image, ImageDraw
-
-    colours = [(200, 30, 30), (30, 160, 60), (40, 60, 200), (20, 20, 20), (230, 180, 20), (120, 40, 160)]
-    pages = []
-    for number in range(PAGE_COUNT):
-        page = Image.new("RGB", (64 + 16 * (number % 3), 64 + 16 * (number % 2)), (255, 255, 255))
-        draw = ImageDraw.Draw(page)
-        colour = colours[number % len(colours)]
-        if number % 2:
-            draw.ellipse((8, 8, 40, 40), fill=colour)
-        else:
-            draw.rectangle((6 + number, 10, 44, 50 - number), fill=colour)
-        draw.text((4, 48), f"p{number}", fill=(0, 0, 0))
-        pages.append(page)
-    return pages
-
-
-def build_colpali(out: Path, family: str) -> None:
-    import torch
-    from colpali_engine.models import ColPali, ColPaliProcessor, ColQwen2, ColQwen2Processor
-
-    sys.path.insert(0, str(ROOT))  # the tiny configs and tokenizers of benchmarks/make_visual_checkpoint.py,
-    # whose transformers pieces colpali-engine's processors wrap (imports transformers and tokenizers only)
-    from benchmarks import make_visual_checkpoint as tiny
-
-    pages = draw_pages()
-    (out / "pages").mkdir(parents=True, exist_ok=True)
-    for number, page in enumerate(pages):
-        page.save(out / "pages" / f"page{number:02d}.png")
-    torch.manual_seed(SEED)
-    if family == "colpali":
-        model_class, processor_class, config_of = ColPali, ColPaliProcessor, tiny.colpali_parts
-    else:
-        model_class, processor_class, config_of = ColQwen2, ColQwen2Processor, tiny.colqwen2_parts
-    vlm_config, image_processor, tokenizer = config_of()
-    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer)
-    model = model_class(vlm_config).eval()
-    model.save_pretrained(str(out))
-    processor.save_pretrained(str(out))
-    model = model_class.from_pretrained(str(out), dtype=torch.float32).eval()
-    processor = processor_class.from_pretrained(str(out))
-    with torch.inference_mode():
-        q = model(**processor.process_queries(VISUAL_QUERIES))
-        d = model(**processor.process_images(pages))
-    q_mask = processor.process_queries(VISUAL_QUERIES)["attention_mask"].bool()
-    d_mask = processor.process_images(pages)["attention_mask"].bool()
-    q_vectors = [q[i][q_mask[i]] for i in range(len(q))]
-    d_vectors = [d[i][d_mask[i]] for i in range(len(d))]
-    matrix = processor.score_multi_vector(q_vectors, d_vectors).numpy()
-    write_reference(out, f"colpali-engine {versions('colpali-engine')['colpali-engine']}", VISUAL_QUERIES,
-                    [f"pages/page{n:02d}.png" for n in range(PAGE_COUNT)], matrix, [v.numpy() for v in q_vectors],
-                    {**versions("colpali-engine", "transformers", "torch"), "family": family})
-
-
-BUILDERS: dict[str, Callable[..., None]] = {"pylate": build_pylate, "st": build_st, "colbert_ai": build_colbert_ai,
-                                             "colpali": build_colpali}
+BUILDERS: dict[str, Callable[..., None]] = {"pylate": build_pylate, "st": build_st, "colbert_ai": build_colbert_ai}
 
 
 def inside(name: str, out: Path) -> None:
