@@ -4,9 +4,9 @@ Measured on SciFact's test queries one at a time (21 tokens on average, one core
 2-vCPU EPYC, `python -m benchmarks.bench_query`): MiniLM-L6 through torch eager takes
 16-19 ms, most of it per-op dispatch overhead (six layers of small matmuls); the same
 weights as an ONNX graph on ONNX Runtime take 6-7 ms, and the hidden states agree to
-2e-6 (nDCG@10 unchanged to four places). Dynamic int8 quantisation of the graph would
-halve that again, but it moved the query vectors by up to 0.1 and SciFact nDCG@10 from
-0.7056 to 0.699-0.703, so the graph stays fp32.
+2e-6 (nDCG@10 unchanged to four places). The graph stays fp32 unless the encoder's precision
+is int8 (opt-in, within a quality budget: espn.encoders.int8, `int8_graph` here). BERT-like
+backbones take token types (fed as zeros); ModernBERT and its kin take ids and mask only.
 
 The graph is exported from the encoder's own torch module (`torch.onnx.export`, the
 TorchScript exporter: no download, no network) the first time a process needs it, and
