@@ -95,3 +95,12 @@ def test_espn_index_records_int8_and_searches_with_it(home: Path, tmp_path: Path
         hits = searcher.search_exhaustive(queries, k=10, rerank_count=searcher.num_documents)
     overlap = np.mean([len({h.doc_id for h in found} & set(top)) / 10 for found, top in zip(hits, reference["top10"])])
     assert overlap >= INT8_MIN_OVERLAP, overlap  # int8 documents and queries, against the library's fp32 top 10
+
+
+def test_an_int8_index_opens_in_fp32_on_a_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    """No CUDA device here: what the loader decides for one, without one (the decision only)."""
+    with caplog.at_level(logging.WARNING, logger="espn.encoders.int8"):
+        assert int8.loaded_precision({"precision": "int8"}, "cuda:0") == "fp32"
+    assert "encodes in fp32" in caplog.text
+    assert int8.loaded_precision({"precision": "int8"}, "cpu") == "int8"
+    assert int8.loaded_precision({}, "cpu") == "fp32"

@@ -50,7 +50,7 @@ from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, ove
 from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
 from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
-from .int8 import check_precision
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 
 __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
@@ -345,4 +345,4 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
             overrides["skiplist_words"] = list(overrides["skiplist_words"])
         return cls(Path(directory) / "model", overrides, device=device, name=config.get("name"),
                    weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code,
-                   precision=str(config.get("precision", "fp32")))
+                   precision=loaded_precision(config, device))

@@ -32,7 +32,7 @@ from ..mapped import read_npy
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
-from .int8 import check_precision
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .weights import verify_model_files
 
@@ -437,7 +437,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
             bow_pooling=str(config.get("bow_pooling", "tokens")),
             weights_sha256=config.get("weights_sha256"),
             trust_remote_code=trust_remote_code,
-            precision=str(config.get("precision", "fp32")),
+            precision=loaded_precision(config, device),
         )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,11 +30,13 @@ import numpy as np
 from ..choices import INT8_MIN_OVERLAP, PRECISIONS
 from ..errors import InvalidParameterError
 
-__all__ = ["PRECISIONS", "INT8_MIN_OVERLAP", "PROBE_DOCUMENTS", "QUANT_BLOCK", "Fidelity", "quantized_graph_bytes", "probe_texts",
+__all__ = ["PRECISIONS", "INT8_MIN_OVERLAP", "PROBE_DOCUMENTS", "QUANT_BLOCK", "loaded_precision", "Fidelity", "quantized_graph_bytes", "probe_texts",
            "measure_fidelity", "int8_refusal", "check_precision"]
 
 #: Sample passages in the probe (espn/data/sample_corpus.jsonl); every sample query is a probe query.
 PROBE_DOCUMENTS = 100
+log = logging.getLogger(__name__)
+
 _DATA = Path(__file__).resolve().parents[1] / "data"
 _PROBE_BATCH = 16
 #: Input values per int8 weight block (and per run-time activation block) of a quantised MatMul.
@@ -70,6 +73,19 @@ def check_precision(precision: str, device: str, query_backend: str) -> None:
         raise InvalidParameterError(f"precision {precision!r} is a CPU path (ONNX Runtime); the device is {device}")
     if precision != "fp32" and query_backend == "torch":
         raise InvalidParameterError(f"precision {precision!r} runs the ONNX graph; query_backend='torch' has none")
+
+
+def loaded_precision(config: Any, device: str | None) -> str:
+    """The precision an index's encoder opens with: the manifest's, except on a GPU (int8 is a CPU
+    path), where it is fp32 with a warning rather than an index that does not open."""
+    import torch
+
+    precision = str(config.get("precision", "fp32")) if hasattr(config, "get") else "fp32"
+    where = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if precision != "fp32" and not where.startswith("cpu"):
+        log.warning("the index's encoder is %s on a CPU; on %s it encodes in fp32", precision, where)
+        return "fp32"
+    return precision
 
 
 def quantized_graph_bytes(source: str | bytes) -> bytes:

@@ -46,7 +46,7 @@ from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
-from .int8 import check_precision
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .st_format import is_sentence_transformers_save, read_save_json
 
@@ -324,4 +324,4 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
              trust_remote_code: bool = False) -> "SentenceTransformersEncoder":
         return cls(Path(directory) / "model", device=device, name=config.get("name"),
                    weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code,
-                   precision=str(config.get("precision", "fp32")))
+                   precision=loaded_precision(config, device))
