@@ -277,15 +277,6 @@ class HFEncoder(QueryGraphOwner, Encoder):
                                    self._weights_sha256 or (sha256_file(weights) if weights else self.name),
                                    self._threads or torch.get_num_threads(), self._cache_dir, probe)
 
-    def describe(self) -> str:
-        """How queries are encoded: the backend and its threads."""
-        graph = self._query_graph()
-        if graph is None:
-            return f"{self.name}: torch {torch.__version__}, {torch.get_num_threads()} threads"
-        import onnxruntime
-
-        return f"{self.name}: onnxruntime {onnxruntime.__version__} {graph.precision}, {graph.threads} threads"
-
     def _weights_file(self) -> Path | None:
         return weights_file(self.model_dir)
 

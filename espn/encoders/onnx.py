@@ -184,6 +184,15 @@ class QueryGraphOwner:
                     self._graph = self._with_precision(self._make_graph()) or False
         return self._graph or None
 
+    def describe(self) -> str:
+        """How queries are encoded: the backend, its precision and threads."""
+        graph = self._query_graph()
+        if graph is None:
+            return f"{self.name}: torch {torch.__version__}, {torch.get_num_threads()} threads"
+        import onnxruntime  # loaded already: the graph runs on it
+
+        return f"{self.name}: onnxruntime {onnxruntime.__version__} {graph.precision}, {graph.threads} threads"
+
     def _document_graph(self) -> Any:
         """The graph documents run on: the int8 one where the encoder is int8, else None (torch)."""
         graph = self._query_graph() if self.precision != "fp32" else None
