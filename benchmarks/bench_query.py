@@ -8,7 +8,8 @@ Each round runs every configuration once over the same queries (SciFact test que
 judgements), in a shuffled order: `Searcher.search([text], k)` through each reader with its
 default prefetch setting, and the query encoder alone (`encoder.encode_queries([text])`).
 The tables give the median over rounds of each round's p50 and p99, the encoder's share of
-the end-to-end time (its stage time ÷ the call's, per query, median) and nDCG@10 of the
+the end-to-end time (its stage time ÷ the call's, per query, median), the search part (the
+call's time less its encode stage, per query) and nDCG@10 of the
 ranked hits. Only the public API is used, so the same script measures an older checkout.
 """
 
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for searcher in searchers.values():  # warm up: first calls pay allocation and page-in
         run_text(searcher, texts[:16], args.k)
     configs = [f"text/{name}" for name in readers] + ["encoder only"]
-    raw: dict[str, dict] = {c: {"round_p50": [], "round_p99": [], "encode_p50": [], "share": []} for c in configs}
+    raw: dict[str, dict] = {c: {"round_p50": [], "round_p99": [], "encode_p50": [], "search_p50": [], "share": []}
+                            for c in configs}
     info = machine()
     with cpu_load(args.cpu_load) as load:
         rng = random.Random(0)
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 cell["round_p50"].append(float(np.percentile(total, 50)))
                 cell["round_p99"].append(float(np.percentile(total, 99)))
                 cell["encode_p50"].append(float(np.percentile(encode, 50)))
+                cell["search_p50"].append(float(np.percentile(np.asarray(total) - np.asarray(encode), 50)))
                 cell["share"].append(float(np.median(np.asarray(encode) / np.asarray(total))))
                 if qrels is not None:
                     run = {qid: {h.doc_id: h.score for h in ranked} for qid, ranked in zip(qids, hits)}
@@ -118,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [[config, median(cell["round_p50"]), median(cell["round_p99"]),
              median(cell["encode_p50"]) if cell["encode_p50"] else "n/a",
+             median(cell["search_p50"]) if cell["search_p50"] else "n/a",
              f"{100 * median(cell['share']):.0f}%" if cell["share"] else "n/a",
              f"{cell['ndcg10']:.4f}" if "ndcg10" in cell else "n/a"] for config, cell in raw.items()]
     print(f"# Text in, hits out: {args.index} ({len(texts)} queries one at a time, k={args.k}, "
           f"{args.repeats} rounds; load: {load})")
     print(machine_line(info))
     print(f"encoder: {describe_encoder(encoder)}")
-    print(markdown_table(["configuration", "p50 ms", "p99 ms", "encode p50 ms", "encoder share", "nDCG@10"], rows))
+    print(markdown_table(["configuration", "p50 ms", "p99 ms", "encode p50 ms", "search p50 ms", "encoder share",
+                          "nDCG@10"], rows))
     write_results(args.name, {"machine": info, "load": load, "encoder": describe_encoder(encoder),
                               "args": {k: str(v) for k, v in vars(args).items()}, "configs": raw})
     return 0

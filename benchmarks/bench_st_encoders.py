@@ -44,8 +44,9 @@ QUERY_LENGTH = 32
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
-def _backbone(out: Path, arch: str, seed: int) -> Path:
-    """A base-sized seeded backbone with MiniLM's tokenizer, as a Hugging Face directory."""
+def base_backbone(out: Path, arch: str, seed: int, tiny: bool = False) -> Path:
+    """A base-sized seeded backbone with MiniLM's tokenizer, as a Hugging Face directory (tiny: 64
+    hidden units and two layers, for smoke runs)."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel, ModernBertConfig, ModernBertModel
 
@@ -56,13 +57,14 @@ def _backbone(out: Path, arch: str, seed: int) -> Path:
         shutil.copy2(default_model_dir() / name, out / name)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     torch.manual_seed(seed)
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if tiny else {}
     if arch == "bert":  # bert-base-uncased's shape
-        model: Any = BertModel(BertConfig(vocab_size=len(tokenizer)))
+        model: Any = BertModel(BertConfig(vocab_size=len(tokenizer), **sizes))
     else:  # ModernBERT-base's shape
         ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
                    eos_token_id=tokenizer.sep_token_id, cls_token_id=tokenizer.cls_token_id,
                    sep_token_id=tokenizer.sep_token_id)
-        model = ModernBertModel(ModernBertConfig(vocab_size=len(tokenizer), **ids))
+        model = ModernBertModel(ModernBertConfig(vocab_size=len(tokenizer), **sizes, **ids))
     model.save_pretrained(str(out))
     return out
 
@@ -115,7 +117,7 @@ def measure(arch: str, work: Path, queries: list[str], warmup: int) -> list[dict
     from espn.encoders.colbert import ColBERTEncoder
     from espn.encoders.multivector import SentenceTransformersEncoder
 
-    base = _backbone(work / f"{arch}-base", arch, seed=0)
+    base = base_backbone(work / f"{arch}-base", arch, seed=0)
     linear = seeded_projection(768, DIM, seed=1)
     native = _sentence_transformers_save(work / f"{arch}-st", base, linear)
     pylate = write_checkpoint(work / f"{arch}-pylate", fmt="pylate", dim=DIM, seed=1, source=base)

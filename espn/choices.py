@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
            "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI",
-           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE"]
+           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE", "PRECISIONS", "INT8_MIN_OVERLAP", "LONG_QUERY_RULES"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
 READER_NAMES = ("kvikio", "memory", "mmap", "posix")
@@ -61,3 +61,10 @@ STORAGE_TYPES = ("float16", "int8", "residual2", "residual4")
 #: How a new index stores its vectors unless told, built (`espn index`) or created (`espn create`):
 #: chosen on SciFact train queries (docs/benchmarks/compact-records.md).
 DEFAULT_BOW_DTYPE = "int8"
+
+#: `espn index --encoder-precision` (espn.encoders.int8): fp32 (the default), int8 (queries and documents
+#: through the dynamically quantised ONNX graph, refused below INT8_MIN_OVERLAP) or int8-unchecked
+#: (accepted whatever it measures).
+PRECISIONS = ("fp32", "int8", "int8-unchecked")
+#: The int8 quality budget: the least mean top-10 overlap of its ranking with fp32's on the probe.
+INT8_MIN_OVERLAP = 0.95

@@ -132,6 +132,9 @@ class SearchStats:
     syntax:     lexical and hybrid: how the query was read ("plain" or "simple")
     ignored:    what the simple syntax read as text instead of as syntax (an unclosed quote,
                 an operator before another), one line each; empty when nothing was
+    query_truncated: the query was longer than the model's query length and was cut, as the
+                model family does (espn.search.long_queries); query_read_chars: how many of its
+                characters the model read (None: not known, or not cut)
     """
 
     stage_ms: dict[str, float]
@@ -150,6 +153,8 @@ class SearchStats:
     hybrid: Optional[dict] = None
     syntax: Optional[str] = None
     ignored: list[str] = dataclasses.field(default_factory=list)
+    query_truncated: bool = False
+    query_read_chars: Optional[int] = None
 
 
 @dataclasses.dataclass

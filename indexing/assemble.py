@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from espn.corpus import PASSAGE_JOINER
+from espn.encoders.base import reads_pages
 from espn.errors import CorpusError, IndexExistsError
 from espn.files import fsync_path
 from espn.index import FORMAT_VERSION, write_manifest
@@ -167,7 +168,7 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
     position = n_bow = n_encoded = 0
     metadata = MetadataWriter(staging, n_docs)
     # A page index keeps each page's image beside its record (espn.pages.images); listed by write_manifest.
-    images = PageImagesWriter(staging) if job_modality(work) == "image" else None
+    images = PageImagesWriter(staging) if reads_pages(work.job()["encoder_config"]) else None
     with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
             open(staging / "docs.jsonl", "wb") as docs:
         for c in chunks:
@@ -197,11 +198,6 @@ def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: Stor
     for array in (records, ids, docs_offsets, cls_tmp):
         array.flush()
     return _Written(ids, n_bow, n_encoded, metadata.finish())
-
-
-def job_modality(work: WorkDir) -> str:
-    """What the job's encoder reads: "image" for pages, "text" otherwise."""
-    return str(work.job()["encoder_config"].get("modality", "text"))
 
 
 def _write_id_order(staging: Path, ids: np.ndarray, corpus: str) -> None:

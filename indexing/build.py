@@ -40,7 +40,7 @@ from .precomputed import import_embeddings
 from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["DEFAULT_POOL_FACTOR", "DEFAULT_BOW_DTYPE", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial", "check_modality"]
+__all__ = ["DEFAULT_POOL_FACTOR", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial", "check_modality"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class BuildConfig:
     text_index: TextConfig | None = dataclasses.field(default_factory=TextConfig)  # None: no full-text index
     first_stage: str | None = None  # None: centroids for encoders without a trained CLS vector, else ivf
     trust_remote_code: bool = False  # let an hf:/colbert: model that needs its own code run it (recorded in the manifest)
+    encoder_precision: str = "fp32"  # or int8 (espn.encoders.int8): checked against its budget, recorded in the manifest
     title_joiner: str | None = None  # between a BEIR title and its text; None: default_title_joiner(encoder kind)
     dpi: int = DEFAULT_DPI  # a page corpus: the resolution PDF pages are rendered at
 
@@ -181,6 +182,7 @@ class BuildConfig:
             "first_stage": self.first_stage,
             # only when given, so that a partial build from before the flag existed still resumes
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **({"encoder_precision": self.encoder_precision} if self.encoder_precision != "fp32" else {}),
             **({"title_joiner": self.title_joiner} if self.title_joiner is not None else {}),
             **({"pages": True, "dpi": self.dpi} if self.pages else {}),
         }
@@ -209,7 +211,8 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
         staging = work.path / "encoder.tmp"
         try:
             encoder = encoder_from_spec(config.encoder, bow_dim=config.bow_dim, device=config.device,
-                                        bow_pooling=config.bow_pooling, trust_remote_code=config.trust_remote_code)
+                                        bow_pooling=config.bow_pooling, trust_remote_code=config.trust_remote_code,
+                                        precision=config.encoder_precision)
             check_modality(encoder, config.pages, config.corpus)
             # before anything is encoded: this encoder's first stage is known now
             require_centroid_stage(config.bow_dtype, first_stage_kind(config.first_stage, encoder.config()))
@@ -241,7 +244,7 @@ def _prepare_encoder(config: BuildConfig, work: WorkDir, documents: int | None =
 
 def check_modality(encoder: Encoder, pages: bool, corpus: Path) -> None:
     """A page corpus needs an encoder of images, a text corpus one of text: one line otherwise."""
-    visual = getattr(encoder, "modality", "text") == "image"
+    visual = encoder.reads_pages
     if pages and not visual:
         raise InvalidParameterError(f"{corpus} is a page corpus (images or PDFs) but the {encoder.kind} encoder reads "
                                     "text: give a ColPali-class checkpoint (--encoder colbert:DIR or visual:DIR)")

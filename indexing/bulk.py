@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from espn.encoders.base import reads_pages
 from espn.corpus import index_title_joiner
 from espn.errors import CorpusError
 from espn.index import read_manifest
@@ -52,7 +53,7 @@ def add_corpus(writer: IndexWriter, corpus: Path, *, batch_size: int = 32, loade
     (waiting up to `wait_s`) only to publish.
     """
     corpus = Path(corpus)
-    pages = read_manifest(writer.root)["encoder"].get("modality") == "image"
+    pages = reads_pages(read_manifest(writer.root)["encoder"])
     if pages != is_page_corpus(corpus) and corpus.exists():
         raise CorpusError(f"{corpus}: the index holds {'pages' if pages else 'text'}; give a "
                           f"{'folder of images or PDFs, a PDF, or a JSONL of images' if pages else 'text corpus'}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from espn.choices import ENCODER_SPECS, PAGE_DPI, STEMMER_LANGUAGES, STORAGE_TYPES, TRUST_REMOTE_CODE_HELP
+from espn.choices import (ENCODER_SPECS, INT8_MIN_OVERLAP, PAGE_DPI, PRECISIONS, STEMMER_LANGUAGES, STORAGE_TYPES,
+                          TRUST_REMOTE_CODE_HELP)
 from espn.corpus import COLBERT_TITLE_JOINER, PASSAGE_JOINER
 from espn.live.parsers import add_wait_option
 from espn.params import FIRST_STAGE_KINDS
@@ -56,6 +57,11 @@ def _add_index(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--out", type=Path, required=True, help="index directory to create")
     p.add_argument("--encoder", default="minilm", help="one of: " + "; ".join(ENCODER_SPECS))
     p.add_argument("--trust-remote-code", action="store_true", help=TRUST_REMOTE_CODE_HELP)
+    p.add_argument("--encoder-precision", choices=PRECISIONS, default="fp32",
+                   help="minilm/hf/colbert on a CPU: int8 runs queries and documents through the ONNX graph "
+                        "quantised to int8, refused when its top 10 keeps less than "
+                        f"{INT8_MIN_OVERLAP} of fp32's on the bundled probe; int8-unchecked accepts it "
+                        "whatever it measures (default fp32)")
     p.add_argument("--embeddings", type=Path, help="build from precomputed embedding shards in this directory")
     p.add_argument("--bow-dim", type=int, default=64, help="BOW dimensions after PCA (384 = no projection)")
     p.add_argument("--nlist", type=int, help="IVF lists (default: from the corpus size)")

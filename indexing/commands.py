@@ -53,7 +53,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             loader_workers=args.loader_workers, progress=not args.no_progress, score_weight=args.score_weight,
             text_index=None if args.no_text_index else text_config(args), first_stage=args.first_stage,
             trust_remote_code=args.trust_remote_code, title_joiner=args.title_joiner,
-            dpi=args.dpi,
+            dpi=args.dpi, encoder_precision=args.encoder_precision,
         )
         with keeping_partial(args.out):
             manifest = build_index(config)

@@ -302,6 +302,11 @@ class SearchStatsModel(BaseModel):
     hybrid: Optional[dict[str, Any]] = Field(
         default=None, description="hybrid: the fusion parameters used (fusion, rrf_k, mix_weight, lexical_k, union) "
                                   "and rerank_count, with which a router re-fuses the pools of several partitions")
+    query_truncated: Optional[bool] = Field(
+        default=None, description="true when the query was longer than the model's query length and was cut, as "
+                                  "the model's own library does; absent when the model read all of it")
+    query_read_chars: Optional[int] = Field(
+        default=None, description="with query_truncated: how many of the query's characters the model read")
 
 
 class SearchResponse(BaseModel):

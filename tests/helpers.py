@@ -156,3 +156,24 @@ def visual_library(checkpoint: Path) -> "MultiVectorEncoder":
     from sentence_transformers import MultiVectorEncoder
 
     return MultiVectorEncoder(str(checkpoint), device="cpu", local_files_only=True)
+
+
+def assert_tokens_map_to_their_characters(query: str, spans: list[tuple[int, int]], pieces: list[str]) -> None:
+    """Each text token's span holds the characters it was made from (no surrounding space, unless the
+    token is a space), in order, the first from the query's first character, and together the spans
+    cover every non-space character of the query up to the last one (a query longer than the
+    model's length is cut there)."""
+    assert spans, query
+    assert spans[0][0] == len(query) - len(query.lstrip()), (query, spans)  # the first character is text
+    end = 0
+    for (start, stop), piece in zip(spans, pieces):
+        assert end <= start < stop <= len(query), (query, spans)
+        assert query[start:stop].strip().casefold() == piece.casefold(), (query, query[start:stop], piece)
+        assert query[start:stop].strip() or not piece  # only a token of whitespace has a span of whitespace
+        end = stop
+    import numpy as np
+
+    covered = np.zeros(end, dtype=bool)
+    for start, stop in spans:
+        covered[start:stop] = True
+    assert all(covered[i] or query[i].isspace() for i in range(end)), (query, spans)

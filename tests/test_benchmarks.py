@@ -495,3 +495,17 @@ def test_token_mode_draws_real_lengths_into_a_residual_colbert_class_index(resul
     payload = _check(results, "tokens_quick", capsys, png=False)
     assert 0.0 < payload["recall"]["default_served_recall@10"] <= 1.0
     assert set(payload["latency"]) == {"posix", "memory"} and payload["latency"]["posix"]["p50_ms"] > 0
+
+
+def test_bench_query_encoders(results: Path, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_query_encoders
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the ONNX graph cache
+    assert bench_query_encoders.main(["--quick", "--models", "bert", "--fidelity-index",
+                                      str(tmp_path / "fidelity" / "index")]) == 0
+    out = capsys.readouterr().out
+    assert "| bert | 2 | onnx int8 |" in out and "mean overlap" in out
+    payload = json.loads((results / "query_encoders.json").read_text())
+    assert {(row["backend"], row["threads"]) for row in payload["rows"]} == {
+        (backend, threads) for backend in bench_query_encoders.BACKENDS for threads in bench_query_encoders.THREADS}
+    assert 0 <= payload["fidelity"]["top10_overlap"] <= 1

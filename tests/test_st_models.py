@@ -7,7 +7,8 @@ skiplists per task and a baked-in token pooling. The reference is `MultiVectorEn
 / `encode_document` / `similarity` on the same strings: espn's vectors must have the same token
 counts and agree within 1e-5 (fp32), its exhaustive ranking on an fp16 index the same top 10 with
 scores within 0.5%. PyLate and colbert-ai checkpoints (espn's own loader) are checked against the
-same reference, and so is a ModernBERT config.json as transformers 5.3 (PyLate 1.6) writes it.
+same reference. Checkpoints written by PyLate 1.6.0 and colbert-ai themselves, with their own
+encode, are tests/model_fixtures/ (tests/test_model_fixtures.py).
 The title joiner: recorded in the manifest, used by the build and by explanations.
 """
 
@@ -29,7 +30,7 @@ st = pytest.importorskip("sentence_transformers", minversion="6.2",
 from sentence_transformers import MultiVectorEncoder  # noqa: E402
 from sentence_transformers.base.modules import Dense, Normalize, Transformer  # noqa: E402
 from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling, MultiVectorMask  # noqa: E402
-from transformers import (AutoConfig, AutoTokenizer, BertConfig, BertModel, ModernBertConfig,  # noqa: E402
+from transformers import (AutoTokenizer, BertConfig, BertModel, ModernBertConfig,  # noqa: E402
                           ModernBertModel)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,8 +155,8 @@ def test_a_sentence_transformers_save_encodes_as_its_encode(checkpoints: dict[st
     assert isinstance(encoder, SentenceTransformersEncoder) and encoder.query_backend == "auto"
     assert encoder.bow_reduction == ("mean" if CASES[name].get("similarity") == "meanmaxsim" else "sum")
     monkeypatch.setenv("HOME", str(tmp_path))  # the ONNX graph cache goes under ~/.cache/espn/onnx
-    assert_encodes_like(encoder, reference)  # ONNX queries where the backbone exports (BERT), torch otherwise
-    assert (encoder._query_graph() is not None) == (CASES[name]["arch"] == "bert")  # noqa: SLF001
+    assert_encodes_like(encoder, reference)  # ONNX queries (BERT and ModernBERT export)
+    assert encoder._query_graph() is not None  # noqa: SLF001  # BERT and ModernBERT both export
     encoder.query_backend, encoder._graph = "torch", None  # noqa: SLF001  # the torch path as well
     assert_encodes_like(encoder, reference)
 
@@ -179,36 +180,6 @@ def test_pylate_and_colbert_ai_checkpoints_encode_as_sentence_transformers(bases
     assert isinstance(encoder, ColBERTEncoder)
     encoder.query_backend = "torch"
     assert_encodes_like(encoder, MultiVectorEncoder(str(path), device="cpu", local_files_only=True))
-
-
-# -- a config.json as transformers 5.3 (PyLate 1.6) writes a ModernBERT --------------------
-def _as_transformers_53_writes(config_file: Path) -> None:
-    """`rope_parameters` as one dict and the legacy RoPE keys null at the top level."""
-    config = json.loads(config_file.read_text())
-    theta = config["rope_parameters"]["full_attention"]["rope_theta"]
-    config.update(rope_parameters={"rope_theta": theta, "rope_type": "default"}, global_rope_theta=None,
-                  local_rope_theta=None, rope_theta=None, rope_scaling=None)
-    config_file.write_text(json.dumps(config, indent=2))
-
-
-def test_a_transformers_53_modernbert_config_loads_without_touching_the_file(
-        bases: dict[str, Path], checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    from huggingface_hub.errors import StrictDataclassFieldValidationError
-
-    pylate = write_checkpoint(tmp_path / "pylate", fmt="pylate", dim=16, seed=5, source=bases["modernbert"])
-    native = tmp_path / "native"
-    shutil.copytree(checkpoints["modernbert-prompts-expansion-skiplist"], native)
-    for path, kind in ((pylate, ColBERTEncoder), (native, SentenceTransformersEncoder)):
-        reference = MultiVectorEncoder(str(path), device="cpu", local_files_only=True)  # before the rewrite
-        _as_transformers_53_writes(path / "config.json")
-        written = (path / "config.json").read_bytes()
-        with pytest.raises(StrictDataclassFieldValidationError):
-            AutoConfig.from_pretrained(str(path))  # what the transformers espn installs says to it
-        encoder = encoder_from_spec(f"colbert:{path}", device="cpu")
-        assert isinstance(encoder, kind)
-        encoder.query_backend = "torch"
-        assert_encodes_like(encoder, reference)
-        assert (path / "config.json").read_bytes() == written  # normalised in memory only
 
 
 # -- an index: the exhaustive ranking is the reference's similarity ------------------------

@@ -34,7 +34,7 @@ from espn_indexing.build import default_pool_factor
 from espn_indexing.chunks import chunk_path, read_chunk
 from espn_indexing.pages import encode_page_corpus, page_metadata
 
-from helpers import visual_encoder, visual_library
+from helpers import assert_tokens_map_to_their_characters, visual_encoder, visual_library
 
 #: The issue's bound for stored (float16) records against the library's fp32 MaxSim.
 RELATIVE = 0.005
@@ -313,3 +313,22 @@ def test_the_saved_encoder_reloads_offline_and_encodes_the_same(encoder: VisualE
     assert np.array_equal(again.encode_pages(page).bow, encoder.encode_pages(page).bow)
     with torch.inference_mode():
         assert np.array_equal(again.encode_queries(QUERIES[:2]).bow, encoder.encode_queries(QUERIES[:2]).bow)
+
+
+def test_explained_query_tokens_map_to_the_characters_they_came_from(encoder: VisualEncoder) -> None:
+    """The processor frames a query as BOS, its prefix ("Question: "), the query, padding: every query
+    token is text with its own characters, the first one included (it was once read as the prefix)."""
+    queries = ["quarterly revenue table", "  A Red circle? on page 2"]
+    mask = encoder.encode_queries(queries).mask
+    labels = encoder.query_tokens(queries, mask)
+    ids = encoder.tokenize(queries, is_query=True)["input_ids"]
+    tokenizer = encoder.model[0].processor.tokenizer
+    assert labels is not None
+    for row, query in enumerate(queries):
+        kept = ids[row][torch.from_numpy(mask[row])].tolist()
+        text = [(entry, token) for entry, token in zip(labels[row], kept) if entry[0] == "text"]
+        assert [kind for kind, *_ in labels[row]].index("text") > 0  # the prefix and BOS come first
+        assert all(entry[1] == query[entry[2]:entry[3]] for entry, _ in text)
+        assert_tokens_map_to_their_characters(query, [(entry[2], entry[3]) for entry, _ in text],
+                                              [tokenizer.decode([token]).strip() for _, token in text])
+    assert labels[0][[kind for kind, *_ in labels[0]].index("text")] == ("text", "qu", 0, 2)

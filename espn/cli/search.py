@@ -54,6 +54,7 @@ class _Run:
     hit_rates: list[float] = dataclasses.field(default_factory=list)
     explained: list[tuple[str, int, Hit]] = dataclasses.field(default_factory=list)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    truncated: list[str] = dataclasses.field(default_factory=list)  # queries longer than the model reads
 
     def add(self, answered: list[tuple[str, list[Hit]]]) -> None:
         for qid, hits in answered:
@@ -163,6 +164,7 @@ def _search_pipeline(args: argparse.Namespace, searcher: Any, batch: list[tuple[
     if results:
         run.latencies.append(next(iter(results.values())).stats.stage_ms["total"])
         run.hit_rates += [r.stats.hit_rate for r in results.values()]
+        run.truncated += [batch[row][0] for row, result in results.items() if result.stats.query_truncated]
     return [(batch[row][0], result.hits) for row, result in results.items()]
 
 
@@ -177,6 +179,10 @@ def _report(args: argparse.Namespace, run: _Run, queries: list[tuple[str, str]],
     rate = f"{searched / elapsed:.1f} queries/s, " if searched else ""
     print(f"wrote {sum(map(len, run.ranked.values()))} lines for {len(run.ranked)} queries to {args.out} "
           f"({rate}reader={reader_name})")
+    if run.truncated:
+        named = f"{', '.join(run.truncated[:10])}{', ...' if len(run.truncated) > 10 else ''}"
+        print(f"{len(run.truncated)} of {len(queries)} queries were longer than the model's query length and were "
+              f"cut as its library cuts them ({named})")
     if run.latencies:
         p50, p95, p99 = np.percentile(run.latencies, [50, 95, 99])
         print(f"batch latency (batch size {args.batch_size}): p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms; "

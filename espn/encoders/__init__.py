@@ -61,34 +61,44 @@ def _colbert_kind(location: str) -> str:
 
 
 def encoder_from_spec(spec: str, bow_dim: int | None = None, device: str | None = None,
-                      bow_pooling: str = "tokens", trust_remote_code: bool = False) -> Encoder:
+                      bow_pooling: str = "tokens", trust_remote_code: bool = False, precision: str = "fp32") -> Encoder:
     """A fresh (unfitted) encoder for `espn index --encoder SPEC`; bow_pooling ("tokens" or
     "words") applies to the Hugging Face encoders (ColBERTer always pools whole words);
-    trust_remote_code: let an `hf:` or `colbert:` model that needs its own code run it."""
+    trust_remote_code: let an `hf:` or `colbert:` model that needs its own code run it;
+    precision: "fp32", or int8 (espn.encoders.int8: refused in one line where the encoder has no
+    ONNX graph or measures below the quality budget)."""
+    encoder = _from_spec(spec, bow_dim, device, bow_pooling, trust_remote_code,
+                         {} if precision == "fp32" else {"precision": precision})
+    encoder.prepare_precision()
+    return encoder
+
+
+def _from_spec(spec: str, bow_dim: int | None, device: str | None, bow_pooling: str, trust_remote_code: bool,
+               precision: dict[str, str]) -> Encoder:
     kind, _, location = spec.partition(":")
     if kind == "minilm" and not location:
-        return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
-            None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling)
+        return encoder_class("hf").from_pretrained(None, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling,
+                                                   **precision)
     if kind == "hf" and location:
         if is_visual_save(location.partition("?")[0]):  # never encode page images' model with the text recipe
             log.warning("%s holds a model of page images: loading it as --encoder visual:%s", location, location)
-            return encoder_class("visual").from_pretrained(  # type: ignore[attr-defined]
-                location, device=device, trust_remote_code=trust_remote_code)
+            return encoder_class("visual").from_pretrained(location, device=device,
+                                                           trust_remote_code=trust_remote_code, **precision)
         found = checkpoint_format(location)
         if found is not None:  # never encode a ColBERT checkpoint with the generic recipe
             log.warning("%s holds a %s ColBERT checkpoint: loading it as --encoder colbert:%s", location, found, location)
-            return encoder_class(_colbert_kind(location)).from_pretrained(  # type: ignore[attr-defined]
-                location, device=device, trust_remote_code=trust_remote_code)
-        return encoder_class("hf").from_pretrained(  # type: ignore[attr-defined]
-            location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling, trust_remote_code=trust_remote_code)
+            return encoder_class(_colbert_kind(location)).from_pretrained(
+                location, device=device, trust_remote_code=trust_remote_code, **precision)
+        return encoder_class("hf").from_pretrained(location, bow_dim=bow_dim, device=device, bow_pooling=bow_pooling,
+                                                   trust_remote_code=trust_remote_code, **precision)
     if kind == "colberter" and location:
-        return encoder_class("colberter").from_pretrained(location, device=device)  # type: ignore[attr-defined]
+        return encoder_class("colberter").from_pretrained(location, device=device, **precision)
     if kind == "colbert" and location:
-        return encoder_class(_colbert_kind(location)).from_pretrained(  # type: ignore[attr-defined]
-            location, device=device, trust_remote_code=trust_remote_code)
+        return encoder_class(_colbert_kind(location)).from_pretrained(
+            location, device=device, trust_remote_code=trust_remote_code, **precision)
     if kind == "visual" and location:
-        return encoder_class("visual").from_pretrained(  # type: ignore[attr-defined]
-            location, device=device, trust_remote_code=trust_remote_code)
+        return encoder_class("visual").from_pretrained(location, device=device, trust_remote_code=trust_remote_code,
+                                                       **precision)
     raise InvalidParameterError(f"--encoder must be 'minilm', 'hf:PATH', 'colbert:PATH', 'colberter:PATH' or "
                                 f"'visual:PATH', got {spec!r}")
 

@@ -14,12 +14,37 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans"]
+from ..errors import InvalidParameterError
+
+__all__ = ["DocumentEmbeddings", "QueryEmbeddings", "Encoder", "VectorSpans", "overflowed", "trimmed_span",
+           "PAGE_MODALITY", "reads_pages"]
 
 #: For each BOW vector of one text, in the order the vectors are stored (a document's
 #: record, a query's unmasked columns), the character spans `(start, end)` of the text it
 #: came from: one span for a token, several for a word pooled over its occurrences.
 VectorSpans = list[list[tuple[int, int]]]
+
+
+def overflowed(encoded: Any) -> np.ndarray | None:
+    """[B] bool: which texts a fast tokenizer's call (truncation on) cut, from each encoding's
+    overflow; None for a slow tokenizer, which keeps no encodings."""
+    encodings = getattr(encoded, "encodings", None)
+    if not encodings:
+        return None
+    return np.array([bool(encoding.overflowing) for encoding in encodings], dtype=bool)
+
+
+def trimmed_span(text: str, start: int, end: int) -> tuple[int, int]:
+    """`text[start:end]` clipped to the text and without the whitespace at its ends (a byte-level BPE
+    token's offsets hold the space before its word): the characters a token came from. A token of
+    whitespace alone keeps its span."""
+    start, end = max(0, start), min(len(text), end)
+    low, high = start, end
+    while low < high and text[low].isspace():
+        low += 1
+    while high > low and text[high - 1].isspace():
+        high -= 1
+    return (low, high) if low < high else (start, end)
 
 
 @dataclasses.dataclass
@@ -66,28 +91,52 @@ class QueryEmbeddings:
     cls:  [B, d_cls] float32
     bow:  [B, L, d_bow] float32, zero where mask is False
     mask: [B, L] bool
+    truncated: [B] bool, the queries the model did not read to their end (longer than its query
+          length: espn.search.long_queries); None where the encoder does not say
     """
 
     cls: np.ndarray
     bow: np.ndarray
     mask: np.ndarray
+    truncated: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.cls)
 
     def __getitem__(self, rows: slice | np.ndarray) -> "QueryEmbeddings":
-        return QueryEmbeddings(self.cls[rows], self.bow[rows], self.mask[rows])
+        return QueryEmbeddings(self.cls[rows], self.bow[rows], self.mask[rows],
+                               None if self.truncated is None else self.truncated[rows])
+
+
+#: The modality of an encoder whose documents are page images.
+PAGE_MODALITY = "image"
+
+
+def reads_pages(encoder_config: Mapping[str, Any]) -> bool:
+    """Whether an index's encoder (its manifest entry, or a build's) reads page images: the one
+    question every part that treats pages apart asks."""
+    return encoder_config.get("modality", "text") == PAGE_MODALITY
 
 
 class Encoder(abc.ABC):
     """Turns text into CLS and BOW vectors; one subclass per model family.
 
-    `kind` names the family in the manifest and the registry. `save` writes what the
-    query side needs (config, projection) into an index's `encoder/` directory and
-    `load` rebuilds the identical encoder from it offline.
+    `kind` names the family in the manifest and the registry; `modality` what it reads as
+    documents. `from_pretrained` makes a fresh encoder from a model (what `espn index --encoder`
+    names), `save` writes what the query side needs (config, projection) into an index's
+    `encoder/` directory and `load` rebuilds the identical encoder from it offline.
     """
 
     kind: str = ""
+    #: What the encoder reads as documents: "text" (passages) or "image" (pages; queries are text).
+    modality: str = "text"
+
+    @property
+    def reads_pages(self) -> bool:
+        """Whether its documents are page images (an index of pages) rather than passages."""
+        return self.modality == PAGE_MODALITY
+    #: "fp32", or an int8 precision where the encoder has an ONNX graph (espn.encoders.int8).
+    precision: str = "fp32"
     d_cls: int
     d_bow: int
     #: How the BOW score is normalised: "mean" (MaxSim sum / number of query
@@ -98,6 +147,19 @@ class Encoder(abc.ABC):
     #: Whether the model trained its CLS vector for retrieval (ColBERTer, the HF sentence
     #: encoders). ColBERT checkpoints have none: their CLS vector is a mean of token vectors.
     has_trained_cls: bool = True
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **options: Any) -> "Encoder":
+        """A fresh (unfitted) encoder from a model: a directory (or, where the family allows, a Hub
+        name) and the family's options (device, trust_remote_code, precision, ...)."""
+        raise InvalidParameterError(f"the {cls.kind or cls.__name__} encoder is not made from a model")
+
+    def prepare_precision(self) -> None:
+        """Ready the encoder's precision before anything is encoded; an encoder without an int8 path
+        refuses any precision but fp32 (InvalidParameterError, one line)."""
+        if self.precision != "fp32":
+            raise InvalidParameterError(f"the {self.kind} encoder has no ONNX path: precision {self.precision!r} "
+                                        "is refused (fp32 only)")
 
     # -- tokenisation: runs in DataLoader worker processes -------------------------
     @abc.abstractmethod

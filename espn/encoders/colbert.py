@@ -46,10 +46,11 @@ from transformers.utils import logging as hf_logging
 from ..errors import InvalidParameterError
 from ..files import sha256_file
 from .backbone_config import normalised_configs
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed, trimmed_span
 from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,
                                  parse_spec, read_colbert_ai, read_pylate, refuse_remote_code)
 from .model_files import check_model_dir, copy_model_dir, loading, position_limit, read_model_json
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 
 __all__ = ["ColBERTEncoder", "ColBERTSettings", "DenseLayer", "checkpoint_format", "parse_spec", "SETTING_NAMES"]
@@ -73,8 +74,10 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
 
     def __init__(self, checkpoint_dir: str | Path, overrides: Mapping[str, Any] | None = None,
                  device: str | None = None, name: str | None = None, query_backend: str = "auto",
-                 weights_sha256: str | None = None, trust_remote_code: bool = False) -> None:
-        """overrides: settings by SETTING_NAMES over the checkpoint's; query_backend: "auto"
+                 weights_sha256: str | None = None, trust_remote_code: bool = False, precision: str = "fp32") -> None:
+        """overrides: settings by SETTING_NAMES over the checkpoint's; precision: "fp32" or int8
+        (espn.encoders.int8.PRECISIONS; queries and documents through the quantised ONNX graph, CPU);
+        query_backend: "auto"
         (ONNX Runtime on a CPU where it is installed and the backbone exports), "onnx" or "torch";
         trust_remote_code: allow a backbone that needs its own Python code (`--trust-remote-code`);
         without it such a checkpoint is refused in one line."""
@@ -133,17 +136,19 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         self._resolve_ids()
         if query_backend not in ("auto", "onnx", "torch"):
             raise InvalidParameterError(f"query_backend must be auto, onnx or torch, got {query_backend!r}")
+        check_precision(precision, self.device, query_backend)
+        self.precision = precision
         self.query_backend = query_backend
         self._weights_sha256 = weights_sha256
         self._graph: Any = None
         self._graph_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None,
-                        trust_remote_code: bool = False) -> "ColBERTEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None, trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "ColBERTEncoder":
         """From a spec's location, "PATH" or "PATH?name=value&..."."""
         path, overrides = parse_spec(str(location))
-        return cls(Path(path), overrides, device=device, trust_remote_code=trust_remote_code)
+        return cls(Path(path), overrides, device=device, trust_remote_code=trust_remote_code, precision=precision)
 
     def _resolve_ids(self) -> None:
         """Marker, mask and skiplist ids, refusing what the tokenizer cannot honour."""
@@ -217,6 +222,9 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
             keep = real & ~torch.isin(out["input_ids"], self.skiplist_ids)
         out["keep"], out["text"] = keep, text
         out["expansion"] = ~real if expand else torch.zeros_like(real)
+        truncated = overflowed(encoded)
+        if truncated is not None:
+            out["truncated"] = torch.from_numpy(truncated)
         return out
 
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
@@ -230,8 +238,8 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         out: list[VectorSpans] = []
         for row, shift in enumerate(shifts):
             keep, text, offsets = encoded["keep"][row], encoded["text"][row], encoded["offset_mapping"][row]
-            out.append([[(int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)] if text[p] else []
-                        for p in torch.nonzero(keep).flatten().tolist()])
+            out.append([[trimmed_span(texts[row], int(offsets[p, 0]) + shift, int(offsets[p, 1]) + shift)]
+                        if text[p] else [] for p in torch.nonzero(keep).flatten().tolist()])
         return out
 
     def vector_labels(self, texts: Sequence[str], is_query: bool = False) -> list[list[tuple[str, str]]]:
@@ -271,7 +279,7 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         return torch.nn.functional.normalize(sums, p=2, dim=-1).cpu().numpy()
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
-        vectors = self._vectors(tokens)
+        vectors = self._vectors(tokens, self._document_graph())
         keep = tokens["keep"].to(self.device)
         cls = self._mean_cls((vectors * keep[..., None]).sum(1))
         return DocumentEmbeddings(cls=cls, bow=vectors[keep].cpu().numpy(),
@@ -281,14 +289,21 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         vectors = self._vectors(tokens, self._query_graph())
         keep = tokens["keep"].to(self.device)
         bow = vectors * keep[..., None]
-        return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
+        truncated = tokens.get("truncated")
+        return QueryEmbeddings(cls=self._mean_cls(bow.sum(1)), bow=bow.cpu().numpy(), mask=keep.cpu().numpy(),
+                               truncated=None if truncated is None else truncated.numpy())
 
     # -- ONNX queries ----------------------------------------------------------------
+    def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:
+        tokens = self._encode(texts, is_query)
+        vectors = self._vectors(tokens, graph)
+        return [vectors[row][tokens["keep"][row].to(self.device)].cpu().numpy() for row in range(len(texts))]
+
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all kept positions)."""
         refusal = None
-        if "token_type_ids" not in self._forward_keys:
-            refusal = f"the ONNX export takes BERT-like backbones only ({type(self.model).__name__} is not)"
+        if not {"input_ids", "attention_mask"} <= self._forward_keys:
+            refusal = f"the ONNX export takes a backbone of input_ids and attention_mask ({type(self.model).__name__} is not)"
         weights = self._weights_file()
         probe = self._encode(["a probe of the exported graph", "two"], is_query=True) if refusal is None else {}
         return checked_query_graph(lambda: self.model, self.name, self.query_backend, self.device,
@@ -312,6 +327,7 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
             "cls": "mean of the token vectors",
             "weights_sha256": self._weights_sha256 or (sha256_file(weights) if weights else None),
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **self.precision_config(),
         }
 
     def save(self, directory: Path) -> None:
@@ -328,4 +344,5 @@ class ColBERTEncoder(QueryGraphOwner, Encoder):
         if "skiplist_words" in overrides:
             overrides["skiplist_words"] = list(overrides["skiplist_words"])
         return cls(Path(directory) / "model", overrides, device=device, name=config.get("name"),
-                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)
+                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code,
+                   precision=loaded_precision(config, device))

@@ -186,11 +186,15 @@ class ColBERTerEncoder(Encoder):
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_hub_name: str | Path, device: str | None = None, max_length: int = 512,
-                        query_max_length: int | None = None, name: str | None = None) -> "ColBERTerEncoder":
+                        query_max_length: int | None = None, name: str | None = None,
+                        precision: str = "fp32") -> "ColBERTerEncoder":
         """Load a checkpoint directory (or Hub name), strictly: every key used, every parameter set.
 
-        max_length / query_max_length: tokens per document / query, [CLS] and [SEP] included.
+        max_length / query_max_length: tokens per document / query, [CLS] and [SEP] included;
+        precision: fp32 only (ColBERTer has no ONNX path).
         """
+        if precision != "fp32":
+            raise InvalidParameterError(f"colberter: no ONNX path; precision {precision!r} is refused (fp32 only)")
         directory = resolve_checkpoint(path_or_hub_name)
         config = read_config(directory)
         check_supported(config, directory)

@@ -29,9 +29,10 @@ import torch
 from ..errors import InvalidParameterError
 from ..files import sha256_file
 from ..mapped import read_npy
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading, model_file, position_limit, read_model_json
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .weights import verify_model_files
 
@@ -102,8 +103,10 @@ class HFEncoder(QueryGraphOwner, Encoder):
         cache_dir: Path | None = None,
         weights_sha256: str | None = None,
         trust_remote_code: bool = False,
+        precision: str = "fp32",
     ) -> None:
-        """query_backend: "onnx" (ONNX Runtime, CPU), "torch", or "auto" (onnx on a CPU where
+        """precision: "fp32", or "int8" / "int8-unchecked" (queries and documents through the dynamically
+        quantised ONNX graph, espn.encoders.int8; CPU only); query_backend: "onnx" (ONNX Runtime, CPU), "torch", or "auto" (onnx on a CPU where
         onnxruntime is installed); threads: its intra-op threads (None: torch's setting when
         the first query is encoded); cache_dir: where its graph is cached (None: the default,
         ~/.cache/espn/onnx); weights_sha256: the weights' hash when known (the manifest's);
@@ -153,6 +156,8 @@ class HFEncoder(QueryGraphOwner, Encoder):
             raise InvalidParameterError(f"query_backend must be one of {', '.join(QUERY_BACKENDS)}, got {query_backend!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InvalidParameterError(f"threads must be an integer >= 1, got {threads!r}")
+        check_precision(precision, self.device, query_backend)
+        self.precision = precision
         self.query_backend = query_backend
         self._threads = threads
         self._cache_dir = cache_dir
@@ -163,15 +168,16 @@ class HFEncoder(QueryGraphOwner, Encoder):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
-                        bow_pooling: str = "tokens", trust_remote_code: bool = False) -> "HFEncoder":
+                        bow_pooling: str = "tokens", trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "HFEncoder":
         if path is None:
             return cls(default_model_dir(), bow_dim=bow_dim, device=device, name="all-MiniLM-L6-v2",
-                       bow_pooling=bow_pooling)
+                       bow_pooling=bow_pooling, precision=precision)
         # The default lengths, lowered to a model with fewer positions (a longer one is refused).
         limit = _config_positions(Path(path))
         return cls(Path(path), bow_dim=bow_dim, device=device, bow_pooling=bow_pooling,
                    trust_remote_code=trust_remote_code, max_length=min(256, limit or 256),
-                   query_max_length=min(128, limit or 128))
+                   query_max_length=min(128, limit or 128), precision=precision)
 
     # -- tokenisation ----------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
@@ -185,6 +191,8 @@ class HFEncoder(QueryGraphOwner, Encoder):
         )
         if self.bow_pooling == "words" and not is_query:
             tokens["word_ids"] = self._kept_words(tokens)
+        if is_query:
+            tokens["truncated"] = overflowed(tokens)
         return tokens
 
     def _kept_words(self, tokens: Any) -> torch.Tensor:
@@ -269,15 +277,6 @@ class HFEncoder(QueryGraphOwner, Encoder):
                                    self._weights_sha256 or (sha256_file(weights) if weights else self.name),
                                    self._threads or torch.get_num_threads(), self._cache_dir, probe)
 
-    def describe(self) -> str:
-        """How queries are encoded: the backend and its threads."""
-        graph = self._query_graph()
-        if graph is None:
-            return f"{self.name}: torch {torch.__version__}, {torch.get_num_threads()} threads"
-        import onnxruntime
-
-        return f"{self.name}: onnxruntime {onnxruntime.__version__} fp32, {graph.threads} threads"
-
     def _weights_file(self) -> Path | None:
         return weights_file(self.model_dir)
 
@@ -309,10 +308,15 @@ class HFEncoder(QueryGraphOwner, Encoder):
         w = torch.as_tensor(self.projection, device=vectors.device)
         return torch.nn.functional.normalize(vectors @ w, dim=-1)
 
+    def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:
+        _, hidden, mask = self._forward(self.tokenize(texts, is_query), graph)
+        bow = self._project(hidden)
+        return [bow[row][mask[row]].cpu().numpy() for row in range(len(texts))]
+
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
         # This batch's forward pass in `fit`, when it kept any (otherwise no key is computed).
         kept = self._fit_outputs.pop(_batch_key(tokens), None) if self._fit_outputs else None
-        cls, hidden, mask = kept if kept is not None else self._forward(tokens)
+        cls, hidden, mask = kept if kept is not None else self._forward(tokens, self._document_graph())
         if "word_ids" in tokens:
             return self._embed_words(cls, hidden, mask, tokens["word_ids"].to(self.device))
         bow = self._project(hidden[mask])  # rows in document order: boolean indexing is row-major
@@ -338,7 +342,8 @@ class HFEncoder(QueryGraphOwner, Encoder):
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         cls, hidden, mask = self._forward(tokens, self._query_graph())
         bow = self._project(hidden) * mask[..., None]
-        return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy())
+        return QueryEmbeddings(cls=cls.cpu().numpy(), bow=bow.cpu().numpy(), mask=mask.cpu().numpy(),
+                               truncated=tokens.get("truncated"))
 
     # -- index-time projection -------------------------------------------------------
     @property
@@ -354,7 +359,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
         order = self.batch_order(sample_texts)
         for start in range(0, len(order), batch_size):
             tokens = self.tokenize([sample_texts[i] for i in order[start : start + batch_size]], is_query=False)
-            outputs = self._forward(tokens)
+            outputs = self._forward(tokens, self._document_graph())
             if reuse and kept_bytes < FIT_REUSE_BYTES:
                 self._fit_outputs[_batch_key(tokens)] = outputs
                 kept_bytes += sum(tensor.numel() * tensor.element_size() for tensor in outputs)
@@ -393,6 +398,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
             "bow_pooling": self.bow_pooling,
             "weights_sha256": sha256_file(weights) if weights else None,
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **self.precision_config(),
         }
 
     def save(self, directory: Path) -> None:
@@ -422,6 +428,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
             bow_pooling=str(config.get("bow_pooling", "tokens")),
             weights_sha256=config.get("weights_sha256"),
             trust_remote_code=trust_remote_code,
+            precision=loaded_precision(config, device),
         )
 
 

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 
 from ..errors import RefusedInputError
 from ..untrusted import load_json, read_bounded, regular_file, regular_files_under
+from .backbone_config import refused_config
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_TOKENIZER_BYTES", "MAX_WEIGHTS_BYTES", "MAX_OTHER_BYTES", "MAX_MODEL_FILES",
            "MAX_MODEL_BYTES", "NOT_COPIED", "TOKENIZER_FILE_NAMES", "WEIGHT_SUFFIXES", "file_limit", "hf_cache_root",
@@ -332,6 +333,20 @@ def loading(directory: Path, part: str) -> Iterator[None]:
         raise
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, pickle.UnpicklingError) as exc:
         raise RefusedInputError(f"{directory}: cannot load {part} ({_first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 -- a strict config's validation error has no common base with the above
+        line = refused_config(exc, _written_config(Path(directory)), str(directory))
+        if line is None:
+            raise
+        raise RefusedInputError(line) from None
+
+
+def _written_config(directory: Path) -> Mapping[str, Any] | None:
+    """`directory`'s config.json as written (for an error line), None where it cannot be read."""
+    try:
+        config = read_model_json(directory / "config.json")
+    except (RefusedInputError, OSError, ValueError):
+        return None
+    return config if isinstance(config, Mapping) else None
 
 
 def check_model_dir(directory: Path, trust_remote_code: bool = False, what: str = "model directory",

@@ -43,9 +43,10 @@ from transformers.utils import logging as hf_logging
 from ..errors import InvalidParameterError
 from ..files import sha256_file
 from .backbone_config import normalised_configs
-from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
+from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import weights_file
 from .model_files import check_model_dir, copy_model_dir, loading
+from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .st_format import is_sentence_transformers_save, read_save_json
 
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 QUERY_BACKENDS = ("auto", "onnx", "torch")
 #: Modules after the backbone that change no mask: the scoring mask is theirs to leave as it is.
 _MASK_NEUTRAL = ("Dense", "Normalize")
+#: Above this a module's query length is no length (a tokenizer without one says 1e30).
+_MAX_QUERY_LENGTH = 1 << 20
 
 
 class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
@@ -68,8 +71,10 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
 
     def __init__(self, checkpoint_dir: str | Path, device: str | None = None, name: str | None = None,
                  query_backend: str = "auto", weights_sha256: str | None = None,
-                 trust_remote_code: bool = False) -> None:
-        """query_backend: "auto" (ONNX Runtime for the queries' backbone on a CPU where it exports),
+                 trust_remote_code: bool = False, precision: str = "fp32") -> None:
+        """precision: "fp32" or int8 (espn.encoders.int8.PRECISIONS: the backbone of queries and documents
+        on the quantised ONNX graph, CPU); query_backend: "auto" (ONNX Runtime for the queries' backbone
+        on a CPU where it exports),
         "onnx" or "torch"; weights_sha256: the backbone weights' hash when known (the manifest's);
         trust_remote_code: allow a backbone that needs its own Python code (`--trust-remote-code`)."""
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -105,19 +110,21 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         self.similarity = str(self.model.similarity_fn_name)
         self.bow_reduction = "mean" if self.similarity == "meanmaxsim" else "sum"
         self.prompts = {task: self._prompt(task) for task in ("query", "document")}
+        check_precision(precision, self.device, query_backend)
+        self.precision = precision
         self.query_backend = query_backend
         self._weights_sha256 = weights_sha256
         self._graph: Any = None
         self._graph_lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None,
-                        trust_remote_code: bool = False) -> "SentenceTransformersEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None, trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "SentenceTransformersEncoder":
         path, _, query = str(location).partition("?")
         if query:
             raise InvalidParameterError(f"colbert: {path} is a Sentence Transformers save, whose settings are its own "
                                         f"(prompts, lengths, expansion in its configs); drop ?{query}")
-        return cls(Path(path), device=device, trust_remote_code=trust_remote_code)
+        return cls(Path(path), device=device, trust_remote_code=trust_remote_code, precision=precision)
 
     # -- the checkpoint --------------------------------------------------------------
     def _backbone_path(self) -> str:
@@ -146,7 +153,26 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         task = "query" if is_query else "document"
         features = dict(self.model.preprocess(list(texts), prompt=self.prompts[task], task=task))
         features["task"] = task
+        if is_query:
+            filled = self._filled(features)
+            if filled is not None:
+                features["truncated"] = filled
         return features
+
+    def _filled(self, features: Mapping[str, Any]) -> torch.Tensor | None:
+        """[B] bool: the queries whose tokens (prompt included) reach the query length the library
+        cuts them at (the query expansion's width, else query_length or max_seq_length): read to
+        that length and no further. None where the length is unknown."""
+        expansion = getattr(self.backbone, "query_expansion", None)
+        limit = expansion.get("length") if isinstance(expansion, dict) else None
+        limit = limit or getattr(self.backbone, "query_length", None) or getattr(self.backbone, "max_seq_length", None)
+        mask = features.get("attention_mask")
+        if not isinstance(limit, int) or not 0 < limit <= _MAX_QUERY_LENGTH or not isinstance(mask, torch.Tensor):
+            return None  # no length, or a tokenizer's "no limit" (model_max_length of 1e30)
+        real = mask.bool()
+        if "query_expansion_positions" in features:
+            real = real & ~features["query_expansion_positions"].bool()
+        return real.sum(1) >= limit
 
     # -- model -----------------------------------------------------------------------
     def _module_kwargs(self, name: str, module: torch.nn.Module, task: str) -> dict[str, Any]:
@@ -158,7 +184,8 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     def _run(self, tokens: Mapping[str, Any], graph: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> vectors [B, T', D] float32 (T' after any token pooling), keep [B, T'] bool (the scoring mask)."""
         task = str(tokens["task"])
-        features = batch_to_device({k: v for k, v in tokens.items() if k != "task"}, torch.device(self.device))
+        features = batch_to_device({k: v for k, v in tokens.items() if k not in ("task", "truncated")},
+                                   torch.device(self.device))
         if graph is None:
             with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.startswith("cuda")):
                 features = self.model(features, task=task)
@@ -175,14 +202,16 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
         return torch.nn.functional.normalize(sums, p=2, dim=-1).cpu().numpy()
 
     def embed_documents(self, tokens: Mapping[str, Any]) -> DocumentEmbeddings:
-        vectors, keep = self._run(tokens)
+        vectors, keep = self._run(tokens, self._document_graph())
         return DocumentEmbeddings(cls=self._mean_cls(vectors, keep), bow=vectors[keep].cpu().numpy(),
                                   counts=keep.sum(1).to(torch.int32).cpu().numpy())
 
     def embed_queries(self, tokens: Mapping[str, Any]) -> QueryEmbeddings:
         vectors, keep = self._run(tokens, self._query_graph())
         bow = vectors * keep[..., None]
-        return QueryEmbeddings(cls=self._mean_cls(vectors, keep), bow=bow.cpu().numpy(), mask=keep.cpu().numpy())
+        truncated = tokens.get("truncated")
+        return QueryEmbeddings(cls=self._mean_cls(vectors, keep), bow=bow.cpu().numpy(), mask=keep.cpu().numpy(),
+                               truncated=None if truncated is None else truncated.cpu().numpy())
 
     # -- explanations ----------------------------------------------------------------
     def _positions(self, texts: Sequence[str], is_query: bool) -> list[list[tuple[str, tuple[int, int], int]]]:
@@ -217,7 +246,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
                 if expansion is not None and bool(expansion[row, p]):
                     entries.append(("expansion", (0, 0), token))
                 elif end > len(prompt) and not bool(specials[row, p]):
-                    entries.append(("text", (max(start, len(prompt)) - len(prompt), end - len(prompt)), token))
+                    entries.append(("text", trimmed_span(texts[row], start - len(prompt), end - len(prompt)), token))
                 elif end > 0:
                     entries.append(("marker", (0, 0), token))
                 else:
@@ -236,12 +265,17 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
                   else "") for kind, _, token in row] for row in self._positions(texts, is_query)]
 
     # -- ONNX queries ----------------------------------------------------------------
+    def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:
+        vectors, keep = self._run(self.tokenize(texts, is_query), graph)
+        return [vectors[row][keep[row]].cpu().numpy() for row in range(len(texts))]
+
     def _make_graph(self) -> Any:
         """The backbone on ONNX Runtime, checked against torch on a probe batch (all scored positions)."""
         backbone = self.backbone.auto_model
         refusal = None
-        if "token_type_ids" not in inspect.signature(backbone.forward).parameters:
-            refusal = f"the ONNX export takes BERT-like backbones only ({type(backbone).__name__} is not)"
+        if not {"input_ids", "attention_mask"} <= set(inspect.signature(backbone.forward).parameters):
+            refusal = (f"the ONNX export takes a backbone of input_ids and attention_mask ({type(backbone).__name__} "
+                       "is not)")
         elif self.model.get_backend() != "torch":
             refusal = f"the checkpoint runs on {self.model.get_backend()}, not torch"
         probe: dict[str, Any] = {}
@@ -277,6 +311,7 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
             "has_trained_cls": False,
             "weights_sha256": self._weights_sha256 or (sha256_file(weights) if weights else None),
             **({"trust_remote_code": True} if self.trust_remote_code else {}),
+            **self.precision_config(),
         }
 
     def save(self, directory: Path) -> None:
@@ -288,4 +323,5 @@ class SentenceTransformersEncoder(QueryGraphOwner, Encoder):
     def load(cls, directory: Path, config: Mapping[str, Any], device: str | None = None,
              trust_remote_code: bool = False) -> "SentenceTransformersEncoder":
         return cls(Path(directory) / "model", device=device, name=config.get("name"),
-                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)
+                   weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code,
+                   precision=loaded_precision(config, device))

@@ -4,9 +4,9 @@ Measured on SciFact's test queries one at a time (21 tokens on average, one core
 2-vCPU EPYC, `python -m benchmarks.bench_query`): MiniLM-L6 through torch eager takes
 16-19 ms, most of it per-op dispatch overhead (six layers of small matmuls); the same
 weights as an ONNX graph on ONNX Runtime take 6-7 ms, and the hidden states agree to
-2e-6 (nDCG@10 unchanged to four places). Dynamic int8 quantisation of the graph would
-halve that again, but it moved the query vectors by up to 0.1 and SciFact nDCG@10 from
-0.7056 to 0.699-0.703, so the graph stays fp32.
+2e-6 (nDCG@10 unchanged to four places). The graph stays fp32 unless the encoder's precision
+is int8 (opt-in, within a quality budget: espn.encoders.int8, `int8_graph` here). BERT-like
+backbones take token types (fed as zeros); ModernBERT and its kin take ids and mask only.
 
 The graph is exported from the encoder's own torch module (`torch.onnx.export`, the
 TorchScript exporter: no download, no network) the first time a process needs it, and
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
+import json
 import logging
 import os
 import tempfile
@@ -30,14 +32,16 @@ import threading
 import warnings
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
+from .int8 import Fidelity, int8_refusal, measure_fidelity, quantized_graph_bytes
 
-__all__ = ["OnnxEncoderGraph", "QueryGraphOwner", "checked_query_graph", "onnx_unavailable_reason", "default_cache_dir", "GRAPH_TOLERANCE"]
+__all__ = ["OnnxEncoderGraph", "QueryGraphOwner", "checked_query_graph", "int8_graph", "onnx_unavailable_reason",
+           "default_cache_dir", "GRAPH_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +68,24 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "espn" / "onnx"
 
 
+def _backbone_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, Any]:
+    """The keyword inputs of `model`'s forward: ids and mask, and token types 0 where the backbone
+    takes them (BERT-like); ModernBERT and its kin take none."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        inputs["token_type_ids"] = torch.zeros_like(input_ids)
+    return inputs
+
+
 class _HiddenStates(torch.nn.Module):
-    """input_ids, attention_mask [B, T] int64 -> last hidden state [B, T, H] (token types 0)."""
+    """input_ids, attention_mask [B, T] int64 -> last hidden state [B, T, H] (token types 0 where taken)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+        return self.model(**_backbone_inputs(self.model, input_ids, attention_mask)).last_hidden_state
 
 
 def _export(model: torch.nn.Module, out: Any) -> None:
@@ -119,6 +131,8 @@ class OnnxEncoderGraph:
         options.log_severity_level = 3
         self.threads = options.intra_op_num_threads
         self.cached = False  # True once the graph is in (or came from) the cache
+        self.source = source  # what int8_graph quantises
+        self.precision = "fp32"
         self._session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -133,22 +147,33 @@ class OnnxEncoderGraph:
         """Largest |graph - torch| over the hidden states of one batch at `positions` [B, T] bool
         (default: the unmasked ones; ColBERT queries also keep their unattended expansion tokens)."""
         with torch.inference_mode():
-            expected = model(input_ids=input_ids, attention_mask=attention_mask,
-                             token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+            expected = model(**_backbone_inputs(model, input_ids, attention_mask)).last_hidden_state
         got = self.hidden_states(input_ids, attention_mask)
         valid = attention_mask.bool() if positions is None else positions.bool()
         return float((got - expected.float()).abs()[valid].max())
 
 
 class QueryGraphOwner:
-    """What an encoder with an ONNX query path shares: its graph, made once on first use by its
-    `_make_graph` (None there: queries run on torch), however many threads ask at once. The
-    encoder sets `_graph = None` and `_graph_lock` in its __init__."""
+    """What an encoder with an ONNX path shares: its graph, made once on first use by its
+    `_make_graph` (None there: it runs on torch), however many threads ask at once, and its
+    precision: with int8 (espn.encoders.int8) the graph is the quantised one, measured against the
+    fp32 graph through the encoder's `_kept_vectors` and used for documents as well as queries.
+    The encoder sets `_graph = None`, `_graph_lock` and `precision` in its __init__."""
 
     _graph: Any
     _graph_lock: threading.Lock
+    name: str
+    #: "fp32", "int8" or "int8-unchecked" (espn.encoders.int8.PRECISIONS).
+    precision: str = "fp32"
+    #: The int8 graph's measurement, once made; why it was refused (queries then run in fp32).
+    int8_fidelity: Fidelity | None = None
+    int8_refused: str | None = None
 
     def _make_graph(self) -> Any:
+        raise NotImplementedError
+
+    def _kept_vectors(self, texts: Sequence[str], is_query: bool, graph: Any) -> list[np.ndarray]:
+        """Each text's vectors as the encoder keeps them, its backbone run on `graph`."""
         raise NotImplementedError
 
     def _query_graph(self) -> Any:
@@ -156,8 +181,86 @@ class QueryGraphOwner:
         if self._graph is None:
             with self._graph_lock:
                 if self._graph is None:
-                    self._graph = self._make_graph() or False
+                    self._graph = self._with_precision(self._make_graph()) or False
         return self._graph or None
+
+    def describe(self) -> str:
+        """How queries are encoded: the backend, its precision and threads."""
+        graph = self._query_graph()
+        if graph is None:
+            return f"{self.name}: torch {torch.__version__}, {torch.get_num_threads()} threads"
+        import onnxruntime  # loaded already: the graph runs on it
+
+        return f"{self.name}: onnxruntime {onnxruntime.__version__} {graph.precision}, {graph.threads} threads"
+
+    def _document_graph(self) -> Any:
+        """The graph documents run on: the int8 one where the encoder is int8, else None (torch)."""
+        graph = self._query_graph() if self.precision != "fp32" else None
+        return graph if graph is not None and graph.precision == "int8" else None
+
+    def _with_precision(self, graph: "OnnxEncoderGraph | None") -> "OnnxEncoderGraph | None":
+        if graph is None or self.precision == "fp32":
+            return graph
+        int8, self.int8_fidelity = int8_graph(graph, lambda reference, candidate: measure_fidelity(
+            self._kept_vectors, reference, candidate))
+        self.int8_refused = int8_refusal(self.int8_fidelity, self.precision, self.name)
+        if self.int8_refused is None:
+            log.info("%s: int8 encoder, %s", self.name, self.int8_fidelity.to_json())
+            return int8
+        log.warning("%s; encoding in fp32", self.int8_refused)
+        return graph
+
+    def prepare_precision(self) -> None:
+        """Make the graph now and refuse (InvalidParameterError, one line) an int8 encoder that has no
+        ONNX graph or measures below the budget: what `espn index --encoder-precision int8` runs first."""
+        if self.precision == "fp32":
+            return
+        graph = self._query_graph()
+        if graph is None:
+            raise InvalidParameterError(f"{self.name}: precision {self.precision!r} needs the ONNX graph, which "
+                                        "this encoder does not have here (see the log)")
+        if self.int8_refused is not None:
+            raise InvalidParameterError(self.int8_refused)
+
+    def precision_config(self) -> dict[str, Any]:
+        """The manifest's record of the precision: nothing for fp32, else it and the measurement."""
+        if self.precision == "fp32":
+            return {}
+        return {"precision": self.precision,
+                **({"int8_fidelity": self.int8_fidelity.to_json()} if self.int8_fidelity is not None else {})}
+
+
+def int8_graph(fp32: OnnxEncoderGraph, measure: Callable[[OnnxEncoderGraph, OnnxEncoderGraph], Fidelity]
+               ) -> tuple[OnnxEncoderGraph, Fidelity]:
+    """`fp32` quantised to int8 (espn.encoders.int8) and its fidelity from `measure(fp32, int8)`. A
+    cached fp32 graph's int8 twin and its measurement are cached beside it (`-int8.onnx`, `-int8.json`,
+    the measurement written first, the graph renamed into place after it) and used as they are."""
+    path = Path(fp32.source) if isinstance(fp32.source, str) else None
+    twin = path.with_name(f"{path.stem}-int8.onnx") if path is not None else None
+    record = twin.with_suffix(".json") if twin is not None else None
+    if twin is not None and record is not None and twin.is_file() and record.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            fidelity = Fidelity.from_json(json.loads(record.read_text()))
+            if fidelity is not None:
+                graph = OnnxEncoderGraph(str(twin), fp32.threads)
+                graph.cached, graph.precision = True, "int8"
+                return graph, fidelity
+    data = quantized_graph_bytes(fp32.source)
+    graph = OnnxEncoderGraph(data, fp32.threads)
+    graph.precision = "int8"
+    fidelity = measure(fp32, graph)
+    if twin is not None and record is not None:
+        try:
+            record.write_text(json.dumps(fidelity.to_json()))
+            fd, tmp = tempfile.mkstemp(dir=twin.parent, prefix=twin.name, suffix=".tmp")
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, twin)
+            graph.cached = True
+        except OSError as exc:
+            log.info("cannot cache the int8 graph in %s (%s); it stays in memory", twin.parent, exc.strerror)
+    return graph, fidelity
 
 
 def checked_query_graph(load_model: Callable[[], torch.nn.Module], name: str, query_backend: str, device: str,
@@ -237,7 +340,7 @@ def _exported_and_checked(model: torch.nn.Module, name: str, path: Path, threads
             os.chmod(tmp, 0o644)  # mkstemp made it private; other workers' users read it too
             os.replace(tmp, path)  # concurrent exporters write identical bytes; one rename wins
             tmp = None
-            graph.cached = True
+            graph.cached, graph.source = True, str(path)
             log.info("exported the query encoder's ONNX graph to %s", path)
         return graph
     finally:

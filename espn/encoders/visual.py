@@ -30,7 +30,7 @@ from sentence_transformers.util import batch_to_device
 
 from ..errors import InvalidParameterError
 from ..pages.grids import PageGrid, unknown_grids
-from .base import DocumentEmbeddings, Encoder
+from .base import DocumentEmbeddings, Encoder, trimmed_span
 from .multivector import SentenceTransformersEncoder
 from .st_format import is_visual_save
 
@@ -74,8 +74,12 @@ class VisualEncoder(SentenceTransformersEncoder):
                                else torch.float16)
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, device: str | None = None,
-                        trust_remote_code: bool = False) -> "VisualEncoder":
+    def from_pretrained(cls, location: str | Path, device: str | None = None, trust_remote_code: bool = False,
+                        precision: str = "fp32") -> "VisualEncoder":
+        """precision: fp32 only (a page model has no ONNX path)."""
+        if precision != "fp32":
+            raise InvalidParameterError(f"visual: a page model has no ONNX path; precision {precision!r} is refused "
+                                        "(fp32 only)")
         path, _, query = str(location).partition("?")
         if query:
             raise InvalidParameterError(f"visual: {path} is a Sentence Transformers save, whose settings are its own; "
@@ -86,7 +90,9 @@ class VisualEncoder(SentenceTransformersEncoder):
     def tokenize(self, texts: Sequence[str], is_query: bool) -> Mapping[str, Any]:
         if not is_query:
             raise InvalidParameterError(TEXT_DOCUMENTS_REFUSED)
-        return super().tokenize(texts, is_query=True)
+        features = dict(super().tokenize(texts, is_query=True))
+        features.pop("truncated", None)  # the processor reads a query whole (espn.search.long_queries)
+        return features
 
     def batch_order(self, texts: Sequence[str]) -> list[int]:
         # Pages come as images (the build batches them in corpus order, indexing.pages): no text to bucket.
@@ -112,7 +118,8 @@ class VisualEncoder(SentenceTransformersEncoder):
         """-> vectors [B, T, D] float32, keep [B, T] bool (the scoring mask the pipeline leaves)."""
         del graph  # queries run on torch
         task = str(tokens["task"])
-        features = batch_to_device({k: v for k, v in tokens.items() if k != "task"}, torch.device(self.device))
+        features = batch_to_device({k: v for k, v in tokens.items() if k not in ("task", "truncated")},
+                                   torch.device(self.device))
         with torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.device.startswith("cuda")):
             features = self.model(features, task=task)
         return features["token_embeddings"].float(), features["attention_mask"].bool()
@@ -189,40 +196,41 @@ class VisualEncoder(SentenceTransformersEncoder):
 
     def query_tokens(self, texts: Sequence[str], mask: np.ndarray) -> list[list[tuple[str, str, int, int]]] | None:
         """Per query, per kept vector (`mask` [B, L] as `encode_queries` gave it): (kind, token, start,
-        end) with kind "text" (start:end its characters in the query, found in order), "marker" (the
-        processor's query prefix), "expansion" (augmentation padding) or "special"; None when the
-        processor's tokens do not line up with `mask`."""
+        end) with kind "text" (start:end the query's characters the token came from), "marker" (the
+        processor's query prefix and template), "expansion" (augmentation padding) or "special"; None
+        when the processor's tokens do not line up with `mask`.
+
+        Each token's characters come from the tokenizer's offsets over the query as the processor
+        frames it (its query prefix before, ColPali's BOS first), aligned with the ids the model was
+        given: a token that merges the prefix's last characters with the query's first is text, with
+        the query's part of it as its span. A query whose framing cannot be aligned (a processor of
+        another shape) gets its text tokens without spans."""
         features = self.tokenize(texts, is_query=True)
         ids = features["input_ids"]
         if tuple(ids.shape) != tuple(mask.shape):
             return None
         processor = getattr(self.model[0], "processor", None)
         tokenizer = getattr(processor, "tokenizer", None) or self.backbone.tokenizer
-        prefix = getattr(processor, "query_prefix", "") or ""
-        n_prefix = len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) if prefix.strip() else 0
+        prefix = str(getattr(processor, "query_prefix", "") or "")
         specials = set(tokenizer.all_special_ids)
         pad = tokenizer.pad_token_id
         out = []
         for row, text in enumerate(texts):
-            entries, cursor, seen = [], 0, 0
-            folded = text.casefold()
-            for token in ids[row][torch.from_numpy(np.asarray(mask[row], dtype=bool))].tolist():
+            row_ids = ids[row].tolist()
+            spans = _query_offsets(tokenizer, row_ids, prefix, text)
+            entries = []
+            for position in np.flatnonzero(np.asarray(mask[row], dtype=bool)).tolist():
+                token = row_ids[position]
                 name = str(tokenizer.convert_ids_to_tokens(token))
+                span = spans.get(position)
                 if token == pad:
                     entries.append(("expansion", name, 0, 0))
                 elif token in specials:
                     entries.append(("special", name, 0, 0))
-                elif seen < n_prefix:
-                    seen += 1
+                elif span is None:
                     entries.append(("marker", name, 0, 0))
                 else:
-                    piece = tokenizer.decode([token]).strip().casefold()
-                    at = folded.find(piece, cursor) if piece else -1
-                    if at < 0:
-                        entries.append(("marker", name, 0, 0))
-                    else:
-                        cursor = at + len(piece)
-                        entries.append(("text", text[at:cursor], at, cursor))
+                    entries.append(("text", text[span[0]:span[1]], span[0], span[1]))
             out.append(entries)
         return out
 
@@ -236,3 +244,32 @@ class VisualEncoder(SentenceTransformersEncoder):
         return cls(Path(directory) / "model", device=device, name=config.get("name"),
                    weights_sha256=config.get("weights_sha256"), trust_remote_code=trust_remote_code)
 
+
+def _query_offsets(tokenizer: Any, row_ids: list[int], prefix: str, text: str) -> dict[int, tuple[int, int]]:
+    """{position in `row_ids`: (start, end) in `text`} for the tokens holding query characters,
+    found by tokenising the query as the processor frames it (`prefix` + text, with the BOS token
+    first where the ids start with it) with offsets and finding those ids in `row_ids`; empty
+    where no framing lines up. Whitespace at a span's ends is left out."""
+    for framing in (prefix, f"{tokenizer.bos_token or ''}{prefix}"):
+        encoded = tokenizer(framing + text, add_special_tokens=False, return_offsets_mapping=True)
+        found, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+        start = _find_run(row_ids, found)
+        if start < 0:
+            continue
+        spans = {}
+        for index, (a, b) in enumerate(offsets):
+            a, b = trimmed_span(text, int(a) - len(framing), int(b) - len(framing))
+            if a < b:
+                spans[start + index] = (a, b)
+        return spans
+    return {}
+
+
+def _find_run(sequence: list[int], run: list[int]) -> int:
+    """The first index where `run` occurs in `sequence` as a contiguous run, -1 where it does not."""
+    if not run:
+        return -1
+    for index in range(len(sequence) - len(run) + 1):
+        if sequence[index:index + len(run)] == run:
+            return index
+    return -1

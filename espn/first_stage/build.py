@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from espn.encoders.base import reads_pages
 from espn.errors import InvalidParameterError
 from espn.first_stage.centroids import FirstStageConfig, build_token_centroids, wants_token_first_stage
 from espn.params import FIRST_STAGE_KINDS
@@ -32,7 +33,7 @@ PAGE_FIRST_STAGE = FirstStageConfig(kind="centroids", probe=16, candidates=256)
 
 def default_first_stage(encoder_config: Mapping[str, Any]) -> FirstStageConfig:
     """The probe and candidates a new index starts with: the page default for an image encoder."""
-    return PAGE_FIRST_STAGE if encoder_config.get("modality") == "image" else DEFAULT_FIRST_STAGE
+    return PAGE_FIRST_STAGE if reads_pages(encoder_config) else DEFAULT_FIRST_STAGE
 
 
 def first_stage_kind(requested: str | None, encoder_config: Mapping[str, Any]) -> str:

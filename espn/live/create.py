@@ -42,6 +42,7 @@ import numpy as np
 from ..choices import DEFAULT_BOW_DTYPE
 from ..corpus import default_title_joiner
 from ..encoders import Encoder
+from ..encoders.base import reads_pages
 from ..errors import IndexExistsError, InvalidParameterError
 from ..files import file_entry, fsync_path, fsync_tree
 from ..first_stage.build import default_first_stage, first_stage_kind
@@ -176,7 +177,7 @@ def _empty_base(out: Path, encoder: EncoderFiles, options: NewIndex) -> dict[str
     (out / "docs.jsonl").write_bytes(b"")
     np.save(out / "docs_offsets.npy", np.zeros(1, dtype=np.int64))
     np.save(out / CLS_TABLE, np.zeros((0, layout.d_cls), dtype=np.float16))
-    if config.get("modality") == "image":
+    if reads_pages(config):
         PageImagesWriter(out).finish()
     stage = dataclasses.replace(default_first_stage(config), kind=first_stage_kind(options.first_stage, config))
     fitted = fit_base(out, written, 0, Fit(exact=True, stage=stage, dtype=options.dtype))

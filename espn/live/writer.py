@@ -225,7 +225,7 @@ class IndexWriter:
         if not documents:
             return None
         encoder = self.encoder()
-        pages = getattr(encoder, "modality", "text") == "image"
+        pages = encoder.reads_pages
         for d in documents:  # a conflict with the index, as a metadata field of another type is
             if pages and d.image is None:
                 raise ConflictError(f"document {d.doc_id!r}: this index holds pages; give the page as an image "
@@ -241,7 +241,7 @@ class IndexWriter:
     def warmup(self) -> None:
         """Load the encoder and encode one document of the index's kind (a passage, or a blank page
         for an index of pages), nothing published: the first write is then as fast as the next."""
-        if getattr(self.encoder(), "modality", "text") == "image":
+        if self.encoder().reads_pages:
             page = io.BytesIO()
             Image.new("RGB", (32, 32), (255, 255, 255)).save(page, format="PNG")
             self.encode([NewDocument("warm-up", image=page.getvalue())])

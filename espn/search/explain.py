@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 def _explains_pages(encoder: Encoder | None) -> bool:
     """A visual encoder: its explanations are patches of the page (explain_pages)."""
-    return encoder is not None and getattr(encoder, "modality", "text") == "image" and hasattr(encoder, "page_grid")
+    return encoder is not None and encoder.reads_pages and hasattr(encoder, "page_grid")
 
 
 def can_explain(encoder: Encoder | None) -> None:

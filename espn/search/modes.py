@@ -24,6 +24,7 @@ from ..text.query import LexicalQuery, parse_query
 from .context import SearchContext, Timer
 from .dense import search_dense
 from .explain import explain_results
+from .long_queries import mark_truncated
 from .filtered import FilteredDocs
 from ..params import HybridParams
 from .hybrid import fuse
@@ -81,6 +82,7 @@ def search_modes(context: SearchContext, texts: Sequence[str], params: SearchPar
         results = [_fuse_one(context, text, query, pool, hits, result, params.k, hybrid)
                    for query, pool, hits, result in zip(parsed, pools, lexical, dense)]
         timer.lap("fusion")
+        results = mark_truncated(context.encoder, dense_texts, embeddings, results)
         if explain:
             results = explain_results(context, dense_texts, embeddings, results)
     if explain:

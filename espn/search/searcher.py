@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..encoders import Encoder, QueryEmbeddings, load_encoder
+from ..encoders.base import reads_pages
 from ..encoders.precomputed import PrecomputedEncoder
 from ..errors import DocumentNotFoundError, InvalidParameterError
 from ..first_stage.centroids import FirstStageConfig, TokenCentroids
@@ -38,6 +39,7 @@ from .context import Timer
 from .dense import search_dense
 from .exhaustive import score_documents, search_exhaustive, search_maxsim_exhaustive
 from .explain import can_explain, explain_results
+from .long_queries import mark_truncated
 from .filter_cache import CompiledFilters
 from .filtered import FilteredDocs
 from .generation import GenerationResources, open_context
@@ -311,7 +313,8 @@ class Searcher:
         if embeddings is None:
             embeddings = self.encode(queries)
         timer.lap("encode")
-        results = search_dense(self.context, embeddings, params, timer, filtered=filtered)
+        results = mark_truncated(self.encoder, queries, embeddings,
+                                 search_dense(self.context, embeddings, params, timer, filtered=filtered))
         return self._explain(queries, embeddings, results) if explain else results
 
     def check_request(self, hybrid: HybridParams, explain: bool = False) -> None:
@@ -404,7 +407,7 @@ class Searcher:
     @property
     def is_page_index(self) -> bool:
         """Whether the index's documents are page images (a visual encoder's index)."""
-        return self.manifest["encoder"].get("modality") == "image"
+        return reads_pages(self.manifest["encoder"])
 
     def warmup(self) -> None:
         """One search end to end, so the first user request pays no start-up cost.

@@ -167,4 +167,6 @@ def _to_response(query: str, item: QueryAnswer, documents: Optional[dict[str, Do
         model.mode, model.hybrid, model.syntax = stats.mode, stats.hybrid, stats.syntax
         if stats.ignored:
             model.ignored = list(stats.ignored)
+    if stats.query_truncated:  # set only when cut: exclude_unset keeps other answers as they were
+        model.query_truncated, model.query_read_chars = True, stats.query_read_chars
     return SearchResponse(query=query, results=hits, stats=model)

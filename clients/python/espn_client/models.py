@@ -184,6 +184,8 @@ class SearchStats(_Result):
     syntax: Optional[str] = None
     ignored: Optional[list[str]] = None
     hybrid: Optional[dict[str, Any]] = None
+    query_truncated: Optional[bool] = None
+    query_read_chars: Optional[int] = None
 
 
 class SearchResponse(_Result):
