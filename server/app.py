@@ -22,7 +22,7 @@ from .deps import INDEX_PARAMETER, AppState, declare_api_key
 from .docs import add_offline_docs
 from .errors import flat_routes, register_exception_handlers
 from .metrics import ServerMetrics
-from .middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
+from .middleware import AccessMiddleware, AuthMiddleware, BodyLimitMiddleware, CancelledRequestMiddleware
 from .openapi import add_contract
 from .page import add_search_page
 from .routes import documents, health, indexes, search, snapshots
@@ -79,8 +79,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
     register_exception_handlers(app)
     # With a key, the bearer scheme and its 401 are part of every /v1 operation's contract;
-    # without one they are not (ApiKeyMiddleware does the checking).
-    keyed = settings.api_key is not None
+    # without one they are not (AuthMiddleware does the checking).
+    keyed = settings.keyed
     protected = [Depends(declare_api_key)] if keyed else []
     unauthorized: dict[int | str, dict[str, Any]] = {
         401: {"model": ErrorResponse, "description": "missing or wrong API key"}} if keyed else {}
@@ -103,8 +103,8 @@ def build_app(settings: ServerSettings) -> FastAPI:
     app.add_middleware(SearchFastPath, engines=state.engines)
     app.add_middleware(CancelledRequestMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
+    if settings.keyed:
+        app.add_middleware(AuthMiddleware, keyring=settings.keyring(), default_index=state.engines.default_name)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .settings import RouterSettings, ServerSettings
+from .router_settings import RouterSettings
+from .settings import ServerSettings
 from .settings_doc import add_flags, environment_help, settings_of
 
 __all__ = ["add_serve_arguments", "add_route_arguments", "register", "run_command", "SERVE_GROUPS"]
@@ -28,7 +29,7 @@ SERVE_GROUPS = (
                 "torch_threads", "max_pending", "fair_chunk_queries")),
     ("reader I/O (posix reader only)", ("io_engine", "io_depth", "max_extent_bytes", "direct", "record_cache_mb")),
     ("requests", ("max_body_bytes", "max_batch_queries", "max_batch_writes", "max_request_work", "max_response_bytes",
-                  "cors_origins")),
+                  "cors_origins", "api_keys_file")),
     ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
                                 "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
                                 "max_metadata_fields", "max_metadata_bytes", "max_index_fields")),
@@ -46,6 +47,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p = sub.add_parser("route", help="fan queries out to index partition servers and merge their top-k")
     add_route_arguments(p)
     p.set_defaults(handler=run_command)
+    p = sub.add_parser("key-hash", help="print the SHA-256 of an API key read from stdin, as a keys file "
+                                        "(`espn serve --api-keys-file`) holds it")
+    p.set_defaults(handler=run_command, command="key-hash")
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -31,9 +31,11 @@ from espn.errors import EspnError
 from espn.engine import startup
 
 from . import connections
+from .auth import key_digest
 from .logs import logging_config
 from .metrics_dir import MetricsDir, remove_stale as remove_stale_metrics_dirs
-from .settings import ENV_PREFIX, ROUTER_ENV_PREFIX, RouterSettings, ServerSettings, settings_error_line
+from .router_settings import RouterSettings
+from .settings import ENV_PREFIX, ROUTER_ENV_PREFIX, ServerSettings, settings_error_line
 
 __all__ = ["run_serve", "run_route", "COMMANDS", "is_loopback", "port_problem", "APP_FACTORY"]
 
@@ -193,7 +195,7 @@ def _announce(settings: ServerSettings) -> None:
     # Normalised values (resolved index path, ...) are what every worker will read.
     os.environ.update(settings.to_env())
     print(json.dumps({"event": "settings", **settings.describe()}), file=sys.stderr, flush=True)
-    if settings.api_key is None and not is_loopback(settings.host):
+    if not settings.keyed and not is_loopback(settings.host):
         print(json.dumps({"level": "WARNING", "event": "unauthenticated",
                           "message": f"serving on {settings.host} without ESPN_API_KEY: anyone who can reach this "
                           "address can search and read every document; set ESPN_API_KEY (from a secret)"}),
@@ -289,7 +291,7 @@ def run_route(args: argparse.Namespace) -> int:
         return 2
     print(f"espn route: {len(settings.shards)} shard(s), timeout {settings.timeout_ms:g} ms, "
           f"listening on {settings.host}:{settings.port}", file=sys.stderr)
-    if settings.api_key is None and not is_loopback(settings.host):
+    if not settings.keyed and not is_loopback(settings.host):
         print(f"espn route: warning: listening on {settings.host} without ESPN_API_KEY: anyone who can reach it can "
               "search every partition", file=sys.stderr)
     # Imported here: the router needs httpx (its client), which no other command needs
@@ -337,5 +339,17 @@ def _start_metrics_server(settings: ServerSettings) -> Any:
     return server
 
 
-#: `espn serve` and `espn route` by name (server.cli.run_command dispatches on it).
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"serve": run_serve, "route": run_route}
+def run_key_hash(args: argparse.Namespace) -> int:
+    """`espn key-hash`: the digest of the key on stdin (one line; surrounding whitespace dropped)."""
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("espn key-hash: error: no key on stdin (e.g. `openssl rand -hex 32 | tee key | espn key-hash`)",
+              file=sys.stderr)
+        return 2
+    print(key_digest(key))
+    return 0
+
+
+#: `espn serve`, `espn route` and `espn key-hash` by name (server.cli.run_command dispatches on it).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"serve": run_serve, "route": run_route,
+                                                            "key-hash": run_key_hash}

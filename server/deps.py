@@ -11,10 +11,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from espn.engine import Engine, Engines
 
+from .auth import FULL_ACCESS, Principal
 from .metrics import ServerMetrics
+from .middleware import PRINCIPAL_KEY
 from .settings import ServerSettings
 
-__all__ = ["AppState", "get_state", "get_engine", "declare_api_key", "INDEX_PARAMETER"]
+__all__ = ["AppState", "get_state", "get_engine", "get_principal", "declare_api_key", "INDEX_PARAMETER"]
 
 #: The path parameter that names an index (/v1/indexes/{index}/...); the routes without it serve the default.
 INDEX_PARAMETER = "index"
@@ -45,11 +47,20 @@ async def get_engine(request: Request) -> AsyncIterator[Engine]:
         yield engine
 
 
+async def get_principal(request: Request) -> Optional[Principal]:
+    """Who the request comes from (server.auth): the key's principal, None for a request without a
+    valid key, full access on a server that needs no key."""
+    if not request.app.state.espn.settings.keyed:
+        return FULL_ACCESS
+    principal: Optional[Principal] = getattr(request.state, PRINCIPAL_KEY, None)
+    return principal
+
+
 _bearer = HTTPBearer(auto_error=False, description="the value of ESPN_API_KEY")
 
 
 async def declare_api_key(credentials: Optional[HTTPAuthorizationCredentials] = Depends(_bearer)) -> None:
     """Declares the bearer scheme in the OpenAPI document (added to /v1/* only when a key is set).
 
-    The key itself is checked by ApiKeyMiddleware, before the body is read.
+    The key itself is checked by AuthMiddleware, before the body is read.
     """

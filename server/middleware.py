@@ -7,7 +7,6 @@ cancellation reaches the routes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -20,11 +19,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from espn.errors import RefusedInputError
 from espn.engine import RULES
 
+from .auth import Keyring, required
 from .errors import error_response
 from .logs import ACCESS_LOGGER
 from .metrics import ServerMetrics
 
-__all__ = ["AccessMiddleware", "ApiKeyMiddleware", "BodyLimitMiddleware", "CancelledRequestMiddleware", "LOG_EXTRA_KEY",
+__all__ = ["AccessMiddleware", "AuthMiddleware", "PRINCIPAL_KEY", "BodyLimitMiddleware", "CancelledRequestMiddleware", "LOG_EXTRA_KEY",
            "read_body", "replay_body"]
 
 access_logger = logging.getLogger(ACCESS_LOGGER)
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Routes put fields for the request's log line in request.state under this name.
 LOG_EXTRA_KEY = "log_extra"
+#: Where AuthMiddleware leaves the request's principal (server.auth.Principal, or None) in its state.
+PRINCIPAL_KEY = "principal"
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -158,31 +160,46 @@ class AccessMiddleware:
             )
 
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path under `prefix`, checked before anything reads the body.
+class AuthMiddleware:
+    """API keys, checked before anything reads the body: `Authorization: Bearer <key>` on every
+    path under `prefix`, and the key's role on the index the request acts on (server.auth).
 
     As a route dependency the check would run only after FastAPI parsed the body, so a
     request without the key but with malformed JSON got a 400 instead of a 401: it could
-    learn about the API without the key. Here the request stops at its headers.
+    learn about the API without the key. Here the request stops at its headers. The key's
+    principal (or None, for a request without a valid key) is left in the request's state for
+    the routes that show only what it reaches (the listing of indexes, /readyz).
     """
 
-    def __init__(self, app: ASGIApp, key: str, prefix: str = "/v1/") -> None:
+    def __init__(self, app: ASGIApp, keyring: Keyring, default_index: Optional[str], prefix: str = "/v1/") -> None:
         self.app = app
-        self.key = key.encode()
+        self.keyring = keyring
+        self.default_index = default_index
         self.prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
-        # compare_digest: the time taken does not reveal how much of the key matched.
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key):
+        principal = self.keyring.principal(token.strip()) if scheme.lower() == "bearer" else None
+        scope.setdefault("state", {})[PRINCIPAL_KEY] = principal
+        if not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        if principal is None:
+            response = error_response(401, "unauthorized", "missing or wrong API key (Authorization: Bearer <key>)",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        index, role = required(scope["path"], scope["method"], self.default_index)
+        if not principal.may(role, index):
+            on = f" on index {index!r}" if index is not None else ""
+            response = error_response(403, "forbidden", f"the API key {principal.name!r} ({principal.role}) may not "
+                                      f"{scope['method']} {scope['path']}: it needs the {role} role{on}")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:

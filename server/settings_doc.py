@@ -27,7 +27,8 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from .settings import RouterSettings, ServerSettings
+from .router_settings import RouterSettings
+from .settings import ServerSettings
 
 __all__ = ["Setting", "settings_of", "markdown_table", "replace_blocks", "write_readme", "FLAG_NAMES", "ENV_ONLY", "POSITIONAL"]
 

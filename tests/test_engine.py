@@ -174,6 +174,29 @@ def test_a_deletion_waits_for_the_requests_inside_and_refuses_new_ones(sample_in
     asyncio.run(scenario())
 
 
+def test_a_write_to_an_index_deleted_under_it_is_a_clean_not_found(sample_index: Path, tmp_path: Path) -> None:
+    """Another process deletes the index (renames it away) while a request is inside: the write is
+    refused as a missing index (404), never an internal error."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(sample_index, tmp_path / "main")
+    shutil.copytree(sample_index, root / "gone")
+
+    async def scenario() -> None:
+        engines = open_engines(_config(tmp_path / "main", {}, root=root))
+        await engines.start()
+        try:
+            async with engines.use("gone") as engine:
+                await engine.write([NewDocument("first", "Written before the deletion.")], [])
+                (root / "gone").rename(root / ".deleted-gone-by-another-worker")
+                with pytest.raises(IndexNotFoundError, match="deleted"):
+                    await engine.write([NewDocument("second", "Written after it.")], [])
+        finally:
+            await engines.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_read_only_index_refuses_writes_in_the_librarys_words(sample_index: Path) -> None:
     async def scenario() -> None:
         engines = open_engines(_config(sample_index, {}, read_only=True))

@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from espn_server.router.app import build_router_app
 from espn_server.index_names import resolve_indexes
-from espn_server.settings import RouterSettings
+from espn_server.router_settings import RouterSettings
 from helpers import HTTP_TIMEOUT_S
 from server_fixtures import HTTP, ServerProcess, running_server
 

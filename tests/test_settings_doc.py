@@ -15,7 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from espn.cli import build_parser, main
-from espn_server.settings import ENV_PREFIX, ROUTER_ENV_PREFIX, RouterSettings, ServerSettings
+from espn_server.router_settings import RouterSettings
+from espn_server.settings import ENV_PREFIX, ROUTER_ENV_PREFIX, ServerSettings
 from espn_server.settings_doc import settings_of, write_readme
 
 ROOT = Path(__file__).resolve().parents[1]

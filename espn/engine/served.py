@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..encoders.shared import SharedEncoders
-from ..errors import EspnError, NotEnabledError, ReadOnlyIndexError, UnavailableError
-from ..files import resident_bytes
+from ..errors import EspnError, IndexNotFoundError, NotEnabledError, ReadOnlyIndexError, UnavailableError
+from ..files import is_index_directory, resident_bytes
 from ..live.checks import NewDocument, WriteResult
 from ..live.replication.follower import Follower
 from ..live.replication.publisher import Publisher
@@ -79,7 +79,13 @@ class ServedIndex:
         return await asyncio.to_thread(self._searching().page_image, doc_id, max_side)
 
     async def write(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteResult:
-        result = await self._writing().apply(upserts, deletes)
+        try:
+            result = await self._writing().apply(upserts, deletes)
+        except (OSError, EspnError) as exc:
+            if not self.default and not is_index_directory(self.path):  # deleted meanwhile, by another process
+                raise IndexNotFoundError(f"index {self.name!r} was deleted while the write ran; nothing of it "
+                                         "is kept") from exc
+            raise
         if self.live is not None:
             self.documents = self.live.current.searchable_documents
         return result

@@ -32,7 +32,7 @@ Nothing here is a cluster manager: the shard list is static configuration, and
 scheduling, discovery, restarts and load balancing over replicas belong to the platform.
 """
 
-from ..settings import RouterSettings
+from ..router_settings import RouterSettings
 from .app import build_router_app
 from .merge import fuse_hits, merge_hits
 from .models import RoutedBatchResponse, RoutedSearchResponse, ShardFailure

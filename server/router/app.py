@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ApiError, allowed_methods, method_not_allowed_message
-from ..middleware import AccessMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
-from ..settings import RouterSettings
+from ..middleware import AccessMiddleware, AuthMiddleware, BodyLimitMiddleware
+from ..router_settings import RouterSettings
 from .deps import RouterState, router_error
 from .fanout import ClientError, Fanout, RouterMetrics
 from .index_path import RouterIndexRoutes
@@ -88,8 +88,8 @@ def _add_middleware(app: FastAPI, settings: RouterSettings) -> None:
     never a schema error), the body bounded in size and time, one access line per request that
     names the path but never the query string (where a client may have put its key)."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value())
+    if settings.keyed:  # the partitions check the key again: the router passes it on
+        app.add_middleware(AuthMiddleware, keyring=settings.keyring(), default_index=None)
     app.add_middleware(RouterIndexRoutes)  # inside the key check: /v1/indexes/{name}/... needs the key too
     app.add_middleware(AccessMiddleware, metrics=None, routes=app.router.routes)
 

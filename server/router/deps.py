@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import ApiError
 from ..schemas import ErrorResponse
-from ..settings import RouterSettings
+from ..router_settings import RouterSettings
 from .fanout import Fanout, RouterMetrics
 from .models import ShardFailure
 from .writers import WriterPool

@@ -106,12 +106,14 @@ class WriterPool:
         except (AnswerTooLarge, httpx.DecodingError) as exc:
             return self._bad(partition, path, str(exc))
 
-    async def _verify(self, partition: int) -> Optional[WriteOutcome]:
-        """None when the writer reports partition p of S by the hash rule; else the outcome to give."""
+    async def _verify(self, partition: int, headers: dict[str, str]) -> Optional[WriteOutcome]:
+        """None when the writer reports partition p of S by the hash rule; else the outcome to give.
+        headers: the write's own (its API key: a server with keys tells its layout only to a key)."""
         if partition in self.verified:
             return None
         url = self.writers[partition]
-        answer = await self._get(partition, "GET", "/readyz")
+        key = {name: value for name, value in headers.items() if name.lower() == "authorization"}
+        answer = await self._get(partition, "GET", "/readyz", key or None)
         if isinstance(answer, WriteOutcome):
             return answer
         if answer.status != 200:
@@ -153,7 +155,7 @@ class WriterPool:
                     upserts: list[str], deletes: list[str]) -> WriteOutcome:
         """Send one write to its partition's writer; applied only when the answer lists exactly
         `upserts` and `deletes` as written (see the module doc for the statuses)."""
-        refused = await self._verify(partition)
+        refused = await self._verify(partition, headers)
         if refused is not None:
             return refused
         answer = await self._get(partition, method, path, headers, content)

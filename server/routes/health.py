@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 
-from ..deps import AppState, get_state
+from ..auth import Principal
+from ..deps import AppState, get_principal, get_state
 from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import HealthResponse, ReadinessResponse
 from .indexes import index_info
@@ -28,11 +31,19 @@ async def healthz() -> HealthResponse:
     summary="Readiness: the index is open and warmed; its generation and whether it takes writes",
     responses={503: {"model": ReadinessResponse, "description": "starting, warming or draining"}},
 )
-async def readyz(state: AppState = Depends(get_state)) -> Response:
+async def readyz(state: AppState = Depends(get_state),
+                 principal: Optional[Principal] = Depends(get_principal)) -> Response:
+    """Ready or not; with the key (on a server that needs one) also what is served, of the indexes
+    the key reaches: without it, no index name, reader or replication detail is given away."""
     engines = state.engines
     ready = engines.readiness()
-    held = engines.describe()
-    described = held if len(held) > 1 or engines.default_name is None else None
+    if principal is None:
+        bare = ReadinessResponse(status=ready.state.value, detail=None if ready.ready else "not ready")
+        return JSONResponse(bare.model_dump(mode="json", exclude_none=True), status_code=200 if ready.ready else 503,
+                            headers=None if ready.ready else {"Retry-After": "1"})
+    every = engines.describe()
+    held = [info for info in every if principal.reaches(info.name)]
+    described = held if len(every) > 1 or engines.default_name is None else None
     body = ReadinessResponse(
         status=ready.state.value, detail=None if ready.ready else "not ready", reader=ready.reader,
         generation=ready.generation,

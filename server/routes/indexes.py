@@ -6,13 +6,15 @@ and /v1/snapshots, mounted again with the index's name as a path parameter (serv
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, Path, Response
 
 from espn.engine import IndexInfo as EngineIndexInfo
 
-from ..deps import AppState, get_state
+from ..auth import Principal
+from ..deps import AppState, get_principal, get_state
+from ..errors import ApiError
 from ..schemas import CreateIndexRequest, ErrorResponse, IndexInfo, IndexListResponse
 
 router = APIRouter(prefix="/v1/indexes", tags=["indexes"])
@@ -51,8 +53,11 @@ def index_info(info: EngineIndexInfo) -> IndexInfo:
 
 
 @router.get("", response_model=IndexListResponse, summary="List the indexes: name, documents, encoder, open or closed")
-async def list_indexes(state: AppState = Depends(get_state)) -> IndexListResponse:
-    return IndexListResponse(indexes=[index_info(info) for info in state.engines.describe()])
+async def list_indexes(state: AppState = Depends(get_state),
+                       principal: Optional[Principal] = Depends(get_principal)) -> IndexListResponse:
+    """The indexes the request's key reaches (every index without keys)."""
+    return IndexListResponse(indexes=[index_info(info) for info in state.engines.describe()
+                                      if principal is not None and principal.reaches(info.name)])
 
 
 @router.get("/{name}", response_model=IndexInfo, summary="One index: documents, encoder, open or closed",
@@ -68,7 +73,11 @@ async def get_index(name: str = Path(description="the index's name (`--index NAM
                          "(the first creation with a model loads it once): it takes writes under "
                          "/v1/indexes/{name}/documents at once, is searched exactly while small, and is fitted on "
                          "its own documents as it grows (nothing is trained on other text).")
-async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_state)) -> IndexInfo:
+async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_state),
+                     principal: Optional[Principal] = Depends(get_principal)) -> IndexInfo:
+    if principal is None or not principal.reaches(body.name):  # the middleware checked the admin role
+        raise ApiError(403, f"the API key may not create an index named {body.name!r}: it reaches "
+                       f"{', '.join(principal.indexes) if principal else 'no index'}", code="forbidden")
     return index_info(await state.engines.create(body.name, body.model))
 
 
