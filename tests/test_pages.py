@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from espn.pages import corpus as pages
+from espn.pages import pdf as pdf_module
 from espn.corpus import iter_corpus
 from espn.errors import CorpusError, InvalidParameterError
 from espn.pages.corpus import Page, count_pages, is_page_corpus, iter_pages
@@ -325,12 +326,12 @@ def test_bounds_on_file_size_and_pdf_pages(tmp_path: Path, monkeypatch: pytest.M
     Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
     save_pdf(tmp_path / "b.pdf", [(72, 72)] * 3)
     monkeypatch.setattr(pages, "MAX_IMAGE_BYTES", 10)
-    monkeypatch.setattr(pages, "MAX_PDF_PAGES", 2)
+    monkeypatch.setattr(pdf_module, "MAX_PDF_PAGES", 2)
     with pytest.raises(CorpusError, match=r"a\.png: refused, \d+ bytes \(at most 10 for an image\)"):
         list(iter_pages(tmp_path))
     with pytest.raises(CorpusError, match=r"b\.pdf: refused, 3 pages \(at most 2 a PDF\)"):
         list(iter_pages(tmp_path / "b.pdf"))
-    monkeypatch.setattr(pages, "MAX_PDF_BYTES", 10)
+    monkeypatch.setattr(pdf_module, "MAX_PDF_BYTES", 10)
     with pytest.raises(CorpusError, match=r"b\.pdf: refused, \d+ bytes \(at most 10 for a PDF\)"):
         list(iter_pages(tmp_path / "b.pdf"))
 
