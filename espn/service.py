@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .metadata import MetadataLimits
     from .pages.images import (BASE64_PATTERN, MAX_BASE64_CHARS, MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE,
                                decode_base64_image)
+    from .pages.memory import (DEFAULT_PAGE_MEMORY_BYTES, MAX_GROUP_BYTES, PAGE_BYTES_PER_PIXEL, PAGE_MEMORY_WAIT_S,
+                               configure_process_page_memory)
+    from .pages.decode import MAX_PIXELS
+    from .live.staging import remove_write_leftovers
     from .partitioning import HASH_NAME, PartitionLayout, WrongPartitionError, owner
     from .prefetch import PrefetchEstimates
     from .search.hybrid import MAX_LEXICAL_K, HybridParams, fuse
@@ -74,7 +78,10 @@ __all__ = [
     "LiveIndex", "GroupCommit", "lower_priority", "NewDocument", "WriteLimits", "WriteResult", "MetadataLimits",
     "CompactionPolicy", "CompactionRunningError",
     # status and readiness
-    "read_only_reason", "lock_is_free",
+    "read_only_reason", "lock_is_free", "remove_write_leftovers",
+    # the page memory of a process (decoded page images), its bounds
+    "configure_process_page_memory", "DEFAULT_PAGE_MEMORY_BYTES", "MAX_GROUP_BYTES", "PAGE_BYTES_PER_PIXEL",
+    "PAGE_MEMORY_WAIT_S", "MAX_PIXELS",
     # index administration (an empty index made and removed in an index root)
     "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents", "is_index_directory",
     "resident_bytes", "encoder_label",
@@ -109,6 +116,10 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("default_name", "snapshot", "snapshots_in"), "espn.live.snapshot"),
     "remove_snapshot_leftovers": "espn.live.snapshot:remove_leftovers",
     "read_only_reason": "espn.live.status",
+    "remove_write_leftovers": "espn.live.staging",
+    **dict.fromkeys(("configure_process_page_memory", "DEFAULT_PAGE_MEMORY_BYTES", "MAX_GROUP_BYTES",
+                     "PAGE_BYTES_PER_PIXEL", "PAGE_MEMORY_WAIT_S"), "espn.pages.memory"),
+    "MAX_PIXELS": "espn.pages.decode",
     "MetadataLimits": "espn.metadata",
     **dict.fromkeys(("BASE64_PATTERN", "MAX_BASE64_CHARS", "MAX_THUMBNAIL_SIDE", "MIN_THUMBNAIL_SIDE",
                      "decode_base64_image"), "espn.pages.images"),

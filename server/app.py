@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from espn.errors import EspnError
-from espn.service import Follower, Publisher, remove_snapshot_leftovers
+from espn.service import Follower, Publisher, configure_process_page_memory, remove_snapshot_leftovers
 
 from . import connections
 from .deps import AppState, declare_api_key, get_writes
@@ -86,6 +86,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     registry = state.indexes
     assert registry is not None  # build_app made it
     state.metrics.ready.set(0)
+    configure_process_page_memory(settings.page_memory_bytes)  # this worker's, for every index it serves
     await open_index(state, registry.encoders)
     searcher = state.require_live().current
     reader = searcher.reader.describe()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
-                         InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
+                         InvalidParameterError, ReadOnlyIndexError, StorageFullError, TooLargeError, WriteFailedError)
 from espn.service import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
@@ -181,6 +181,11 @@ async def _on_invalid_parameter(request: Request, exc: Exception) -> JSONRespons
     return error_response(422, "invalid_parameter", str(exc))
 
 
+async def _on_too_large(request: Request, exc: Exception) -> JSONResponse:
+    """Input that can never fit a memory bound of the server (a page over its page memory): 413."""
+    return error_response(413, "too_large", str(exc))
+
+
 async def _on_document_not_found(request: Request, exc: Exception) -> JSONResponse:
     return error_response(404, "document_not_found", str(exc))
 
@@ -238,6 +243,7 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(InvalidParameterError, _on_invalid_parameter)
+    app.add_exception_handler(TooLargeError, _on_too_large)  # an InvalidParameterError: the closest handler wins
     app.add_exception_handler(ConflictError, _on_conflict)  # a subclass: Starlette picks the closest handler
     app.add_exception_handler(WrongPartitionError, _on_wrong_partition)
     app.add_exception_handler(DocumentNotFoundError, _on_document_not_found)

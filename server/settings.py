@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from espn.service import READER_NAMES, is_index_directory
+from espn.service import DEFAULT_PAGE_MEMORY_BYTES, READER_NAMES, is_index_directory
 
 from .index_names import default_index_path, resolve_indexes, split_entries
 from .index_settings import IndexSettings
@@ -163,6 +163,10 @@ class ServerSettings(IndexSettings, BaseSettings):
     max_metadata_bytes: int = Field(16 << 10, ge=64, le=16 << 20,
                                     description="a document's metadata as JSON, in bytes")
     max_index_fields: int = Field(256, ge=1, le=100_000, description="distinct metadata fields per index")
+    page_memory_bytes: int = Field(DEFAULT_PAGE_MEMORY_BYTES, ge=1 << 20, le=1 << 40,
+                                   description="decoded page images a worker holds at once, every write and index "
+                                               "together; a page over it is a 413, a write that waits for it too long "
+                                               "a 503")
 
     # Operations.
     log_level: LogLevel = Field("info", description="server log level")
