@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from espn.errors import EspnError
-from espn.service import LiveSearcher, encoder_label, is_index_directory, live_documents, read_only_reason
+from espn.service import (LiveSearcher, encoder_label, is_index_directory, live_documents, read_only_reason,
+                          remove_write_leftovers)
 from espn.service import remove_snapshot_leftovers as remove_leftovers
 
 from .deps import INDEX_STATE_KEY, AppState
@@ -77,6 +78,10 @@ async def open_index(state: AppState, encoders: SharedEncoders) -> None:
         state.read_only = True if settings.read_only else _read_only(settings)
     else:
         state.read_only = settings.read_only if settings.read_only is not None else _read_only(settings)
+    if not state.read_only and settings.follow is None:  # what killed writers left, warm-up or not
+        removed = await asyncio.to_thread(remove_write_leftovers, settings.index)
+        if removed:
+            logger.info("removed what stopped writers left", extra={"index": state.name, "removed": removed})
     if state.lazy and settings.snapshot_dir is not None:  # --snapshot-dir/NAME: what killed snapshots left
         await asyncio.to_thread(_snapshot_dir_ready, settings.snapshot_dir)
     state.live = LiveSearcher(searcher)
