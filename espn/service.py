@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
                                decode_base64_image)
     from .pages.memory import (DEFAULT_PAGE_MEMORY_BYTES, MAX_GROUP_BYTES, PAGE_BYTES_PER_PIXEL, PAGE_MEMORY_WAIT_S,
                                configure_process_page_memory)
-    from .pages.decode import MAX_PIXELS
+    from .pages.decode import MAX_PIXELS, MAX_SIDE_PX
+    from .live.encoding import PAGE_BATCH_SIZE
     from .live.staging import remove_write_leftovers
     from .partitioning import HASH_NAME, PartitionLayout, WrongPartitionError, owner
     from .prefetch import PrefetchEstimates
@@ -81,7 +82,7 @@ __all__ = [
     "read_only_reason", "lock_is_free", "remove_write_leftovers",
     # the page memory of a process (decoded page images), its bounds
     "configure_process_page_memory", "DEFAULT_PAGE_MEMORY_BYTES", "MAX_GROUP_BYTES", "PAGE_BYTES_PER_PIXEL",
-    "PAGE_MEMORY_WAIT_S", "MAX_PIXELS",
+    "PAGE_MEMORY_WAIT_S", "MAX_PIXELS", "MAX_SIDE_PX", "PAGE_BATCH_SIZE",
     # index administration (an empty index made and removed in an index root)
     "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents", "is_index_directory",
     "resident_bytes", "encoder_label",
@@ -119,7 +120,8 @@ _LAZY: dict[str, str] = {
     "remove_write_leftovers": "espn.live.staging",
     **dict.fromkeys(("configure_process_page_memory", "DEFAULT_PAGE_MEMORY_BYTES", "MAX_GROUP_BYTES",
                      "PAGE_BYTES_PER_PIXEL", "PAGE_MEMORY_WAIT_S"), "espn.pages.memory"),
-    "MAX_PIXELS": "espn.pages.decode",
+    **dict.fromkeys(("MAX_PIXELS", "MAX_SIDE_PX"), "espn.pages.decode"),
+    "PAGE_BATCH_SIZE": "espn.live.encoding",
     "MetadataLimits": "espn.metadata",
     **dict.fromkeys(("BASE64_PATTERN", "MAX_BASE64_CHARS", "MAX_THUMBNAIL_SIDE", "MIN_THUMBNAIL_SIDE",
                      "decode_base64_image"), "espn.pages.images"),

@@ -2,12 +2,15 @@
 
 Pages come from `espn.pages.corpus.iter_pages` (a folder of images and PDFs, a PDF, or a JSONL of
 `{"_id", "image"}` records), one at a time; they are cut into chunks of `chunk_size` pages in
-corpus order, encoded `batch_size` at a time by the visual encoder (`encode_pages`) and
-written with `indexing.chunks.write_chunk`. Reading, rendering and the processor run in a loader
-worker process (`loader_workers=1`, as the text build tokenises), the model in this one. A chunk
-already written is skipped (its pages are
-still read, to keep the order, but not encoded), so a re-run after a crash resumes, and
-`shard`/`num_shards` split the chunks round-robin between processes as for text.
+corpus order, preprocessed and encoded by the visual encoder in groups of at most `batch_size`
+pages and espn.pages.memory.MAX_GROUP_BYTES of pixels, and written with
+`indexing.chunks.write_chunk`. Reading, rendering and the processor run in a loader worker
+process (`loader_workers=1`, as the text build tokenises), the model in this one; a page's
+pixels live only until its group is preprocessed, and a chunk's vectors and stored images are
+spooled to files until the chunk is written (`_ChunkSpool`), so memory grows with neither the
+chunk size nor the corpus. A chunk already written is skipped (its pages are still read, to
+keep the order, but not encoded), so a re-run after a crash resumes, and `shard`/`num_shards`
+split the chunks round-robin between processes as for text.
 
 Each page's stored text is a short description ("page 3 of reports/a.pdf"), its title the
 source file's name, and its metadata the record's with `source` and `page` added (the
@@ -21,7 +24,7 @@ import functools
 import logging
 import os
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, BinaryIO, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -113,7 +116,13 @@ class _ChunkSpool:
         stem = chunk_path(work_dir, index)
         stem.parent.mkdir(parents=True, exist_ok=True)
         self.paths = [stem.with_name(f"{stem.stem}.{part}.tmp") for part in ("cls", "bow", "images")]
-        self.files = [open(path, "wb") for path in self.paths]
+        self.files: list[BinaryIO] = []
+        try:
+            for path in self.paths:
+                self.files.append(open(path, "wb"))
+        except BaseException:
+            self.discard()
+            raise
         self.counts: list[np.ndarray] = []
         self.grids: list[np.ndarray] = []
         self.meta: list[tuple[str, str, str, dict[str, Any]]] = []

@@ -23,7 +23,11 @@ from espn.pages.decode import MAX_IMAGE_BYTES, SIGNATURE_BYTES, decode_image, op
 from espn.pages.memory import PageMemory, bounded_groups, page_cost, process_page_memory
 
 __all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "page_header",
-           "reorder_chunk"]
+           "reorder_chunk", "PAGE_BATCH_SIZE"]
+
+#: Pages a write decodes and the model encodes together at most (fewer where their pixels are
+#: over espn.pages.memory.MAX_GROUP_BYTES).
+PAGE_BATCH_SIZE = 8
 
 
 @dataclasses.dataclass
@@ -127,7 +131,7 @@ def _decoded(doc_id: str, data: bytes) -> Image.Image:
 
 
 def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, str, str, Mapping[str, Any] | None]],
-                          batch_size: int = 8, memory: PageMemory | None = None) -> EncodedDocuments:
+                          batch_size: int = PAGE_BATCH_SIZE, memory: PageMemory | None = None) -> EncodedDocuments:
     """Encode (id, image bytes, title, text, metadata) pages in this thread: the online write path
     of a page index. Every image's header is checked first (espn.pages.decode's bounds;
     InvalidParameterError naming the document otherwise, TooLargeError for a page that could never fit

@@ -53,7 +53,7 @@ from ..generation.format import LIVE_DIR, Generation, TombstoneFile, read_curren
 from ..generation.segments import empty_ivf
 
 from .checks import NewDocument, WriteLimits, WriteRequest, WriteResult, check_write
-from .encoding import EncodedDocuments, encode_documents, encode_page_documents
+from .encoding import PAGE_BATCH_SIZE, EncodedDocuments, encode_documents, encode_page_documents
 from .resolve import IndexState, gather_kept, resolve_writes
 from ..generation.segment_files import add_tombstones, write_delta, write_tombstones
 from .side_index import SideIndex
@@ -234,7 +234,7 @@ class IndexWriter:
                 raise ConflictError(f"document {d.doc_id!r}: an image, but this index holds text; send its text")
         if pages:
             return encode_page_documents(encoder, [(d.doc_id, d.image, d.title, d.text, d.metadata)  # type: ignore[misc]
-                                                   for d in documents], min(batch_size, 8))
+                                                   for d in documents], min(batch_size, PAGE_BATCH_SIZE))
         return encode_documents(encoder, [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
                                 batch_size, joiner=self.title_joiner)
 
