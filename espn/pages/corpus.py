@@ -36,7 +36,8 @@ from ..errors import CorpusError, InvalidParameterError
 from ..ids import id_problem, quote_id
 from ..metadata import check_metadata
 from ..untrusted import MAX_JSON_DEPTH, check_json_depth, inside_root, json_depth, open_regular, regular_file
-from .decode import IMAGE_FORMATS, MAX_IMAGE_BYTES, SIGNATURE_BYTES, UNSUPPORTED_IMAGE_SUFFIXES, decode_image, one_line, sniff_kind
+from .decode import (IMAGE_FORMATS, MAX_IMAGE_BYTES, SIGNATURE_BYTES, UNSUPPORTED_IMAGE_SUFFIXES, decode_image,
+                     one_line, sniff_kind)
 from .pdf import PDF_SUFFIX, PdfFile
 
 __all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "no_pages_error", "PDF_SUFFIX", "MIN_DPI", "MAX_DPI",

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 #: What one page costs at its peak, per pixel of the image: its RGB pixels (3 bytes, with the
 #: allocator's slack about 4) while the model's processor makes its own copies of them to resize
-#: (ColPali's SigLIP processor: about 9.5 more), or, before that, decoding an RGBA image beside its
-#: RGB copy (7.5). Measured at 39.7 MP: 13.6 at most (benchmarks/bench_page_memory.py); 16 leaves room.
+#: (ColPali's SigLIP processor: 6 to 10 more), or, before that, decoding an RGBA image beside its
+#: RGB copy (7.5). Measured at 39.7 MP: 13.4 (1-bit), 14.0 (RGB), 14.2 (RGBA) at most
+#: (benchmarks/bench_page_memory.py, docs/guides/operating-limits.md); 16 leaves room.
 PAGE_BYTES_PER_PIXEL = 16
 #: The most a group of pages decoded together (one model batch at most) may cost: the bound of one
 #: request's pixels, and of the page build's loader. A page of MAX_PIXELS (640 MB) is a group alone.
