@@ -9,6 +9,7 @@ __all__ = [
     "EspnError",
     "InvalidParameterError",
     "RefusedInputError",
+    "TooLargeError",
     "ConflictError",
     "CorpusError",
     "IndexCorruptError",
@@ -28,6 +29,7 @@ __all__ = [
     "WriteFailedError",
     "ObjectStoreError",
     "StorageFullError",
+    "PageMemoryBusyError",
     "storage_full",
     "UsageError",
 ]
@@ -60,6 +62,11 @@ class RefusedInputError(InvalidParameterError):
     """Input from outside the process (a body, a model directory, a snapshot, a remote answer)
     broke a stated rule of espn.untrusted (size, depth, path, file kind); the message names the
     object and the rule in one line."""
+
+
+class TooLargeError(RefusedInputError):
+    """Input that can never fit a memory bound of this process, however long it waited (a page
+    whose decoded pixels are over the process's page memory). HTTP: 413."""
 
 
 class ConflictError(InvalidParameterError):
@@ -161,6 +168,12 @@ class StorageFullError(WriteFailedError):
     """The filesystem holding the index (or a snapshot) has no space left: what was being written
     is removed or never published, nothing acknowledged before is lost; free space and retry.
     HTTP: 507."""
+
+
+class PageMemoryBusyError(WriteFailedError):
+    """The decoded pages of other writes hold this process's page memory (espn.pages.memory) for
+    longer than a write waits: nothing of it was kept, and it fits once they are done. HTTP: 503
+    with Retry-After."""
 
 
 # What a full disk says: the errno of an OSError, or the text of a native library that only

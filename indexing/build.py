@@ -27,7 +27,7 @@ from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsEr
 from espn.params import FIRST_STAGE_KINDS
 from espn.files import write_json_atomic
 from espn.index import read_manifest
-from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus
+from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus, no_pages_error
 from espn.store.format import STORAGE_TYPES
 from espn.store.recode import require_centroid_stage
 from espn.first_stage.build import first_stage_kind
@@ -286,8 +286,8 @@ def _build_pages(config: BuildConfig, out: Path) -> dict[str, Any] | None:
     """build_index for a page corpus: pages rendered and encoded by the visual encoder into the same
     chunk files, then the same merge (ids are unique by construction or checked by the reader)."""
     pages = count_pages(Path(config.corpus))
-    if pages == 0:
-        raise CorpusError(f"{config.corpus}: the corpus has no pages")
+    if pages == 0:  # the refusal of its first file, not only that nothing was found
+        raise no_pages_error(Path(config.corpus))
     work = WorkDir(out)
     encoder = _prepare_encoder(config, work, pages)
     check_modality(encoder, True, config.corpus)  # a resumed build's saved encoder, too

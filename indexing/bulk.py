@@ -20,7 +20,7 @@ from espn.live.writer import IndexWriter
 from espn.live.encoding import EncodedDocuments
 from espn.live.staging import Staging
 from espn.metadata import check_field_count, merge_types, value_type
-from espn.pages.corpus import DEFAULT_DPI, count_pages, is_page_corpus
+from espn.pages.corpus import DEFAULT_DPI, count_pages, is_page_corpus, no_pages_error
 
 from .chunks import Chunk, finished_chunks, read_chunk
 from .encode import encode_corpus
@@ -92,9 +92,12 @@ def _encoded_text(writer: IndexWriter, corpus: Path, work: Path, batch_size: int
 def _encoded_pages(writer: IndexWriter, corpus: Path, work: Path, batch_size: int, loader_workers: int,
                    progress: bool, skip_bad: bool, dpi: int) -> tuple[EncodedDocuments, dict[str, str]]:
     """The pages encoded as the build encodes them (ids are checked unique while they are read)."""
+    pages = count_pages(corpus)
+    if pages == 0:  # the refusal of its first file, before the model runs
+        raise no_pages_error(corpus)
     encoder: PageEncoder = writer.encoder()  # type: ignore[assignment]  # a page index's encoder reads pages
     totals = encode_page_corpus(corpus, work, encoder, dpi=dpi, batch_size=batch_size, skip_bad=skip_bad,
-                                loader_workers=loader_workers, progress=progress, total_pages=count_pages(corpus))
+                                loader_workers=loader_workers, progress=progress, total_pages=pages)
     if totals["documents"] == 0:
         raise CorpusError(f"{corpus}: the corpus has no readable pages")
     checkpoint("encoded")

@@ -81,13 +81,16 @@ def unpack_strings(blob: np.ndarray, offsets: np.ndarray) -> list[str]:
 def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, counts: np.ndarray,
                 ids: Sequence[str], titles: Sequence[str] | None = None, texts: Sequence[str] | None = None,
                 metadata: Sequence[dict | None] | None = None, images: Sequence[bytes] | None = None,
-                grids: np.ndarray | None = None) -> Path:
+                grids: np.ndarray | None = None,
+                packed_images: tuple[np.ndarray, np.ndarray] | None = None) -> Path:
     """Write chunk `index` atomically. titles/texts may be None (precomputed embeddings).
 
     metadata: per document its metadata object or None; kept in the document's JSON line,
     from which the assembler builds the metadata columns. images: per page its stored image
-    bytes (espn.pages.images.encode_page_image), for a page corpus; None for text. grids: the
-    pages' patch grids [n, 4] (espn.pages.grids), for a page corpus.
+    bytes (espn.pages.images.encode_page_image), for a page corpus; None for text; or
+    packed_images: the same back to back (blob [bytes] uint8, offsets [n + 1] int64; a memory
+    map is written in pieces, never copied whole). grids: the pages' patch grids [n, 4]
+    (espn.pages.grids), for a page corpus.
     """
     n = len(counts)
     if len(cls) != n or len(ids) != n or int(np.sum(counts)) != len(bow):
@@ -99,9 +102,13 @@ def write_chunk(work_dir: Path, index: int, cls: np.ndarray, bow: np.ndarray, co
     docs_blob, docs_offsets = pack_strings(lines)
     extra: dict[str, Any] = {}  # Any: savez takes the arrays as keywords beside its own bool
     if images is not None:
-        if len(images) != n:
-            raise ValueError(f"chunk {index}: {len(images)} images for {n} documents")
-        extra["images_blob"], extra["images_offsets"] = pack_bytes(list(images))
+        packed_images = pack_bytes(list(images))
+    if packed_images is not None:
+        blob, offsets = packed_images
+        if len(offsets) != n + 1 or int(offsets[-1]) != len(blob):
+            raise ValueError(f"chunk {index}: {len(offsets) - 1} images of {int(offsets[-1])} bytes for {n} "
+                             f"documents and {len(blob)} bytes")
+        extra["images_blob"], extra["images_offsets"] = blob, offsets
     if grids is not None:
         if np.shape(grids) != (n, 4):
             raise ValueError(f"chunk {index}: page grids of shape {np.shape(grids)} for {n} documents")

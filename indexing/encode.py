@@ -15,7 +15,8 @@ import functools
 import logging
 import os
 import signal
-from itertools import islice
+from collections import deque
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -75,8 +76,9 @@ class ShardBatches(IterableDataset):
         """The corpus's records in order (documents, pages)."""
         raise NotImplementedError
 
-    def batches(self, index: int, chunk: list[Any]) -> Iterator[dict[str, Any]]:
-        """The items of chunk `index` of this shard: one per model batch, the chunk's metadata in the first."""
+    def batches(self, index: int, chunk: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        """The items of chunk `index` of this shard, from its records as they are read (at least
+        one): one per model batch, the last with "last" true."""
         raise NotImplementedError
 
     def progress(self, total: int | None) -> tuple[int | None, int]:
@@ -98,15 +100,33 @@ class ShardBatches(IterableDataset):
         documents = chunks = 0
         records = self.records()
         for index in range(1 << 62):
-            chunk = list(islice(records, self.chunk_size))
-            if not chunk:
+            first = next(records, _END)
+            if first is _END:
                 break
-            documents += len(chunk)
-            chunks = index + 1
+            chunk = _Counted(chain([first], islice(records, self.chunk_size - 1)))
             if index % self.num_shards != self.shard or index in self.done:
-                continue
-            yield from self.batches(index, chunk)
+                deque(chunk, maxlen=0)  # read (to keep the order), one record at a time, not encoded
+            else:
+                yield from self.batches(index, chunk)
+                deque(chunk, maxlen=0)  # whatever `batches` left unread
+            documents += chunk.count
+            chunks = index + 1
         yield {"end": True, "documents": documents, "chunks": chunks}
+
+
+_END = object()
+
+
+class _Counted(Iterator[Any]):
+    """An iterator that counts what it hands out."""
+
+    def __init__(self, items: Iterator[Any]) -> None:
+        self.items, self.count = items, 0
+
+    def __next__(self) -> Any:
+        item = next(self.items)
+        self.count += 1
+        return item
 
 
 def end_totals(item: dict[str, Any]) -> dict[str, int] | None:
@@ -130,7 +150,8 @@ class _TokenisedChunks(ShardBatches):
     def records(self) -> Iterator[CorpusDocument]:
         return iter_corpus(self.corpus, skip_bad=self.skip_bad)
 
-    def batches(self, index: int, chunk: list[CorpusDocument]) -> Iterator[dict[str, Any]]:
+    def batches(self, index: int, records: Iterator[CorpusDocument]) -> Iterator[dict[str, Any]]:
+        chunk = list(records)  # a chunk of passages is bucketed by length as a whole
         texts = [passage_text(doc.title, doc.text, self.joiner) for doc in chunk]
         order = self.encoder.batch_order(texts)
         starts = range(0, len(order), self.batch_size)

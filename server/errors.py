@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, EspnError, IndexCorruptError,
                          IndexLockedError, IndexNotFoundError, InvalidParameterError, NotEnabledError,
-                         ReadOnlyIndexError, StorageFullError, UnavailableError, WriteFailedError, WrongPartitionError)
+                         ReadOnlyIndexError, StorageFullError, TooLargeError, UnavailableError, WriteFailedError,
+                         WrongPartitionError)
 
 __all__ = ["ApiError", "METHOD_NOT_ALLOWED_ROUTE", "allowed_methods", "error_response", "flat_routes", "library_error_response",
            "method_not_allowed_message", "register_exception_handlers"]
@@ -188,6 +189,7 @@ _LIBRARY: dict[type[EspnError], _Status] = {
     NotEnabledError: _Status(404, "not_enabled"),
     ConflictError: _Status(409, "conflict"),
     ReadOnlyIndexError: _Status(409, "read_only"),
+    TooLargeError: _Status(413, "too_large"),
     InvalidParameterError: _Status(422, "invalid_parameter"),
     CorpusError: _Status(422, "invalid_document"),
     IndexLockedError: _Status(503, "index_busy", retry_after_s=2),

@@ -169,6 +169,10 @@ class ServerSettings(IndexSettings, BaseSettings):
     max_metadata_fields: int = Field(_SERVED.max_metadata_fields, ge=1, le=10_000, description="metadata fields per document")
     max_metadata_bytes: int = Field(_SERVED.max_metadata_bytes, ge=64, le=16 << 20,
                                     description="a document's metadata as JSON, in bytes")
+    page_memory_bytes: int = Field(_SERVED.page_memory_bytes, ge=1 << 20, le=1 << 40,
+                                   description="decoded page images a worker holds at once, every write and index "
+                                               "together; a page over it is a 413, a write that waits for it too long "
+                                               "a 503")
     max_index_fields: int = Field(_SERVED.max_index_fields, ge=1, le=100_000, description="distinct metadata fields per index")
 
     # Operations.
@@ -326,7 +330,7 @@ class ServerSettings(IndexSettings, BaseSettings):
             "inline_search_ms", "max_pending", "fair_chunk_queries", "max_request_work", "max_response_bytes",
             "read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments", "compact_merge_factor",
             "compact_base_ratio", "compact_deleted_fraction", "max_metadata_fields", "max_metadata_bytes",
-            "max_index_fields", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
+            "max_index_fields", "page_memory_bytes", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
             "publish_keep", "snapshot_dir")}
         indexes = self.index_map()
         return ServeConfig(indexes=indexes, default=next(iter(indexes)) if self.index is not None else None,

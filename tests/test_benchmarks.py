@@ -184,6 +184,19 @@ def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "results").exists()
 
 
+def test_page_memory_measures_a_page_a_server_and_a_build(results: Path, capsys) -> None:
+    """bench_page_memory's small cases: every step of a page measured, every write answered, the build done."""
+    from benchmarks import bench_page_memory
+
+    assert bench_page_memory.main(["--quick", "--name", "page_memory_quick"]) == 0
+    payload = _check(results, "page_memory_quick", capsys, png=False)
+    assert [step["mode"] for step in payload["steps"]] == ["1", "RGB", "RGBA"]
+    assert all(step["page_peak"] > 0 for step in payload["steps"])
+    server, build = payload["cases"]
+    assert server["batch_status"] == 200 and server["put_statuses"] == [201, 201] and server["peak_rss"] > 0
+    assert build["exit"] == 0 and build["peak_tree_rss"] > 0
+
+
 def test_page_encoding_compares_a_device_with_the_cpu(results: Path, capsys) -> None:
     """bench_page_encoding, the GPU run's page study, on its CPU counterpart: the CPU against
     itself is exact (every difference 0, every grid equal), with several grids for ColQwen. On

@@ -4,6 +4,7 @@ as one line or a skip, the way espn.corpus treats text lines."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -22,9 +23,11 @@ import pytest
 from PIL import Image
 
 from espn.pages import corpus as pages
+from espn.pages import pdf as pdf_module
 from espn.corpus import iter_corpus
 from espn.errors import CorpusError, InvalidParameterError
-from espn.pages.corpus import Page, count_pages, is_page_corpus, iter_pages
+from espn.live.encoding import decode_page_bytes
+from espn.pages.corpus import Page, count_pages, is_page_corpus, iter_pages, no_pages_error
 
 
 def save_pdf(path: Path, sizes: list[tuple[int, int]], resolution: float = 72.0) -> Path:
@@ -325,12 +328,12 @@ def test_bounds_on_file_size_and_pdf_pages(tmp_path: Path, monkeypatch: pytest.M
     Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
     save_pdf(tmp_path / "b.pdf", [(72, 72)] * 3)
     monkeypatch.setattr(pages, "MAX_IMAGE_BYTES", 10)
-    monkeypatch.setattr(pages, "MAX_PDF_PAGES", 2)
+    monkeypatch.setattr(pdf_module, "MAX_PDF_PAGES", 2)
     with pytest.raises(CorpusError, match=r"a\.png: refused, \d+ bytes \(at most 10 for an image\)"):
         list(iter_pages(tmp_path))
     with pytest.raises(CorpusError, match=r"b\.pdf: refused, 3 pages \(at most 2 a PDF\)"):
         list(iter_pages(tmp_path / "b.pdf"))
-    monkeypatch.setattr(pages, "MAX_PDF_BYTES", 10)
+    monkeypatch.setattr(pdf_module, "MAX_PDF_BYTES", 10)
     with pytest.raises(CorpusError, match=r"b\.pdf: refused, \d+ bytes \(at most 10 for a PDF\)"):
         list(iter_pages(tmp_path / "b.pdf"))
 
@@ -393,3 +396,58 @@ def test_make_synthetic_page_mode_writes_pages_of_fixed_patch_counts(tmp_path: P
     # int8 records by default, as `espn index` writes a page model's: one byte a value, still many blocks
     assert manifest["store"]["dtype"] == "int8" and manifest["first_stage"]["kind"] == "centroids"
     assert set(records["n_bow"].tolist()) == {1030} and records["length"].min() >= 1030 * 128
+
+
+def test_a_file_given_alone_is_read_by_its_name_or_first_bytes_and_other_image_types_are_refused_by_name(
+        tmp_path: Path) -> None:
+    Image.new("RGB", (8, 6), (200, 0, 0)).save(tmp_path / "scan", format="PNG")  # a scan saved without a suffix
+    os.replace(save_pdf(tmp_path / "report.pdf", [(72, 72)] * 2), tmp_path / "report")
+    Image.new("RGB", (8, 6)).save(tmp_path / "fax.tiff")
+    Image.new("RGB", (8, 6)).save(tmp_path / "fax", format="TIFF")
+    Image.new("RGB", (8, 6)).save(tmp_path / "anim.gif")
+    (tmp_path / "notes.tsv").write_bytes(b"%PDF-1 is a document id\ttext\n")  # named as text: read as text
+    assert [(p.id, p.image.size) for p in iter_pages(tmp_path / "scan")] == [("scan", (8, 6))]
+    assert [p.id for p in iter_pages(tmp_path / "report")] == ["report#1", "report#2"]
+    assert count_pages(tmp_path / "scan") == 1 and count_pages(tmp_path / "report") == 2
+    assert not is_page_corpus(tmp_path / "notes.tsv")
+    for name, kind in (("fax.tiff", "TIFF"), ("fax", "TIFF"), ("anim.gif", "GIF")):
+        assert is_page_corpus(tmp_path / name) and count_pages(tmp_path / name) == 0
+        message = f"{tmp_path / name}: refused, a {kind} image; pages are read from PNG, JPEG, WebP and PDF files"
+        with pytest.raises(CorpusError, match=re.escape(message)):
+            list(iter_pages(tmp_path / name))
+        assert str(no_pages_error(tmp_path / name)).startswith(message)
+    # in a folder: refused by name (skipped with skip_bad), never passed over as if it were no image
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    os.replace(tmp_path / "fax.tiff", folder / "fax.tiff")
+    os.replace(tmp_path / "scan", folder / "scan.png")
+    with pytest.raises(CorpusError, match=re.escape(f"{folder / 'fax.tiff'}: refused, a TIFF image")):
+        list(iter_pages(folder))
+    assert [p.id for p in iter_pages(folder, skip_bad=True)] == ["scan.png"]
+
+
+def test_why_a_corpus_has_no_pages_is_the_refusal_of_its_first_file(tmp_path: Path) -> None:
+    write_encrypted_pdf(tmp_path / "locked.pdf", b"secret")
+    (tmp_path / "notes.pdf").write_text("meeting notes, not a PDF\n")
+    write_pdf(tmp_path / "million.pdf", [b"<< /Type /Catalog /Pages 2 0 R >>",
+                                         b"<< /Type /Pages /Kids [3 0 R] /Count 1000000 >>",
+                                         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] >>"], b"/Root 1 0 R")
+    for name, reason in (("locked.pdf", "refused, the PDF is encrypted"), ("notes.pdf", "not a readable PDF"),
+                         ("million.pdf", "refused, 1000000 pages (at most 10000 a PDF)")):
+        assert count_pages(tmp_path / name) == 0
+        assert str(no_pages_error(tmp_path / name)).startswith(f"{tmp_path / name}: {reason}")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    os.replace(tmp_path / "locked.pdf", folder / "a.pdf")
+    os.replace(tmp_path / "notes.pdf", folder / "b.pdf")
+    assert count_pages(folder) == 0
+    assert str(no_pages_error(folder)) == (f"{folder / 'a.pdf'}: refused, the PDF is encrypted (it needs a password); "
+                                           "the corpus has no readable pages")
+
+
+def test_an_uploaded_page_of_another_image_type_is_named(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6)).save(out, format="TIFF")
+    with pytest.raises(CorpusError, match=re.escape("upload: not a PNG, JPEG or WebP image (by its first bytes) "
+                                                    "(a TIFF file)")):
+        decode_page_bytes(out.getvalue(), "upload")

@@ -23,6 +23,7 @@ from espn.text.config import TextConfig
 from espn.text.engine import TextDocument, TextWriter, build_text_index
 from espn.live.snapshot import restore, snapshot
 from server_fixtures import HTTP, running_server
+from test_write_leftovers import leftovers
 
 
 @contextlib.contextmanager
@@ -143,3 +144,25 @@ def test_writes_on_a_full_disk_are_507_lose_nothing_acknowledged_and_resume(inde
         with Searcher.open(served) as searcher:
             assert searcher.document("acked-1").text == "acknowledged before the disk filled"
             assert searcher.document("acked-2").text == "written once space came back"
+
+
+def test_a_write_refused_for_a_full_disk_leaves_nothing_behind_at_once(index: Path, tmp_path: Path) -> None:
+    """The 507 says nothing of the write was kept: its segment, its records past the published end and
+    the full-text side's work directory (live/stage-text-*, a copy of the text index) are gone when it
+    is answered, not at the next write or restart, so the space they took is free again."""
+    with small_filesystem(tmp_path / "disk", _tree_bytes(index) + (24 << 20)) as disk:
+        served = disk / "index"
+        shutil.copytree(index, served)
+        with running_server(served, tmp_path, "--no-warmup") as server:
+            base = server.base_url
+            assert HTTP.put(f"{base}/v1/documents/acked-1", json={"text": "kept"}, timeout=120).status_code == 201
+            ballast = fill(disk, leave_bytes=64 << 10)
+            refused = HTTP.put(f"{base}/v1/documents/refused", json={"text": "words " * 3000}, timeout=120)
+            assert refused.status_code == 507, refused.text
+            assert leftovers(served) == []
+            assert not [p.name for p in (served / "live").iterdir() if p.name.startswith("stage-")]
+            ballast.unlink()
+            assert HTTP.put(f"{base}/v1/documents/acked-2", json={"text": "after"}, timeout=120).status_code == 201
+            assert "Traceback" not in server.log()
+        assert leftovers(served) == []
+        assert not [p.name for p in (served / "live").iterdir() if p.name.startswith("stage-")]  # the clean stop

@@ -332,3 +332,37 @@ def test_explained_query_tokens_map_to_the_characters_they_came_from(encoder: Vi
         assert_tokens_map_to_their_characters(query, [(entry[2], entry[3]) for entry, _ in text],
                                               [tokenizer.decode([token]).strip() for _, token in text])
     assert labels[0][[kind for kind, *_ in labels[0]].index("text")] == ("text", "qu", 0, 2)
+
+
+def test_a_refused_pdf_or_image_given_alone_says_why_and_a_scan_is_read_by_its_first_bytes(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    """`espn index FILE` of one file that gives no page names that file's refusal in one line, never
+    "the corpus has no pages" (nor, for an image type that is not read, a text corpus's UTF-8
+    error); a PNG without a suffix is a page."""
+    from test_pages import write_encrypted_pdf, write_pdf
+
+    write_encrypted_pdf(tmp_path / "locked.pdf", b"secret")
+    (tmp_path / "notes.pdf").write_text("meeting notes, not a PDF\n")
+    write_pdf(tmp_path / "million.pdf", [b"<< /Type /Catalog /Pages 2 0 R >>",
+                                         b"<< /Type /Pages /Kids [3 0 R] /Count 1000000 >>",
+                                         b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] >>"], b"/Root 1 0 R")
+    draw_page(1).save(tmp_path / "scan.tiff")
+    draw_page(2).save(tmp_path / "fax", format="TIFF")
+    draw_page(3).save(tmp_path / "scan", format="PNG")
+    cases = {"locked.pdf": "locked.pdf: refused, the PDF is encrypted (it needs a password)",
+             "notes.pdf": "notes.pdf: not a readable PDF (",
+             "million.pdf": "million.pdf: refused, 1000000 pages (at most 10000 a PDF)",
+             "scan.tiff": "scan.tiff: refused, a TIFF image; pages are read from PNG, JPEG, WebP and PDF files",
+             "fax": "fax: refused, a TIFF image; pages are read from PNG, JPEG, WebP and PDF files"}
+    for name, message in cases.items():
+        out = tmp_path / f"out-{name}"
+        assert main(["index", str(tmp_path / name), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+                     "--no-progress", "--loader-workers", "0", "--device", "cpu"]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (name, lines)
+        assert not out.exists() and not Path(f"{out}.partial").exists()
+    out = tmp_path / "out-scan"
+    assert main(["index", str(tmp_path / "scan"), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+                 "--no-progress", "--loader-workers", "0", "--device", "cpu"]) == 0
+    with Searcher.open(out) as searcher:
+        assert searcher.document("scan").text == "page 1 of scan"

@@ -33,13 +33,17 @@ from typing import Any, Iterator, Optional, Sequence
 
 from espn.cli import build_parser
 from espn.ids import MAX_ID_BYTES
+from espn.live.encoding import PAGE_BATCH_SIZE
+from espn.pages.decode import MAX_PIXELS, MAX_SIDE_PX
+from espn.pages.memory import DEFAULT_PAGE_MEMORY_BYTES, MAX_GROUP_BYTES, PAGE_BYTES_PER_PIXEL, PAGE_MEMORY_WAIT_S
 from espn.params import MAX_K, MAX_LEXICAL_K, MAX_QUERY_CHARS
 from espn_server.app import build_app
 from espn_server.schemas import MAX_HTTP_K, MAX_HTTP_LEXICAL_K
 from espn_server.settings import ServerSettings
 from espn_server.settings_doc import replace_blocks, write_readme
 
-__all__ = ["cli_reference", "openapi_document", "http_reference", "limits_table", "layout_tree", "write_pages"]
+__all__ = ["cli_reference", "openapi_document", "http_reference", "limits_table", "page_memory_table", "layout_tree",
+           "write_pages"]
 
 #: argparse wraps --help to the terminal's width: a fixed width keeps the page the same everywhere.
 _HELP_COLUMNS = "100"
@@ -182,6 +186,30 @@ def limits_table() -> str:
     return "\n".join(lines)
 
 
+def page_memory_table() -> str:
+    """Markdown: the memory bounds of page images (espn.pages.memory), each from its constant."""
+    page = MAX_PIXELS * PAGE_BYTES_PER_PIXEL
+    rows = [
+        ("one page's pixels", f"{MAX_PIXELS:,} px, {MAX_SIDE_PX:,} px a side, from its header before any pixel is "
+         "decoded", "`espn.pages.decode.MAX_PIXELS`, `MAX_SIDE_PX`", "refused: 422 `invalid_parameter` for a write, "
+         "one line for `espn index`"),
+        ("what one page costs", f"{PAGE_BYTES_PER_PIXEL} bytes a pixel at its peak (decoding, the stored JPEG, the "
+         f"model's processor): {page / 1e6:,.0f} MB for a page of {MAX_PIXELS / 1e6:.0f} MP",
+         "`espn.pages.memory.PAGE_BYTES_PER_PIXEL`", "what the two bounds below count"),
+        ("pages decoded together (a request's group, the build's)", f"{MAX_GROUP_BYTES >> 20:,} MiB of page cost "
+         f"and {PAGE_BATCH_SIZE} pages for a write (`--batch-size` for `espn index`); a page over it alone",
+         "`espn.pages.memory.MAX_GROUP_BYTES`, `espn.live.encoding.PAGE_BATCH_SIZE`",
+         "the next group waits until this one is encoded"),
+        ("a worker's page memory, every write and index together", f"{DEFAULT_PAGE_MEMORY_BYTES >> 20:,} MiB "
+         "(`--page-memory-bytes`)", "`espn.pages.memory.DEFAULT_PAGE_MEMORY_BYTES`", "a page that alone costs more: "
+         f"413 `too_large`; a group that waits over {PAGE_MEMORY_WAIT_S:g} s for others: 503 `write_failed` with "
+         "`Retry-After`"),
+    ]
+    lines = ["| bound | value | constant | past it |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    return "\n".join(lines)
+
+
 def _summary(path: Path) -> str:
     """The first sentence of a module's docstring, on one line, cut at a word near _SUMMARY_CHARS."""
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
@@ -223,7 +251,7 @@ def write_pages(docs: Path, check: bool = False) -> list[Path]:
     document = openapi_document()
     pages = {docs / "reference" / "cli.md": {"cli": cli_reference()},
              docs / "reference" / "http-api.md": {"operations": http_reference(document)},
-             docs / "guides" / "operating-limits.md": {"limits": limits_table()},
+             docs / "guides" / "operating-limits.md": {"limits": limits_table(), "page_memory": page_memory_table()},
              docs / "architecture.md": {"layout": layout_tree(docs.resolve().parent)}}
     changed = [path for path, blocks in pages.items() if replace_blocks(path, blocks, "generated", check)]
     settings = docs / "reference" / "settings.md"  # its own markers and writer (settings_doc)

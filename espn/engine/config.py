@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..files import is_index_directory
+from ..pages.memory import DEFAULT_PAGE_MEMORY_BYTES
 from .rules import RULES
 
 __all__ = ["IndexConfig", "ServeConfig", "DEFAULT_INDEX_NAME"]
@@ -30,7 +31,8 @@ class IndexConfig:
     max_pending, fair_chunk_queries) and the work budget of one request (max_request_work,
     max_response_bytes).
     Writing: read_only (None: decided from the index's files), the writer lock's wait, the
-    write threads' nice level, the queue, the compaction policy and the metadata limits.
+    write threads' nice level, the queue, the compaction policy, the metadata limits, and
+    the decoded page images this process holds at once (espn.pages.memory).
     Replication: follow or publish an object-store prefix; snapshot_dir for snapshots by name.
     """
 
@@ -58,6 +60,7 @@ class IndexConfig:
     max_metadata_fields: int = 64
     max_metadata_bytes: int = 16 << 10
     max_index_fields: int = 256
+    page_memory_bytes: int = DEFAULT_PAGE_MEMORY_BYTES
     warmup: bool = True
     follow: Optional[str] = None
     follow_interval_s: float = 2.0

@@ -24,6 +24,7 @@ from ..files import is_index_directory
 from ..index import encoder_label
 from ..live.create import EncoderFiles, live_documents
 from ..live.status import fit_status
+from ..pages.memory import configure_process_page_memory
 from .admin import create_index, delete_index
 from .config import ServeConfig
 from .lifecycle import SERVING
@@ -107,6 +108,8 @@ class Registry:
     # -- start and stop ------------------------------------------------------------------
 
     async def start(self) -> None:
+        # This process's page memory, for every index it serves (a process holds one registry).
+        configure_process_page_memory(self.config.index.page_memory_bytes)
         self.observer.set_ready(False)
         default = self._default()
         if default is not None:

@@ -23,6 +23,7 @@ from ..live.checks import NewDocument, WriteResult
 from ..live.replication.follower import Follower
 from ..live.replication.publisher import Publisher
 from ..live.snapshot import default_name, remove_leftovers, snapshot, snapshots_in
+from ..live.staging import remove_write_leftovers
 from ..live.status import read_only_reason
 from ..params import FIRST_STAGE_KINDS
 from ..partitioning import PartitionLayout
@@ -159,6 +160,10 @@ class ServedIndex:
             self._release_encoder(encoders)
             raise
         self.read_only = await asyncio.to_thread(self._decide_read_only)
+        if not self.read_only:  # what killed writers left, warm-up or not
+            removed = await asyncio.to_thread(remove_write_leftovers, self.path)
+            if removed:
+                logger.info("removed what stopped writers left", extra={"index": self.name, "removed": removed})
         if config.snapshot_dir is not None:
             await asyncio.to_thread(_snapshot_dir_ready, config.snapshot_dir)
         self.live = LiveSearcher(searcher)

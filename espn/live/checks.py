@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 from espn.errors import ConflictError, InvalidParameterError
 from espn.ids import check_doc_id
-from espn.pages.corpus import MAX_IMAGE_BYTES
+from espn.pages.decode import MAX_IMAGE_BYTES
 from espn.metadata import DEFAULT_LIMITS, MetadataLimits, check_field_count, check_metadata, merge_types, value_type
 
 __all__ = ["NewDocument", "WriteRequest", "WriteResult", "WriteLimits", "check_write", "MAX_TEXT_CHARS"]
@@ -21,7 +21,7 @@ class NewDocument:
     """A document to upsert; metadata is stored with the passage (a JSON object).
 
     image: for an index of pages, the page as PNG, JPEG or WebP bytes (decoded within
-    espn.pages.corpus' bounds, encoded by the index's visual encoder, kept as espn.pages.images
+    espn.pages.decode's bounds, encoded by the index's visual encoder, kept as espn.pages.images
     stores pages); text and title are then optional and describe it.
     """
 

@@ -19,9 +19,15 @@ from espn.encoders import DocumentEmbeddings, Encoder
 from espn.errors import CorpusError, InvalidParameterError
 from espn.pages.grids import concat_grids
 from espn.pages.images import UPLOAD_SUFFIXES, encode_page_image, media_type
-from espn.pages.corpus import MAX_IMAGE_BYTES, decode_image
+from espn.pages.decode import MAX_IMAGE_BYTES, SIGNATURE_BYTES, decode_image, open_image, sniff_kind
+from espn.pages.memory import PageMemory, bounded_groups, page_cost, process_page_memory
 
-__all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "reorder_chunk"]
+__all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "page_header",
+           "reorder_chunk", "PAGE_BATCH_SIZE"]
+
+#: Pages a write decodes and the model encodes together at most (fewer where their pixels are
+#: over espn.pages.memory.MAX_GROUP_BYTES).
+PAGE_BATCH_SIZE = 8
 
 
 @dataclasses.dataclass
@@ -89,34 +95,69 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
                             np.ascontiguousarray(chunk.bow, dtype=np.float16), chunk.counts.astype(np.int32))
 
 
-def decode_page_bytes(data: bytes, where: str) -> Image.Image:
-    """An uploaded page (PNG, JPEG or WebP bytes) as RGB, within the bounds a corpus file has
-    (espn.pages.corpus: MAX_IMAGE_BYTES, and the pixel bounds checked from the header before any pixel
-    is decoded); CorpusError in one line naming `where` otherwise. The format is the one its
-    first bytes say, and it is decoded only as that."""
+def _upload_suffix(data: bytes, where: str) -> str:
+    """The suffix (a key of espn.pages.decode.IMAGE_FORMATS) an uploaded page decodes as, from its
+    first bytes; CorpusError for anything but PNG, JPEG and WebP, naming what it is where known."""
     if len(data) > MAX_IMAGE_BYTES:
         raise CorpusError(f"{where}: refused, {len(data)} bytes (at most {MAX_IMAGE_BYTES} for an image)")
     suffix = UPLOAD_SUFFIXES.get(media_type(data))
     if suffix is None:
-        raise CorpusError(f"{where}: not a PNG, JPEG or WebP image (by its first bytes)")
-    return decode_image(io.BytesIO(data), where, suffix)
+        found = sniff_kind(data[:SIGNATURE_BYTES])
+        said = f" (a {found} file)" if found is not None else ""
+        raise CorpusError(f"{where}: not a PNG, JPEG or WebP image (by its first bytes){said}")
+    return suffix
+
+
+def page_header(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) of an uploaded page from its header alone, within the bounds a corpus file has
+    (espn.pages.decode: MAX_IMAGE_BYTES, the pixel bounds); CorpusError in one line naming `where`."""
+    with open_image(io.BytesIO(data), where, _upload_suffix(data, where)) as image:
+        return image.size
+
+
+def decode_page_bytes(data: bytes, where: str) -> Image.Image:
+    """An uploaded page (PNG, JPEG or WebP bytes) as RGB, within the bounds a corpus file has
+    (espn.pages.decode: MAX_IMAGE_BYTES, and the pixel bounds checked from the header before any pixel
+    is decoded); CorpusError in one line naming `where` otherwise. The format is the one its
+    first bytes say, and it is decoded only as that."""
+    return decode_image(io.BytesIO(data), where, _upload_suffix(data, where))
+
+
+def _decoded(doc_id: str, data: bytes) -> Image.Image:
+    try:
+        return decode_page_bytes(bytes(data), f"document {doc_id!r}: image")
+    except CorpusError as exc:  # a header that promised more than the pixels hold
+        raise InvalidParameterError(str(exc)) from None
 
 
 def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, str, str, Mapping[str, Any] | None]],
-                          batch_size: int = 8) -> EncodedDocuments:
+                          batch_size: int = PAGE_BATCH_SIZE, memory: PageMemory | None = None) -> EncodedDocuments:
     """Encode (id, image bytes, title, text, metadata) pages in this thread: the online write path
-    of a page index. Each image is decoded within espn.pages.corpus' bounds (InvalidParameterError naming
-    the document otherwise), encoded by the visual encoder's `encode_pages`, and kept as the build
-    keeps pages (`encode_page_image`). The stored text and metadata follow the build's pages
+    of a page index. Every image's header is checked first (espn.pages.decode's bounds;
+    InvalidParameterError naming the document otherwise, TooLargeError for a page that could never fit
+    `memory`), then the pages are decoded, preprocessed for the visual encoder and kept as the build
+    keeps them (`encode_page_image`) in groups of at most `batch_size` within `memory.group_bytes`,
+    each holding its cost from `memory` (the process's page memory by default) while its pixels
+    exist; the model then embeds each group. The stored text and metadata follow the build's pages
     (indexing.pages): "page 1 of ID" unless a text is given, and `source` (the id) and `page` (1)
     added where the metadata has no such field."""
-    images = []
+    memory = process_page_memory() if memory is None else memory
+    costs = []
     for doc_id, data, _, _, _ in documents:
+        where = f"document {doc_id!r}: image"
         try:
-            images.append(decode_page_bytes(bytes(data), f"document {doc_id!r}: image"))
+            costs.append(page_cost(*page_header(bytes(data), where)))
         except CorpusError as exc:
             raise InvalidParameterError(str(exc)) from None
-    parts = [encoder.encode_pages(images[start : start + batch_size]) for start in range(0, len(images), batch_size)]
+        memory.check_fits(costs[-1], where)
+    parts, stored = [], []
+    for group in bounded_groups(costs, batch_size, memory.group_bytes):
+        with memory.hold(sum(costs[i] for i in group), f"{len(group)} page(s) of a write"):
+            images = [_decoded(documents[i][0], documents[i][1]) for i in group]
+            features = encoder.preprocess_pages(images)
+            stored += [encode_page_image(image) for image in images]
+            del images  # the pixels go before the hold ends; the features are the model's size
+        parts.append(encoder.embed_pages(features))
     cls = np.concatenate([p.cls for p in parts])
     bow = np.concatenate([p.bow for p in parts])
     counts = np.concatenate([p.counts for p in parts]).astype(np.int32)
@@ -125,8 +166,7 @@ def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, st
                           {"source": doc_id, "page": 1, **(dict(metadata) if metadata else {})}).encode("utf-8")
              for doc_id, _, title, text, metadata in documents]
     return EncodedDocuments([doc_id for doc_id, *_ in documents], lines, np.ascontiguousarray(cls, dtype=np.float16),
-                            np.ascontiguousarray(bow, dtype=np.float16), counts,
-                            [encode_page_image(image) for image in images], grids)
+                            np.ascontiguousarray(bow, dtype=np.float16), counts, stored, grids)
 
 
 def reorder_chunk(parts: list[tuple[np.ndarray, DocumentEmbeddings]]) -> DocumentEmbeddings:

@@ -7,6 +7,7 @@ Everything here runs under the writer lock, except the work inside a `Staging` d
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -16,17 +17,19 @@ import tempfile
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
-from espn.files import fsync_path, lock_is_free, remove_path
+from espn.files import flock_within, fsync_path, lock_is_free, remove_path
 from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generation.format import LIVE_DIR, Generation, read_current, read_generation
 
-__all__ = ["Staging", "recover", "collect_garbage", "NUMBERED"]
+__all__ = ["Staging", "recover", "remove_write_leftovers", "collect_garbage", "NUMBERED", "LOCK_FILE"]
 
 log = logging.getLogger(__name__)
 
 #: Names of the numbered files and directories of live/: gen-000012.json, seg-000012, text-000012...
 NUMBERED = re.compile(r"^([a-z]+)-(\d{6})(?:\.[a-z]+)?$")
+#: The writer lock of an index, in live/ (espn.live.writer takes it for each publish).
+LOCK_FILE = "LOCK"
 
 
 class _Lockable(Protocol):
@@ -85,25 +88,49 @@ class Staging:
             self._fd = -1
 
 
-def recover(root: Path) -> None:
-    """Undo what a crashed writer left unpublished (under the writer lock): staging
+def recover(root: Path) -> list[str]:
+    """Undo what a crashed or failed writer left unpublished (under the writer lock): staging
     directories, files of unpublished generations, and records appended past the
-    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept."""
+    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept.
+    Returns what went (paths under the index)."""
     current = read_current(root)
     live_dir = root / LIVE_DIR
+    removed = []
     for path in live_dir.iterdir():
         name = path.name
         match = NUMBERED.match(name)
-        if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number):
+        if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number) \
+                or (name.startswith(Staging.PREFIXES) and lock_is_free(path)):
             remove_path(path)
-        elif name.startswith(Staging.PREFIXES) and lock_is_free(path):
-            remove_path(path)
+            removed.append(f"{LIVE_DIR}/{name}")
     embeddings = root / current.base / "embeddings.bin"
     if embeddings.stat().st_size > current.embeddings_bytes:
         with open(embeddings, "r+b") as f:
             f.truncate(current.embeddings_bytes)
             os.fsync(f.fileno())
-    collect_garbage(root)
+        removed.append(f"{(Path(current.base) / 'embeddings.bin').as_posix()} past byte {current.embeddings_bytes}")
+    return removed + collect_garbage(root)
+
+
+def remove_write_leftovers(root: Path) -> list[str]:
+    """What stopped writers left in the index at `root` (`recover`: a staging directory whose owner
+    is gone, files of a generation never published, records past the published end), removed now
+    when no writer holds the lock (else that writer's own recovery removes it); what went. For a
+    server opening an index to write, whether or not it warms up. An index never written to (no
+    live/ directory) and one on a read-only filesystem are left as they are."""
+    live_dir = Path(root) / LIVE_DIR
+    if not live_dir.is_dir():
+        return []
+    try:
+        fd = os.open(live_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return []
+        raise
+    try:
+        return recover(Path(root)) if flock_within(fd, 0.0) else []
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def collect_garbage(root: Path) -> list[str]:

@@ -115,13 +115,19 @@ class TextSide:
         writer = self._writer_from(live_dir, published)
         self._builds_on = None  # until this publish is done
         try:
-            writer.apply(adds, deletes)
-        finally:
-            # Closing waits for the engine's merges: the work directory then changes no more, so
-            # the publish (and its collection of dead files) never races a merge in flight.
-            writer.close()
-        known = {path.split("/", 1)[1]: entry for path, entry in ((previous or {}).get("files") or {}).items()}
-        files = writer.publish(live_dir / name, known)
+            try:
+                writer.apply(adds, deletes)
+            finally:
+                # Closing waits for the engine's merges: the work directory then changes no more, so
+                # the publish (and its collection of dead files) never races a merge in flight.
+                writer.close()
+            known = {path.split("/", 1)[1]: entry for path, entry in ((previous or {}).get("files") or {}).items()}
+            files = writer.publish(live_dir / name, known)
+        except BaseException:
+            # A failed write keeps nothing: its work directory (a copy of the text index, on a full
+            # disk the space it took) goes now; the next write restores one from what is published.
+            self.close()
+            raise
         self._builds_on = live_dir / name
         checkpoint("text-published")
         return {"directory": name, "files": {f"{name}/{f}": e for f, e in files.items()}}

@@ -53,11 +53,11 @@ from ..generation.format import LIVE_DIR, Generation, TombstoneFile, read_curren
 from ..generation.segments import empty_ivf
 
 from .checks import NewDocument, WriteLimits, WriteRequest, WriteResult, check_write
-from .encoding import EncodedDocuments, encode_documents, encode_page_documents
+from .encoding import PAGE_BATCH_SIZE, EncodedDocuments, encode_documents, encode_page_documents
 from .resolve import IndexState, gather_kept, resolve_writes
 from .segment_files import add_tombstones, write_delta, write_tombstones
 from .side_index import SideIndex
-from .staging import collect_garbage, recover
+from .staging import LOCK_FILE, collect_garbage, recover
 from .status import live_stats
 
 __all__ = ["IndexWriter"]
@@ -152,14 +152,14 @@ class IndexWriter:
         live = self.live_dir
         try:
             live.mkdir(exist_ok=True)
-            fd = os.open(live / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(live / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise ReadOnlyIndexError(f"{self.root} is read-only ({exc.strerror}); writes are refused") from None
             raise
         if not flock_within(fd, wait_s):
             os.close(fd)
-            raise IndexLockedError(f"{self.root}: another writer holds {live / 'LOCK'}; one writer at a time")
+            raise IndexLockedError(f"{self.root}: another writer holds {live / LOCK_FILE}; one writer at a time")
         self._lock_fd = fd
         try:
             recover(self.root)
@@ -234,7 +234,7 @@ class IndexWriter:
                 raise ConflictError(f"document {d.doc_id!r}: an image, but this index holds text; send its text")
         if pages:
             return encode_page_documents(encoder, [(d.doc_id, d.image, d.title, d.text, d.metadata)  # type: ignore[misc]
-                                                   for d in documents], min(batch_size, 8))
+                                                   for d in documents], min(batch_size, PAGE_BATCH_SIZE))
         return encode_documents(encoder, [(d.doc_id, d.title, d.text, d.metadata) for d in documents],
                                 batch_size, joiner=self.title_joiner)
 
@@ -263,8 +263,12 @@ class IndexWriter:
             resolved = resolve_writes(state, requests, self.limits)
             number = current.number
             if resolved.keep or len(resolved.tombstones):
-                number = self._publish(current, state, gather_kept(encoded, resolved.keep) if resolved.keep else None,
-                                       resolved.tombstones)
+                try:
+                    number = self._publish(current, state, gather_kept(encoded, resolved.keep) if resolved.keep
+                                           else None, resolved.tombstones)
+                except BaseException:
+                    self._remove_unpublished()
+                    raise
         return [o if isinstance(o, Exception) else WriteResult(number, *o) for o in resolved.outcomes]
 
     def _publish(self, current: Generation, state: IndexState, documents: EncodedDocuments | None,
@@ -280,6 +284,18 @@ class IndexWriter:
         self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes, tuple(segments),
                                chain, utc_now(), current.base_files, side))
         return number
+
+    def _remove_unpublished(self) -> None:
+        """After a publish that failed (a full disk, an I/O error), under the writer lock: what it
+        wrote goes now (its segment, tombstones, side files, the records past the published end),
+        not at the next write, so that the space is free again and nothing of it outlives the error."""
+        try:
+            removed = recover(self.root)
+        except Exception as exc:  # noqa: BLE001 - the publish's own error is the one to report
+            log.warning("%s: could not remove what the failed write left (%s); the next writer will", self.root, exc)
+            return
+        if removed:
+            log.info("removed what the failed write left: %s", ", ".join(removed))
 
     def empty_ivf(self, base: str) -> faiss.IndexIVF:
         """A new IVF with the base's trained quantizer and empty lists (the base's lists are never copied)."""

@@ -2,6 +2,7 @@
 
     folder/                 every PNG, JPEG, WebP and PDF under it, walked in sorted order
     report.pdf              each page rendered at `dpi`
+    scan.png, scan          one image (a file without a page's suffix is read by its first bytes)
     pages.jsonl             {"_id": ..., "image": "scans/a.png" or "doc.pdf#2", "metadata": {...}}
 
 Ids are stable: the path relative to the root for an image ("scans/a.png"), `path#N` for
@@ -11,8 +12,9 @@ regular files are read, links and JSONL paths never lead out of the root, and an
 or a page's pixel size is checked from its header before any pixel is decoded (so a
 decompression bomb costs a header read). A bad page (an unreadable or truncated image, a
 file that is not what its extension says, an encrypted or broken PDF, a page over the
-pixel bound) is a one-line CorpusError naming the file and page, or, with `skip_bad`, a
-warning and a count, as `espn.corpus` does for text lines.
+pixel bound, an image type that is not read, such as TIFF) is a one-line CorpusError naming
+the file and page, or, with `skip_bad`, a warning and a count, as `espn.corpus` does for text
+lines. Images are decoded by espn.pages.decode, PDFs read by espn.pages.pdf.
 
 Nothing holds a corpus: `iter_pages` yields one page at a time, and a PDF is read through
 PDFium from its file (not loaded whole) and rendered one page at a time.
@@ -24,55 +26,37 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
-import struct
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
-import numpy as np
-import pypdfium2 as pdfium
-from PIL import Image, ImageOps
+from PIL import Image
 
 from ..errors import CorpusError, InvalidParameterError
 from ..ids import id_problem, quote_id
 from ..metadata import check_metadata
 from ..untrusted import MAX_JSON_DEPTH, check_json_depth, inside_root, json_depth, open_regular, regular_file
+from .decode import (IMAGE_FORMATS, MAX_IMAGE_BYTES, SIGNATURE_BYTES, UNSUPPORTED_IMAGE_SUFFIXES, decode_image,
+                     one_line, sniff_kind)
+from .pdf import PDF_SUFFIX, PdfFile
 
-__all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "decode_image", "IMAGE_FORMATS", "PDF_SUFFIX", "MIN_DPI",
-           "MAX_DPI", "DEFAULT_DPI", "MAX_IMAGE_BYTES", "MAX_PDF_BYTES", "MAX_PDF_PAGES", "MAX_SIDE_PX", "MAX_PIXELS"]
+__all__ = ["Page", "is_page_corpus", "iter_pages", "count_pages", "no_pages_error", "PDF_SUFFIX", "MIN_DPI", "MAX_DPI",
+           "DEFAULT_DPI", "TEXT_CORPUS_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 
-#: Image suffixes (lower case) and the one Pillow format each must hold: a file is decoded
-#: only as what its name says, so a PDF renamed .png is refused, not sniffed and parsed.
-IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
-PDF_SUFFIX = ".pdf"
 #: Rendering resolution of PDF pages. 144 dpi puts an A4 page at 1191x1684 px, above the
 #: 448-896 px that ColPali-class processors resize to; 36 is a thumbnail, 600 a print scan.
 MIN_DPI, MAX_DPI, DEFAULT_DPI = 36, 600, 144
-#: An image is decoded whole, so its file is bounded well above a 600-dpi A4 scan (~25 MB as PNG).
-MAX_IMAGE_BYTES = 64 << 20
-#: PDFium reads a PDF through seeks, not whole; the bound stops a runaway file (a scanned
-#: 1,000-page book at 300 dpi is about 300 MB), not memory.
-MAX_PDF_BYTES = 512 << 20
-#: Pages of one PDF: a bound on the work one file can ask for (PDFium's page tree is a count).
-MAX_PDF_PAGES = 10_000
-#: Pixel bounds of an image or a rendered page, checked from the header (or the page size
-#: times the dpi) before decoding: an RGB page of 40 MP is 120 MB decoded; an A4 page at
-#: 600 dpi is 35 MP. The side bound is WebP's own limit and refuses the 20,000-px scan.
-MAX_SIDE_PX = 16_384
-MAX_PIXELS = 40_000_000
 #: A JSONL record is an id, a path and metadata (itself at most 16 KiB as JSON).
 MAX_LINE_BYTES = 1 << 20
 #: Folders nested deeper than this are refused (each level is an open directory scan).
 MAX_DEPTH = 64
+#: Suffixes of text corpora: a file given alone with one of these is never taken for a page by its content.
+TEXT_CORPUS_SUFFIXES = frozenset({".jsonl", ".json", ".tsv", ".txt", ".csv", ".gz"})
+#: The suffix a page format found by its first bytes is decoded as (a key of IMAGE_FORMATS).
+_FORMAT_SUFFIX = {"PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "PDF": PDF_SUFFIX}
 
-# What Pillow's decoders raise on malformed input besides OSError (its fuzzers found each);
-# DecompressionBombError is an Exception of its own.
-_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, TypeError, KeyError, ArithmeticError,
-                  struct.error)
-_WHITE = (255, 255, 255)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,63 +70,62 @@ class Page:
     image: Image.Image  # mode "RGB", at most MAX_SIDE_PX a side and MAX_PIXELS in all
 
 
-def _kind(name: str) -> str | None:
-    """'image', 'pdf' or None, from the suffix (case-insensitive)."""
+class _Format(NamedTuple):
+    """How a file is read: `kind` "image" (decoded as `suffix`, a key of IMAGE_FORMATS), "pdf", or
+    "unsupported" (an image type espn does not read, `label` its name)."""
+
+    kind: str
+    suffix: str
+    label: str
+
+
+def _format(name: str) -> _Format | None:
+    """How a file is read, from its suffix (case-insensitive); None: not a page (passed over in a folder)."""
     suffix = os.path.splitext(name)[1].lower()
-    return "image" if suffix in IMAGE_FORMATS else "pdf" if suffix == PDF_SUFFIX else None
+    if suffix in IMAGE_FORMATS:
+        return _Format("image", suffix, IMAGE_FORMATS[suffix])
+    if suffix == PDF_SUFFIX:
+        return _Format("pdf", suffix, "PDF")
+    if suffix in UNSUPPORTED_IMAGE_SUFFIXES:
+        return _Format("unsupported", suffix, UNSUPPORTED_IMAGE_SUFFIXES[suffix])
+    return None
+
+
+def _kind(name: str) -> str | None:
+    """'image', 'pdf', 'unsupported' or None, from the suffix (case-insensitive)."""
+    found = _format(name)
+    return None if found is None else found.kind
+
+
+def _lone_format(path: Path) -> _Format | None:
+    """How a corpus given as one file is read: by its name where the name is a page's, else (unless
+    the name is a text corpus's) by its first bytes, so that a scan without its suffix is a page
+    and a TIFF is refused as one, not read as text. None: a text corpus or a JSONL."""
+    by_name = _format(path.name)
+    if by_name is not None or path.suffix.lower() in TEXT_CORPUS_SUFFIXES:
+        return by_name
+    try:
+        fd, _ = open_regular(path.resolve(), str(path), error=CorpusError)
+    except CorpusError:
+        return None  # the reader that opens it says why, in its own words
+    with os.fdopen(fd, "rb") as f:
+        found = sniff_kind(f.read(SIGNATURE_BYTES))
+    if found is None:
+        return None
+    if found in _FORMAT_SUFFIX:
+        return _Format("pdf" if found == "PDF" else "image", _FORMAT_SUFFIX[found], found)
+    return _Format("unsupported", path.suffix.lower(), found)
+
+
+def _unsupported(shown: str, label: str) -> CorpusError:
+    return CorpusError(f"{shown}: refused, a {label} image; pages are read from PNG, JPEG, WebP and PDF files "
+                       "(convert it to one of them)")
 
 
 def _check_dpi(dpi: int) -> int:
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
         raise InvalidParameterError(f"dpi must be an integer in [{MIN_DPI}, {MAX_DPI}], got {dpi!r}")
     return dpi
-
-
-def _check_pixels(where: str, width: int, height: int, hint: str = "") -> None:
-    if width < 1 or height < 1:
-        raise CorpusError(f"{where}: has no pixels ({width}x{height})")
-    if max(width, height) > MAX_SIDE_PX or width * height > MAX_PIXELS:
-        raise CorpusError(f"{where}: refused, {width}x{height} px (at most {MAX_SIDE_PX} px a side and "
-                          f"{MAX_PIXELS:,} px in all){hint}")
-
-
-# --- images -------------------------------------------------------------------------------------------------
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """`image` decoded, EXIF orientation applied, as RGB: alpha and palette transparency flattened on
-    white, 16- and 32-bit grey scaled to 8 bits (Pillow's own convert clips them), CMYK converted."""
-    image = ImageOps.exif_transpose(image) or image
-    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
-        values = np.asarray(image, dtype=np.float64)
-        if image.mode != "F":
-            values = values / 257.0  # 0..65535 -> 0..255
-        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L").convert("RGB")
-    if "A" in image.getbands() or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        flat = Image.new("RGB", rgba.size, _WHITE)
-        flat.paste(rgba, mask=rgba.getchannel("A"))
-        return flat
-    return image.convert("RGB")  # a new, loaded image even when already RGB (convert copies)
-
-
-def decode_image(fp: IO[bytes], where: str, suffix: str) -> Image.Image:
-    """The RGB image in `fp`, which must hold the format its suffix names (a key of IMAGE_FORMATS),
-    within the pixel bounds checked from its header first; CorpusError in one line naming `where`."""
-    expected = IMAGE_FORMATS[suffix]
-    try:
-        # Reads the header only. Pillow's own bomb check (MAX_IMAGE_PIXELS, a process-wide setting left
-        # as it is) raises above 179 MP; ours, lower, follows before any pixel is decoded.
-        image = Image.open(fp, formats=[expected])
-        with image:
-            _check_pixels(where, *image.size)
-            return _to_rgb(image)
-    except Image.UnidentifiedImageError:
-        raise CorpusError(f"{where}: not a {expected} image") from None
-    except Image.DecompressionBombError as exc:  # raised by Image.open from the header alone
-        raise CorpusError(f"{where}: refused, over Pillow's own bound ({_one_line(exc)})") from None
-    except _DECODE_ERRORS as exc:
-        raise CorpusError(f"{where}: unreadable {expected} image ({_one_line(exc)})") from None
 
 
 def _read_image(real: Path, shown: str, suffix: str) -> Image.Image:
@@ -153,63 +136,6 @@ def _read_image(real: Path, shown: str, suffix: str) -> Image.Image:
         return decode_image(fp, shown, suffix)
 
 
-# --- PDFs ---------------------------------------------------------------------------------------------------
-
-
-class _Pdf:
-    """One open PDF: its file and PDFium document, closed together by `close`."""
-
-    def __init__(self, real: Path, shown: str) -> None:
-        fd, info = open_regular(real, shown, error=CorpusError)
-        self.file, self.shown, self.document = os.fdopen(fd, "rb"), shown, None
-        try:
-            if info.st_size > MAX_PDF_BYTES:
-                raise CorpusError(f"{shown}: refused, {info.st_size} bytes (at most {MAX_PDF_BYTES} for a PDF)")
-            try:  # PDFium reads through the file object's seek and readinto: the file is never loaded whole
-                self.document = pdfium.PdfDocument(self.file)
-            except pdfium.PdfiumError as exc:
-                if getattr(exc, "err_code", None) == pdfium.raw.FPDF_ERR_PASSWORD or "password" in str(exc).lower():
-                    raise CorpusError(f"{shown}: refused, the PDF is encrypted (it needs a password)") from None
-                raise CorpusError(f"{shown}: not a readable PDF ({_one_line(exc)})") from None
-            self.pages = len(self.document)
-            if self.pages < 1:
-                raise CorpusError(f"{shown}: not a readable PDF (no pages)")
-            if self.pages > MAX_PDF_PAGES:
-                raise CorpusError(f"{shown}: refused, {self.pages} pages (at most {MAX_PDF_PAGES} a PDF)")
-        except BaseException:
-            self.close()
-            raise
-
-    def render(self, number: int, dpi: int) -> Image.Image:
-        """Page `number` (1-based) as RGB at `dpi`; its pixel size is checked before it is rendered."""
-        where = f"{self.shown}#{number}"
-        assert self.document is not None  # set by __init__, or it raised
-        try:
-            page = self.document[number - 1]
-        except pdfium.PdfiumError as exc:
-            raise CorpusError(f"{where}: unreadable page ({_one_line(exc)})") from None
-        try:
-            scale = dpi / 72  # PDF units are 1/72 inch
-            width, height = (math.ceil(v * scale) for v in page.get_size())  # what render allocates
-            _check_pixels(where, width, height, f" at {dpi} dpi")
-            bitmap = page.render(scale=scale, rev_byteorder=True, fill_color=(*_WHITE, 255))
-            try:
-                return bitmap.to_pil().convert("RGB")  # a copy: the bitmap's buffer is freed below
-            finally:
-                bitmap.close()
-        except (pdfium.PdfiumError, ValueError) as exc:
-            raise CorpusError(f"{where}: cannot render ({_one_line(exc)})") from None
-        finally:
-            page.close()
-
-    def close(self) -> None:
-        try:
-            if self.document is not None:
-                self.document.close()
-        finally:
-            self.file.close()
-
-
 # --- walking a folder ---------------------------------------------------------------------------------------
 
 
@@ -217,7 +143,8 @@ def _walk(root: Path, relative: str = "", depth: int = 0) -> Iterator[tuple[str,
     """(relative path, real path to open or the CorpusError that refuses it) of every image and PDF
     under `root`, in sorted order of names at each level (so the order of the sorted relative paths'
     parts). Hidden names (".git", macOS's "._scan.png") and other suffixes are passed over with a
-    debug line. A link is taken only when it resolves to a regular file inside the root."""
+    debug line; an image type espn does not read (".tiff") is refused by name. A link is taken only
+    when it resolves to a regular file inside the root."""
     folder = root / relative if relative else root
     try:
         with os.scandir(folder) as scan:
@@ -237,35 +164,49 @@ def _walk(root: Path, relative: str = "", depth: int = 0) -> Iterator[tuple[str,
                 yield from _walk(root, rel, depth + 1)
         elif entry.is_symlink() and entry.is_dir():
             log.debug("%s: a link to a folder, not followed", shown)
-        elif _kind(entry.name) is None:
-            log.debug("%s: not an image or a PDF, passed over", shown)
-        elif entry.is_symlink():
-            try:
-                target = inside_root(root, rel, shown, error=CorpusError).resolve()
-                regular_file(target, shown, error=CorpusError)
-            except CorpusError as exc:
-                yield rel, exc
-            else:
-                yield rel, target
         else:
-            yield rel, Path(entry.path)
+            yield from _walked_file(root, rel, entry, shown)
 
 
-def _file_pages(root: Path, rel: str, real: Path, dpi: int) -> Iterator[Page | CorpusError]:
-    """The pages of one image or PDF, or a CorpusError in place of each page (or file) that is bad."""
+def _walked_file(root: Path, rel: str, entry: os.DirEntry, shown: str) -> Iterator[tuple[str, Path | CorpusError]]:
+    """_walk's answer for one file: passed over (not a page by its suffix), refused (an image type
+    espn does not read, a link out of the root), or the real path to open."""
+    found = _format(entry.name)
+    if found is None:
+        log.debug("%s: not an image or a PDF, passed over", shown)
+    elif found.kind == "unsupported":
+        yield rel, _unsupported(shown, found.label)
+    elif entry.is_symlink():
+        try:
+            target = inside_root(root, rel, shown, error=CorpusError).resolve()
+            regular_file(target, shown, error=CorpusError)
+        except CorpusError as exc:
+            yield rel, exc
+        else:
+            yield rel, target
+    else:
+        yield rel, Path(entry.path)
+
+
+def _file_pages(root: Path, rel: str, real: Path, dpi: int, read_as: _Format) -> Iterator[Page | CorpusError]:
+    """The pages of one image or PDF (read as `read_as` says), or a CorpusError in place of each page
+    (or file) that is bad."""
     shown = str(root / rel)
     problem = id_problem(rel)
     if problem is not None:
         yield CorpusError(f"{shown}: the path as a page id {quote_id(rel)} {problem}")
         return
-    if _kind(rel) == "image":
+    if read_as.kind == "unsupported":
+        yield _unsupported(shown, read_as.label)
+        return
+    if read_as.kind == "image":
         try:
-            yield Page(rel, rel, 1, {}, _read_image(real, shown, os.path.splitext(rel)[1].lower()))
+            yield Page(rel, rel, 1, {}, _read_image(real, shown, read_as.suffix))
         except CorpusError as exc:
             yield exc
         return
     try:
-        pdf = _Pdf(real, shown)
+        pdf = PdfFile(real, shown)
     except CorpusError as exc:
         yield exc
         return
@@ -306,7 +247,7 @@ def _parse_record(where: str, line: bytes) -> tuple[str, str, dict[str, Any]]:
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorpusError(f"{where}: malformed JSON ({_one_line(exc)})") from None
+        raise CorpusError(f"{where}: malformed JSON ({one_line(exc)})") from None
     if not isinstance(record, dict):
         raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
     page_id = record.get("_id", record.get("id"))
@@ -337,7 +278,7 @@ def _split_reference(reference: str) -> tuple[str, int | None]:
 def _jsonl_pages(path: Path, dpi: int) -> Iterator[Page | CorpusError]:
     root = path.parent
     seen: set[str] = set()
-    pdf: _Pdf | None = None  # the last PDF named, kept open while consecutive records name its pages
+    pdf: PdfFile | None = None  # the last PDF named, kept open while consecutive records name its pages
     pdf_real: Path | None = None
     try:
         for number, line in _jsonl_lines(path):
@@ -347,9 +288,12 @@ def _jsonl_pages(path: Path, dpi: int) -> Iterator[Page | CorpusError]:
                 if page_id in seen:  # an error even with skip_bad, as for text corpora
                     raise _Duplicate(f"{where}: duplicate page id {quote_id(page_id)}")
                 rel, page_number = _split_reference(reference)
-                kind = _kind(rel)
-                if kind is None:
-                    raise CorpusError(f"{where}: 'image' {reference!r} is not a PNG, JPEG, WebP or PDF (by its suffix)")
+                read_as = _format(rel)
+                if read_as is None or read_as.kind == "unsupported":
+                    label = "" if read_as is None else f" (a {read_as.label} image)"
+                    raise CorpusError(f"{where}: 'image' {reference!r} is not a PNG, JPEG, WebP or PDF (by its "
+                                      f"suffix){label}")
+                kind = read_as.kind
                 target = inside_root(root, rel, where, error=CorpusError)
                 real, shown = target.resolve(), f"{where}: {root / rel}"
                 source = Path(rel).as_posix()
@@ -361,7 +305,7 @@ def _jsonl_pages(path: Path, dpi: int) -> Iterator[Page | CorpusError]:
                         if pdf is not None:
                             pdf.close()
                             pdf = None
-                        pdf, pdf_real = _Pdf(real, shown), real
+                        pdf, pdf_real = PdfFile(real, shown), real
                     page_number = _pdf_page(pdf, page_number, where, reference)
                     image = pdf.render(page_number, dpi)
                 seen.add(page_id)
@@ -379,7 +323,7 @@ class _Duplicate(CorpusError):
     """A page id seen before: never skipped, since either page could be the one meant."""
 
 
-def _pdf_page(pdf: _Pdf, number: int | None, where: str, reference: str) -> int:
+def _pdf_page(pdf: PdfFile, number: int | None, where: str, reference: str) -> int:
     if number is None:
         if pdf.pages != 1:
             raise CorpusError(f"{where}: 'image' {reference!r} is a PDF of {pdf.pages} pages; name one as "
@@ -394,14 +338,16 @@ def _pdf_page(pdf: _Pdf, number: int | None, where: str, reference: str) -> int:
 
 
 def is_page_corpus(path: Path) -> bool:
-    """True for a folder holding an image or a PDF (at any depth), a .pdf file, an image file, or a
-    .jsonl whose first record has an "image" field; False for anything else (a text corpus)."""
+    """True for a folder holding an image or a PDF (at any depth), a file that is an image or a PDF
+    by its name or (unless named like a text corpus) by its first bytes, including image types that
+    are then refused by name (TIFF, GIF, ...), or a .jsonl whose first record has an "image" field;
+    False for anything else (a text corpus)."""
     path = Path(path)
     if path.is_dir():
         return any(True for _ in _walk(path))  # an image or PDF, or a refusal naming one
     if not path.is_file():
         return False
-    if _kind(path.name) is not None:
+    if _lone_format(path) is not None:
         return True
     if path.suffix.lower() != ".jsonl":
         return False
@@ -440,10 +386,12 @@ def _items(path: Path, dpi: int) -> Iterator[Page | CorpusError]:
             if isinstance(found, CorpusError):
                 yield found
             else:
-                yield from _file_pages(path, rel, found, dpi)
-    elif _kind(path.name) is not None:
+                read_as = _format(rel)
+                assert read_as is not None  # _walk yields the files named as an image or a PDF only
+                yield from _file_pages(path, rel, found, dpi, read_as)
+    elif (read_as := _lone_format(path)) is not None:
         real = path.resolve()  # the file the operator named, links followed
-        yield from _file_pages(path.parent, path.name, real, dpi)
+        yield from _file_pages(path.parent, path.name, real, dpi, read_as)
     else:
         yield from _jsonl_pages(path, dpi)
 
@@ -469,26 +417,35 @@ def count_pages(path: Path) -> int | None:
     path = Path(path)
     if not is_page_corpus(path):
         return None
-    if path.is_file() and _kind(path.name) is None:
-        try:
-            return sum(1 for _ in _jsonl_lines(path))
-        except CorpusError:
-            return None
     if path.is_file():
-        return _count_file(path.name, path.resolve())
-    return sum(_count_file(rel, found) for rel, found in _walk(path) if not isinstance(found, CorpusError))
+        read_as = _lone_format(path)
+        if read_as is None:
+            try:
+                return sum(1 for _ in _jsonl_lines(path))
+            except CorpusError:
+                return None
+        return _count_file(read_as.kind, path.resolve())
+    return sum(_count_file(_kind(rel) or "", found) for rel, found in _walk(path) if not isinstance(found, CorpusError))
 
 
-def _count_file(name: str, real: Path) -> int:
-    if _kind(name) == "image":
+def _count_file(kind: str, real: Path) -> int:
+    if kind == "image":
         return 1
+    if kind != "pdf":
+        return 0
     try:
-        with contextlib.closing(_Pdf(real, name)) as pdf:
+        with contextlib.closing(PdfFile(real, str(real))) as pdf:
             return pdf.pages
     except CorpusError:
         return 0
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return (text[:200] + "...") if len(text) > 200 else text or type(exc).__name__
+def no_pages_error(path: Path) -> CorpusError:
+    """Why a page corpus gives no page (`count_pages` said 0): the refusal of its first file (an
+    encrypted PDF, a text file named .pdf, a page tree of too many pages, an image type that is not
+    read), or, for a folder with none, that it has no pages."""
+    for item in _items(Path(path), DEFAULT_DPI):
+        if isinstance(item, CorpusError):
+            return CorpusError(f"{item}; the corpus has no readable pages")
+        break  # a page after all: the corpus changed since it was counted
+    return CorpusError(f"{path}: the corpus has no pages")

@@ -40,7 +40,7 @@ from PIL import Image
 from ..errors import InvalidParameterError
 from ..index import GRIDS_FILE, IMAGE_OFFSETS_FILE, IMAGES_FILE, PAGE_IMAGE_FILES  # the files this module writes
 from ..mapped import map_npy
-from .corpus import MAX_IMAGE_BYTES
+from .decode import MAX_IMAGE_BYTES
 from .grids import GRID_FIELDS, PageGrid, unknown_grids
 
 __all__ = [
@@ -80,11 +80,11 @@ MIN_THUMBNAIL_SIDE, MAX_THUMBNAIL_SIDE = 16, MAX_STORED_SIDE
 _BLOCK = 1024
 _MAGIC = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG\r\n\x1a\n", "image/png"))
 #: A page sent as text (the HTTP API's `image`): base64 (RFC 4648), padded; the pattern a schema
-#: states and `decode_base64_image` checks, and the longest such text (espn.pages.corpus.MAX_IMAGE_BYTES decoded).
+#: states and `decode_base64_image` checks, and the longest such text (espn.pages.decode.MAX_IMAGE_BYTES decoded).
 BASE64_PATTERN = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 MAX_BASE64_CHARS = 4 * -(-MAX_IMAGE_BYTES // 3)
 _BASE64 = re.compile(BASE64_PATTERN)
-#: What a page upload may be (its media type, from its first bytes) -> the suffix espn.pages.corpus decodes it as.
+#: What a page upload may be (its media type, from its first bytes) -> the suffix espn.pages.decode decodes it as.
 UPLOAD_SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp"}
 
 

@@ -44,12 +44,14 @@ _WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     409: {**_ERROR, "description": "the write conflicts with itself (an id twice, an id both upserted and deleted) "
                                    "or with the index (a metadata field of another type), or the server serves the "
                                    "index read-only (code `read_only`); nothing is written"},
-    413: {**_ERROR, "description": "request body too large"},
+    413: {**_ERROR, "description": "request body too large, or a page image that could never fit the server's page "
+                                   "memory (code `too_large`); nothing is written"},
     421: {**_ERROR, "description": "an id another partition owns (code `wrong_partition`): write through `espn route`"},
     415: {**_ERROR, "description": "the body is not application/json"},
     422: {**_ERROR, "description": "a field out of bounds, or the schema not met (nothing is written)"},
     503: {**_ERROR, "description": "another write or a compaction holds the index past ESPN_WRITE_WAIT_S, the write "
-                                   "queue is full, or the index is not open (Retry-After)"},
+                                   "queue is full, the page memory is held by other writes, or the index is not "
+                                   "open (Retry-After)"},
     507: {**_ERROR, "description": "the disk is full: nothing of this write is kept (Retry-After)"},
 }
 # Every id an index holds obeys the write rules (the build and the writer refuse others), so
