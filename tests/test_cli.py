@@ -8,6 +8,7 @@ to add four INFO lines to every error. The set of subcommands covered must equal
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -68,6 +69,10 @@ def _cases(sample_index: Path, tmp_path: Path) -> list[tuple[list[str], int, str
         (["delete", NOWHERE], 2, "give ids to delete, or --ids-file FILE"),
         (["delete", NOWHERE, "some-id"], 1, "not an espn index"),
         (["compact", NOWHERE], 1, "not an espn index"),
+        (["create", str(tmp_path / "made"), "--encoder", "nope:zz"], 1, "--encoder must be 'minilm'"),
+        (["create", str(sample_index)], 1, "exists"),
+        (["refit", NOWHERE], 1, "not an espn index"),
+        (["key-hash"], 2, "no key on stdin"),
         (["stats", NOWHERE], 1, "not an espn index"),
         (["snapshot", NOWHERE, str(tmp_path / "snap")], 1, "not an espn index"),
         (["snapshot", str(sample_index), str(tmp_path)], 1, "already exists; a snapshot goes to a new directory"),
@@ -92,7 +97,8 @@ def _cases(sample_index: Path, tmp_path: Path) -> list[tuple[list[str], int, str
 
 
 def test_every_error_is_one_line(isolated: None, sample_index: Path, tmp_path: Path,
-                                 capfd: pytest.CaptureFixture) -> None:
+                                 capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # `espn key-hash` reads its key there: none given
     cases = _cases(sample_index, tmp_path)
     listed = set(next(a for a in build_parser()._actions if a.dest == "command").choices)
     assert {argv[0] for argv, _, _ in cases} - {"nope"} == listed, "every subcommand needs error cases here"

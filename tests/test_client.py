@@ -126,6 +126,13 @@ def _every_route_sync(espn: Client) -> None:
     (index,) = espn.list_indexes()  # one index: the default, named `default`
     assert (index.name, index.default, index.open) == ("default", True, True)
     assert espn.get_index("default") == index
+    refitting = espn.refit_index("default")  # a background rewrite: searches and writes go on
+    assert refitting.name == "default" and refitting.fit is not None and refitting.generation is not None
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while (now := espn.get_index("default")).generation == refitting.generation or now.fit["refit_running"] is not None:
+        assert time.monotonic() < deadline, f"the re-fit did not end: {now.fit}"
+        time.sleep(0.2)
+    assert now.documents == refitting.documents and now.fit["fitted_on_documents"] == now.documents
     # This server has no index root: creating and deleting are refused (tests/test_index_admin.py does both).
     for refused in (lambda: espn.create_index("new-one", "small"), lambda: espn.delete_index("default")):
         with pytest.raises(ConflictError) as error:
@@ -153,6 +160,8 @@ async def _every_route_async(espn: AsyncClient) -> None:
     assert "client-async" in [s.name for s in await espn.list_snapshots()]
     assert [i.name for i in await espn.list_indexes()] == ["default"]
     assert (await espn.get_index("default")).default
+    with pytest.raises(NotFoundError):
+        await espn.refit_index("no-such-index")
     with pytest.raises(ConflictError, match="index root"):
         await espn.create_index("new-one", "small")
     with pytest.raises(ConflictError, match="index root"):

@@ -1,8 +1,8 @@
 """Creating and deleting indexes over HTTP, and the memory budget.
 
 One module-scoped server holds a directory of indexes (`--index DIR`, the index root): `a`
-(the default) and `b`, copies of the sample index, with a configured model, an API key and
-a memory budget that fits the default and one other index. One index is created (empty, in a
+(the default), `b` and `c`, copies of the sample index, with a configured model, an API key
+and a memory budget that fits the default and one other copy (a created index is small). One index is created (empty, in a
 fraction of a second once its model is saved), written to, searched; then the server restarts
 with two workers, which keep it, see an index that appears in the root, and both forget it
 once deleted through either.
@@ -39,7 +39,7 @@ DOCS = [{"id": "n1", "text": "Narwhals sing in the arctic polar night about zebr
 @pytest.fixture(scope="module")
 def root(sample_index: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("index-admin")
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         shutil.copytree(sample_index, root / "indexes" / name)
     # What a killed creation and a killed deletion leave (marked as espn's staging): removed at
     # start-up, never served; a directory of the same kind of name that espn did not make is kept.
@@ -57,7 +57,7 @@ def _listing(root: Path) -> list[str]:
 
 
 def _budget_mib(root: Path) -> float:
-    """The default and one more index fit, not two more."""
+    """The default and one more copy fit, with room for a small created index; not two copies."""
     one = resident_bytes(root / "indexes" / "b")  # the registry's estimate of an open index (posix reader)
     return round((resident_bytes(root / "indexes" / "a") + 1.5 * one) / 2**20, 3)
 
@@ -104,7 +104,7 @@ def test_the_index_root_is_given_or_the_one_directory_of_indexes(root: Path, tmp
 
 
 def test_leftovers_of_killed_creations_and_deletions_are_removed(server: ServerProcess, root: Path) -> None:
-    assert _listing(root) == [".deleted-mine", "a", "b"]  # what espn did not make stays
+    assert _listing(root) == [".deleted-mine", "a", "b", "c"]  # what espn did not make stays
     assert "removed leftovers" in server.log()
 
 
@@ -134,7 +134,7 @@ def test_a_failed_creation_is_a_503_that_leaves_nothing_behind(server: ServerPro
     response = _request(server, "POST", "/v1/indexes", {"name": "never", "model": "broken"})
     assert response.status_code == 503 and response.json()["error"] == "create_failed", response.text
     assert "/no/such/model" in response.json()["message"]
-    assert _listing(root) == [".deleted-mine", "a", "b"]
+    assert _listing(root) == [".deleted-mine", "a", "b", "c"]
     assert "never" not in _indexes(server)
 
 
@@ -170,13 +170,14 @@ def test_a_created_index_starts_empty_takes_writes_and_is_searched(server: Serve
 def test_the_memory_budget_closes_the_least_recently_used_idle_index(server: ServerProcess) -> None:
     listed = _indexes(server)
     assert all(item["memory_mib"] > 0 for item in listed.values())
+    _ids(_request(server, "POST", "/v1/indexes/b/search", QUERY))
     _ids(_request(server, "POST", "/v1/indexes/made/search", QUERY))
-    _ids(_request(server, "POST", "/v1/indexes/b/search", QUERY))  # made is idle: closed to make room for b
+    _ids(_request(server, "POST", "/v1/indexes/c/search", QUERY))  # b is the least recently used: closed for c
     listed = _indexes(server)
-    assert listed["b"]["open"] and not listed["made"]["open"] and listed["a"]["open"]
-    _ids(_request(server, "POST", "/v1/indexes/made/search", QUERY))
+    assert listed["c"]["open"] and not listed["b"]["open"] and listed["made"]["open"] and listed["a"]["open"]
+    _ids(_request(server, "POST", "/v1/indexes/b/search", QUERY))
     listed = _indexes(server)
-    assert listed["made"]["open"] and not listed["b"]["open"]
+    assert listed["b"]["open"] and not listed["c"]["open"] and listed["a"]["open"]
     assert "memory budget" in server.log()
     metrics = HTTP.get(server.base_url + "/metrics").text
     assert 'espn_index_memory_bytes{index="made"}' in metrics

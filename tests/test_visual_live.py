@@ -296,7 +296,7 @@ def test_page_writes_are_checked_before_anything_is_written(live: Path, encoder:
     finally:
         writer.close()
     assert read_current(root).number == before
-    text_writer = IndexWriter(root, encoder=SimpleNamespace(modality="text"))  # type: ignore[arg-type]
+    text_writer = IndexWriter(root, encoder=SimpleNamespace(reads_pages=False))  # type: ignore[arg-type]
     with pytest.raises(ConflictError, match="an image, but this index holds text"):
         text_writer.encode([NewDocument("i", image=png(draw_page(1)))])
     text_writer.close()

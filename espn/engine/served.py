@@ -239,13 +239,19 @@ class ServedIndex:
         with self._writing_made:  # the warm-up's thread and the first write may ask at once
             if self.writing is None:
                 self.writing = Writing(self.path, self.config, lambda generation: self._serve_newest(live),
-                                       lambda kind, seconds: self.observer.observe_compaction(self.name, kind, seconds))
+                                       lambda kind, seconds: self._compacted(live, kind, seconds))
             return self.writing
 
     @staticmethod
     def _serve_newest(live: LiveSearcher) -> None:
         """On the publishing thread: this process searches a new generation before its writers hear of it."""
         live.refresh()
+
+    def _compacted(self, live: LiveSearcher, kind: str, seconds: float) -> None:
+        """On the compaction's thread: the new base is served (and the old one let go) at once, not
+        at the next request."""
+        live.refresh()
+        self.observer.observe_compaction(self.name, kind, seconds)
 
     def _decide_read_only(self) -> bool:
         if self.config.follow is not None:  # a follower's index changes only by what it fetches

@@ -85,8 +85,9 @@ async def post_index(body: CreateIndexRequest, state: AppState = Depends(get_sta
     **_NOT_FOUND, 409: {"model": ErrorResponse, "description": "`read_only`: the index is served read-only"}},
     summary="Fit the index on its own documents again, in the background (searches and writes go on)",
     description="Starts a base rewrite that fits the index's IVF, token centroids and residual codes on its live "
-                "documents (an index also re-fits itself as it grows). The answer's `fit.refit_running` shows "
-                "its progress, as GET /v1/indexes/{name} does until it ends.")
+                "documents (an index also re-fits itself as it grows). It answers 202 once the re-fit is "
+                "started; `fit.refit_running` of GET /v1/indexes/{name} shows its progress until it ends, "
+                "when a new generation is served.")
 async def refit_index(name: str = Path(description="the index's name"),
                       state: AppState = Depends(get_state)) -> IndexInfo:
     async with state.engines.use(name) as engine:

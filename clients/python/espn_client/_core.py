@@ -268,6 +268,10 @@ class DocumentCalls:
         return Call("POST", self.routes.indexes, model(IndexInfo), body, retry=False,
                     timeout=CREATE_INDEX_TIMEOUT_S if timeout_s is None else timeout_s)
 
+    def refit_index(self, name: str) -> Call[IndexInfo]:
+        return Call("POST", f"{self.routes.named_index(name)}/refit", model(IndexInfo), None, retry=False,
+                    ok=frozenset({202}))
+
     def delete_index(self, name: str) -> Call[None]:
         return Call("DELETE", self.routes.named_index(name), lambda r: None, ok=frozenset({204}))
 

@@ -232,11 +232,19 @@ class AsyncClient:
 
     async def create_index(self, name: str, model: str, timeout_s: Optional[float] = None) -> IndexInfo:
         """POST /v1/indexes: a new, empty index `name` with the server's configured model `model` (its
-        `--model NAME=SPEC`); it then takes writes through a client made with `index=name`. A build:
-        tens of seconds, so it has a time limit of its own for each read and the whole call
-        (timeout_s, default 600 s) and is not retried. `ConflictError` when the name is taken,
+        `--model NAME=SPEC`); it then takes writes through a client made with `index=name`. Nothing is
+        trained (the index fits itself on its own documents as it grows), so it answers within a second
+        once the model is loaded; loading a model may take longer, hence a time limit of its own
+        (timeout_s, default 600 s), and it is not retried. `ConflictError` when the name is taken,
         `InvalidRequestError` for an unknown model (the message lists the configured ones)."""
         return await self._send(self._calls.create_index(name, model, timeout_s))
+
+    async def refit_index(self, name: str) -> IndexInfo:
+        """POST /v1/indexes/{name}/refit: fit the index on its own documents again, in the background
+        (searches and writes go on). It answers once the re-fit has started; `get_index`'s
+        `fit["refit_running"]` shows its progress until it ends. `ConflictError` for an index
+        served read-only."""
+        return await self._send(self._calls.refit_index(name))
 
     async def delete_index(self, name: str) -> None:
         """DELETE /v1/indexes/{name}: the index's requests finish, it closes and its directory is removed

@@ -243,6 +243,8 @@ class IndexInfo(_Result):
     encoder: str
     mode: Optional[str] = None
     memory_mib: Optional[float] = None
+    #: what the index is fitted on (exact, fitted_on_documents, growth_since_fit, refit_running, ...)
+    fit: Optional[dict[str, Any]] = None
 
 
 class IndexList(_Result):
