@@ -21,6 +21,8 @@ from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generation.format import LIVE_DIR, Generation, read_current, read_generation
 
+from .progress import is_running_progress
+
 __all__ = ["Staging", "recover", "collect_garbage", "NUMBERED"]
 
 log = logging.getLogger(__name__)
@@ -88,13 +90,15 @@ class Staging:
 def recover(root: Path) -> None:
     """Undo what a crashed writer left unpublished (under the writer lock): staging
     directories, files of unpublished generations, and records appended past the
-    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept."""
+    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept, and so
+    is the progress file a running compaction is replacing (it works without the writer lock)."""
     current = read_current(root)
     live_dir = root / LIVE_DIR
     for path in live_dir.iterdir():
         name = path.name
         match = NUMBERED.match(name)
-        if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number):
+        if (name.endswith(".tmp") and not is_running_progress(path)) or name == "incoming" \
+                or (match is not None and int(match[2]) > current.number):
             remove_path(path)
         elif name.startswith(Staging.PREFIXES) and lock_is_free(path):
             remove_path(path)
