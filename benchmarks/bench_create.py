@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(machine_line(info))
     print(report_create(result) if args.study == "create" else report_quality(result))
-    write_results(f"create_{args.study}" + ("_quick" if args.quick else ""), {"machine": info, **result})
+    name = f"create_{args.study}" + ("_quick" if args.quick else "".join(
+        f"_{model.split('=')[0]}" for model in args.model) if args.study == "quality" else "")
+    write_results(name, {"machine": info, **result})
     return 0
 
 
