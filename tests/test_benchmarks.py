@@ -522,3 +522,43 @@ def test_bench_query_encoders(results: Path, capsys, tmp_path: Path, monkeypatch
     assert {(row["backend"], row["threads"]) for row in payload["rows"]} == {
         (backend, threads) for backend in bench_query_encoders.BACKENDS for threads in bench_query_encoders.THREADS}
     assert 0 <= payload["fidelity"]["top10_overlap"] <= 1
+
+
+def test_bench_growth(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """An index created empty grown by writes of synthetic token documents (with the server's
+    compaction) against fresh builds, then the exact first stage against the fitted one."""
+    from benchmarks import bench_growth
+    from espn.live.fitting import EXACT_MAX_DOCUMENTS
+
+    assert bench_growth.main(["growth", "--quick", "--source", str(sample_index), "--work", str(tmp_path / "g")]) == 0
+    payload = _check(results, "growth_growth_quick", capsys, png=False)
+    rows = payload["growth"]["rows"]
+    assert [row["documents"] >= size for row, size in zip(rows, (300, 600))] == [True, True]
+    for row in rows:  # below EXACT_MAX_DOCUMENTS the grown index is exact: the exhaustive ranking itself
+        assert row["documents"] < EXACT_MAX_DOCUMENTS and row["stats"]["exact"]
+        assert row["search"]["grown"]["recall@10"] == 1.0 and row["search"]["grown"]["documents"] == row["documents"]
+        assert row["search"]["fresh build"]["documents"] == row["documents"] and row["p50_ratio"] > 0
+        assert row["throughput"]["during_refit"][0]["docs"] > 0 and row["throughput_ratio"] > 0
+    assert bench_growth.main(["exact", "--quick", "--source", str(sample_index), "--work", str(tmp_path / "e")]) == 0
+    payload = _check(results, "growth_exact_quick", capsys, png=False)
+    assert set(payload["exact"]) == {"tokens", "text"}
+    for study in payload["exact"].values():
+        assert [row["documents"] for row in study["rows"]] == [300, 600]
+        assert all(row["search"]["exact"]["recall@10"] == 1.0 for row in study["rows"])
+
+
+def test_bench_create(results: Path, capsys, sample_index: Path, tmp_path: Path) -> None:
+    """A server with only an index root creates indexes over HTTP; one is filled by writes and
+    ranked with `espn search --qrels` beside an `espn index` of the sample corpus."""
+    from benchmarks import bench_create
+
+    assert bench_create.main(["create", "--quick", "--work", str(tmp_path / "c")]) == 0
+    payload = _check(results, "create_create_quick", capsys, png=False)
+    assert len(payload["http"]["text"]["s"]) == 2 and payload["http"]["text"]["p50_s"] > 0
+    assert payload["library"]["text"]["p50_s"] > 0
+    assert bench_create.main(["quality", "--quick", "--built", f"text={sample_index}",
+                              "--work", str(tmp_path / "q")]) == 0
+    row = _check(results, "create_quality_quick", capsys, png=False)["rows"]["text"]
+    assert row["created"]["stored"]["documents"] == 40 and row["refitted"]["stored"]["deltas"] == 0
+    assert row["created"]["stored"]["d_bow"] == 384 and row["built"]["stored"]["d_bow"] == 64  # unprojected vs PCA
+    assert 0 < row["created"]["measures"]["nDCG@10"] <= 1 and row["built"]["stored"]["documents"] == 300

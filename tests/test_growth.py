@@ -209,3 +209,39 @@ def test_the_embedded_index_creates_writes_searches_and_refits(tmp_path: Path) -
         assert index.stats()["live_documents"] == 1 and index.document("tea").text.startswith("Green")
     with Index.open(tmp_path / "embedded") as again:  # across a restart
         assert [h.doc_id for h in again.search(["tea"], k=5)[0].hits] == ["tea"]
+
+
+def test_writes_during_a_refit_leave_its_progress_file_alone(created: Path) -> None:
+    """A compaction reports its progress through live/COMPACT.json.tmp, renamed into place, without
+    the writer lock; every writer that takes the lock meanwhile runs crash recovery, which removes
+    `*.tmp` files: the running compaction's must stay, or its rename fails and the re-fit with it.
+    Once no compaction runs, a leftover one is removed as before."""
+    n = 300
+    ids, cls, bow, counts = _corpus(n + 10, seed=5)
+    end = int(counts[:n].sum())
+    _write(created, ids[:n], cls[:n], bow[:end], counts[:n], batch=n)
+    live = created / "live"
+    kept: list[bool] = []
+
+    def write_at(step: str) -> None:
+        if step == "compact-records":  # the progress caught between its write and its rename
+            (live / "COMPACT.json.tmp").write_text("{}")
+            late = EncodedDocuments(ids[n:], [b'{"title": "", "text": "late"}'] * 10, cls[n:], bow[end:], counts[n:])
+            with LiveIndex(created) as other:  # takes the writer lock: crash recovery runs
+                assert not isinstance(other.publish([other.check([NewDocument(i, "late") for i in ids[n:]], [])],
+                                                    [late])[0], Exception)
+            kept.append((live / "COMPACT.json.tmp").is_file())
+            (live / "COMPACT.json.tmp").replace(live / "COMPACT.json")
+
+    files._checkpoint = write_at
+    try:
+        with LiveIndex(created) as writer:
+            writer.refit()
+    finally:
+        files._checkpoint = lambda step: None
+    assert kept == [True]
+    assert live_stats(created)["live_documents"] == n + 10 and live_stats(created)["refit_running"] is None
+    (live / "COMPACT.json.tmp").write_text("{}")  # what a compaction killed mid-write leaves
+    with LiveIndex(created) as writer:
+        writer.delete([ids[0]])
+    assert not (live / "COMPACT.json.tmp").exists()

@@ -46,7 +46,7 @@ from ..generation.format import Generation
 from ..generation.segments import LiveView, open_view
 
 from .merging import merge_segments, side_on_swap
-from .progress import PROGRESS_FILE, Progress
+from .progress import COMPACTION_LOCK, PROGRESS_FILE, Progress
 from .rewrite import rewrite
 from .staging import Staging
 from .writer import IndexWriter
@@ -103,7 +103,7 @@ class CompactionPolicy:
 @contextlib.contextmanager
 def _compaction_lock(live_dir: Path, wait_s: float) -> Iterator[None]:
     live_dir.mkdir(exist_ok=True)
-    fd = os.open(live_dir / "COMPACT", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(live_dir / COMPACTION_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         if not flock_within(fd, wait_s, longest_pause_s=0.05):
             raise CompactionRunningError(f"{live_dir.parent}: another compaction is running")

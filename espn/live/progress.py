@@ -11,11 +11,13 @@ from typing import Any
 
 from ..files import lock_is_free, utc_now, write_json_atomic
 
-__all__ = ["PROGRESS_FILE", "Progress", "compaction_progress"]
+__all__ = ["PROGRESS_FILE", "COMPACTION_LOCK", "Progress", "compaction_progress", "is_running_progress"]
 
 #: What a running compaction reports of itself: kind, the generation it started from,
 #: documents written of how many, since when, by which process.
 PROGRESS_FILE = "COMPACT.json"
+#: The file a compaction holds an exclusive flock on while it runs (one at a time per index).
+COMPACTION_LOCK = "COMPACT"
 
 
 class Progress:
@@ -35,9 +37,16 @@ class Progress:
             self.path.unlink()
 
 
+def is_running_progress(path: Path) -> bool:
+    """Whether `path` is the temporary file a running compaction writes its progress through
+    (write_json_atomic's `COMPACT.json.tmp`): a writer's crash recovery must leave it, or the
+    compaction's next rename fails and the whole compaction with it."""
+    return path.name == PROGRESS_FILE + ".tmp" and not lock_is_free(path.parent / COMPACTION_LOCK)
+
+
 def compaction_progress(live_dir: Path) -> dict[str, Any] | None:
     """The running compaction's progress, None when none runs (its lock is free)."""
-    if lock_is_free(live_dir / "COMPACT"):
+    if lock_is_free(live_dir / COMPACTION_LOCK):
         return None
     try:
         return dict(json.loads((live_dir / PROGRESS_FILE).read_text()))

@@ -22,6 +22,8 @@ from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generation.format import LIVE_DIR, Generation, read_current, read_generation
 
+from .progress import is_running_progress
+
 __all__ = ["Staging", "recover", "remove_write_leftovers", "collect_garbage", "NUMBERED", "LOCK_FILE"]
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,8 @@ class Staging:
 def recover(root: Path) -> list[str]:
     """Undo what a crashed or failed writer left unpublished (under the writer lock): staging
     directories, files of unpublished generations, and records appended past the
-    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept.
+    published end of embeddings.bin. Staging of a live compaction or `espn add` is kept, and so
+    is the progress file a running compaction is replacing (it works without the writer lock).
     Returns what went (paths under the index)."""
     current = read_current(root)
     live_dir = root / LIVE_DIR
@@ -99,7 +102,8 @@ def recover(root: Path) -> list[str]:
     for path in live_dir.iterdir():
         name = path.name
         match = NUMBERED.match(name)
-        if name.endswith(".tmp") or name == "incoming" or (match is not None and int(match[2]) > current.number) \
+        if (name.endswith(".tmp") and not is_running_progress(path)) or name == "incoming" \
+                or (match is not None and int(match[2]) > current.number) \
                 or (name.startswith(Staging.PREFIXES) and lock_is_free(path)):
             remove_path(path)
             removed.append(f"{LIVE_DIR}/{name}")
