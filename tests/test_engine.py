@@ -6,6 +6,7 @@ isolation answers the good queries of a batch that holds a refused one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import pytest
 
 import espn.engine as engine_door
 from espn.engine import IndexConfig, Lifecycle, NewDocument, SearchOptions, ServeConfig, open_engines
+from espn.engine.admin import MAX_CONCURRENT_CREATIONS
 from espn.engine.lifecycle import IllegalTransition, IndexLife
 from espn.errors import (ConflictError, IndexNotFoundError, InvalidParameterError, OverBudgetError,
-                         ReadOnlyIndexError)
+                         ReadOnlyIndexError, UnavailableError)
 from espn.params import MAX_QUERY_CHARS
 from espn.search.isolation import encode_together, search_isolated, sort_outcomes
 from espn.search.searcher import Searcher
@@ -191,6 +193,36 @@ def test_a_write_to_an_index_deleted_under_it_is_a_clean_not_found(sample_index:
                 (root / "gone").rename(root / ".deleted-gone-by-another-worker")
                 with pytest.raises(IndexNotFoundError, match="deleted"):
                     await engine.write([NewDocument("second", "Written after it.")], [])
+        finally:
+            await engines.close()
+
+    asyncio.run(scenario())
+
+
+def test_creations_beyond_the_limit_are_refused_at_once_and_the_others_all_finish(sample_index: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Six creations at once: the first loads the model while the next three wait for it; the fifth
+    and sixth are refused (503, retry) before anything is made; the four are searchable, and a
+    refused name can be created once the others are done."""
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(sample_index, tmp_path / "main")
+    config = dataclasses.replace(_config(tmp_path / "main", {}, root=root), models={"small": "minilm"})
+
+    async def scenario() -> None:
+        engines = open_engines(config)
+        await engines.start()
+        try:
+            names = [f"made-{i}" for i in range(MAX_CONCURRENT_CREATIONS + 2)]
+            outcomes = await asyncio.gather(*(engines.create(n, "small") for n in names), return_exceptions=True)
+            refused = [n for n, o in zip(names, outcomes) if isinstance(o, UnavailableError)]
+            assert refused == names[MAX_CONCURRENT_CREATIONS:], outcomes
+            assert all(not (root / n).exists() for n in refused)
+            for name in names[:MAX_CONCURRENT_CREATIONS]:
+                async with engines.use(name) as engine:
+                    answer = await engine.search(["ocean tides"], SearchOptions(k=3))
+                    assert answer.answers[0].result.hits == []  # created empty
+            assert (await engines.create(refused[0], "small")).documents == 0
         finally:
             await engines.close()
 
