@@ -100,6 +100,15 @@ def _reset_peak() -> int:
     return rss_pss()["rss"]
 
 
+def measure_steps_apart(model: Path, megapixels: float) -> list[dict[str, Any]]:
+    """measure_steps in a fresh process: one that decoded images before (PIL keeps freed blocks,
+    malloc its arenas) would take a step's memory from what it holds, and show no peak."""
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure_steps, model, megapixels).result()
+
+
 def measure_steps(model: Path, megapixels: float) -> list[dict[str, Any]]:
     """Peak RSS of each step of one page, over what was held before the step, per image mode."""
     from espn.encoders import encoder_from_spec
@@ -247,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         model = args.model or write_checkpoint(work / "tiny-colpali")
-        steps = measure_steps(model, args.megapixels)
+        steps = measure_steps_apart(model, args.megapixels)
         (work / "server").mkdir()
         (work / "build").mkdir()
         cases = [measure_server(model, work / "server", args, reason is None),

@@ -57,7 +57,7 @@ def _ids(response: httpx.Response) -> list[str]:
 
 
 def test_a_server_with_only_an_index_root_is_ready_and_has_no_default_index(server: ServerProcess) -> None:
-    ready = HTTP.get(server.base_url + "/readyz", timeout=60)
+    ready = HTTP.get(server.base_url + "/readyz", headers=AUTH, timeout=60)  # a key: the index list
     assert ready.status_code == 200 and ready.json()["indexes"] == [], ready.text
     missing = _call(server, "POST", "/v1/search", {"query": "tides"})
     assert missing.status_code == 404 and missing.json()["error"] == "not_found", missing.text
