@@ -1,0 +1,340 @@
+"""The record cache's storage: every record in a slot of its size class, in one memory segment.
+
+Slot sizes are cut at quantiles of the table's record lengths (`class_sizes`, multiples of
+`ALIGN`), the last exactly the longest record, so every record of the table has a class and
+slots fit records closely. The arena is split between the classes in proportion to the bytes
+of the table in each: at a budget of a fraction f of the table, each class holds f of its
+records, and at f >= 1 every record fits.
+
+One segment holds, as numpy views (no Python object per record): a header (the layout, a
+`dirty` flag and shared counters), per slot the document it holds, that record's offset in the
+file (checked on every hit, so a slot never answers for another record), its last use and the
+free stack of its class, the frequency sketch, the doc -> slot map (`MAP_HEADROOM` beyond the
+table, for documents a live index appends) and the class arenas. Every method runs under the
+segment's lock (`RecordCache` takes it). A change sets `dirty` first and clears it last; a
+process that finds it set (its writer died mid-change) empties the cache before using it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import InvalidParameterError
+from .cache_policy import POLICIES, VICTIM_SAMPLES, FrequencySketch, pick_victims
+
+__all__ = ["SlabPlan", "SlabStore", "plan_slabs", "class_sizes", "ALIGN", "MAX_CLASSES", "COUNTERS"]
+
+ALIGN = 64
+MAX_CLASSES = 64
+#: Map entries kept beyond the table's documents at creation, as a multiple of them plus a
+#: constant: documents a live index appends (a rewrite of its base, at half the base by default,
+#: makes a new cache). Pages of the map are touched only where documents are cached, so unused
+#: headroom costs address space, not RAM.
+MAP_GROWTH, MAP_HEADROOM = 2, 1 << 16
+SKETCH_DEPTH = 4
+_MAGIC = 0x6573706E52430001
+_VERSION = 1
+_HEADER_WORDS = 512
+_H_MAGIC, _H_VERSION, _H_DIRTY, _H_CLASSES, _H_MAP, _H_WIDTH, _H_ADDED, _H_TICK, _H_POLICY, _H_SIZE, _H_DOCS = range(11)
+_H_COUNTERS, _H_SLOT_BYTES, _H_SLOTS, _H_FREE = 16, 64, 128, 192
+COUNTERS = ("requests", "hits", "admitted", "evicted", "rejected", "forgotten", "resets", "too_large")
+#: Bytes of tables per slot: document, offset, last use (int64 each) and free stack (int32).
+SLOT_OVERHEAD = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabPlan:
+    """The layout of a cache: slot size and count per class, map entries, sketch width, policy."""
+
+    slot_bytes: np.ndarray  # [k] int64, increasing
+    slots: np.ndarray  # [k] int64
+    map_capacity: int
+    sketch_width: int
+    policy: str
+    n_documents: int  # of the table it was planned for
+
+    def regions(self) -> dict[str, tuple[int, int]]:
+        """name -> (byte offset, bytes) of each table in the segment, and "size" -> (total, 0)."""
+        total_slots = int(self.slots.sum())
+        out: dict[str, tuple[int, int]] = {}
+        at = _HEADER_WORDS * 8
+        for name, nbytes in (("slot_doc", 8 * total_slots), ("slot_offset", 8 * total_slots),
+                             ("slot_stamp", 8 * total_slots), ("free", 4 * total_slots),
+                             ("sketch", 2 * SKETCH_DEPTH * self.sketch_width), ("map", 4 * self.map_capacity)):
+            out[name] = (at, nbytes)
+            at = _align(at + nbytes, mmap.PAGESIZE)
+        for c, (size, count) in enumerate(zip(self.slot_bytes.tolist(), self.slots.tolist())):
+            out[f"arena{c}"] = (at, size * count)
+            at = _align(at + size * count, ALIGN)
+        out["size"] = (_align(at, mmap.PAGESIZE), 0)
+        return out
+
+    @property
+    def arena_bytes(self) -> int:
+        return int((self.slot_bytes * self.slots).sum())
+
+    @property
+    def nbytes(self) -> int:
+        """The RAM the cache holds at most: the segment but the map entries past the table's documents."""
+        return self.regions()["size"][0] - 4 * (self.map_capacity - self.n_documents)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-int(n) // to) * to
+
+
+def class_sizes(lengths: np.ndarray) -> np.ndarray:
+    """[k] slot sizes covering every length in `lengths` ([n] > 0), k <= MAX_CLASSES: the lengths
+    rounded up to ALIGN, cut at equal-count quantiles (each class the longest record of its
+    quantile, the last exactly the longest record), so slots fit the records closely where the
+    lengths are dense (SciFact's token records waste 0.5% of their bytes)."""
+    rounded = np.sort(-(-np.asarray(lengths, dtype=np.int64) // ALIGN) * ALIGN)
+    cuts = np.ceil(np.arange(1, MAX_CLASSES + 1) / MAX_CLASSES * len(rounded)).astype(np.int64) - 1
+    return np.unique(rounded[cuts])
+
+
+def plan_slabs(lengths: np.ndarray, budget_bytes: int, n_documents: int, policy: str) -> SlabPlan:
+    """The layout of a cache of `budget_bytes` in all (tables included) for records of `lengths`
+    (the table's, [n] int). Raises InvalidParameterError when the budget holds no record."""
+    if policy not in POLICIES:
+        raise InvalidParameterError(f"record_cache_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths[lengths > 0] if len(lengths) else lengths
+    sizes = class_sizes(lengths) if len(lengths) else np.array([ALIGN], dtype=np.int64)
+    counts = np.bincount(np.searchsorted(sizes, lengths, side="left"), minlength=len(sizes)).astype(np.int64)
+    if not counts.any():
+        counts[:] = 1
+    map_capacity = MAP_GROWTH * int(n_documents) + MAP_HEADROOM
+    # Fixed costs: header, the map's entries of the documents there are, page alignment of the tables.
+    fixed = _HEADER_WORDS * 8 + 4 * int(n_documents) + 8 * mmap.PAGESIZE
+    per_record = sizes * counts  # bytes of slots per class if every record were cached
+    for least in (1, 0):  # a slot for every class if the budget allows, so no length goes uncached
+        room = budget_bytes - fixed
+        for _ in range(8):  # the sketch's width is a power of two: shrink until the whole plan fits
+            fraction = room / float(per_record.sum() + (SLOT_OVERHEAD + 8 * SKETCH_DEPTH) * counts.sum())
+            slots = np.maximum(least, np.floor(np.maximum(0.0, fraction) * counts)).astype(np.int64)
+            plan = SlabPlan(sizes, slots, map_capacity, FrequencySketch.width_for(int(slots.sum())), policy,
+                            int(n_documents))
+            if plan.nbytes <= budget_bytes or slots.sum() < 1 or room <= 0:
+                break
+            room -= plan.nbytes - budget_bytes
+        if plan.nbytes <= budget_bytes:
+            break
+    if slots.sum() < 1 or plan.nbytes > budget_bytes:
+        raise InvalidParameterError(
+            f"a record cache of {budget_bytes / 2**20:.3f} MiB holds no record (the shortest slot is "
+            f"{int(sizes[0])} bytes besides {fixed / 2**20:.3f} MiB of tables); give more RAM or none")
+    return plan
+
+
+class SlabStore:
+    """The tables of one segment as numpy views (see the module docstring). Not thread-safe:
+    the caller holds the segment's lock."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
+        if int(header[_H_MAGIC]) != _MAGIC or int(header[_H_VERSION]) != _VERSION:
+            raise ValueError("not an initialised record cache segment")
+        k = int(header[_H_CLASSES])
+        self.plan = SlabPlan(header[_H_SLOT_BYTES: _H_SLOT_BYTES + k].copy(), header[_H_SLOTS: _H_SLOTS + k].copy(),
+                             int(header[_H_MAP]), int(header[_H_WIDTH]), POLICIES[int(header[_H_POLICY])],
+                             int(header[_H_DOCS]))
+        regions = self.plan.regions()
+        if regions["size"][0] > len(buffer):
+            raise ValueError("record cache segment shorter than its layout")
+        self.header = header
+        self.counters = header[_H_COUNTERS: _H_COUNTERS + len(COUNTERS)]
+        self.free_count = header[_H_FREE: _H_FREE + k]
+
+        def view(name: str, dtype: Any) -> np.ndarray:
+            at, nbytes = regions[name]
+            return np.frombuffer(buffer, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize, offset=at)
+
+        self.slot_doc, self.slot_offset = view("slot_doc", np.int64), view("slot_offset", np.int64)
+        self.slot_stamp, self.free = view("slot_stamp", np.int64), view("free", np.int32)
+        self.map = view("map", np.int32)
+        self.sketch = FrequencySketch(view("sketch", np.uint16).reshape(SKETCH_DEPTH, self.plan.sketch_width),
+                                      header[_H_ADDED: _H_ADDED + 1])
+        self.base = np.concatenate([[0], np.cumsum(self.plan.slots)]).astype(np.int64)
+        self.arenas = [view(f"arena{c}", np.uint8).reshape(int(n), int(s))
+                       for c, (s, n) in enumerate(zip(self.plan.slot_bytes, self.plan.slots))]
+        self._rng = np.random.default_rng()
+
+    @staticmethod
+    def initialise(buffer: mmap.mmap, plan: SlabPlan) -> None:
+        """Write an empty cache of `plan` into `buffer` (the magic number last)."""
+        header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
+        k = len(plan.slot_bytes)
+        if k > MAX_CLASSES:
+            raise ValueError(f"{k} size classes, at most {MAX_CLASSES}")
+        header[:] = 0
+        header[_H_VERSION], header[_H_CLASSES], header[_H_MAP] = _VERSION, k, plan.map_capacity
+        header[_H_WIDTH], header[_H_POLICY] = plan.sketch_width, POLICIES.index(plan.policy)
+        header[_H_SIZE], header[_H_DOCS] = plan.regions()["size"][0], plan.n_documents
+        header[_H_SLOT_BYTES: _H_SLOT_BYTES + k], header[_H_SLOTS: _H_SLOTS + k] = plan.slot_bytes, plan.slots
+        header[_H_MAGIC] = _MAGIC
+        SlabStore(buffer).clear()
+
+    @staticmethod
+    def is_initialised(buffer: mmap.mmap) -> bool:
+        header = np.frombuffer(buffer, dtype=np.int64, count=_HEADER_WORDS)
+        return int(header[_H_MAGIC]) == _MAGIC and int(header[_H_VERSION]) == _VERSION
+
+    def clear(self) -> None:
+        """Empty every class (the map needs no reset: an entry counts only where its slot agrees)."""
+        self.slot_doc[:] = -1
+        self.slot_offset[:] = -1
+        self.slot_stamp[:] = 0
+        for c, (lo, hi) in enumerate(zip(self.base[:-1].tolist(), self.base[1:].tolist())):
+            self.free[lo:hi] = np.arange(hi - 1, lo - 1, -1, dtype=np.int32)  # popped from the end: low slots first
+            self.free_count[c] = hi - lo
+        self.header[_H_DIRTY] = 0
+
+    def recover(self) -> None:
+        """Empty the cache if a process died changing it (its `dirty` flag is still set)."""
+        if int(self.header[_H_DIRTY]):
+            self.clear()
+            self.counters[COUNTERS.index("resets")] += 1
+
+    def count(self, name: str, n: int) -> None:
+        self.counters[COUNTERS.index(name)] += n
+
+    def class_of(self, lengths: np.ndarray) -> np.ndarray:
+        """[n] size class of each record length (k: longer than every slot)."""
+        return np.searchsorted(self.plan.slot_bytes, lengths, side="left")
+
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """[n] the slot holding each record, -1 where none does; counts the requests and marks the hits used."""
+        self.sketch.add(docs)
+        slots = np.full(len(docs), -1, dtype=np.int64)
+        known = np.flatnonzero(docs < self.plan.map_capacity)
+        entry = self.map[docs[known]].astype(np.int64) - 1
+        known, entry = known[entry >= 0], entry[entry >= 0]
+        cls = self.class_of(lengths[known])
+        fits = cls < len(self.base) - 1
+        known, entry, cls = known[fits], entry[fits], cls[fits]
+        agree = ((self.slot_doc[entry] == docs[known]) & (self.slot_offset[entry] == offsets[known])
+                 & (entry >= self.base[cls]) & (entry < self.base[cls + 1]))
+        slots[known[agree]] = entry[agree]
+        self.header[_H_TICK] += 1
+        self.slot_stamp[entry[agree]] = self.header[_H_TICK]
+        self.count("requests", len(docs))
+        self.count("hits", int(agree.sum()))
+        return slots
+
+    def copy_out(self, slots: np.ndarray, allocate: Callable[[int], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(buffer, starts): the records of `slots` ([n] slot numbers) copied into one buffer that
+        `allocate(nbytes)` gives (1-D uint8, at least nbytes), one copy per size class (no Python
+        work per record); record i starts at starts[i]."""
+        cls = np.searchsorted(self.base, slots, side="right") - 1
+        sizes = self.plan.slot_bytes[cls]
+        order = np.argsort(cls, kind="stable")
+        starts = np.empty(len(slots), dtype=np.int64)
+        starts[order] = np.concatenate([[0], np.cumsum(sizes[order])[:-1]]) if len(slots) else []
+        out = allocate(int(sizes.sum()))
+        bounds = np.flatnonzero(np.diff(cls[order], prepend=-1, append=len(self.arenas)))
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            c, rows = int(cls[order[lo]]), order[lo:hi]
+            at, size = int(starts[rows[0]]), int(self.plan.slot_bytes[c])
+            np.take(self.arenas[c], slots[rows] - self.base[c], axis=0, mode="clip",
+                    out=out[at: at + size * len(rows)].reshape(len(rows), size))
+        return out, starts
+
+    def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
+              starts: np.ndarray) -> None:
+        """Offer records just read (record i at `starts[i]` of `buffer`, `lengths[i]` bytes): each
+        takes a free slot of its class, or competes for one by the policy. Unique `docs` only."""
+        cls = self.class_of(lengths)
+        self.count("too_large", int((cls >= len(self.arenas)).sum()))
+        keep = (cls < len(self.arenas)) & (docs < self.plan.map_capacity)
+        current = self.map[docs[keep]].astype(np.int64) - 1
+        resident = np.zeros(int(keep.sum()), dtype=bool)
+        resident[current >= 0] = self.slot_doc[current[current >= 0]] == docs[keep][current >= 0]
+        keep[np.flatnonzero(keep)[resident]] = False  # another search admitted it meanwhile
+        self.header[_H_DIRTY] = 1
+        for c in np.unique(cls[keep]).tolist():
+            rows = np.flatnonzero(keep & (cls == c))
+            self._admit_class(c, docs[rows], offsets[rows], lengths[rows], buffer, starts[rows])
+        self.header[_H_DIRTY] = 0
+
+    def _admit_class(self, c: int, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                     buffer: np.ndarray, starts: np.ndarray) -> None:
+        free = int(self.free_count[c])
+        lo = int(self.base[c])
+        taken = min(free, len(docs))
+        slots = self.free[lo + free - taken: lo + free][::-1].astype(np.int64)
+        self.free_count[c] = free - taken
+        rows = np.arange(taken)
+        if taken < len(docs):  # the class is full: the rest compete with residents
+            rest = np.arange(taken, len(docs))
+            n = int(self.plan.slots[c])
+            sample = np.unique(self._rng.integers(lo, lo + n, size=min(n, VICTIM_SAMPLES * len(rest))))
+            sample = sample[self.slot_doc[sample] >= 0]
+            enter, victims = pick_victims(self.plan.policy, self.sketch.estimate(docs[rest]), sample,
+                                          self.sketch.estimate(self.slot_doc[sample]), self.slot_stamp[sample])
+            self.count("rejected", len(rest) - len(enter))
+            self.count("evicted", len(victims))
+            self.slot_doc[victims] = -1  # unmapped before a byte of them changes
+            rows, slots = np.concatenate([rows, rest[enter]]), np.concatenate([slots, victims])
+        self._place(c, slots, docs[rows], offsets[rows], lengths[rows], buffer, starts[rows])
+
+    def _place(self, c: int, slots: np.ndarray, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+               buffer: np.ndarray, starts: np.ndarray) -> None:
+        """Copy records into `slots` of class c. A copy per record would be Python work per record, so
+        the records are copied as windows of the slot size in one call; the few that end within a slot
+        of the buffer's end are copied one by one."""
+        if not len(slots):
+            return
+        size = int(self.plan.slot_bytes[c])
+        arena, local = self.arenas[c], slots - self.base[c]
+        whole = starts + size <= len(buffer)
+        if whole.any():
+            windows = np.lib.stride_tricks.sliding_window_view(buffer, size)
+            arena[local[whole]] = windows[starts[whole]]
+        for slot, start, length in zip(local[~whole].tolist(), starts[~whole].tolist(), lengths[~whole].tolist()):
+            arena[slot, :length] = buffer[start: start + length]
+        self.slot_offset[slots] = offsets
+        self.slot_doc[slots] = docs
+        self.slot_stamp[slots] = self.header[_H_TICK]
+        self.map[docs] = (slots + 1).astype(np.int32)
+        self.count("admitted", len(slots))
+
+    def forget(self, docs: np.ndarray) -> int:
+        """Drop the records of `docs` (deleted or replaced documents); returns how many were cached."""
+        docs = np.unique(np.asarray(docs, dtype=np.int64))
+        docs = docs[(docs >= 0) & (docs < self.plan.map_capacity)]
+        entry = self.map[docs].astype(np.int64) - 1
+        held = np.flatnonzero(entry >= 0)
+        held = held[self.slot_doc[entry[held]] == docs[held]]
+        slots = entry[held]
+        if not len(slots):
+            return 0
+        self.header[_H_DIRTY] = 1
+        self.slot_doc[slots] = -1
+        self.map[docs[held]] = 0
+        cls = np.searchsorted(self.base, slots, side="right") - 1
+        for c in np.unique(cls).tolist():
+            freed = slots[cls == c].astype(np.int32)
+            lo, free = int(self.base[c]), int(self.free_count[c])
+            self.free[lo + free: lo + free + len(freed)] = freed
+            self.free_count[c] = free + len(freed)
+        self.header[_H_DIRTY] = 0
+        self.count("forgotten", len(slots))
+        return len(slots)
+
+    def cached_documents(self) -> np.ndarray:
+        """Sorted doc numbers of every record held."""
+        return np.sort(self.slot_doc[self.slot_doc >= 0])
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (shared by every process of the segment), slots, entries, bytes of records held."""
+        used = self.plan.slots - self.free_count
+        out: dict[str, Any] = {name: int(v) for name, v in zip(COUNTERS, self.counters.tolist())}
+        out.update(entries=int(used.sum()), slots=int(self.plan.slots.sum()), classes=len(self.arenas),
+                   record_bytes=int((used * self.plan.slot_bytes).sum()), arena_bytes=self.plan.arena_bytes,
+                   bytes=self.plan.nbytes, policy=self.plan.policy)
+        return out
