@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
                                decode_base64_image)
     from .partitioning import HASH_NAME, PartitionLayout, WrongPartitionError, owner
     from .prefetch import PrefetchEstimates
+    from .store.ram_plan import RamPlan, plan_ram
     from .search.hybrid import MAX_LEXICAL_K, HybridParams, fuse
     from .search.searcher import Searcher
     from .search.validation import MAX_QUERY_CHARS
@@ -77,7 +78,7 @@ __all__ = [
     "read_only_reason", "lock_is_free",
     # index administration (an empty index made and removed in an index root)
     "create_empty_index", "remove_index", "remove_index_leftovers", "live_documents", "is_index_directory",
-    "resident_bytes", "encoder_label",
+    "resident_bytes", "encoder_label", "plan_ram", "RamPlan",
     # snapshots
     "snapshot", "default_name", "snapshots_in", "remove_snapshot_leftovers",
     # replication and partitions
@@ -114,6 +115,7 @@ _LAZY: dict[str, str] = {
                      "decode_base64_image"), "espn.pages.images"),
     **dict.fromkeys(("HASH_NAME", "PartitionLayout", "WrongPartitionError", "owner"), "espn.partitioning"),
     "PrefetchEstimates": "espn.prefetch",
+    **dict.fromkeys(("RamPlan", "plan_ram"), "espn.store.ram_plan"),
     **dict.fromkeys(("MAX_LEXICAL_K", "HybridParams", "fuse"), "espn.search.hybrid"),
     "Searcher": "espn.search.searcher",
     "MAX_QUERY_CHARS": "espn.search.validation",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from espn.errors import InvalidParameterError, UsageError
+from espn.store.ram_plan import plan_ram
 
 from .live_index import LiveIndex
 from .replication.publisher import publish
@@ -94,7 +95,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(json.dumps(live_stats(args.index), indent=2))
+    ram_mib = getattr(args, "ram_mib", None)
+    if ram_mib is not None and not ram_mib >= 0:
+        raise UsageError(f"--ram-mib must be a number of MiB >= 0, got {ram_mib!r}")
+    plan = plan_ram(args.index, None if ram_mib is None else int(ram_mib * 2**20), getattr(args, "reader", None))
+    print(json.dumps({**live_stats(args.index), "memory": plan.to_json()}, indent=2))
     return 0
 
 
