@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from espn.errors import EspnError
-from espn.service import open_view, read_only_reason, remove_index_leftovers
+from espn.service import open_view, plan_ram, read_only_reason, remove_index_leftovers
 
 from . import connections
 from .logs import logging_config
@@ -129,8 +129,10 @@ def _check_before_start(settings: ServerSettings) -> Optional[str]:
     if problem is not None:
         return f"espn serve: error: {problem}"
     try:
-        for path in settings.index_map().values():  # every index opens lazily in the workers: check them now
+        for name, path in settings.index_map().items():  # every index opens lazily in the workers: check them now
             open_view(path, verify="fast").close()
+            ram_mib = settings.ram_mib_for(name, settings.ram_mib)  # below what the index keeps resident: refused
+            plan_ram(path, None if ram_mib is None else int(ram_mib * 2**20), settings.reader)
     except (EspnError, ValueError, OSError) as error:
         return f"espn serve: error: {error}"
     if settings.publish is not None or settings.follow is not None:

@@ -1,10 +1,11 @@
 """`--index-memory-budget MIB`: what an open index holds in memory, estimated, and making room for one.
 
-The estimate of an index is the size of the files its searches map into memory, as the
-library counts them (`espn.files.resident_bytes`: not the records, read from storage per
-query unless `--reader mmap` maps them, nor the passages or the model, loaded once per worker
-for every index that uses it, server.shared_encoders): the pages a worker touches once
-searches have run, an upper bound of what it keeps resident. The budget is per worker.
+The estimate of an index is its RAM plan as the library makes it (`espn.store.ram_plan`, from
+`--ram-mib`/`--index-ram`): the size of the files its searches map into memory
+(`espn.files.resident_bytes`: not the records, read from storage per query unless `--reader
+mmap` maps them, nor the passages or the model, loaded once per worker for every index that
+uses it, server.shared_encoders), plus its record cache (one copy, shared by the workers) or
+the memory reader's table. The budget is per worker.
 
 Before a closed index opens (server.indexes), `make_room` closes idle indexes (no request
 inside), least recently used first, until the open ones plus the new one fit; the default
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from espn.service import resident_bytes
+from espn.service import plan_ram, resident_bytes
 
 from .deps import AppState
 from .errors import ServiceUnavailableError
@@ -31,8 +32,14 @@ MIB = 1 << 20
 
 
 def estimate_bytes(settings: ServerSettings) -> int:
-    """The estimated memory of the index at settings.index when open (espn.files.resident_bytes)."""
-    return resident_bytes(settings.index, mapped_embeddings=settings.reader == "mmap")
+    """The estimated memory of the index at settings.index when open: its RAM plan (what its searches
+    keep resident, its record cache or the memory reader's table: espn.store.ram_plan), and for mmap
+    the mapped table (espn.files.resident_bytes)."""
+    if settings.reader == "mmap":
+        return resident_bytes(settings.index, mapped_embeddings=True)
+    plan = plan_ram(settings.index, None if settings.ram_mib is None else int(settings.ram_mib * MIB), settings.reader)
+    cache = plan.record_cache_bytes if settings.record_cache_mb is None else int(settings.record_cache_mb * MIB)
+    return plan.resident_bytes + plan.table_in_ram_bytes + cache
 
 
 async def make_room(registry: "IndexRegistry", state: AppState) -> None:

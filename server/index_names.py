@@ -14,7 +14,7 @@ from typing import Any, Optional
 from espn.service import is_index_directory
 
 __all__ = ["DEFAULT_INDEX_NAME", "INDEX_NAME", "NAME_RULE", "resolve_indexes", "split_entries", "default_index_path",
-           "indexes_under", "resolve_models"]
+           "indexes_under", "resolve_models", "resolve_index_ram"]
 
 #: The name of INDEX (the default index) when no --index names it.
 DEFAULT_INDEX_NAME = "default"
@@ -112,3 +112,20 @@ def resolve_models(entries: list[str]) -> dict[str, str]:
             raise ValueError(f"model name {name!r} given twice")
         models[name] = spec.strip()
     return models
+
+
+def resolve_index_ram(entries: list[str]) -> dict[str, float]:
+    """name -> MiB of each `--index-ram NAME=MIB`; a bad name, number or repeat is refused."""
+    out: dict[str, float] = {}
+    for entry in entries:
+        name, sep, mib = entry.partition("=")
+        try:
+            value = float(mib)
+        except ValueError:
+            value = -1.0
+        if not sep or not INDEX_NAME.match(name) or not 0 <= value <= float(1 << 30):
+            raise ValueError(f"--index-ram {entry!r}: expected NAME=MIB, MIB a number of MiB >= 0, NAME of {NAME_RULE}")
+        if name in out and out[name] != value:
+            raise ValueError(f"--index-ram names {name!r} twice")
+        out[name] = value
+    return out

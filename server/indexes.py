@@ -136,6 +136,7 @@ class IndexRegistry:
         named = settings.index_map()
         self.default_name = next(iter(named))
         default.name = self.default_name
+        default.settings = settings.model_copy(update={"ram_mib": settings.ram_mib_for(self.default_name, settings.ram_mib)})
         self.states: dict[str, AppState] = {self.default_name: default}
         self.encoder_names = {self.default_name: encoder_label(named[self.default_name])}
         self._locks: dict[str, asyncio.Lock] = {self.default_name: asyncio.Lock()}
@@ -147,7 +148,7 @@ class IndexRegistry:
 
     def add(self, name: str, path: Path) -> AppState:
         """Hold the index at `path` (closed: it opens at its first request) as `name`."""
-        update: dict[str, Any] = {"index": path}
+        update: dict[str, Any] = {"index": path, "ram_mib": self.settings.ram_mib_for(name, self.settings.ram_mib)}
         if self.settings.snapshot_dir is not None:
             update["snapshot_dir"] = self.settings.snapshot_dir / name
         state = AppState(settings=self.settings.model_copy(update=update), metrics=self.metrics, name=name,

@@ -31,6 +31,7 @@ from .batching import BatchedResult, MicroBatcher
 from .budget import check_budget
 from .connections import busy_connections
 from .metrics import ServerMetrics
+from .metrics_dir import record_cache_share
 from .schemas import SearchOptions
 from .settings import ServerSettings
 
@@ -61,8 +62,12 @@ def open_searcher(settings: ServerSettings,
     encoder_loader: hands out the encoder (server.shared_encoders); None: the index loads its own."""
     # N workers x all cores each would oversubscribe the CPU; give each its share.
     torch.set_num_threads(settings.effective_torch_threads)
+    options = settings.reader_open_options()
+    share = record_cache_share()  # the workers of this server map one record cache
+    if share is not None:
+        options["record_cache_share"] = share
     return Searcher.open(settings.index, reader=settings.reader, device=settings.device,
-                         reader_options=settings.reader_open_options(), trust_remote_code=settings.trust_remote_code,
+                         reader_options=options, trust_remote_code=settings.trust_remote_code,
                          encoder_loader=encoder_loader)
 
 
@@ -92,7 +97,7 @@ class SearchService:
         # What each search call measured, from its thread to the loop: recorded once the answers
         # are out (a deque: appends from the search threads, pops on the loop).
         self._measured: collections.deque[tuple[list[tuple[int, Mapping[str, float], int, int]],
-                                                Optional[Mapping[str, Any]], Optional[PrefetchEstimates]]] = \
+                                                Mapping[str, Any], Optional[PrefetchEstimates]]] = \
             collections.deque()
         self._executor = concurrent.futures.ThreadPoolExecutor(settings.search_threads, thread_name_prefix="espn-search")
         self.batcher: MicroBatcher[QueryResult] = MicroBatcher(
@@ -181,11 +186,11 @@ class SearchService:
             self._lone_call_ms += 0.25 * (seconds * 1000.0 - self._lone_call_ms)
         self.metrics.queued.set(self.batcher.pending)
         while self._measured:
-            calls, record_cache, prefetch = self._measured.popleft()
+            calls, reader, prefetch = self._measured.popleft()
             for queries, stage_ms, waves, skipped in calls:
                 self.metrics.observe_batch(queries, stage_ms)
                 self.metrics.observe_waves(waves, skipped)
-            self.metrics.set_record_cache(record_cache)
+            self.metrics.set_record_cache(reader.get("record_cache"), reader.get("ram"))
             self.metrics.set_prefetch(prefetch)
 
     async def document(self, doc_id: str) -> Document:
@@ -255,6 +260,6 @@ class SearchService:
                 measured.append((len(answered), stats.stage_ms, stats.waves, stats.waves_skipped))
             outcomes.append(results)
         if measured:
-            self._measured.append((measured, searcher.reader.describe().get("record_cache"),
+            self._measured.append((measured, searcher.reader.describe(),
                                    searcher.prefetch_estimates))
         return outcomes

@@ -103,9 +103,16 @@ class ServerSettings(IndexSettings, BaseSettings):
     io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once; unset: 64")
     max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read; unset: 1 MiB")
     direct: Optional[bool] = Field(None, description="false: buffered reads instead of O_DIRECT; unset: O_DIRECT")
-    record_cache_mb: float = Field(0.0, ge=0.0, le=1 << 20,
-                                   description="RAM (MiB) for a cache of frequently read records in front of the "
-                                               "posix reader, admitted by frequency; 0: off")
+    ram_mib: Optional[float] = Field(
+        None, ge=0.0, le=float(1 << 30),
+        description="RAM (MiB) each index may use (per index; --index-ram NAME=MIB sets one index's): the posix "
+                    "reader's first stage keeps what it must resident and the rest holds the record cache of "
+                    "frequently read records, one copy shared by the workers (`espn stats INDEX --ram-mib N` "
+                    "shows the split); unset: the cache gets a quarter of the record table, at most an eighth of "
+                    "the machine's RAM")
+    record_cache_mb: Optional[float] = Field(None, ge=0.0, le=1 << 20,
+                                             description="RAM (MiB) of the record cache in front of the posix "
+                                                         "reader, instead of what --ram-mib leaves it; 0: off")
 
     # Request limits.
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
@@ -279,9 +286,11 @@ class ServerSettings(IndexSettings, BaseSettings):
         return options
 
     def reader_open_options(self) -> dict[str, Any]:
-        """reader_options() plus the record cache (which applies to any reader that reads from storage)."""
+        """reader_options() plus the index's RAM (`ram_mib`: the library splits it between the first stage
+        and the record cache) and the record cache's size where it is given."""
         options = self.reader_options()
-        if self.record_cache_mb:
+        options["ram_mib"] = self.ram_mib
+        if self.record_cache_mb is not None:
             options["record_cache_mb"] = self.record_cache_mb
         return options
 
