@@ -171,7 +171,7 @@ def test_a_failed_read_offers_nothing_and_gives_its_buffers_back(store: Store) -
         assert np.isin(np.arange(500, 540), reader.cached_documents()).all()
 
 
-def test_an_exception_in_the_gather_gives_the_hits_buffer_back(store: Store) -> None:
+def test_an_exception_in_the_gather_ends_the_read_of_the_hits(store: Store) -> None:
     class FailGather(FaultInjector):
         def point(self, name: str) -> None:
             if name == "gather":
@@ -181,9 +181,34 @@ def test_an_exception_in_the_gather_gives_the_hits_buffer_back(store: Store) -> 
         docs = np.arange(30)
         reader.read(docs)
         with inject_faults(FailGather()), pytest.raises(KeyboardInterrupt):
-            reader.read(np.arange(60))  # half hits (a pooled buffer), half misses
+            reader.read(np.arange(60))  # half hits (a read in flight in the segment), half misses
         assert reader.inner.buffer_pool.stats()["in_use"] == 0
+        assert reader.stats()["reads_in_flight"] == 0, "the hits' read ended with the failed gather"
         assert_batch_equal(reader.read(np.arange(60)), store.expected(np.arange(60)))
+
+
+def test_no_slot_a_read_holds_changes_under_it(store: Store) -> None:
+    """Hits are read in place: while a batch of them is held (unscored), heavy churn through a
+    small cache must evict around them, never over them."""
+    raw = store.path.read_bytes()
+    with cached(store, 0.02) as reader:
+        held_docs = np.arange(0, 40)
+        for _ in range(3):
+            reader.read(held_docs)
+        with reader.submit(held_docs).records() as batch:
+            assert batch.bytes_read == 0 and reader.stats()["reads_in_flight"] == 1
+            rng = np.random.default_rng(5)
+            for _ in range(60):  # each of these is asked for more often than the held ones
+                churn = rng.integers(40, len(store.records), size=60)
+                reader.read(churn)
+                reader.read(churn)
+            assert reader.stats()["evicted"] > 0
+            for row, doc in enumerate(batch.docs.tolist()):
+                offset, length = int(store.records[doc]["offset"]), int(store.records[doc]["length"])
+                start = int(batch.starts[row])
+                got = bytes(np.asarray(batch.buffers[int(batch.buffer_of[row])])[start: start + length])
+                assert got == raw[offset: offset + length], f"doc {doc} changed while it was being read"
+        assert reader.stats()["reads_in_flight"] == 0
 
 
 def test_searches_with_the_cache_rank_exactly_as_without(sample_index: Path) -> None:

@@ -4,22 +4,30 @@ Slot sizes are cut at quantiles of the table's record lengths (`class_sizes`, mu
 `ALIGN`), the last exactly the longest record, so every record of the table has a class and
 slots fit records closely. The arena is split between the classes in proportion to the bytes
 of the table in each: at a budget of a fraction f of the table, each class holds f of its
-records, and at f >= 1 every record fits.
+records (at least one slot each where the budget allows), and at f >= 1 every record fits.
 
 One segment holds, as numpy views (no Python object per record): a header (the layout, a
 `dirty` flag and shared counters), per slot the document it holds, that record's offset in the
-file (checked on every hit, so a slot never answers for another record), its last use and the
-free stack of its class, the frequency sketch, the doc -> slot map (`MAP_HEADROOM` beyond the
-table, for documents a live index appends) and the class arenas. Every method runs under the
-segment's lock (`RecordCache` takes it). A change sets `dirty` first and clears it last; a
-process that finds it set (its writer died mid-change) empties the cache before using it.
+file (checked on every hit, so a slot never answers for another record), the tick of its last
+use and the free stack of its class, the frequency sketch, the doc -> slot map (`MAP_GROWTH`
+times the table's documents, for those a live index appends) and the class arenas.
+
+Hits are read where they lie, as the memory reader reads its array: a read registers itself
+(`begin_read`: its process and a tick) in the table of reads in flight before its lookup,
+which stamps the slots it found with that tick, and unregisters when its records have been
+scored. A slot is overwritten (evicted, or reused after `forget`) only when its stamp is older
+than every read in flight, so no read ever sees its record change; rows of processes that
+died are dropped. Every method runs under the segment's lock (`RecordCache` takes it). A
+change sets `dirty` first and clears it last; a process that finds it set (its writer died
+mid-change) unmaps every record before using the cache again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import mmap
-from typing import Any, Callable
+import os
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +48,8 @@ _MAGIC = 0x6573706E52430001
 _VERSION = 1
 _HEADER_WORDS = 512
 _H_MAGIC, _H_VERSION, _H_DIRTY, _H_CLASSES, _H_MAP, _H_WIDTH, _H_ADDED, _H_TICK, _H_POLICY, _H_SIZE, _H_DOCS = range(11)
+#: Reads in flight at once, over every process of a segment (a read past them finds no hit).
+READS_IN_FLIGHT = 1024
 _H_COUNTERS, _H_SLOT_BYTES, _H_SLOTS, _H_FREE = 16, 64, 128, 192
 COUNTERS = ("requests", "hits", "admitted", "evicted", "rejected", "forgotten", "resets", "too_large")
 #: Bytes of tables per slot: document, offset, last use (int64 each) and free stack (int32).
@@ -64,6 +74,7 @@ class SlabPlan:
         at = _HEADER_WORDS * 8
         for name, nbytes in (("slot_doc", 8 * total_slots), ("slot_offset", 8 * total_slots),
                              ("slot_stamp", 8 * total_slots), ("free", 4 * total_slots),
+                             ("reads", 16 * READS_IN_FLIGHT),
                              ("sketch", 2 * SKETCH_DEPTH * self.sketch_width), ("map", 4 * self.map_capacity)):
             out[name] = (at, nbytes)
             at = _align(at + nbytes, mmap.PAGESIZE)
@@ -156,6 +167,8 @@ class SlabStore:
 
         self.slot_doc, self.slot_offset = view("slot_doc", np.int64), view("slot_offset", np.int64)
         self.slot_stamp, self.free = view("slot_stamp", np.int64), view("free", np.int32)
+        self.reads = view("reads", np.int64).reshape(READS_IN_FLIGHT, 2)  # (pid, tick) of each read; pid 0: free
+        self.arena_at = np.array([regions[f"arena{c}"][0] for c in range(k)], dtype=np.int64)
         self.map = view("map", np.int32)
         self.sketch = FrequencySketch(view("sketch", np.uint16).reshape(SKETCH_DEPTH, self.plan.sketch_width),
                                       header[_H_ADDED: _H_ADDED + 1])
@@ -185,13 +198,15 @@ class SlabStore:
         return int(header[_H_MAGIC]) == _MAGIC and int(header[_H_VERSION]) == _VERSION
 
     def clear(self) -> None:
-        """Empty every class (the map needs no reset: an entry counts only where its slot agrees)."""
+        """Unmap every record (the map needs no reset: an entry counts only where its slot agrees);
+        the free stacks get every slot no read in flight may be reading."""
         self.slot_doc[:] = -1
         self.slot_offset[:] = -1
-        self.slot_stamp[:] = 0
+        idle = self.slot_stamp < self.oldest_read()
         for c, (lo, hi) in enumerate(zip(self.base[:-1].tolist(), self.base[1:].tolist())):
-            self.free[lo:hi] = np.arange(hi - 1, lo - 1, -1, dtype=np.int32)  # popped from the end: low slots first
-            self.free_count[c] = hi - lo
+            free = np.flatnonzero(idle[lo:hi])[::-1].astype(np.int32) + lo  # popped from the end: low slots first
+            self.free[lo: lo + len(free)] = free
+            self.free_count[c] = len(free)
         self.header[_H_DIRTY] = 0
 
     def recover(self) -> None:
@@ -200,6 +215,39 @@ class SlabStore:
             self.clear()
             self.counters[COUNTERS.index("resets")] += 1
 
+    def begin_read(self, pid: int) -> tuple[int, int]:
+        """(row, tick) of a new read in flight of process `pid` (row -1: the table is full)."""
+        self.header[_H_TICK] += 1
+        tick = int(self.header[_H_TICK])
+        free = np.flatnonzero(self.reads[:, 0] == 0)
+        if not len(free):
+            self.drop_dead_reads()
+            free = np.flatnonzero(self.reads[:, 0] == 0)
+            if not len(free):
+                return -1, tick
+        row = int(free[0])
+        self.reads[row] = (pid, tick)
+        return row, tick
+
+    def end_read(self, row: int) -> None:
+        if row >= 0:
+            self.reads[row, 0] = 0
+
+    def oldest_read(self) -> int:
+        """The tick of the oldest read in flight (past every stamp when there is none)."""
+        busy = self.reads[:, 0] != 0
+        if not busy.any():
+            return int(self.header[_H_TICK]) + 1
+        self.drop_dead_reads()
+        busy = self.reads[:, 0] != 0
+        return int(self.reads[busy, 1].min()) if busy.any() else int(self.header[_H_TICK]) + 1
+
+    def drop_dead_reads(self) -> None:
+        """Free the rows of processes that no longer exist (killed mid-read)."""
+        for pid in np.unique(self.reads[self.reads[:, 0] != 0, 0]).tolist():
+            if not _alive(pid):
+                self.reads[self.reads[:, 0] == pid, 0] = 0
+
     def count(self, name: str, n: int) -> None:
         self.counters[COUNTERS.index(name)] += n
 
@@ -207,8 +255,9 @@ class SlabStore:
         """[n] size class of each record length (k: longer than every slot)."""
         return np.searchsorted(self.plan.slot_bytes, lengths, side="left")
 
-    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """[n] the slot holding each record, -1 where none does; counts the requests and marks the hits used."""
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tick: int) -> np.ndarray:
+        """[n] the slot holding each record, -1 where none does; counts the requests and stamps the
+        slots found with `tick` (that of the read, `begin_read`: none is overwritten until it ends)."""
         self.sketch.add(docs)
         slots = np.full(len(docs), -1, dtype=np.int64)
         known = np.flatnonzero(docs < self.plan.map_capacity)
@@ -220,29 +269,15 @@ class SlabStore:
         agree = ((self.slot_doc[entry] == docs[known]) & (self.slot_offset[entry] == offsets[known])
                  & (entry >= self.base[cls]) & (entry < self.base[cls + 1]))
         slots[known[agree]] = entry[agree]
-        self.header[_H_TICK] += 1
-        self.slot_stamp[entry[agree]] = self.header[_H_TICK]
+        self.slot_stamp[entry[agree]] = tick
         self.count("requests", len(docs))
         self.count("hits", int(agree.sum()))
         return slots
 
-    def copy_out(self, slots: np.ndarray, allocate: Callable[[int], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(buffer, starts): the records of `slots` ([n] slot numbers) copied into one buffer that
-        `allocate(nbytes)` gives (1-D uint8, at least nbytes), one copy per size class (no Python
-        work per record); record i starts at starts[i]."""
+    def slot_starts(self, slots: np.ndarray) -> np.ndarray:
+        """[n] byte position in the segment of each slot's record."""
         cls = np.searchsorted(self.base, slots, side="right") - 1
-        sizes = self.plan.slot_bytes[cls]
-        order = np.argsort(cls, kind="stable")
-        starts = np.empty(len(slots), dtype=np.int64)
-        starts[order] = np.concatenate([[0], np.cumsum(sizes[order])[:-1]]) if len(slots) else []
-        out = allocate(int(sizes.sum()))
-        bounds = np.flatnonzero(np.diff(cls[order], prepend=-1, append=len(self.arenas)))
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            c, rows = int(cls[order[lo]]), order[lo:hi]
-            at, size = int(starts[rows[0]]), int(self.plan.slot_bytes[c])
-            np.take(self.arenas[c], slots[rows] - self.base[c], axis=0, mode="clip",
-                    out=out[at: at + size * len(rows)].reshape(len(rows), size))
-        return out, starts
+        return self.arena_at[cls] + (slots - self.base[cls]) * self.plan.slot_bytes[cls]
 
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
               starts: np.ndarray) -> None:
@@ -269,13 +304,15 @@ class SlabStore:
         slots = self.free[lo + free - taken: lo + free][::-1].astype(np.int64)
         self.free_count[c] = free - taken
         rows = np.arange(taken)
-        if taken < len(docs):  # the class is full: the rest compete with residents
+        if taken < len(docs):  # the class is full: the rest compete with residents no read is reading
             rest = np.arange(taken, len(docs))
             n = int(self.plan.slots[c])
             sample = np.unique(self._rng.integers(lo, lo + n, size=min(n, VICTIM_SAMPLES * len(rest))))
-            sample = sample[self.slot_doc[sample] >= 0]
-            enter, victims = pick_victims(self.plan.policy, self.sketch.estimate(docs[rest]), sample,
-                                          self.sketch.estimate(self.slot_doc[sample]), self.slot_stamp[sample])
+            sample = sample[self.slot_stamp[sample] < self.oldest_read()]
+            held = self.slot_doc[sample]  # -1: a forgotten slot a read was still reading then: first to go
+            freq = np.where(held >= 0, self.sketch.estimate(np.maximum(held, 0)), -1)
+            enter, victims = pick_victims(self.plan.policy, self.sketch.estimate(docs[rest]), sample, freq,
+                                          np.where(held >= 0, self.slot_stamp[sample], -1))
             self.count("rejected", len(rest) - len(enter))
             self.count("evicted", len(victims))
             self.slot_doc[victims] = -1  # unmapped before a byte of them changes
@@ -316,9 +353,10 @@ class SlabStore:
         self.header[_H_DIRTY] = 1
         self.slot_doc[slots] = -1
         self.map[docs[held]] = 0
-        cls = np.searchsorted(self.base, slots, side="right") - 1
+        idle = slots[self.slot_stamp[slots] < self.oldest_read()]  # the rest: taken by eviction once idle
+        cls = np.searchsorted(self.base, idle, side="right") - 1
         for c in np.unique(cls).tolist():
-            freed = slots[cls == c].astype(np.int32)
+            freed = idle[cls == c].astype(np.int32)
             lo, free = int(self.base[c]), int(self.free_count[c])
             self.free[lo + free: lo + free + len(freed)] = freed
             self.free_count[c] = free + len(freed)
@@ -338,3 +376,13 @@ class SlabStore:
                    record_bytes=int((used * self.plan.slot_bytes).sum()), arena_bytes=self.plan.arena_bytes,
                    bytes=self.plan.nbytes, policy=self.plan.policy)
         return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -8,11 +8,11 @@ length is too long to cache) in a segment of `espn.store.cache_segment` (private
 through /dev/shm by every process given the same `share` key); which records stay is
 `espn.store.cache_policy` (TinyLFU admission by default, chosen by measurement).
 
-A request splits into two parts (`Reader.start_fetches`): the hits, copied out of the
-arena under the segment's lock when the request is submitted (one copy per size class; an
-admission cannot overwrite a slot being copied), and the misses, read by the wrapped reader
-in one submission and offered to the cache when they complete. A read that fails offers
-nothing. Each slot remembers the file offset of its record and a hit must match it, and a
+A request splits into two parts (`Reader.start_fetches`): the hits, read where they lie in
+the segment, as the memory reader reads its array (no copy; the read is registered in the
+segment's table of reads in flight until its records are scored, and no slot a read may be
+reading is overwritten meanwhile), and the misses, read by the wrapped reader in one
+submission and offered to the cache when they complete. A read that fails offers nothing. Each slot remembers the file offset of its record and a hit must match it, and a
 live index's deleted or replaced documents are dropped (`forget`): the cache never answers
 for a record other than the one the current records table names.
 """
@@ -22,13 +22,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidParameterError
-from .buffers import BufferPool
 from .cache_policy import DEFAULT_POLICY, POLICIES
 from .cache_segment import CacheSegment, check_share_key, open_segment, segment_lock
 from .cache_slabs import SlabStore, plan_slabs
@@ -58,6 +58,9 @@ class RecordCache:
     def __init__(self, segment: CacheSegment) -> None:
         self.segment = segment
         self.store = SlabStore(segment.buffer)
+        #: The whole segment as bytes: what hits are read from (`lookup`'s starts index it).
+        self.arena = np.frombuffer(segment.buffer, dtype=np.uint8)
+        self._pid = os.getpid()
 
     @classmethod
     def open(cls, path: Path, records: Any, budget_bytes: int, share: str | None = None,
@@ -82,25 +85,26 @@ class RecordCache:
         """Whether this process made the segment (and so may fill it from the file)."""
         return self.segment.created
 
-    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, pool: BufferPool
-               ) -> tuple[np.ndarray, mmap.mmap | None, np.ndarray]:
-        """(hit mask, buffer, starts): which of `docs` are held, their records copied into one
-        buffer of `pool` (the caller releases it) and each hit's start in it ([hits] int64)."""
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(hit mask, starts, read): which of `docs` are held and where each hit's record starts in
+        `arena` ([hits] int64). The hits stay as they are until `end_read(read)`; -1: no hit."""
         with self.segment.lock():
             self.store.recover()
-            slots = self.store.lookup(docs, offsets, lengths)
+            read, tick = self.store.begin_read(self._pid)
+            if read < 0:  # every row of the table of reads in flight is taken: read from storage
+                return np.zeros(len(docs), dtype=bool), np.zeros(0, dtype=np.int64), -1
+            slots = self.store.lookup(docs, offsets, lengths, tick)
             hit = slots >= 0
             if not hit.any():
-                return hit, None, np.zeros(0, dtype=np.int64)
-            unique, inverse = np.unique(slots[hit], return_inverse=True)
-            taken: list[mmap.mmap] = []
+                self.store.end_read(read)
+                return hit, np.zeros(0, dtype=np.int64), -1
+        return hit, self.store.slot_starts(slots[hit]), read
 
-            def allocate(nbytes: int) -> np.ndarray:
-                taken.append(pool.acquire(nbytes))
-                return np.frombuffer(taken[0], dtype=np.uint8)
-
-            _, starts = self.store.copy_out(unique, allocate)
-        return hit, taken[0], starts[inverse]
+    def end_read(self, read: int) -> None:
+        """The records of `read` (a `lookup`) are no longer read: their slots may change."""
+        if read >= 0:
+            with self.segment.lock():
+                self.store.end_read(read)
 
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
               starts: np.ndarray) -> None:
@@ -132,6 +136,7 @@ class RecordCache:
         """The store's counters (every process's, for a shared segment), its size and where it lives."""
         with self.segment.lock():
             out = self.store.stats()
+            out["reads_in_flight"] = int((self.store.reads[:, 0] != 0).sum())
         out.update(segment_bytes=self.segment.size, shared=self.segment.shared,
                    segment=None if self.segment.path is None else str(self.segment.path))
         return out
@@ -145,21 +150,19 @@ def _all_rows(records: Any) -> np.ndarray:
     return records if isinstance(records, np.ndarray) else records[np.arange(len(records))]
 
 
-class _ReadyFetch(Fetch):
-    """Records already in a pooled buffer (a cache's hits, copied out at submission)."""
+class _ArenaFetch(Fetch):
+    """A cache's hits, read where they lie in its segment (until `release` ends the read)."""
 
-    def __init__(self, pool: BufferPool, buffer: mmap.mmap, starts: np.ndarray) -> None:
-        self._pool = pool
-        self._buffer: mmap.mmap | None = buffer
-        self._done = (np.frombuffer(buffer, dtype=np.uint8), starts, 0, 0)
+    def __init__(self, cache: RecordCache, read: int, starts: np.ndarray) -> None:
+        self._cache, self._read = cache, read
+        self._done = (cache.arena, starts, 0, 0)
 
     def complete(self) -> tuple[np.ndarray, np.ndarray, int, int]:
         return self._done
 
     def release(self) -> None:
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            self._pool.release(buffer)
+        read, self._read = self._read, -1
+        self._cache.end_read(read)
 
 
 class _AdmittingFetch(Fetch):
@@ -206,7 +209,6 @@ class CachedReader(Reader):
         self.inner = inner
         self.budget_bytes = int(budget_bytes)
         self.cache = RecordCache.open(inner.path, inner.records, self.budget_bytes, share, policy)
-        self._pool = BufferPool()  # the hits' buffers: reused, so a copy costs no page faults
         self._requests = self._hits = 0
         self._miss_share = 1.0  # running mean over requests: what `io_bound` reads
 
@@ -261,7 +263,6 @@ class CachedReader(Reader):
         super().close()
         self.inner.close()
         self.cache.close()
-        self._pool.clear()
 
     def start_fetches(self, doc_numbers: np.ndarray) -> list[FetchPart]:
         if self.closed:
@@ -273,14 +274,14 @@ class CachedReader(Reader):
         offsets = np.asarray(rows["offset"], dtype=np.int64)
         lengths = np.asarray(rows["length"], dtype=np.int64)
         n_bow = np.asarray(rows["n_bow"], dtype=np.int64)
-        hit, buffer, starts = self.cache.lookup(docs, offsets, lengths, self._pool)
+        hit, starts, read = self.cache.lookup(docs, offsets, lengths)
         n_hits = int(hit.sum())
         self._requests += len(docs)
         self._hits += n_hits
         self._miss_share += MISS_SHARE_WEIGHT * ((len(docs) - n_hits) / len(docs) - self._miss_share)
-        if buffer is None:
+        if read < 0:
             return [self._misses(docs, offsets, lengths, None)]
-        parts = [FetchPart(docs[hit], n_bow[hit], _ReadyFetch(self._pool, buffer, starts), np.flatnonzero(hit))]
+        parts = [FetchPart(docs[hit], n_bow[hit], _ArenaFetch(self.cache, read, starts), np.flatnonzero(hit))]
         if n_hits < len(docs):
             parts.append(self._misses(docs, offsets, lengths, ~hit))
         return parts
