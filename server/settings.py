@@ -287,9 +287,11 @@ class ServerSettings(IndexSettings, BaseSettings):
 
     def reader_open_options(self) -> dict[str, Any]:
         """reader_options() plus the index's RAM (`ram_mib`: the library splits it between the first stage
-        and the record cache) and the record cache's size where it is given."""
+        and the record cache, which the worker that makes it fills from the file before it is ready)
+        and the record cache's size where it is given."""
         options = self.reader_options()
         options["ram_mib"] = self.ram_mib
+        options["record_cache_warm"] = True
         if self.record_cache_mb is not None:
             options["record_cache_mb"] = self.record_cache_mb
         return options

@@ -224,6 +224,23 @@ def test_searches_with_the_cache_rank_exactly_as_without(sample_index: Path) -> 
         assert stats["hits"] > 0 and stats["hit_rate"] > 0.3
 
 
+def test_the_prefetcher_reads_from_storage_only_what_the_cache_lacks(sample_index: Path) -> None:
+    """A cache filled with the table: searches with prefetch read nothing from storage and waves
+    step aside (`io_bound` turns false once the misses are rare); half a table: only misses are read."""
+    queries = ["protein folding", "vaccine trial results", "climate", "neural networks"]
+    table_mb = (sample_index / "embeddings.bin").stat().st_size / 2**20
+    with Searcher.open(sample_index, reader="posix") as plain, \
+            Searcher.open(sample_index, reader="posix", reader_options={"record_cache_mb": 2 * table_mb + 2,
+                                                                        "record_cache_warm": True}) as full:
+        for _ in range(3):
+            got = full.search(queries, k=10, prefetch=True)
+        assert not full.reader.io_bound
+        want = plain.search(queries, k=10, prefetch=True)
+        assert [[h.doc_id for h in r.hits] for r in got] == [[h.doc_id for h in r.hits] for r in want]
+        assert sum(r.stats.bytes_read for r in got) == 0 and sum(r.stats.bytes_read for r in want) > 0
+        assert all(r.stats.waves == 0 for r in got)
+
+
 def test_ram_is_split_between_what_stays_resident_and_the_cache(sample_index: Path) -> None:
     from espn.store.ram_plan import plan_ram
 

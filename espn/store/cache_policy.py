@@ -1,11 +1,12 @@
 """Which records the record cache keeps: a frequency sketch of what is asked for, and the
 admission and eviction rules measured against each other (`benchmarks/bench_cache_policy.py`).
 
-When a class of slots is full, each record just read is paired with a resident picked from a
-sample (`VICTIM_SAMPLES` per candidate, as Redis samples): the least frequently asked for
-("tinylfu"), or the least recently used ("lru", "tinylfu-lru"). "lru" always admits; the
-TinyLFU rules admit a candidate only when the sketch says it was asked for more often than
-the resident it would replace, so one scan of cold documents leaves the hot set in place.
+When a class of slots is full, each record just read is paired with the weakest of
+`VICTIM_SAMPLES` residents sampled from its class (as Redis samples): the least frequently
+asked for ("tinylfu"), or the least recently used ("lru", "tinylfu-lru"). "lru" always
+admits; the TinyLFU rules admit a candidate only when the sketch says it was asked for more
+often than the resident it would replace, so one scan of cold documents leaves the hot set
+in place.
 All of it is numpy over arrays that may live in a shared segment: no Python object per record.
 """
 
@@ -83,18 +84,25 @@ class FrequencySketch:
 
 
 def pick_victims(policy: str, candidate_freq: np.ndarray, sample: np.ndarray, sample_freq: np.ndarray,
-                 sample_stamp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For a full class: (which candidates enter, the sampled slots they take), pairing the most
-    frequent candidates with the weakest residents of `sample` (unique slot numbers).
+                 sample_stamp: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """[n] the slot each candidate takes (-1: it stays out), for candidates of full classes.
 
-    candidate_freq: [n] sketch estimates of the candidates; sample_freq, sample_stamp: [s] the
-    residents' estimates and last-use ticks.
+    candidate_freq: [n] sketch estimates of the candidates; sample: [n, s] slots sampled from each
+    candidate's class, with their residents' estimates, last-use ticks and whether they may be
+    replaced at all (`usable`: no read in flight may be reading them). Each candidate is paired
+    with the weakest usable slot of its sample (least frequent for "tinylfu", least recent for the
+    others), enters by the policy's rule, and where two want one slot the more frequent wins.
     """
-    by_candidate = np.argsort(-candidate_freq, kind="stable")
-    weakest = np.argsort(sample_freq if policy == "tinylfu" else sample_stamp, kind="stable")
-    m = min(len(candidate_freq), len(sample))
-    chosen, victims = by_candidate[:m], weakest[:m]
-    if policy == "lru":
-        return chosen, sample[victims]
-    wins = candidate_freq[chosen] > sample_freq[victims]
-    return chosen[wins], sample[victims][wins]
+    weakness = np.where(usable, sample_freq if policy == "tinylfu" else sample_stamp, np.iinfo(np.int64).max)
+    pick = np.argmin(weakness, axis=1)
+    rows = np.arange(len(candidate_freq))
+    victim = sample[rows, pick]
+    wins = usable[rows, pick]
+    if policy != "lru":
+        wins &= candidate_freq > sample_freq[rows, pick]
+    order = np.argsort(-candidate_freq, kind="stable")
+    order = order[wins[order]]
+    _, first = np.unique(victim[order], return_index=True)  # one candidate per slot: the most frequent
+    out = np.full(len(candidate_freq), -1, dtype=np.int64)
+    out[order[first]] = victim[order[first]]
+    return out

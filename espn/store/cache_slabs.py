@@ -282,42 +282,50 @@ class SlabStore:
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
               starts: np.ndarray) -> None:
         """Offer records just read (record i at `starts[i]` of `buffer`, `lengths[i]` bytes): each
-        takes a free slot of its class, or competes for one by the policy. Unique `docs` only."""
+        takes a free slot of its class, or competes by the policy for a resident of its class that
+        no read in flight may be reading. Unique `docs` only. Vectorised over every class at once."""
         cls = self.class_of(lengths)
         self.count("too_large", int((cls >= len(self.arenas)).sum()))
-        keep = (cls < len(self.arenas)) & (docs < self.plan.map_capacity)
+        keep = np.flatnonzero((cls < len(self.arenas)) & (docs < self.plan.map_capacity))
         current = self.map[docs[keep]].astype(np.int64) - 1
-        resident = np.zeros(int(keep.sum()), dtype=bool)
+        resident = np.zeros(len(keep), dtype=bool)
         resident[current >= 0] = self.slot_doc[current[current >= 0]] == docs[keep][current >= 0]
-        keep[np.flatnonzero(keep)[resident]] = False  # another search admitted it meanwhile
+        keep = keep[~resident]  # another search admitted them meanwhile
+        keep = keep[np.argsort(cls[keep], kind="stable")]
+        if not len(keep):
+            return
+        docs, offsets, lengths, starts, cls = docs[keep], offsets[keep], lengths[keep], starts[keep], cls[keep]
         self.header[_H_DIRTY] = 1
-        for c in np.unique(cls[keep]).tolist():
-            rows = np.flatnonzero(keep & (cls == c))
-            self._admit_class(c, docs[rows], offsets[rows], lengths[rows], buffer, starts[rows])
+        rank = np.arange(len(cls)) - np.searchsorted(cls, cls, side="left")  # place within its class
+        free = self.free_count[cls]
+        takes_free = rank < free
+        slots = np.full(len(cls), -1, dtype=np.int64)
+        slots[takes_free] = self.free[(self.base[cls] + free - 1 - rank)[takes_free]]
+        self.free_count[:] -= np.minimum(self.free_count, np.bincount(cls, minlength=len(self.arenas)))
+        rest = np.flatnonzero(~takes_free)
+        if len(rest):  # their classes are full: they compete with residents
+            slots[rest] = self._compete(docs[rest], cls[rest])
+        placed = np.flatnonzero(slots >= 0)
+        for lo, hi in _runs(cls[placed]):
+            rows = placed[lo:hi]
+            self._place(int(cls[rows[0]]), slots[rows], docs[rows], offsets[rows], lengths[rows], buffer, starts[rows])
         self.header[_H_DIRTY] = 0
 
-    def _admit_class(self, c: int, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                     buffer: np.ndarray, starts: np.ndarray) -> None:
-        free = int(self.free_count[c])
-        lo = int(self.base[c])
-        taken = min(free, len(docs))
-        slots = self.free[lo + free - taken: lo + free][::-1].astype(np.int64)
-        self.free_count[c] = free - taken
-        rows = np.arange(taken)
-        if taken < len(docs):  # the class is full: the rest compete with residents no read is reading
-            rest = np.arange(taken, len(docs))
-            n = int(self.plan.slots[c])
-            sample = np.unique(self._rng.integers(lo, lo + n, size=min(n, VICTIM_SAMPLES * len(rest))))
-            sample = sample[self.slot_stamp[sample] < self.oldest_read()]
-            held = self.slot_doc[sample]  # -1: a forgotten slot a read was still reading then: first to go
-            freq = np.where(held >= 0, self.sketch.estimate(np.maximum(held, 0)), -1)
-            enter, victims = pick_victims(self.plan.policy, self.sketch.estimate(docs[rest]), sample, freq,
-                                          np.where(held >= 0, self.slot_stamp[sample], -1))
-            self.count("rejected", len(rest) - len(enter))
-            self.count("evicted", len(victims))
-            self.slot_doc[victims] = -1  # unmapped before a byte of them changes
-            rows, slots = np.concatenate([rows, rest[enter]]), np.concatenate([slots, victims])
-        self._place(c, slots, docs[rows], offsets[rows], lengths[rows], buffer, starts[rows])
+    def _compete(self, docs: np.ndarray, cls: np.ndarray) -> np.ndarray:
+        """[n] the slot each candidate (of a full class) takes, -1 where it stays out: each is paired
+        with the weakest of VICTIM_SAMPLES residents sampled from its class (`pick_victims`)."""
+        n = self.plan.slots[cls]
+        sample = self.base[cls][:, None] + (self._rng.random((len(cls), VICTIM_SAMPLES)) * n[:, None]).astype(np.int64)
+        usable = self.slot_stamp[sample] < self.oldest_read()  # no read in flight may be reading it
+        held = self.slot_doc[sample]  # -1: a forgotten slot that a read was still reading then: first to go
+        freq = np.where(held >= 0, self.sketch.estimate(np.maximum(held, 0).ravel()).reshape(held.shape), -1)
+        stamp = np.where(held >= 0, self.slot_stamp[sample], -1)
+        out = pick_victims(self.plan.policy, self.sketch.estimate(docs), sample, freq, stamp, usable)
+        won = out >= 0
+        self.count("rejected", int((~won).sum()))
+        self.count("evicted", int(won.sum()))
+        self.slot_doc[out[won]] = -1  # unmapped before a byte of them changes
+        return out
 
     def _place(self, c: int, slots: np.ndarray, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
                buffer: np.ndarray, starts: np.ndarray) -> None:
@@ -386,3 +394,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+def _runs(sorted_values: np.ndarray) -> list[tuple[int, int]]:
+    """[(start, stop)] of the runs of equal values in `sorted_values`."""
+    if not len(sorted_values):
+        return []
+    edges = np.flatnonzero(np.diff(sorted_values)) + 1
+    bounds = np.concatenate([[0], edges, [len(sorted_values)]]).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))

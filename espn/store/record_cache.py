@@ -48,7 +48,7 @@ WARM_CHUNK_BYTES = 32 << 20
 #: A cached reader counts as waiting on storage (prefetch waves may pay) while more than this
 #: share of the records asked for are misses, as a running mean with MISS_SHARE_WEIGHT per request.
 IO_BOUND_MISSES = 0.02
-MISS_SHARE_WEIGHT = 0.05
+MISS_SHARE_WEIGHT = 0.1
 _MiB = 1 << 20
 
 
@@ -210,7 +210,7 @@ class CachedReader(Reader):
         self.budget_bytes = int(budget_bytes)
         self.cache = RecordCache.open(inner.path, inner.records, self.budget_bytes, share, policy)
         self._requests = self._hits = 0
-        self._miss_share = 1.0  # running mean over requests: what `io_bound` reads
+        self._miss_share = 1.0  # running mean over requests (the first sets it): what `io_bound` reads
 
     @property
     def io_bound(self) -> bool:  # type: ignore[override]  # a class constant in the readers that know it
@@ -278,7 +278,9 @@ class CachedReader(Reader):
         n_hits = int(hit.sum())
         self._requests += len(docs)
         self._hits += n_hits
-        self._miss_share += MISS_SHARE_WEIGHT * ((len(docs) - n_hits) / len(docs) - self._miss_share)
+        missed = (len(docs) - n_hits) / len(docs)
+        self._miss_share = missed if self._requests == len(docs) else \
+            self._miss_share + MISS_SHARE_WEIGHT * (missed - self._miss_share)
         if read < 0:
             return [self._misses(docs, offsets, lengths, None)]
         parts = [FetchPart(docs[hit], n_bow[hit], _ArenaFetch(self.cache, read, starts), np.flatnonzero(hit))]
