@@ -39,6 +39,19 @@ def preload(path: str, chunk: int = 8 << 20) -> float:
     return time.perf_counter() - started
 
 
+def mapped_rss(name: str) -> int:
+    """Resident bytes of this process's mappings of files whose name starts with `name` (/proc/self/smaps)."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+                counting = len(head) >= 6 and os.path.basename(head[5]).startswith(name)
+            elif counting and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--index", required=True)
@@ -90,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     at = args.warmup + args.n * args.batch
     qps_ms = [run(order[at + i * args.qps_batch: at + (i + 1) * args.qps_batch])[0] for i in range(args.qps_calls)]
     mem = rss_pss()
+    mem["table_rss"] = mapped_rss("embeddings.bin")  # mmap: the pages of the table its cgroup kept
+    mem["cache_rss"] = mapped_rss("espn-rc-")  # the record cache's segment, as far as it is touched
     described = searcher.reader.describe()
     searcher.close()
     keys = sorted({k for s in stages for k in s})

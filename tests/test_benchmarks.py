@@ -151,6 +151,7 @@ def test_bench_cache_curves(tiny_index: Path, results: Path, capsys) -> None:
     ok = [r for r in payload["runs"] if "error" not in r]
     assert {r["config"] for r in ok} == {"posix", "posix+cache", "mmap", "memory"}
     assert all(r["record_cache"]["hits"] > 0 for r in ok if r["config"] == "posix+cache")
+    assert sum(r["disagree"] for r in ok) == 0, "every configuration ranks alike"
 
 
 def test_bench_footprint(tiny_index: Path, results: Path, capsys) -> None:
