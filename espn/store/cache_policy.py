@@ -16,13 +16,18 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 
-__all__ = ["FrequencySketch", "POLICIES", "DEFAULT_POLICY", "VICTIM_SAMPLES", "pick_victims"]
+__all__ = ["FrequencySketch", "POLICIES", "DEFAULT_POLICY", "VICTIM_SAMPLES", "DOORKEEPER", "MAX_CONTENDERS",
+           "contenders", "pick_victims"]
 
 #: Admission and eviction rules by name; DEFAULT_POLICY is the one the measurements chose.
 POLICIES = ("tinylfu", "tinylfu-lru", "lru")
 DEFAULT_POLICY = "tinylfu"
 #: Residents sampled per admission candidate when a class is full.
 VICTIM_SAMPLES = 4
+#: With a class full, a candidate competes (TinyLFU rules) once asked for this many times ...
+DOORKEEPER = 2
+#: ... and at most this many candidates of one request compete.
+MAX_CONTENDERS = 16
 
 
 class FrequencySketch:
@@ -81,6 +86,18 @@ class FrequencySketch:
         if len(keys) == 0:
             return np.zeros(0, dtype=np.int64)
         return self._table[self._rows, self._slots(keys)].min(axis=0).astype(np.int64)
+
+
+def contenders(policy: str, candidate_freq: np.ndarray) -> np.ndarray:
+    """Which candidates of full classes compete at all (indices, most frequent first): for the
+    TinyLFU rules only those asked for at least DOORKEEPER times (a record asked for once cannot
+    beat a resident worth keeping: its read is not worth the comparison, as TinyLFU's doorkeeper
+    has it), and for every rule at most MAX_CONTENDERS per request, which bounds what a request
+    whose misses are many pays to offer them."""
+    order = np.argsort(-candidate_freq, kind="stable")
+    if policy != "lru":
+        order = order[candidate_freq[order] >= DOORKEEPER]
+    return order[:MAX_CONTENDERS]
 
 
 def pick_victims(policy: str, candidate_freq: np.ndarray, sample: np.ndarray, sample_freq: np.ndarray,
