@@ -23,7 +23,7 @@ from espn import Searcher
 from espn.errors import InvalidParameterError
 from espn.store import CachedReader, StoreLayout, open_reader
 from espn.store.cache_policy import FrequencySketch
-from espn.store.cache_segment import SEGMENT_PREFIX, SHM_DIR, remove_stale_segments
+from espn.store.cache_segment import SEGMENT_PREFIX, SHM_DIR, open_segment, remove_stale_segments
 from espn.store.cache_slabs import class_sizes
 from espn.store.engines import FaultInjector, ReadError, inject_faults
 from espn.store.record_cache import segment_documents
@@ -350,3 +350,30 @@ def test_under_a_small_descriptor_limit(store: Store, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.strip()) <= 2
+
+
+def test_a_tmpfs_without_room_leaves_the_cache_private(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A page touched past a full tmpfs is a SIGBUS: a segment larger than what /dev/shm has free
+    (a container's is 64 MiB) is refused at creation and the process keeps its own."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (not root?): {mounted.stderr.decode().strip()}")
+    try:
+        made: list[int] = []
+        segment = open_segment(4 << 20, "room", "test", lambda buffer: made.append(len(buffer)), lambda _: False,
+                               directory=small)
+        assert not segment.shared and made == [4 << 20]
+        assert "has 1 MiB free and the cache needs 4 MiB" in caplog.text
+        segment.close()
+        assert not list(small.iterdir()), "nothing is left in the small tmpfs"
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_an_orphaned_lock_file_is_removed(tmp_path: Path) -> None:
+    (tmp_path / f"{SEGMENT_PREFIX}gone-1234.lock").write_bytes(b"")
+    (tmp_path / "unrelated.lock").write_bytes(b"")
+    assert remove_stale_segments(tmp_path) == [tmp_path / f"{SEGMENT_PREFIX}gone-1234"]
+    assert [p.name for p in tmp_path.iterdir()] == ["unrelated.lock"]

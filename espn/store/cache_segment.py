@@ -133,12 +133,14 @@ def _open_shared(path: Path, size: int, initialise: Callable[[mmap.mmap], None],
                  is_initialised: Callable[[mmap.mmap], bool]) -> CacheSegment:
     lock_fd = _lock_creation(_lock_path(path))
     data_fd = None
+    created = False
     try:
         data_fd = _open_owned(path)
         existing = os.fstat(data_fd).st_size
         created = existing == 0
         if created:
             remove_stale_segments(path.parent, keep=path)
+            _check_room(path.parent, size)
             os.ftruncate(data_fd, size)
         buffer = mmap.mmap(data_fd, size if created else existing)
         if created or not is_initialised(buffer):  # a creator that died before it finished: start over
@@ -148,6 +150,9 @@ def _open_shared(path: Path, size: int, initialise: Callable[[mmap.mmap], None],
     except BaseException:
         if data_fd is not None:
             os.close(data_fd)
+        if created:  # what this process made and could not finish goes (no one else has mapped it)
+            _unlink(path)
+            _unlink(_lock_path(path))
         fcntl.flock(lock_fd, fcntl.LOCK_UN)
         os.close(lock_fd)
         raise
@@ -164,6 +169,16 @@ def segment_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _check_room(directory: Path, size: int) -> None:
+    """OSError unless `directory` (a tmpfs) has room for `size` bytes: a page touched past a full
+    tmpfs is a SIGBUS, not an error (a container's /dev/shm is 64 MiB unless it is given more)."""
+    info = os.statvfs(directory)
+    free = info.f_bavail * info.f_frsize
+    if free < size:
+        raise OSError(f"{directory} has {free / 2**20:.0f} MiB free and the cache needs {size / 2**20:.0f} MiB "
+                      f"(give the container a larger /dev/shm)")
 
 
 def _lock_creation(lock_path: Path) -> int:
@@ -197,9 +212,13 @@ def remove_stale_segments(directory: Path = SHM_DIR, keep: Path | None = None) -
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(SEGMENT_PREFIX) or name.endswith(_LOCK_SUFFIX):
+        if not name.startswith(SEGMENT_PREFIX):
             continue
         path = directory / name
+        if name.endswith(_LOCK_SUFFIX):  # a lock whose segment is gone (its creator died before making it)
+            path = path.with_name(name[: -len(_LOCK_SUFFIX)])
+            if name[: -len(_LOCK_SUFFIX)] in names:
+                continue
         if path == keep:
             continue
         with contextlib.suppress(OSError):
@@ -209,13 +228,18 @@ def remove_stale_segments(directory: Path = SHM_DIR, keep: Path | None = None) -
 
 
 def _remove_if_unused(path: Path) -> bool:
-    info = os.lstat(path)
+    """Remove the segment at `path` and its lock if no process maps it (or only its lock is left)."""
+    lock = _lock_path(path)
+    info = os.lstat(lock if not os.path.lexists(path) else path)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
         return False
-    lock_fd = os.open(_lock_path(path), _OPEN_FLAGS | os.O_CREAT, 0o600)
+    lock_fd = os.open(lock, _OPEN_FLAGS | os.O_CREAT, 0o600)
     try:
         if not _try_lock(lock_fd):  # being created or detached right now
             return False
+        if not os.path.lexists(path):
+            _unlink(lock)
+            return True
         fd = os.open(path, _OPEN_FLAGS)
         try:
             if not _try_lock(fd):
