@@ -109,7 +109,7 @@ def replay(records: np.ndarray, path: Path, candidates: list[np.ndarray], rows: 
     try:
         for i, row in enumerate(rows.tolist()):
             docs = candidates[row]
-            hit, _, read = cache.lookup(docs, offsets[docs], lengths[docs])
+            hit, _, read = cache.lookup(docs, offsets[docs])
             cache.end_read(read)
             miss = docs[~hit]
             cache.admit(miss, offsets[miss], lengths[miss], zeros, np.zeros(len(miss), np.int64))

@@ -73,9 +73,8 @@ class FrequencySketch:
         """Count one more request of each of `keys` ([n] int; repeats count each time)."""
         if len(keys) == 0:
             return
-        slots = self._slots(keys)
-        for row in range(len(slots)):  # one vectorised add per row (depth rows, not per key)
-            np.add.at(self._table[row], slots[row], 1)
+        slots = self._slots(keys) + self._rows * self.width  # counters of every row, in one flat index
+        np.add.at(self._table.reshape(-1), slots.reshape(-1), 1)
         self._added[0] += len(keys)
         if self._added[0] >= self.sample_size:
             self._table >>= 1

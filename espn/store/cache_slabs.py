@@ -47,7 +47,8 @@ SKETCH_DEPTH = 4
 _MAGIC = 0x6573706E52430001
 _VERSION = 1
 _HEADER_WORDS = 512
-_H_MAGIC, _H_VERSION, _H_DIRTY, _H_CLASSES, _H_MAP, _H_WIDTH, _H_ADDED, _H_TICK, _H_POLICY, _H_SIZE, _H_DOCS = range(11)
+_H_MAGIC, _H_VERSION, _H_DIRTY, _H_CLASSES, _H_MAP, _H_WIDTH, _H_ADDED, _H_TICK, _H_POLICY, _H_SIZE, _H_DOCS, \
+    _H_SHORT = range(12)
 #: Reads in flight at once, over every process of a segment (a read past them finds no hit).
 READS_IN_FLIGHT = 1024
 _H_COUNTERS, _H_SLOT_BYTES, _H_SLOTS, _H_FREE = 16, 64, 128, 192
@@ -66,6 +67,7 @@ class SlabPlan:
     sketch_width: int
     policy: str
     n_documents: int  # of the table it was planned for
+    short: bool = True  # some class has fewer slots than the table has records of its size
 
     def regions(self) -> dict[str, tuple[int, int]]:
         """name -> (byte offset, bytes) of each table in the segment, and "size" -> (total, 0)."""
@@ -129,7 +131,7 @@ def plan_slabs(lengths: np.ndarray, budget_bytes: int, n_documents: int, policy:
             fraction = room / float(per_record.sum() + (SLOT_OVERHEAD + 8 * SKETCH_DEPTH) * counts.sum())
             slots = np.maximum(least, np.floor(np.maximum(0.0, fraction) * counts)).astype(np.int64)
             plan = SlabPlan(sizes, slots, map_capacity, FrequencySketch.width_for(int(slots.sum())), policy,
-                            int(n_documents))
+                            int(n_documents), bool((slots < counts).any()))
             if plan.nbytes <= budget_bytes or slots.sum() < 1 or room <= 0:
                 break
             room -= plan.nbytes - budget_bytes
@@ -153,7 +155,7 @@ class SlabStore:
         k = int(header[_H_CLASSES])
         self.plan = SlabPlan(header[_H_SLOT_BYTES: _H_SLOT_BYTES + k].copy(), header[_H_SLOTS: _H_SLOTS + k].copy(),
                              int(header[_H_MAP]), int(header[_H_WIDTH]), POLICIES[int(header[_H_POLICY])],
-                             int(header[_H_DOCS]))
+                             int(header[_H_DOCS]), bool(header[_H_SHORT]))
         regions = self.plan.regions()
         if regions["size"][0] > len(buffer):
             raise ValueError("record cache segment shorter than its layout")
@@ -168,7 +170,12 @@ class SlabStore:
         self.slot_doc, self.slot_offset = view("slot_doc", np.int64), view("slot_offset", np.int64)
         self.slot_stamp, self.free = view("slot_stamp", np.int64), view("free", np.int32)
         self.reads = view("reads", np.int64).reshape(READS_IN_FLIGHT, 2)  # (pid, tick) of each read; pid 0: free
-        self.arena_at = np.array([regions[f"arena{c}"][0] for c in range(k)], dtype=np.int64)
+        arena_at = np.array([regions[f"arena{c}"][0] for c in range(k)], dtype=np.int64)
+        #: [slots] byte position of each slot in the segment (this process's own table: 8 bytes a slot)
+        self.slot_at = np.repeat(arena_at, self.plan.slots) + (
+            np.arange(int(self.plan.slots.sum())) - np.repeat(np.cumsum(self.plan.slots) - self.plan.slots,
+                                                             self.plan.slots)) * np.repeat(self.plan.slot_bytes,
+                                                                                           self.plan.slots)
         self.map = view("map", np.int32)
         self.sketch = FrequencySketch(view("sketch", np.uint16).reshape(SKETCH_DEPTH, self.plan.sketch_width),
                                       header[_H_ADDED: _H_ADDED + 1])
@@ -187,7 +194,7 @@ class SlabStore:
         header[:] = 0
         header[_H_VERSION], header[_H_CLASSES], header[_H_MAP] = _VERSION, k, plan.map_capacity
         header[_H_WIDTH], header[_H_POLICY] = plan.sketch_width, POLICIES.index(plan.policy)
-        header[_H_SIZE], header[_H_DOCS] = plan.regions()["size"][0], plan.n_documents
+        header[_H_SIZE], header[_H_DOCS], header[_H_SHORT] = plan.regions()["size"][0], plan.n_documents, plan.short
         header[_H_SLOT_BYTES: _H_SLOT_BYTES + k], header[_H_SLOTS: _H_SLOTS + k] = plan.slot_bytes, plan.slots
         header[_H_MAGIC] = _MAGIC
         SlabStore(buffer).clear()
@@ -255,29 +262,27 @@ class SlabStore:
         """[n] size class of each record length (k: longer than every slot)."""
         return np.searchsorted(self.plan.slot_bytes, lengths, side="left")
 
-    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tick: int) -> np.ndarray:
-        """[n] the slot holding each record, -1 where none does; counts the requests and stamps the
-        slots found with `tick` (that of the read, `begin_read`: none is overwritten until it ends)."""
-        self.sketch.add(docs)
-        slots = np.full(len(docs), -1, dtype=np.int64)
-        known = np.flatnonzero(docs < self.plan.map_capacity)
-        entry = self.map[docs[known]].astype(np.int64) - 1
-        known, entry = known[entry >= 0], entry[entry >= 0]
-        cls = self.class_of(lengths[known])
-        fits = cls < len(self.base) - 1
-        known, entry, cls = known[fits], entry[fits], cls[fits]
-        agree = ((self.slot_doc[entry] == docs[known]) & (self.slot_offset[entry] == offsets[known])
-                 & (entry >= self.base[cls]) & (entry < self.base[cls + 1]))
-        slots[known[agree]] = entry[agree]
-        self.slot_stamp[entry[agree]] = tick
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray, tick: int) -> np.ndarray:
+        """[n] the slot holding each record (doc `docs[i]` at file offset `offsets[i]`), -1 where none
+        does; counts the requests and stamps the slots found with `tick` (that of the read,
+        `begin_read`: none is overwritten until it ends). A slot answers only for the document and
+        offset it was filled with, so it never serves another record (the offset fixes the length)."""
+        if self.plan.short or not self.free_count.all():  # counts matter only where a class can fill
+            self.sketch.add(docs)
+        known = docs < self.plan.map_capacity
+        entry = np.where(known, self.map[np.where(known, docs, 0)].astype(np.int64) - 1, -1)
+        held = entry >= 0
+        slot = np.where(held, entry, 0)
+        held &= (self.slot_doc[slot] == docs) & (self.slot_offset[slot] == offsets)
+        slots = np.where(held, entry, -1)
+        self.slot_stamp[slots[held]] = tick
         self.count("requests", len(docs))
-        self.count("hits", int(agree.sum()))
+        self.count("hits", int(np.count_nonzero(held)))
         return slots
 
     def slot_starts(self, slots: np.ndarray) -> np.ndarray:
         """[n] byte position in the segment of each slot's record."""
-        cls = np.searchsorted(self.base, slots, side="right") - 1
-        return self.arena_at[cls] + (slots - self.base[cls]) * self.plan.slot_bytes[cls]
+        return self.slot_at[slots]
 
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
               starts: np.ndarray) -> None:

@@ -85,15 +85,15 @@ class RecordCache:
         """Whether this process made the segment (and so may fill it from the file)."""
         return self.segment.created
 
-    def lookup(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(hit mask, starts, read): which of `docs` are held and where each hit's record starts in
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(hit mask, starts, read): which of `docs` (records at `offsets`) are held and where each hit's record starts in
         `arena` ([hits] int64). The hits stay as they are until `end_read(read)`; -1: no hit."""
         with self.segment.lock():
             self.store.recover()
             read, tick = self.store.begin_read(self._pid)
             if read < 0:  # every row of the table of reads in flight is taken: read from storage
                 return np.zeros(len(docs), dtype=bool), np.zeros(0, dtype=np.int64), -1
-            slots = self.store.lookup(docs, offsets, lengths, tick)
+            slots = self.store.lookup(docs, offsets, tick)
             hit = slots >= 0
             if not hit.any():
                 self.store.end_read(read)
@@ -274,7 +274,7 @@ class CachedReader(Reader):
         offsets = np.asarray(rows["offset"], dtype=np.int64)
         lengths = np.asarray(rows["length"], dtype=np.int64)
         n_bow = np.asarray(rows["n_bow"], dtype=np.int64)
-        hit, starts, read = self.cache.lookup(docs, offsets, lengths)
+        hit, starts, read = self.cache.lookup(docs, offsets)
         n_hits = int(hit.sum())
         self._requests += len(docs)
         self._hits += n_hits
