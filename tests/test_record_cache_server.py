@@ -152,3 +152,16 @@ def test_a_restart_after_sigkill_starts_a_fresh_cache_and_removes_the_dead_one(s
         fresh = segment_of(server)
         assert fresh != dead and not dead.exists(), "the new server's first cache removed the dead one"
         assert_as_without_cache(index, answers)
+
+
+def test_a_ram_below_what_the_index_keeps_resident_stops_serve_with_one_line(served) -> None:
+    import subprocess
+
+    from server_fixtures import serve_command
+
+    index, _, _, _ = served
+    done = subprocess.run(serve_command(index, "--ram-mib", "0.01", "--port", "0"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "ram_mib=0.01 is below the" in lines[0] and "keeps resident" in lines[0], done.stderr

@@ -85,12 +85,12 @@ def plan_ram(index: Path | str, ram_bytes: int | None = None, reader: str | None
     table = _table_bytes(index)
     if ram_bytes is not None and ram_bytes < resident:
         raise InvalidParameterError(
-            f"ram_mib={ram_bytes / _MiB:.4g} is below the {resident / _MiB:.1f} MiB that {index} keeps resident "
+            f"ram_mib={round(ram_bytes / _MiB, 3):g} is below the {resident / _MiB:.1f} MiB that {index} keeps resident "
             f"(its first stage, records table and ids); give at least that")
     if reader == "memory":
         if ram_bytes is not None and ram_bytes < resident + table:
             raise InvalidParameterError(
-                f"ram_mib={ram_bytes / _MiB:.4g} cannot hold the memory reader's copy of the table ({table / _MiB:.1f} "
+                f"ram_mib={round(ram_bytes / _MiB, 3):g} cannot hold the memory reader's copy of the table ({table / _MiB:.1f} "
                 f"MiB) besides the {resident / _MiB:.1f} MiB kept resident; give at least "
                 f"{(resident + table) / _MiB:.1f}, or read with posix and its record cache")
         return RamPlan(ram_bytes, reader, resident, 0, table, table)
