@@ -45,8 +45,9 @@ def served(sample_index: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def readiness(server) -> dict:
-    """/readyz of whichever worker answers (a worker still warming says 503, with its reader)."""
-    response = HTTP.get(f"{server.base_url}/readyz", timeout=60)
+    """/readyz of whichever worker answers (a worker still warming says 503, with its reader), asked
+    with the key: without it /readyz tells only ready or not."""
+    response = HTTP.get(f"{server.base_url}/readyz", headers=AUTH, timeout=60)
     assert response.status_code in (200, 503) and "reader" in response.json(), response.text
     return response.json()
 
