@@ -262,6 +262,18 @@ def test_ram_is_split_between_what_stays_resident_and_the_cache(sample_index: Pa
     assert default.record_cache_bytes in (0, int(0.25 * default.table_bytes))
 
 
+def test_the_memory_budget_counts_the_plan_and_a_ram_too_small_counts_what_stays_resident(sample_index: Path) -> None:
+    from espn.engine import IndexConfig
+    from espn.engine.memory import estimate_bytes
+    from espn.store.ram_plan import plan_ram
+
+    plan = plan_ram(sample_index, 64 << 20)
+    assert estimate_bytes(sample_index, IndexConfig(reader="posix", ram_mib=64)) == plan.total_bytes
+    assert estimate_bytes(sample_index, IndexConfig(reader="posix", ram_mib=64, record_cache_mb=0)) == \
+        plan.resident_bytes
+    assert estimate_bytes(sample_index, IndexConfig(reader="posix", ram_mib=0.01)) == plan.resident_bytes
+
+
 # -- one copy shared by processes ------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""

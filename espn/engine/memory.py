@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Optional
 
-from ..errors import UnavailableError
+from ..errors import InvalidParameterError, UnavailableError
 from ..files import resident_bytes
 from ..store.ram_plan import RamPlan, plan_ram
 from .config import IndexConfig
@@ -41,7 +41,11 @@ def estimate_bytes(path: Path, config: IndexConfig) -> int:
     resident, its record cache or the memory reader's table), and for mmap the mapped table."""
     if config.reader == "mmap":
         return resident_bytes(path, mapped_embeddings=True)
-    plan = plan_index_ram(path, config)
+    try:
+        plan = plan_index_ram(path, config)
+    except InvalidParameterError:  # too little RAM: opening the index says so; a listing of indexes must not fail
+        plan = plan_ram(path, None, config.reader)
+        return plan.resident_bytes + plan.table_in_ram_bytes
     cache = plan.record_cache_bytes if config.record_cache_mb is None else int(config.record_cache_mb * MIB)
     return plan.resident_bytes + plan.table_in_ram_bytes + cache
 
