@@ -6,7 +6,7 @@
 Three measurements with a tiny seeded ColPali (benchmarks.make_visual_checkpoint, or --model):
 
 - steps: one page of --megapixels MP (a 1-bit PNG, and the same as RGB and RGBA) decoded,
-  stored as JPEG and run through the model's processor in this process, the peak RSS of each
+  stored as JPEG and run through the model's processor in a fresh process, the peak RSS of each
   step over what was held before it (the kernel's VmHWM, reset between steps): what
   espn.pages.memory.PAGE_BYTES_PER_PIXEL must cover;
 - server: `espn serve` of a 4-page index in a memory cgroup of --server-limit-gib, then one
@@ -27,6 +27,7 @@ import base64
 import concurrent.futures
 import contextlib
 import io
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -100,15 +101,6 @@ def _reset_peak() -> int:
     return rss_pss()["rss"]
 
 
-def measure_steps_apart(model: Path, megapixels: float) -> list[dict[str, Any]]:
-    """measure_steps in a fresh process: one that decoded images before (PIL keeps freed blocks,
-    malloc its arenas) would take a step's memory from what it holds, and show no peak."""
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure_steps, model, megapixels).result()
-
-
 def measure_steps(model: Path, megapixels: float) -> list[dict[str, Any]]:
     """Peak RSS of each step of one page, over what was held before the step, per image mode."""
     from espn.encoders import encoder_from_spec
@@ -135,6 +127,15 @@ def measure_steps(model: Path, megapixels: float) -> list[dict[str, Any]]:
         del image, features
         rows.append(row)
     return rows
+
+
+def measure_steps_apart(model: Path, megapixels: float) -> list[dict[str, Any]]:
+    """`measure_steps` in a fresh interpreter: a process that has freed large blocks before (glibc
+    then raises its mmap threshold and serves the next ones from memory already resident) shows
+    no peak for a step that allocates hundreds of MiB."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(measure_steps, model, megapixels).result()
 
 
 def _index(model: Path, work: Path) -> Path:

@@ -257,9 +257,15 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def load_queries(path: Path):
-    """QueryEmbeddings of every query in a `load_query_embeddings` .npz file (padded, masked)."""
+    """QueryEmbeddings of every query in a query .npz file: flat (cls, bow, counts: what
+    `load_query_embeddings` reads, as make_synthetic writes it) or padded (cls, bow, mask: what
+    bench_centroid_reads writes)."""
+    from espn.encoders import QueryEmbeddings
     from espn.encoders.precomputed import load_query_embeddings
 
+    with np.load(path) as stored:
+        if "mask" in stored:
+            return QueryEmbeddings(stored["cls"], stored["bow"], stored["mask"])
     return load_query_embeddings(path)[1]
 
 

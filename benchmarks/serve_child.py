@@ -39,6 +39,19 @@ def preload(path: str, chunk: int = 8 << 20) -> float:
     return time.perf_counter() - started
 
 
+def mapped_rss(name: str) -> int:
+    """Resident bytes of this process's mappings of files whose name starts with `name` (/proc/self/smaps)."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+                counting = len(head) >= 6 and os.path.basename(head[5]).startswith(name)
+            elif counting and head and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--index", required=True)
@@ -51,19 +64,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preload", type=int, default=0)
     p.add_argument("--params", default="{}", help="JSON search overrides (nprobe, prefetch_step, ...)")
+    p.add_argument("--reader-options", default="{}", help="JSON Searcher.open(reader_options=...), e.g. the record cache")
+    p.add_argument("--rows", default=None, help=".npy of query rows to run in order (warm-up first) instead of a shuffle")
+    p.add_argument("--qps-calls", type=int, default=0,
+                   help="after the single queries, this many calls of --qps-batch queries each (the stream goes on)")
+    p.add_argument("--qps-batch", type=int, default=32)
     args = p.parse_args(argv)
 
     from espn import Searcher
 
     started = time.perf_counter()
-    searcher = Searcher.open(args.index, reader=args.reader, verify="none")
+    searcher = Searcher.open(args.index, reader=args.reader, verify="none", with_encoder=False,
+                             reader_options=json.loads(args.reader_options))
     open_s = time.perf_counter() - started
     preload_s = preload(str(searcher.index.file("embeddings.bin"))) if args.preload else 0.0
     queries = load_queries(args.queries)
     rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(queries.cls))
-    need = args.warmup + args.n * args.batch
-    order = np.resize(order, need)  # repeat the shuffled order if there are fewer queries
+    need = args.warmup + args.n * args.batch + args.qps_calls * args.qps_batch
+    order = np.load(args.rows) if args.rows else rng.permutation(len(queries.cls))
+    order = np.resize(order, need)  # repeat the order if there are fewer queries
     overrides = {**json.loads(args.params), "prefetch": bool(args.prefetch)}
 
     def run(rows: np.ndarray):
@@ -81,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         hit_rates += [r.stats.hit_rate for r in results]
         bytes_read.append(sum(r.stats.bytes_read for r in results))
         stages.append(results[0].stats.stage_ms)
+    at = args.warmup + args.n * args.batch
+    qps_ms = [run(order[at + i * args.qps_batch: at + (i + 1) * args.qps_batch])[0] for i in range(args.qps_calls)]
     mem = rss_pss()
+    mem["table_rss"] = mapped_rss("embeddings.bin")  # mmap: the pages of the table its cgroup kept
+    mem["cache_rss"] = mapped_rss("espn-rc-")  # the record cache's segment, as far as it is touched
+    described = searcher.reader.describe()
     searcher.close()
     keys = sorted({k for s in stages for k in s})
     out = {
@@ -90,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_read_per_call": float(np.mean(bytes_read)),
         "stage_ms_median": {k: float(np.median([s.get(k, 0.0) for s in stages])) for k in keys},
         "memory": mem, "pid": os.getpid(), "params": overrides,
+        "qps": args.qps_batch * len(qps_ms) / (sum(qps_ms) / 1000) if qps_ms else None, "qps_call_ms": qps_ms,
+        "record_cache": described.get("record_cache"),
     }
     sys.stdout.write(json.dumps(out) + "\n")
     return 0

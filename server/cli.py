@@ -22,7 +22,8 @@ __all__ = ["add_serve_arguments", "add_route_arguments", "register", "run_comman
 # `espn serve --help` groups its flags thus; a field named in no group is listed under
 # "other settings" (server/settings_doc.py makes one flag per ServerSettings field).
 SERVE_GROUPS = (
-    ("indexes", ("indexes", "index_idle_close_s", "index_root", "models", "index_memory_budget_mib")),
+    ("indexes", ("indexes", "index_idle_close_s", "index_root", "models", "index_memory_budget_mib", "ram_mib",
+                 "index_ram_mib")),
     ("listening", ("host", "port", "workers", "preload", "graceful_timeout_s")),
     ("connections", ("max_connections", "header_timeout_s", "body_timeout_s", "keep_alive_s")),
     ("search", ("reader", "device", "batch_wait_ms", "max_batch_size", "search_threads", "inline_search_ms",

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from espn.engine import DEFAULT_INDEX_NAME, RULES, ServeConfig
 
 __all__ = ["DEFAULT_INDEX_NAME", "is_index_name", "resolve_indexes", "split_entries", "default_index_path",
-           "resolve_models"]
+           "resolve_models",
+           "resolve_index_ram"]
 
 
 def is_index_name(name: str) -> bool:
@@ -101,3 +102,21 @@ def resolve_models(entries: list[str]) -> dict[str, str]:
             raise ValueError(f"model name {name!r} given twice")
         models[name] = spec.strip()
     return models
+
+
+def resolve_index_ram(entries: list[str]) -> dict[str, float]:
+    """name -> MiB of each `--index-ram NAME=MIB`; a bad name, number or repeat is refused."""
+    out: dict[str, float] = {}
+    for entry in entries:
+        name, sep, mib = entry.partition("=")
+        try:
+            value = float(mib)
+        except ValueError:
+            value = -1.0
+        if not sep or not is_index_name(name) or not 0 <= value <= float(1 << 30):
+            raise ValueError(f"--index-ram {entry!r}: expected NAME=MIB, MIB a number of MiB >= 0, "
+                             f"NAME of {RULES.index_name_rule}")
+        if name in out and out[name] != value:
+            raise ValueError(f"--index-ram names {name!r} twice")
+        out[name] = value
+    return out

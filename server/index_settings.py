@@ -15,7 +15,7 @@ from pydantic_settings import NoDecode
 
 from espn.engine import RULES
 
-from .index_names import is_index_name, resolve_models, split_entries
+from .index_names import is_index_name, resolve_index_ram, resolve_models, split_entries
 
 __all__ = ["IndexSettings"]
 
@@ -44,13 +44,28 @@ class IndexSettings(BaseModel):
         0.0, ge=0.0, le=float(1 << 30),
         description="estimated memory (MiB) the open indexes may hold per worker: before an index opens, idle "
                     "indexes are closed least recently used first to make room, else the request gets 503; the "
-                    "estimate of an index is the size of the files its searches map (all but embeddings.bin, "
-                    "docs.jsonl and encoder/); 0: no budget")
+                    "estimate of an index is its RAM plan (--ram-mib): the files its searches map (all but "
+                    "embeddings.bin, docs.jsonl and encoder/) and its record cache; 0: no budget")
 
-    @field_validator("indexes", "models", mode="before")
+    index_ram_mib: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="RAM (MiB) of one index, NAME=MIB (NAME as --index names it, `default` for INDEX), instead "
+                    "of --ram-mib; JSON list or comma-separated")
+
+    @field_validator("indexes", "models", "index_ram_mib", mode="before")
     @classmethod
     def _split_entries(cls, value: Any) -> Any:
         return split_entries(value)
+
+    @field_validator("index_ram_mib")
+    @classmethod
+    def _check_index_ram(cls, value: list[str]) -> list[str]:
+        resolve_index_ram(value)
+        return value
+
+    def index_ram_map(self) -> dict[str, float]:
+        """The RAM (MiB) of each index an `--index-ram NAME=MIB` names, by name (instead of --ram-mib)."""
+        return resolve_index_ram(self.index_ram_mib)
 
     @field_validator("index_root")
     @classmethod

@@ -181,8 +181,15 @@ class ServerMetrics:
             "espn_record_cache_hits", "records the hot-record cache served from RAM (hit rate: hits / requests)",
             multiprocess_mode="livesum", registry=reg)
         self.record_cache_bytes = Gauge(
-            "espn_record_cache_bytes", "RAM held by the hot-record cache (arena, maps, sketch)",
-            multiprocess_mode="livesum", registry=reg)
+            "espn_record_cache_bytes", "RAM the record cache may hold (arena and tables; one copy, shared by the "
+            "workers of a server)", multiprocess_mode="livemax", registry=reg)
+        self.record_cache_entries = Gauge(
+            "espn_record_cache_entries", "records the record cache holds now", multiprocess_mode="livemax",
+            registry=reg)
+        self.ram_bytes = Gauge(
+            "espn_ram_bytes", "the index's RAM as planned (--ram-mib): resident (first stage and tables its searches "
+            "map), record_cache, table (the memory reader's copy)", ["part"], multiprocess_mode="livemax",
+            registry=reg)
 
     def _add_replication_metrics(self, reg: Optional[CollectorRegistry]) -> None:
         """The a follower's lag or a publishing writer's backlog."""
@@ -232,12 +239,18 @@ class ServerMetrics:
             if value is not None:
                 self.prefetch_estimate_ms.labels(term).set(value)
 
-    def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None:
-        """The reader's hot-record cache counters (`CachedReader.stats`; None: no cache)."""
+    def set_record_cache(self, stats: Optional[Mapping[str, Any]], ram: Optional[Mapping[str, Any]] = None) -> None:
+        """The reader's record cache counters (`CachedReader.stats`; None: no cache) and the RAM plan it
+        was opened with (`RamPlan.to_json`; None: none)."""
         if stats is not None:
             self.record_cache_requests.set(stats["requests"])
             self.record_cache_hits.set(stats["hits"])
             self.record_cache_bytes.set(stats["bytes"])
+            self.record_cache_entries.set(stats["entries"])
+        if ram is not None:
+            for part, key in (("resident", "resident_bytes"), ("record_cache", "record_cache_bytes"),
+                              ("table", "table_in_ram_bytes")):
+                self.ram_bytes.labels(part).set(ram[key])
 
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, method, str(status)).inc()

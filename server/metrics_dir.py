@@ -23,7 +23,7 @@ from pathlib import Path
 
 from espn.engine import startup
 
-__all__ = ["MetricsDir", "PREFIX", "remove_stale"]
+__all__ = ["MetricsDir", "PREFIX", "remove_stale", "record_cache_share"]
 
 PREFIX = "espn-metrics-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[A-Za-z0-9_]+$")
@@ -82,3 +82,11 @@ class MetricsDir:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._fd)
             self._fd = -1
+
+
+def record_cache_share() -> str | None:
+    """The key under which the workers of this `espn serve` share one record cache: the name of
+    their metrics directory (one per server start, so a restarted server never maps what an
+    earlier one left); None without one (a single worker keeps its cache to itself)."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return Path(path).name if path else None

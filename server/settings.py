@@ -30,6 +30,7 @@ from .connection_limits import (ConnectionLimits, check_connections_below_limit,
                                 default_max_connections, descriptor_limit, listen_backlog)
 from .index_names import default_index_path, resolve_indexes, split_entries
 from .index_settings import IndexSettings
+from .metrics_dir import record_cache_share
 
 __all__ = ["ServerSettings", "ENV_PREFIX", "ROUTER_ENV_PREFIX", "settings_error_line", "MIN_API_KEY_CHARS",
            "ConnectionLimits", "check_api_key", "default_max_connections", "descriptor_limit", "listen_backlog"]
@@ -106,9 +107,16 @@ class ServerSettings(IndexSettings, BaseSettings):
     io_depth: Optional[int] = Field(None, ge=1, le=4096, description="extents in flight at once; unset: 64")
     max_extent_bytes: Optional[int] = Field(None, ge=1, description="cap on one coalesced read; unset: 1 MiB")
     direct: Optional[bool] = Field(None, description="false: buffered reads instead of O_DIRECT; unset: O_DIRECT")
-    record_cache_mb: float = Field(0.0, ge=0.0, le=1 << 20,
-                                   description="RAM (MiB) for a cache of frequently read records in front of the "
-                                               "posix reader, admitted by frequency; 0: off")
+    ram_mib: Optional[float] = Field(
+        None, ge=0.0, le=float(1 << 30),
+        description="RAM (MiB) each index may use (per index; --index-ram NAME=MIB sets one index's): the posix "
+                    "reader's first stage keeps what it must resident and the rest holds the record cache of "
+                    "frequently read records, one copy shared by the workers (`espn stats INDEX --ram-mib N` "
+                    "shows the split); unset: the cache gets a quarter of the record table, at most an eighth of "
+                    "the machine's RAM")
+    record_cache_mb: Optional[float] = Field(None, ge=0.0, le=1 << 20,
+                                             description="RAM (MiB) of the record cache in front of the posix "
+                                                         "reader, instead of what --ram-mib leaves it; 0: off")
 
     # Request limits.
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="largest request body; larger is a 413")
@@ -308,13 +316,6 @@ class ServerSettings(IndexSettings, BaseSettings):
                 options[name] = getattr(self, name)
         return options
 
-    def reader_open_options(self) -> dict[str, Any]:
-        """reader_options() plus the record cache (which applies to any reader that reads from storage)."""
-        options = self.reader_options()
-        if self.record_cache_mb:
-            options["record_cache_mb"] = self.record_cache_mb
-        return options
-
     @property
     def effective_torch_threads(self) -> int:
         """Intra-op threads per worker so that N workers do not oversubscribe the cores."""
@@ -331,14 +332,14 @@ class ServerSettings(IndexSettings, BaseSettings):
             "read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments", "compact_merge_factor",
             "compact_base_ratio", "compact_deleted_fraction", "max_metadata_fields", "max_metadata_bytes",
             "max_index_fields", "page_memory_bytes", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
-            "publish_keep", "snapshot_dir")}
+            "publish_keep", "snapshot_dir", "ram_mib", "record_cache_mb")}
         indexes = self.index_map()
         return ServeConfig(indexes=indexes, default=next(iter(indexes)) if self.index is not None else None,
                            root=self.creation_root(), models=self.model_map(),
-                           memory_budget_mib=self.index_memory_budget_mib, idle_close_s=self.index_idle_close_s,
-                           graceful_s=float(self.graceful_timeout_s),
-                           index=IndexConfig(reader_options=self.reader_open_options(),
-                                             torch_threads=self.effective_torch_threads, **served))
+                           memory_budget_mib=self.index_memory_budget_mib, index_ram_mib=self.index_ram_map(),
+                           idle_close_s=self.index_idle_close_s, graceful_s=float(self.graceful_timeout_s),
+                           index=IndexConfig(reader_options=self.reader_options(), torch_threads=self.effective_torch_threads,
+                                             record_cache_share=record_cache_share(), **served))
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that rebuild these settings in another process."""

@@ -41,9 +41,10 @@ FLAG_NAMES = {
     "index_idle_close_s": "--index-idle-close",
     "models": "--model",  # repeatable: NAME=SPEC
     "index_memory_budget_mib": "--index-memory-budget",
+    "index_ram_mib": "--index-ram",  # repeatable: NAME=MIB
 }
 #: Metavars that the field's name does not give.
-METAVARS = {"indexes": "[NAME=]PATH", "models": "NAME=SPEC"}
+METAVARS = {"indexes": "[NAME=]PATH", "models": "NAME=SPEC", "index_ram_mib": "NAME=MIB"}
 #: Read from the environment only: a flag would show the secret in `ps`.
 ENV_ONLY = frozenset({"api_key"})
 #: Given as the command's positional argument (INDEX), not as a flag.

@@ -130,6 +130,30 @@ def test_bench_memory(tiny_index: Path, results: Path, capsys) -> None:
     assert all(r["limit"] for r in ok)
 
 
+def test_bench_record_cache_replays_each_policy(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_record_cache
+    from espn.store.cache_policy import POLICIES
+
+    assert bench_record_cache.main(["--index", str(tiny_index), "--quick", "--topics", "8"]) == 0
+    payload = _check(results, "record_cache_policy", capsys, png=False)
+    assert {key.split("/")[2] for key in payload["cells"]} == set(POLICIES)
+    assert all(0 <= cell["hit_rate"] <= 1 for cell in payload["cells"].values())
+
+
+def test_bench_cache_curves(tiny_index: Path, results: Path, capsys) -> None:
+    from benchmarks import bench_cache_curves
+
+    argv = ["--index", str(tiny_index), "--quick", "--topics", "8"]
+    if common.cgroup_unavailable_reason():
+        argv.append("--no-limit")
+    assert bench_cache_curves.main(argv) == 0
+    payload = _check(results, "cache_curves", capsys)
+    ok = [r for r in payload["runs"] if "error" not in r]
+    assert {r["config"] for r in ok} == {"posix", "posix+cache", "mmap", "memory"}
+    assert all(r["record_cache"]["hits"] > 0 for r in ok if r["config"] == "posix+cache")
+    assert sum(r["disagree"] for r in ok) == 0, "every configuration ranks alike"
+
+
 def test_bench_footprint(tiny_index: Path, results: Path, capsys) -> None:
     from benchmarks import bench_footprint
 

@@ -135,7 +135,7 @@ def test_an_unknown_index_is_a_404(server: ServerProcess) -> None:
 
 def test_readiness_and_metrics_report_each_index(server: ServerProcess) -> None:
     _post(server, "/v1/indexes/b/search", QUERY)
-    ready = HTTP.get(server.base_url + "/readyz", headers=AUTH).json()  # a bare /readyz says only ready or not
+    ready = _get(server, "/readyz").json()  # with the key: without it, ready or not only
     assert [item["name"] for item in ready["indexes"]] == ["a", "b"]
     metrics = HTTP.get(server.base_url + "/metrics").text
     assert 'espn_index_requests_total{index="b"}' in metrics and 'espn_index_open{index="a"} 1.0' in metrics

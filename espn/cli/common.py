@@ -76,8 +76,13 @@ def add_reader_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-depth", type=int, metavar="N", help="extents in flight at once (default 64)")
     g.add_argument("--max-extent-bytes", type=int, metavar="N", help="cap on one coalesced read (default 1 MiB)")
     g.add_argument("--no-direct", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--ram-mib", type=float, metavar="MIB", default=None,
+                   help="RAM the index may use: its first stage keeps what it must resident, the rest holds a cache "
+                        "of frequently read records in front of the posix reader (`espn stats INDEX --ram-mib N` "
+                        "shows the split; default: no cache)")
     p.add_argument("--record-cache-mb", type=float, metavar="MB", default=None,
-                   help="RAM for a cache of frequently read records in front of the reader (default 0: off)")
+                   help="RAM for a cache of frequently read records in front of the reader, instead of what "
+                        "--ram-mib leaves it (default 0: off)")
 
 
 def reader_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,6 +99,8 @@ def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     if options and getattr(args, "reader", None) not in (None, "posix"):
         raise InvalidParameterError(f"--io-engine, --io-depth, --max-extent-bytes and --no-direct apply to the "
                                     f"posix reader only, not --reader {args.reader}")
+    if getattr(args, "ram_mib", None) is not None:  # espn.store.ram_plan; checked where the reader opens
+        options["ram_mib"] = args.ram_mib
     if getattr(args, "record_cache_mb", None):  # espn.store.record_cache; checked where the reader opens
         options["record_cache_mb"] = args.record_cache_mb
     return options

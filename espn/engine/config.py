@@ -27,6 +27,11 @@ class IndexConfig:
 
     Reading: reader (None: kvikio where CUDA works, else posix), device, reader_options (the
     reader's open options), torch_threads (per process), trust_remote_code.
+    RAM (espn.store.ram_plan): ram_mib, what the index may use (None: the library's default
+    split), of which its first stage keeps what it must resident and the posix reader's record
+    cache gets the rest; record_cache_mb, the cache's size instead of what ram_mib leaves it
+    (0: none); record_cache_share, the key under which the processes of one server map one
+    copy of each index's cache (None: each process keeps its own).
     Searching: micro-batching (max_batch_size, batch_wait_ms, search_threads, inline_search_ms,
     max_pending, fair_chunk_queries) and the work budget of one request (max_request_work,
     max_response_bytes).
@@ -41,6 +46,9 @@ class IndexConfig:
     reader_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     torch_threads: int = 1
     trust_remote_code: bool = False
+    ram_mib: Optional[float] = None
+    record_cache_mb: Optional[float] = None
+    record_cache_share: Optional[str] = None
     max_batch_size: int = 32
     batch_wait_ms: float = 2.0
     search_threads: int = 1
@@ -72,6 +80,16 @@ class IndexConfig:
     def replace(self, **changes: Any) -> "IndexConfig":
         return dataclasses.replace(self, **changes)
 
+    def open_options(self) -> dict[str, Any]:
+        """Searcher.open's reader options: the reader's own, the RAM plan and the record cache
+        (filled from the file by the process that makes it, before the index is ready)."""
+        options = {**self.reader_options, "ram_mib": self.ram_mib, "record_cache_warm": True}
+        if self.record_cache_mb is not None:
+            options["record_cache_mb"] = self.record_cache_mb
+        if self.record_cache_share is not None:
+            options["record_cache_share"] = self.record_cache_share
+        return options
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
@@ -83,6 +101,7 @@ class ServeConfig:
     root:             where indexes are created and deleted by name (None: they are not)
     models:           name -> encoder spec that created indexes may use
     memory_budget_mib: estimated memory the open indexes may hold (0: no budget)
+    index_ram_mib:    name -> the RAM (MiB) of that index, instead of `index.ram_mib`
     idle_close_s:     close an index other than the default after this long without a request (0: never)
     graceful_s:       how long a deletion waits for the requests inside an index
     index:            how every index is served
@@ -93,12 +112,13 @@ class ServeConfig:
     root: Optional[Path] = None
     models: Mapping[str, str] = dataclasses.field(default_factory=dict)
     memory_budget_mib: float = 0.0
+    index_ram_mib: Mapping[str, float] = dataclasses.field(default_factory=dict)
     idle_close_s: float = 0.0
     graceful_s: float = 30.0
     index: IndexConfig = IndexConfig()
 
     def __post_init__(self) -> None:
-        for name in (*self.indexes, *self.models):
+        for name in (*self.indexes, *self.models, *self.index_ram_mib):
             problem = RULES.index_name_problem(name)
             if problem is not None:
                 raise ValueError(problem)
@@ -106,6 +126,11 @@ class ServeConfig:
             raise ValueError("no index to serve: give an index or an index root")
         if self.default is not None and self.default not in self.indexes:
             raise ValueError(f"the default index {self.default!r} is not among the indexes")
+
+    def index_config(self, name: str) -> IndexConfig:
+        """How the index called `name` is served: `index`, with its own RAM where `index_ram_mib` gives one."""
+        ram_mib = self.index_ram_mib.get(name)
+        return self.index if ram_mib is None else self.index.replace(ram_mib=ram_mib)
 
     @property
     def default_name(self) -> Optional[str]:

@@ -16,6 +16,7 @@ from ..live.create import remove_leftovers
 from ..live.replication.restore import restore_from_store
 from ..live.status import read_only_reason
 from .config import ServeConfig
+from .memory import plan_index_ram
 
 __all__ = ["Startup"]
 
@@ -28,10 +29,12 @@ class Startup:
     @staticmethod
     def problem(config: ServeConfig) -> Optional[str]:
         """What would make every worker fail at start-up, as one line (None: nothing): a damaged
-        index (the current generation of each is opened and checked), a missing extra."""
+        index (the current generation of each is opened and checked), a RAM below what an index
+        keeps resident, a missing extra."""
         try:
-            for path in config.indexes.values():
+            for name, path in config.indexes.items():
                 open_view(path, verify="fast").close()
+                plan_index_ram(path, config.index_config(name))
         except (EspnError, ValueError, OSError) as error:
             return str(error)
         if config.index.publish is not None or config.index.follow is not None:

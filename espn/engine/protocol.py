@@ -114,7 +114,8 @@ class Observer(Protocol):
 
     def set_queued(self, queries: int) -> None: ...
 
-    def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None: ...
+    def set_record_cache(self, stats: Optional[Mapping[str, Any]], ram: Optional[Mapping[str, Any]] = None) -> None:
+        """The record cache's counters (None: no cache) and the RAM plan the reader was opened with."""
 
     def set_prefetch(self, estimates: Any) -> None: ...
 
@@ -149,7 +150,7 @@ class NullObserver:
     def set_queued(self, queries: int) -> None:
         pass
 
-    def set_record_cache(self, stats: Optional[Mapping[str, Any]]) -> None:
+    def set_record_cache(self, stats: Optional[Mapping[str, Any]], ram: Optional[Mapping[str, Any]] = None) -> None:
         pass
 
     def set_prefetch(self, estimates: Any) -> None:

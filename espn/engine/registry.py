@@ -82,7 +82,7 @@ class Registry:
 
     def hold(self, name: str, path: Path, default: bool = False) -> ServedIndex:
         """Hold the index at `path` as `name` (closed: it opens at its first request, or at start)."""
-        config = self.config.index
+        config = self.config.index_config(name)
         if config.snapshot_dir is not None and not default:
             config = config.replace(snapshot_dir=config.snapshot_dir / name)
         served = ServedIndex(name, path, config, self.observer, default=default, quiet=self._quiet,

@@ -41,16 +41,16 @@ logger = logging.getLogger(__name__)
 #: (encoder directory, the manifest's encoder entry) -> the loaded encoder (a shared one).
 EncoderLoader = Callable[[Path, Mapping[str, Any]], Encoder]
 #: What one search call measured, from its thread to the loop: per call (queries, stage times,
-#: waves, waves skipped), the record cache's counters, the prefetch model's estimates.
-_Measured = tuple[list[tuple[int, Mapping[str, float], int, int]], Optional[Mapping[str, Any]],
-                  Optional[PrefetchEstimates]]
+#: waves, waves skipped), the reader's description (its record cache's counters, its RAM plan),
+#: the prefetch model's estimates.
+_Measured = tuple[list[tuple[int, Mapping[str, float], int, int]], Mapping[str, Any], Optional[PrefetchEstimates]]
 
 
 def open_searcher(index: Path, config: IndexConfig, encoder_loader: Optional[EncoderLoader] = None) -> Searcher:
     """The index's Searcher, with this process's share of the cores for torch."""
     # N workers x all cores each would oversubscribe the CPU; each gets its share.
     torch.set_num_threads(config.torch_threads)
-    return Searcher.open(index, reader=config.reader, device=config.device, reader_options=dict(config.reader_options),
+    return Searcher.open(index, reader=config.reader, device=config.device, reader_options=config.open_options(),
                          trust_remote_code=config.trust_remote_code, encoder_loader=encoder_loader)
 
 
@@ -170,11 +170,11 @@ class Searching:
             self._lone_call_ms += 0.25 * (seconds * 1000.0 - self._lone_call_ms)
         self.observer.set_queued(self.batcher.pending)
         while self._measured:
-            calls, record_cache, prefetch = self._measured.popleft()
+            calls, reader, prefetch = self._measured.popleft()
             for queries, stage_ms, waves, skipped in calls:
                 self.observer.observe_batch(queries, stage_ms)
                 self.observer.observe_waves(waves, skipped)
-            self.observer.set_record_cache(record_cache)
+            self.observer.set_record_cache(reader.get("record_cache"), reader.get("ram"))
             self.observer.set_prefetch(prefetch)
 
     async def _checked_kwargs(self, searcher: Searcher, n_queries: int, options: SearchOptions) -> dict[str, Any]:
@@ -232,6 +232,6 @@ class Searching:
                 measured.append((len(answered), stats.stage_ms, stats.waves, stats.waves_skipped))
             outcomes.append(results)
         if measured:
-            self._measured.append((measured, searcher.reader.describe().get("record_cache"),
+            self._measured.append((measured, searcher.reader.describe(),
                                    searcher.prefetch_estimates))
         return outcomes

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..encoders.shared import SharedEncoders
 from ..errors import EspnError, IndexNotFoundError, NotEnabledError, ReadOnlyIndexError, UnavailableError
-from ..files import is_index_directory, resident_bytes
+from ..files import is_index_directory
 from ..live.checks import NewDocument, WriteResult
 from ..live.replication.follower import Follower
 from ..live.replication.publisher import Publisher
@@ -31,6 +31,7 @@ from ..results import Document
 from ..search.live_searcher import LiveSearcher
 from .config import IndexConfig
 from .lifecycle import IndexLife
+from .memory import estimate_bytes
 from .messages import IndexLimits, Lifecycle, Readiness, SearchAnswer, SearchOptions, SnapshotInfo
 from .protocol import Observer
 from .searching import Searching, open_searcher
@@ -140,9 +141,9 @@ class ServedIndex:
         return self.live.current.generation if self.live is not None else None
 
     def estimate_memory(self) -> int:
-        """What the index holds in memory when open, estimated (espn.files.resident_bytes); cached."""
+        """What the index holds in memory when open, estimated (espn.engine.memory); cached."""
         if self.memory_bytes is None:
-            self.memory_bytes = resident_bytes(self.path, mapped_embeddings=self.config.reader == "mmap")
+            self.memory_bytes = estimate_bytes(self.path, self.config)
         return self.memory_bytes
 
     async def open(self, encoders: SharedEncoders) -> None:
@@ -175,6 +176,7 @@ class ServedIndex:
         if self.default:
             reader = searcher.reader.describe()
             self.observer.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
+            self.observer.set_record_cache(reader.get("record_cache"), reader.get("ram"))  # the split before a search
             self.observer.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
             if config.follow is not None:
                 self.follower = Follower(config.follow, self.path, config.follow_interval_s).start()

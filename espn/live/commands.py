@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 from espn.encoders import encoder_from_spec
 from espn.errors import InvalidParameterError, UsageError
+from espn.store.ram_plan import plan_ram
 from espn.text.config import TextConfig
 
 from .create import NewIndex, create_index
@@ -116,7 +117,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(json.dumps(live_stats(args.index), indent=2))
+    ram_mib = getattr(args, "ram_mib", None)
+    if ram_mib is not None and not ram_mib >= 0:
+        raise UsageError(f"--ram-mib must be a number of MiB >= 0, got {ram_mib!r}")
+    plan = plan_ram(args.index, None if ram_mib is None else int(ram_mib * 2**20), getattr(args, "reader", None))
+    print(json.dumps({**live_stats(args.index), "memory": plan.to_json()}, indent=2))
     return 0
 
 

@@ -32,8 +32,12 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler
     p.add_argument("index", type=Path)
     add_wait_option(p)
     p.set_defaults(handler=handler)
-    p = sub.add_parser("stats", help="segments, deletions and drift of a live index (JSON)")
+    p = sub.add_parser("stats", help="segments, deletions and drift of a live index, and how its RAM is split (JSON)")
     p.add_argument("index", type=Path)
+    p.add_argument("--ram-mib", type=float, metavar="MIB", default=None,
+                   help="the RAM the index may use, as `espn serve --ram-mib` takes it: `memory` shows what its "
+                        "first stage keeps resident and what the record cache gets (default: espn's default split)")
+    p.add_argument("--reader", default=None, help="the reader it is served with (default: posix)")
     p.set_defaults(handler=handler)
     _add_snapshot(sub, handler)
     _add_restore(sub, handler)

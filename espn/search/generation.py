@@ -22,7 +22,8 @@ from ..index import DocStore, IdMap, IndexDirectory
 from ..metadata import MetadataColumns
 from ..prefetch import PrefetchModel
 from ..generation.segments import LiveView, RecordTable
-from ..store import Reader, open_reader
+from ..store import Reader, default_reader_name, open_reader
+from ..store.ram_plan import plan_ram
 from ..store.format import StoreLayout
 from .centroid_stage import open_centroids
 from .context import SearchContext
@@ -67,6 +68,8 @@ def open_context(index: IndexDirectory, view: LiveView | None, encoder: Encoder 
     records, ann, ids, docs, live = _generation_arrays(index, view)
     layout = StoreLayout.from_manifest(manifest["store"], index.path)
     reader = _open_reader(resources, index, records, layout, reader_name, dict(reader_options), device)
+    if live is not None:  # deleted and replaced documents: a record cache drops theirs
+        reader.forget(np.flatnonzero(~live))
     score = manifest["score"]
     pool = resources.shared("prefetch-pool", lambda: ThreadPoolExecutor(
         max_workers=prefetch_threads, thread_name_prefix="espn-prefetch"), lambda pool: pool.shutdown(wait=True))
@@ -109,10 +112,24 @@ def _open_reader(resources: GenerationResources, index: IndexDirectory, records:
     """The reader of embeddings.bin. The Searchers of one live-index base share one: a newer
     generation only extends its records table (the rows of older doc numbers never change),
     so a write costs no new descriptors, rings or threads. Readers that hold a copy or a
-    map of the file (memory, mmap) cannot follow appends: there each generation has its own."""
+    map of the file (memory, mmap) cannot follow appends: there each generation has its own.
+
+    With the option `ram_mib` (None: espn's default split) the index's RAM is planned
+    (`espn.store.ram_plan`): the record cache gets what the first stage leaves, unless
+    `record_cache_mb` says otherwise, and the reader reports the plan (`describe()["ram"]`)."""
+    name = name or default_reader_name(device)
+    plan = None
+    if "ram_mib" in options:
+        ram_mib = options.pop("ram_mib")
+        plan = plan_ram(index.path, None if ram_mib is None else int(ram_mib * 2**20), name)
+        if plan.record_cache_bytes and options.get("record_cache_mb") is None:
+            options["record_cache_mb"] = plan.record_cache_mb
+
     def make() -> Reader:
-        return open_reader(name, index.file("embeddings.bin"), records, layout,  # type: ignore[arg-type]
-                           device=device, **options)
+        opened = open_reader(name, index.file("embeddings.bin"), records, layout,  # type: ignore[arg-type]
+                             device=device, **options)
+        opened.ram_plan = None if plan is None else plan.to_json()
+        return opened
 
     reader: Reader = resources.shared("reader", make, lambda r: r.close())
     if reader.extend_records(records):  # type: ignore[arg-type]  # a RecordTable reads like one

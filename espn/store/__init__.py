@@ -24,6 +24,7 @@ from .memory import MemoryReader
 from .mmap import MmapReader
 from .pending import PendingRead
 from .posix import PosixReader
+from .cache_policy import DEFAULT_POLICY
 from .record_cache import CachedReader, with_record_cache
 from .reader import Reader
 from .records import ReadBatch, RecordBatch
@@ -86,8 +87,10 @@ def open_reader(
 ) -> Reader:
     """Open the reader called `name` (None: `default_reader_name(device)`) on embeddings.bin.
 
-    options go to the reader's class, except `record_cache_mb` (> 0: the reader behind a
-    `CachedReader` with that RAM budget; `espn.store.record_cache`).
+    options go to the reader's class, except those of the record cache (`espn.store.record_cache`):
+    `record_cache_mb` (> 0: the reader behind a `CachedReader` with that RAM budget),
+    `record_cache_share` (a key the processes sharing one copy give), `record_cache_policy`
+    and `record_cache_warm` (fill a new cache from the file).
     Raises ValueError for an unknown name (listing the known ones) and
     BackendUnavailableError, with the install command, for a backend that cannot run here.
     """
@@ -100,10 +103,12 @@ def open_reader(
     reason = cls.unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(reason)
-    record_cache_mb = options.pop("record_cache_mb", None)
+    cache = {name: options.pop(f"record_cache_{name}") for name in ("mb", "share", "policy", "warm")
+             if f"record_cache_{name}" in options}
     reader = cls(Path(path), records, layout, device, **options)
     try:
-        return with_record_cache(reader, record_cache_mb)
+        return with_record_cache(reader, cache.get("mb"), share=cache.get("share"),
+                                 policy=cache.get("policy", DEFAULT_POLICY), warm=bool(cache.get("warm", False)))
     except BaseException:
         reader.close()
         raise

@@ -18,7 +18,7 @@ from .format import StoreLayout
 from .gather import gather_records
 from .records import Buffer, ReadBatch, RecordBatch
 
-__all__ = ["Fetch", "DeferredFetch", "PendingRead", "ReadSource", "complete_parts", "hand_over_parts"]
+__all__ = ["Fetch", "DeferredFetch", "FetchPart", "PendingRead", "ReadSource", "complete_parts", "hand_over_parts"]
 
 
 class ReadSource(Protocol):
@@ -27,7 +27,7 @@ class ReadSource(Protocol):
     layout: StoreLayout
     device: torch.device
 
-    def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]: ...
+    def start_fetches(self, doc_numbers: np.ndarray) -> list[FetchPart]: ...
 
 
 class Fetch(abc.ABC):
@@ -67,6 +67,21 @@ class DeferredFetch(Fetch):
         return done
 
 
+@dataclasses.dataclass
+class FetchPart:
+    """Documents of one request and the fetch bringing them (what `Reader.start_fetches` returns:
+    one part, or several where the documents come from different places, such as a cache's
+    hits and the misses read from storage).
+
+    positions: [len(docs)] rows of the request these documents fill; None: all of them, in order.
+    """
+
+    docs: np.ndarray
+    n_bow: np.ndarray
+    fetch: Fetch | None
+    positions: np.ndarray | None = None
+
+
 class PendingRead:
     """Reads in flight, parsed together: `submit` adds documents (their reads start at once),
     `result()` waits for every one and parses them into one ReadBatch.
@@ -81,6 +96,7 @@ class PendingRead:
         self._reader = reader
         self._parts: list[_Part] = []
         self._result: ReadBatch | None = None
+        self._requests = 0
 
     def submit(self, doc_numbers: np.ndarray, executor: Executor | None = None) -> "PendingRead":
         """Start reading more documents; returns self.
@@ -91,26 +107,31 @@ class PendingRead:
         """
         if self._result is not None:
             raise ValueError("this read has already been parsed; submit into a new one")
+        request = self._requests
+        self._requests += 1
         if executor is None:
-            self._parts.append(_Part(*self._reader.start_fetch(doc_numbers)))
+            self._parts.extend(_Part.started(part, request) for part in self._reader.start_fetches(doc_numbers))
         else:
             reader = self._reader
 
-            def start_and_wait() -> _Part:
-                part = _Part(*reader.start_fetch(doc_numbers))
+            def start_and_wait() -> list[_Part]:
+                parts = [_Part.started(part, request) for part in reader.start_fetches(doc_numbers)]
                 try:
-                    part.wait()
+                    for part in parts:
+                        part.wait()
                 except BaseException:
-                    part.release()
+                    for part in parts:
+                        part.release()
                     raise
-                return part
+                return parts
 
             try:
                 future = executor.submit(start_and_wait)
             except RuntimeError:  # the executor is shut down (its owner is closing): read here instead
-                self._parts.append(_Part(*self._reader.start_fetch(doc_numbers)))
+                self._parts.extend(_Part.started(part, request) for part in self._reader.start_fetches(doc_numbers))
                 return self
-            self._parts.append(_Part(np.zeros(0, np.int64), np.zeros(0, np.int64), None, future=future))
+            self._parts.append(_Part(np.zeros(0, np.int64), np.zeros(0, np.int64), None, request=request,
+                                     future=future))
         return self
 
     def wait(self) -> None:
@@ -157,25 +178,39 @@ class PendingRead:
 
 @dataclasses.dataclass
 class _Part:
-    """One `submit` of a PendingRead: its documents, their BOW counts, the fetch in flight and,
-    once waited for, what the fetch brought."""
+    """One fetch of a PendingRead: its documents, their BOW counts, the fetch in flight and,
+    once waited for, what the fetch brought. A part started on an executor stands for every
+    part its request split into (`extra` holds the others once it has been waited for)."""
 
     docs: np.ndarray
     n_bow: np.ndarray
     fetch: Fetch | None
     done: tuple[Buffer, np.ndarray, int, int] | None = None
+    request: int = 0  # which submit of the PendingRead
+    positions: np.ndarray | None = None  # rows of that submit (FetchPart.positions)
     future: Future | None = None  # started and waited for on an executor thread
+    extra: list["_Part"] = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def started(part: FetchPart, request: int) -> "_Part":
+        return _Part(part.docs, part.n_bow, part.fetch, request=request, positions=part.positions)
 
     def wait(self) -> tuple[Buffer, np.ndarray, int, int] | None:
         if self.future is not None:
             future, self.future = self.future, None
             if future.cancelled():  # cancelled before it started: nothing was read
                 return None
-            ran: _Part = future.result()  # re-raises the worker's error
-            self.docs, self.n_bow, self.fetch, self.done = ran.docs, ran.n_bow, ran.fetch, ran.done
+            ran: list[_Part] = future.result()  # re-raises the worker's error
+            first, self.extra = ran[0], ran[1:]
+            self.docs, self.n_bow, self.fetch, self.done = first.docs, first.n_bow, first.fetch, first.done
+            self.positions = first.positions
         if self.done is None and self.fetch is not None:
             self.done = self.fetch.complete()
         return self.done
+
+    def flat(self) -> list["_Part"]:
+        """This part and the others of its request started beside it (once waited for)."""
+        return [self, *self.extra]
 
     def cancel(self) -> None:
         if self.future is not None:
@@ -187,10 +222,14 @@ class _Part:
         if self.future is not None:  # abandoned: the worker's read must end before its buffer goes back
             future, self.future = self.future, None
             if not future.cancel() and future.exception() is None:
-                future.result().release()
+                for part in future.result():
+                    part.release()
         if self.fetch is not None:
             self.fetch.release()
             self.fetch = None
+        extra, self.extra = self.extra, []
+        for part in extra:
+            part.release()
 
 
 def _fault_point(name: str) -> None:
@@ -232,14 +271,16 @@ def _pick(parts: list[_Part], select: np.ndarray) -> list[np.ndarray]:
 
 def complete_parts(parts: list[_Part], select: np.ndarray | None, lay: StoreLayout,
                    device: torch.device) -> ReadBatch:
-    """Wait for every part and gather the wanted rows into one preallocated batch on `device`."""
+    """Wait for every part and gather the wanted rows into one preallocated batch on `device`
+    (with no `select`, in the order the documents were submitted)."""
     try:
         error = _wait_all(parts)  # every read finished (or failed) before any buffer is parsed
         if error is not None:
             raise error
         _fault_point("gather")
-        picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
-        counts = [p.n_bow[pick] for p, pick in zip(parts, picks)]
+        flat = [piece for part in parts for piece in part.flat()]
+        picks = [np.arange(len(p.docs)) for p in flat] if select is None else _pick(flat, select)
+        counts = [p.n_bow[pick] for p, pick in zip(flat, picks)]
         n = sum(len(c) for c in counts)
         total = int(sum(int(c.sum()) for c in counts))
         cls = torch.empty((n, lay.d_cls), dtype=torch.float16, device=device)
@@ -248,7 +289,7 @@ def complete_parts(parts: list[_Part], select: np.ndarray | None, lay: StoreLayo
         offsets = np.zeros(n + 1, dtype=np.int64)
         bytes_read = ios = 0
         row = vec = 0
-        for part, pick, count in zip(parts, picks, counts):
+        for part, pick, count in zip(flat, picks, counts):
             if part.done is None:
                 continue
             buffer, starts, got_bytes, got_ios = part.done
@@ -261,10 +302,39 @@ def complete_parts(parts: list[_Part], select: np.ndarray | None, lay: StoreLayo
                 np.cumsum(count, out=offsets[row + 1: row + m + 1])
                 offsets[row + 1: row + m + 1] += vec
                 row, vec = row + m, vec + t
+        batch = ReadBatch(cls=cls, vectors=vectors, offsets=offsets, bytes_read=bytes_read, ios=ios, docs=row_docs)
+        order = _submission_order(flat) if select is None else None
     finally:
         for part in parts:
             part.release()
-    return ReadBatch(cls=cls, vectors=vectors, offsets=offsets, bytes_read=bytes_read, ios=ios, docs=row_docs)
+    return batch if order is None else _reorder(batch, order)
+
+
+def _submission_order(flat: list[_Part]) -> np.ndarray | None:
+    """The gathered rows (parts in turn) in submission order: None when they already are, else the
+    permutation (a request split into parts, e.g. a cache's hits and misses)."""
+    if all(part.positions is None for part in flat):
+        return None
+    sizes = np.zeros(max(part.request for part in flat) + 1, dtype=np.int64)
+    for part in flat:
+        sizes[part.request] += len(part.docs)
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    keys = np.concatenate([base[part.request] + (np.arange(len(part.docs)) if part.positions is None
+                                                 else part.positions) for part in flat])
+    return np.argsort(keys, kind="stable")
+
+
+def _reorder(batch: ReadBatch, order: np.ndarray) -> ReadBatch:
+    """`batch` with its rows taken in `order` (one index_select per tensor)."""
+    counts = np.diff(batch.offsets)[order]
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    vector_rows = np.repeat(batch.offsets[:-1][order] - offsets[:-1], counts) + np.arange(int(offsets[-1]))
+    device = batch.cls.device
+    return ReadBatch(cls=batch.cls.index_select(0, torch.from_numpy(order).to(device)),
+                     vectors=batch.vectors.index_select(0, torch.from_numpy(vector_rows).to(device)),
+                     offsets=offsets, bytes_read=batch.bytes_read, ios=batch.ios,
+                     docs=None if batch.docs is None else batch.docs[order])
 
 
 def hand_over_parts(parts: list[_Part], select: np.ndarray | None) -> RecordBatch:
@@ -274,19 +344,20 @@ def hand_over_parts(parts: list[_Part], select: np.ndarray | None) -> RecordBatc
         if error is not None:
             raise error
         _fault_point("gather")
-        picks = [np.arange(len(p.docs)) for p in parts] if select is None else _pick(parts, select)
-        used = [i for i, (part, pick) in enumerate(zip(parts, picks)) if part.done is not None and len(pick)]
-        buffers = [parts[i].done[0] for i in used]  # type: ignore[index]
-        docs = [parts[i].docs[picks[i]] for i in used]
+        flat = [piece for part in parts for piece in part.flat()]
+        picks = [np.arange(len(p.docs)) for p in flat] if select is None else _pick(flat, select)
+        used = [i for i, (part, pick) in enumerate(zip(flat, picks)) if part.done is not None and len(pick)]
+        buffers = [flat[i].done[0] for i in used]  # type: ignore[index]
+        docs = [flat[i].docs[picks[i]] for i in used]
         batch = RecordBatch(
             docs=np.concatenate(docs) if docs else np.zeros(0, np.int64),
-            n_bow=np.concatenate([parts[i].n_bow[picks[i]] for i in used]) if used else np.zeros(0, np.int64),
+            n_bow=np.concatenate([flat[i].n_bow[picks[i]] for i in used]) if used else np.zeros(0, np.int64),
             buffers=buffers,
             buffer_of=np.repeat(np.arange(len(used), dtype=np.int64), [len(d) for d in docs]),
-            starts=np.concatenate([np.asarray(parts[i].done[1], dtype=np.int64)[picks[i]] for i in used])  # type: ignore[index]
+            starts=np.concatenate([np.asarray(flat[i].done[1], dtype=np.int64)[picks[i]] for i in used])  # type: ignore[index]
             if used else np.zeros(0, np.int64),
-            bytes_read=sum(int(p.done[2]) for p in parts if p.done is not None),
-            ios=sum(int(p.done[3]) for p in parts if p.done is not None),
+            bytes_read=sum(int(p.done[2]) for p in flat if p.done is not None),
+            ios=sum(int(p.done[3]) for p in flat if p.done is not None),
             _parts=parts)
     except BaseException:
         for part in parts:

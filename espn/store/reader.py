@@ -23,7 +23,7 @@ import torch
 from ..errors import IndexCorruptError, InvalidParameterError
 from .engines.errors import StoreClosedError
 from .format import RECORD_DTYPE, StoreLayout, record_nbytes
-from .pending import DeferredFetch, Fetch, PendingRead
+from .pending import DeferredFetch, Fetch, FetchPart, PendingRead
 from .records import Buffer, ReadBatch
 
 __all__ = ["Reader"]
@@ -71,6 +71,8 @@ class Reader(abc.ABC):
         self.layout = layout
         self.device = torch.device(device)
         self.closed = False
+        #: How the index's RAM was split for this reader (`espn.store.ram_plan.RamPlan.to_json`), if it was.
+        self.ram_plan: dict[str, Any] | None = None
         if not self.path.is_file():
             raise IndexCorruptError(f"embedding file {self.path} does not exist")
         self.file_size = self.path.stat().st_size
@@ -115,8 +117,11 @@ class Reader(abc.ABC):
         return self.name
 
     def describe(self) -> dict[str, Any]:
-        """What `/readyz` and the stats report about this reader."""
-        return {"reader": self.name, "engine": self.engine, "device": str(self.device)}
+        """What `/readyz` and the stats report about this reader (and the RAM plan it was opened with)."""
+        out: dict[str, Any] = {"reader": self.name, "engine": self.engine, "device": str(self.device)}
+        if self.ram_plan is not None:
+            out["ram"] = self.ram_plan
+        return out
 
     def close(self) -> None:
         """Release files, threads and buffers; idempotent."""
@@ -167,9 +172,19 @@ class Reader(abc.ABC):
         """
         return PendingRead(self).submit(doc_numbers)
 
+    def start_fetches(self, doc_numbers: np.ndarray) -> list[FetchPart]:
+        """Validate, look up the records and start fetching them: what `PendingRead.submit`
+        calls (use `submit` or `read` instead). One part here; a reader whose documents come
+        from several places (a record cache's hits and misses) returns one part for each."""
+        return [FetchPart(*self.start_fetch(doc_numbers))]
+
+    def forget(self, doc_numbers: np.ndarray) -> None:
+        """The documents `doc_numbers` were deleted or replaced: nothing to do for a reader that
+        keeps no record; a cache drops theirs."""
+
     def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
-        """Validate, look up the records and start their fetch: (docs, n_bow, fetch or None).
-        What `PendingRead.submit` calls; use `submit` or `read` instead."""
+        """Validate, look up the records and start their fetch from storage: (docs, n_bow, fetch
+        or None). The one part of `start_fetches`."""
         self.ensure_open()
         docs = self._validate(doc_numbers)
         lay = self.layout

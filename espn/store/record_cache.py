@@ -1,159 +1,204 @@
-"""An optional hot-record cache in front of a reader, within an explicit RAM budget.
+"""The record cache: the records most asked for kept in RAM in front of the posix reader, one
+copy shared by the workers of a server.
 
 Query streams are skewed: a few documents are candidates for many queries. `CachedReader`
-keeps the records of the frequently asked-for documents in RAM and reads only the others
-from the wrapped reader, so the SSD serves the long tail and RAM the head.
+serves the records it holds from RAM and reads only the others from storage, then offers
+those to the cache. Storage is `espn.store.cache_slabs` (every record has a size class: no
+length is too long to cache) in a segment of `espn.store.cache_segment` (private, or shared
+through /dev/shm by every process given the same `share` key); which records stay is
+`espn.store.cache_policy` (TinyLFU admission by default, chosen by measurement).
 
-Storage is numpy only: one preallocated arena of `budget_bytes // slot_bytes` fixed-size
-slots, a doc -> slot map ([N] int32, -1: not cached) and a slot -> doc map. The slot size is
-a high percentile of the record lengths (`SLOT_PERCENTILE`), so most records fit one slot;
-longer ones are never cached (they are read, as before). No Python object per record.
-
-Admission is by frequency (TinyLFU): a count-min sketch (`FrequencySketch`) counts every
-document asked for, halving its counters every `10 x width` additions so old popularity
-fades. A record that was read from storage enters a free slot if there is one; otherwise
-it replaces a sampled resident only when it has been asked for more often than that
-resident. One scan over many cold documents therefore leaves the hot set in place.
-
-Reads are exact: hits are copied out of the arena under the cache's lock (an admission
-cannot overwrite a slot being copied), misses go to the wrapped reader in one submission,
-and the two are laid into one buffer that the base class parses like any other.
+A request splits into two parts (`Reader.start_fetches`): the hits, read where they lie in
+the segment, as the memory reader reads its array (no copy; the read is registered in the
+segment's table of reads in flight until its records are scored, and no slot a read may be
+reading is overwritten meanwhile), and the misses, read by the wrapped reader in one
+submission and offered to the cache when they complete. A read that fails offers nothing. Each slot remembers the file offset of its record and a hit must match it, and a
+live index's deleted or replaced documents are dropped (`forget`): the cache never answers
+for a record other than the one the current records table names.
 """
 
 from __future__ import annotations
 
-import threading
+import hashlib
+import logging
+import mmap
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidParameterError
-from .pending import Fetch, PendingRead
-from .reader import Reader
+from .cache_policy import DEFAULT_POLICY, POLICIES
+from .cache_segment import CacheSegment, check_share_key, open_segment, segment_lock
+from .cache_slabs import SlabStore, plan_slabs
 from .engines.errors import StoreClosedError
+from .pending import Fetch, FetchPart
+from .reader import Reader
 
-__all__ = ["FrequencySketch", "CachedReader", "SLOT_PERCENTILE", "with_record_cache"]
+__all__ = ["CachedReader", "RecordCache", "with_record_cache", "segment_documents", "CACHEABLE", "WARM_CHUNK_BYTES"]
 
-#: Slot size = this percentile of the record lengths (rounded up to 64 bytes).
-SLOT_PERCENTILE = 95.0
+logger = logging.getLogger(__name__)
+
 #: Readers the cache may front: those that read each request from storage into a buffer of
 #: their own (memory already holds everything; mmap's page cache is a cache of its own).
 CACHEABLE = ("posix",)
-#: Residents sampled per admission candidate when the arena is full.
-VICTIM_SAMPLES = 4
+#: Bytes read per submission while a new cache is filled from the file (`CachedReader.warm`).
+WARM_CHUNK_BYTES = 32 << 20
+#: A cached reader counts as waiting on storage (prefetch waves may pay) while more than this
+#: share of the records asked for are misses, as a running mean with MISS_SHARE_WEIGHT per request.
+IO_BOUND_MISSES = 0.02
+MISS_SHARE_WEIGHT = 0.1
 _MiB = 1 << 20
 
 
-class FrequencySketch:
-    """Count-min sketch of how often each key (doc number) was asked for, with aging.
+class RecordCache:
+    """A slab store in a memory segment, each operation under the segment's lock."""
 
-    depth rows of `width` uint16 counters (width a power of two); estimate = the minimum
-    over the rows. Every `10 x width` additions all counters are halved (TinyLFU's reset),
-    which bounds them well below 2^16 and lets the estimate follow a changing stream.
-    """
+    def __init__(self, segment: CacheSegment) -> None:
+        self.segment = segment
+        self.store = SlabStore(segment.buffer)
+        #: The whole segment as bytes: what hits are read from (`lookup`'s starts index it).
+        self.arena = np.frombuffer(segment.buffer, dtype=np.uint8)
+        self._pid = os.getpid()
 
-    def __init__(self, width: int, depth: int = 4, seed: int = 0) -> None:
-        if width < 16:
-            raise InvalidParameterError(f"width must be >= 16, got {width}")
-        self.width = 1 << (int(width) - 1).bit_length()
-        self._shift = np.uint64(64 - self.width.bit_length() + 1)
-        rng = np.random.default_rng(seed)
-        # Odd multipliers: multiply-shift hashing of 64-bit keys.
-        self._mul = rng.integers(1, 2**63, size=depth, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-        self._table = np.zeros((depth, self.width), dtype=np.uint16)
-        self._rows = np.arange(depth)[:, None]
-        self._added = 0
-        self.sample_size = 10 * self.width
+    @classmethod
+    def open(cls, path: Path, records: Any, budget_bytes: int, share: str | None = None,
+             policy: str = DEFAULT_POLICY) -> "RecordCache":
+        """The cache of the file at `path` (whose records table is `records`) within `budget_bytes`,
+        shared with every process that gives the same `share` key, or private without one."""
+        lengths = np.asarray(_all_rows(records)["length"], dtype=np.int64)
+        plan = plan_slabs(lengths, budget_bytes, len(records), policy)
+        size = plan.regions()["size"][0]
+        info = path.stat()
+        identity = hashlib.sha1(f"{path.resolve()}|{info.st_dev}|{info.st_ino}|{budget_bytes}|{policy}".encode())
+        segment = open_segment(size, share, identity.hexdigest()[:20], lambda buffer: SlabStore.initialise(buffer, plan),
+                               SlabStore.is_initialised)
+        try:
+            return cls(segment)
+        except BaseException:
+            segment.close()
+            raise
 
     @property
-    def nbytes(self) -> int:
-        return int(self._table.nbytes)
+    def created(self) -> bool:
+        """Whether this process made the segment (and so may fill it from the file)."""
+        return self.segment.created
 
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
-        """[depth, n] counter index of each key in each row."""
-        k = np.asarray(keys, dtype=np.int64).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            return ((k[None, :] * self._mul[:, None]) >> self._shift).astype(np.int64)
+    def lookup(self, docs: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(hit mask, starts, read): which of `docs` (records at `offsets`) are held and where each hit's record starts in
+        `arena` ([hits] int64). The hits stay as they are until `end_read(read)`; -1: no hit."""
+        with self.segment.lock():
+            self.store.recover()
+            read, tick = self.store.begin_read(self._pid)
+            if read < 0:  # every row of the table of reads in flight is taken: read from storage
+                return np.zeros(len(docs), dtype=bool), np.zeros(0, dtype=np.int64), -1
+            slots = self.store.lookup(docs, offsets, tick)
+            hit = slots >= 0
+            if not hit.any():
+                self.store.end_read(read)
+                return hit, np.zeros(0, dtype=np.int64), -1
+        return hit, self.store.slot_starts(slots[hit]), read
 
-    def add(self, keys: np.ndarray) -> None:
-        """Count one more request of each of `keys` ([n] int; repeats count each time)."""
-        if len(keys) == 0:
+    def end_read(self, read: int) -> None:
+        """The records of `read` (a `lookup`) are no longer read: their slots may change."""
+        if read >= 0:
+            with self.segment.lock():
+                self.store.end_read(read)
+
+    def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
+              starts: np.ndarray) -> None:
+        """Offer records just read (doc i's record at `starts[i]` of `buffer`); duplicates allowed."""
+        if not len(docs):
             return
-        slots = self._slots(keys)
-        for row in range(len(slots)):  # one vectorised add per row (depth rows, not per key)
-            np.add.at(self._table[row], slots[row], 1)
-        self._added += len(keys)
-        if self._added >= self.sample_size:
-            self._table >>= 1
-            self._added //= 2
+        docs, first = np.unique(docs, return_index=True)
+        with self.segment.lock():
+            self.store.recover()
+            self.store.admit(docs, offsets[first], lengths[first], buffer, starts[first])
 
-    def estimate(self, keys: np.ndarray) -> np.ndarray:
-        """[n] int64 estimated request counts (never below the true count since the last reset)."""
-        if len(keys) == 0:
-            return np.zeros(0, dtype=np.int64)
-        return self._table[self._rows, self._slots(keys)].min(axis=0).astype(np.int64)
+    def forget(self, docs: np.ndarray) -> int:
+        with self.segment.lock():
+            self.store.recover()
+            return self.store.forget(docs)
+
+    def free_slots(self) -> np.ndarray:
+        """[k] free slots per size class."""
+        with self.segment.lock():
+            return self.store.free_count.copy()
+
+    def cached_documents(self) -> np.ndarray:
+        """Sorted doc numbers of every record the cache holds."""
+        with self.segment.lock():
+            self.store.recover()
+            return self.store.cached_documents()
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters (every process's, for a shared segment), its size and where it lives."""
+        with self.segment.lock():
+            out = self.store.stats()
+            out["reads_in_flight"] = int((self.store.reads[:, 0] != 0).sum())
+        out.update(segment_bytes=self.segment.size, shared=self.segment.shared,
+                   segment=None if self.segment.path is None else str(self.segment.path))
+        return out
+
+    def close(self) -> None:
+        self.segment.close()
 
 
-class _CachedFetch(Fetch):
-    """Hits already copied out of the arena, plus the misses' read in flight."""
+def _all_rows(records: Any) -> np.ndarray:
+    """Every row of a records table (an array, a memmap or a live index's RecordTable)."""
+    return records if isinstance(records, np.ndarray) else records[np.arange(len(records))]
 
-    def __init__(self, cache: "CachedReader", docs: np.ndarray, n_bow: np.ndarray, lengths: np.ndarray,
-                 hit: np.ndarray, hit_rows: np.ndarray, misses: PendingRead | None) -> None:
-        self._cache = cache
-        self._docs, self._n_bow, self._lengths = docs, n_bow, lengths
-        self._hit, self._hit_rows = hit, hit_rows
-        self._misses = misses
+
+class _ArenaFetch(Fetch):
+    """A cache's hits, read where they lie in its segment (until `release` ends the read)."""
+
+    def __init__(self, cache: RecordCache, read: int, starts: np.ndarray) -> None:
+        self._cache, self._read = cache, read
+        self._done = (cache.arena, starts, 0, 0)
 
     def complete(self) -> tuple[np.ndarray, np.ndarray, int, int]:
-        cache, hit = self._cache, self._hit
-        slot_bytes = cache.slot_bytes
-        starts = np.zeros(len(self._docs), dtype=np.int64)
-        starts[hit] = np.arange(int(hit.sum()), dtype=np.int64) * slot_bytes
-        head = len(self._hit_rows) * slot_bytes
-        if self._misses is None:
-            return self._hit_rows.reshape(-1), starts, 0, 0
-        pending, self._misses = self._misses, None
-        with pending.records() as batch:
-            miss = np.flatnonzero(~hit)
-            ends = batch.starts + _lengths_of(batch.docs, self._docs[miss], self._lengths[miss])
-            # Lay each read buffer's used span after the hits: one copy per buffer, none per record.
-            spans = [int(ends[batch.buffer_of == b].max(initial=0)) for b in range(len(batch.buffers))]
-            bases = head + np.concatenate([[0], np.cumsum(spans)[:-1]]).astype(np.int64)
-            out = np.empty(head + sum(spans) + slot_bytes, dtype=np.uint8)  # + a slot: admission windows
-            out[:head] = self._hit_rows.reshape(-1)
-            for b, (buffer, span) in enumerate(zip(batch.buffers, spans)):
-                out[int(bases[b]): int(bases[b]) + span] = np.asarray(buffer)[:span]
-            rows = batch.rows_of(self._docs[miss])
-            starts[miss] = bases[batch.buffer_of[rows]] + batch.starts[rows]
-            read_bytes, ios = batch.bytes_read, batch.ios
-        cache.admit(self._docs[miss], self._lengths[miss], out, starts[miss])
-        return out, starts, read_bytes, ios
+        return self._done
 
     def release(self) -> None:
-        pending, self._misses = self._misses, None
-        if pending is not None:  # abandoned before completion: the reads must drain first
-            pending.discard()
+        read, self._read = self._read, -1
+        self._cache.end_read(read)
 
 
-def _lengths_of(rows: np.ndarray, docs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[len(rows)] the length of each of the doc numbers `rows`, all among `docs` ([n], with `lengths`)."""
-    order = np.argsort(docs, kind="stable")
-    return lengths[order[np.searchsorted(docs[order], rows)]]
+class _AdmittingFetch(Fetch):
+    """The wrapped reader's fetch of the misses; what it brings is offered to the cache."""
+
+    def __init__(self, inner: Fetch, cache: RecordCache, docs: np.ndarray, offsets: np.ndarray,
+                 lengths: np.ndarray) -> None:
+        self._inner, self._cache = inner, cache
+        self._docs, self._offsets, self._lengths = docs, offsets, lengths
+
+    def complete(self) -> tuple[Any, np.ndarray, int, int]:
+        done = self._inner.complete()  # a failed read raises here: nothing is offered
+        buffer, starts = done[0], np.asarray(done[1], dtype=np.int64)
+        self._cache.admit(self._docs, self._offsets, self._lengths, np.asarray(buffer), starts)
+        return done
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def cancel(self) -> None:
+        self._inner.cancel()
 
 
 class CachedReader(Reader):
-    """A reader whose frequently asked-for records are served from an arena in RAM.
+    """The posix reader with the records most asked for served from RAM.
 
-    inner: the reader of the storage (posix, kvikio, mmap); budget_bytes: the arena's size
-    (the doc -> slot map and the sketch come on top: 4 bytes per document and 8 per slot).
-    Host buffers only: the cache is for the CPU path.
+    inner: the reader of the storage (posix, on the CPU); budget_bytes: all the RAM the cache
+    may hold (arena and tables); share: processes giving the same key (the workers of one
+    server) share one copy; policy: a name of `espn.store.cache_policy.POLICIES`.
     """
 
     name = "posix"  # what it fronts (CACHEABLE): stats and metrics name the reader that reads
-    io_bound = True
     follows_appends = True
 
-    def __init__(self, inner: Reader, budget_bytes: int) -> None:
+    def __init__(self, inner: Reader, budget_bytes: int, share: str | None = None,
+                 policy: str = DEFAULT_POLICY) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise InvalidParameterError(f"record_cache_mb must be a positive number, got {budget_bytes / _MiB!r}")
         if inner.name not in CACHEABLE or inner.device.type != "cpu":
@@ -162,20 +207,17 @@ class CachedReader(Reader):
                 f"the CPU), not the {inner.name} reader on {inner.device}")
         super().__init__(inner.path, inner.records, inner.layout, inner.device)
         self.inner = inner
-        self.slot_bytes = _slot_bytes(inner.records)
-        n_slots = int(budget_bytes) // self.slot_bytes
-        if n_slots < 1:
-            raise InvalidParameterError(f"record_cache_mb={budget_bytes / _MiB:g} holds no record of "
-                                        f"{self.slot_bytes} bytes; give at least {self.slot_bytes / _MiB:.3f}")
         self.budget_bytes = int(budget_bytes)
-        self._arena = np.empty((n_slots, self.slot_bytes), dtype=np.uint8)
-        self._slot_of = np.full(len(inner.records), -1, dtype=np.int32)
-        self._doc_of = np.full(n_slots, -1, dtype=np.int64)
-        self._used = 0  # slots filled so far (they fill in order, then are replaced)
-        self._sketch = FrequencySketch(max(1024, 8 * n_slots))
-        self._rng = np.random.default_rng(0)
-        self._lock = threading.Lock()
-        self._requests = self._hits = self._admitted = self._evicted = 0
+        self.cache = RecordCache.open(inner.path, inner.records, self.budget_bytes, share, policy)
+        self._requests = self._hits = 0
+        self._miss_share = 1.0  # running mean over requests (the first sets it): what `io_bound` reads
+
+    @property
+    def io_bound(self) -> bool:  # type: ignore[override]  # a class constant in the readers that know it
+        """Whether a search should expect to wait on storage: while more than IO_BOUND_MISSES of
+        the records asked for lately were misses. A cache that holds what is asked for is read
+        like the memory reader, without prefetch waves (which would only add work)."""
+        return self._miss_share > IO_BOUND_MISSES
 
     @property
     def engine(self) -> str:
@@ -183,116 +225,152 @@ class CachedReader(Reader):
 
     @property
     def nbytes(self) -> int:
-        """RAM the cache holds: arena, maps and sketch."""
-        return int(self._arena.nbytes + self._slot_of.nbytes + self._doc_of.nbytes + self._sketch.nbytes)
+        """RAM the cache holds at most: its arena and tables (`SlabPlan.nbytes`)."""
+        return self.cache.store.plan.nbytes
 
     def stats(self) -> dict[str, Any]:
-        """Requests, hits, hit rate, admissions and evictions since open; slots and bytes held."""
-        with self._lock:
-            requests, hits = self._requests, self._hits
-            return {"requests": requests, "hits": hits, "hit_rate": hits / requests if requests else 0.0,
-                    "admitted": self._admitted, "evicted": self._evicted, "slots": len(self._doc_of),
-                    "slots_used": self._used, "slot_bytes": self.slot_bytes, "budget_bytes": self.budget_bytes,
-                    "bytes": self.nbytes}
+        """This process's requests, hits and hit rate; the cache's own counters and size."""
+        requests, hits = self._requests, self._hits
+        return {"requests": requests, "hits": hits, "hit_rate": hits / requests if requests else 0.0,
+                "budget_bytes": self.budget_bytes, **{f"cache_{k}" if k in ("requests", "hits") else k: v
+                                                     for k, v in self.cache.stats().items()}}
 
     def describe(self) -> dict[str, Any]:
-        return {**self.inner.describe(), "record_cache": self.stats()}
+        out = self.inner.describe()
+        if self.ram_plan is not None:
+            out["ram"] = self.ram_plan
+        return {**out, "record_cache": self.stats()}
+
+    def cached_documents(self) -> np.ndarray:
+        """Sorted doc numbers whose records the cache holds now."""
+        return self.cache.cached_documents()
 
     def extend_records(self, records: np.ndarray) -> bool:
         if records is self.records:
             return True
         if not self.inner.extend_records(records):
             return False
-        with self._lock:  # rows of older doc numbers are unchanged: their cached records stay valid
-            grown = np.full(len(records), -1, dtype=np.int32)
-            grown[: len(self._slot_of)] = self._slot_of
-            self._slot_of = grown
-            self.records, self.file_size = records, self.inner.file_size
+        self.records, self.file_size = records, self.inner.file_size  # older rows, and their slots, are unchanged
         return True
+
+    def forget(self, doc_numbers: np.ndarray) -> None:
+        if len(doc_numbers):
+            self.cache.forget(np.asarray(doc_numbers, dtype=np.int64))
 
     def close(self) -> None:
         if self.closed:
             return
         super().close()
         self.inner.close()
+        self.cache.close()
 
-    def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
+    def start_fetches(self, doc_numbers: np.ndarray) -> list[FetchPart]:
         if self.closed:
             raise StoreClosedError(f"the {self.name} reader of {self.path} is closed")
         docs = self._validate(doc_numbers)
         if len(docs) == 0:
-            return docs, np.zeros(0, dtype=np.int64), None
+            return [FetchPart(docs, np.zeros(0, dtype=np.int64), None)]
         rows = self.records[docs]
-        n_bow = np.asarray(rows["n_bow"], dtype=np.int64)
+        offsets = np.asarray(rows["offset"], dtype=np.int64)
         lengths = np.asarray(rows["length"], dtype=np.int64)
-        with self._lock:
-            self._sketch.add(docs)
-            slots = self._slot_of[docs]
-            hit = slots >= 0
-            hit_rows = self._arena[slots[hit]]  # a copy, taken before any admission can reuse the slot
-            self._requests += len(docs)
-            self._hits += int(hit.sum())
-        misses = None if hit.all() else self.inner.submit(docs[~hit])
-        return docs, n_bow, _CachedFetch(self, docs, n_bow, lengths, hit, hit_rows, misses)
+        n_bow = np.asarray(rows["n_bow"], dtype=np.int64)
+        hit, starts, read = self.cache.lookup(docs, offsets)
+        n_hits = int(hit.sum())
+        self._requests += len(docs)
+        self._hits += n_hits
+        missed = (len(docs) - n_hits) / len(docs)
+        self._miss_share = missed if self._requests == len(docs) else \
+            self._miss_share + MISS_SHARE_WEIGHT * (missed - self._miss_share)
+        if read < 0:
+            return [self._misses(docs, offsets, lengths, None)]
+        parts = [FetchPart(docs[hit], n_bow[hit], _ArenaFetch(self.cache, read, starts), np.flatnonzero(hit))]
+        if n_hits < len(docs):
+            parts.append(self._misses(docs, offsets, lengths, ~hit))
+        return parts
 
-    def admit(self, docs: np.ndarray, lengths: np.ndarray, buffer: np.ndarray, starts: np.ndarray) -> None:
-        """Offer records just read (at `starts` in `buffer`, which has a slot of room past its end)."""
-        fits = lengths <= self.slot_bytes
-        docs, starts = docs[fits], starts[fits]
-        if len(docs) == 0:
-            return
-        docs, first = np.unique(docs, return_index=True)
-        starts = starts[first]
-        windows = np.lib.stride_tricks.sliding_window_view(buffer, self.slot_bytes)
-        with self._lock:
-            fresh = self._slot_of[docs] < 0  # another search may have admitted it meanwhile
-            docs, starts = docs[fresh], starts[fresh]
-            free = min(len(docs), len(self._doc_of) - self._used)
-            self._place(docs[:free], starts[:free], np.arange(self._used, self._used + free, dtype=np.int64), windows)
-            self._used += free
-            if free < len(docs):  # the arena is full: the rest compete with residents
-                enter, victims = self._victims(docs[free:])
-                self._slot_of[self._doc_of[victims]] = -1
-                self._evicted += len(victims)
-                self._place(docs[free:][enter], starts[free:][enter], victims, windows)
+    def start_fetch(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, Fetch | None]:
+        """Read every record of `doc_numbers` from storage, without looking in the cache (what it
+        reads is offered to it); `start_fetches` is the cached path."""
+        part = self._misses(*self._rows(doc_numbers), None)
+        return part.docs, part.n_bow, part.fetch
 
-    def _place(self, docs: np.ndarray, starts: np.ndarray, slots: np.ndarray, windows: np.ndarray) -> None:
-        """Copy records (windows of the read buffer at `starts`) into `slots`; under the lock."""
-        if len(slots):
-            self._arena[slots] = windows[starts]
-            self._slot_of[docs] = slots
-            self._doc_of[slots] = docs
-            self._admitted += len(slots)
+    def _rows(self, doc_numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        docs = self._validate(doc_numbers)
+        rows = self.records[docs]
+        return docs, np.asarray(rows["offset"], dtype=np.int64), np.asarray(rows["length"], dtype=np.int64)
 
-    def _victims(self, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For a full arena: (which candidates enter, the slots they take). Each candidate is
-        paired with one of the least frequent sampled residents and enters only if it was asked
-        for more often (the TinyLFU rule)."""
-        freq = self._sketch.estimate(candidates)
-        sample = np.unique(self._rng.integers(0, len(self._doc_of), size=VICTIM_SAMPLES * len(candidates)))
-        resident = self._sketch.estimate(self._doc_of[sample])
-        by_candidate = np.argsort(-freq, kind="stable")
-        by_resident = np.argsort(resident, kind="stable")
-        m = min(len(candidates), len(sample))
-        wins = freq[by_candidate[:m]] > resident[by_resident[:m]]
-        return by_candidate[:m][wins], sample[by_resident[:m]][wins]
+    def _misses(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, miss: np.ndarray | None) -> FetchPart:
+        """The part read from storage: the documents of `miss` (None: all), offered to the cache."""
+        wanted = docs if miss is None else docs[miss]
+        got_docs, n_bow, fetch = self.inner.start_fetch(wanted)
+        if fetch is not None:
+            fetch = _AdmittingFetch(fetch, self.cache, wanted, offsets if miss is None else offsets[miss],
+                                    lengths if miss is None else lengths[miss])
+        return FetchPart(got_docs, n_bow, fetch, None if miss is None else np.flatnonzero(miss))
 
-
-def _slot_bytes(records: Any) -> int:
-    """SLOT_PERCENTILE of the record lengths (of a sample of up to 2^16 rows), rounded up to
-    64 bytes (at least 64). records: RECORD_DTYPE rows, or a table indexed like them."""
-    if len(records) == 0:
-        return 64
-    sample = np.random.default_rng(0).integers(0, len(records), size=min(len(records), 1 << 16))
-    lengths = np.asarray(records[np.sort(sample)]["length"], dtype=np.int64)
-    size = int(np.percentile(lengths, SLOT_PERCENTILE, method="higher"))
-    return max(64, -(-size // 64) * 64)
+    def warm(self, limit_bytes: int | None = None) -> int:
+        """Fill the free slots from the file, in file order, each class with the first records of
+        its size, reading at most `limit_bytes` (None: until the cache or the table is full).
+        A budget that covers the table thus starts with every record. Returns the records admitted."""
+        rows = _all_rows(self.records)
+        offsets = np.asarray(rows["offset"], dtype=np.int64)
+        lengths = np.asarray(rows["length"], dtype=np.int64)
+        chosen = _first_of_each_class(self.cache, offsets, lengths)
+        if limit_bytes is not None:
+            chosen = chosen[np.cumsum(lengths[chosen]) <= limit_bytes]
+        chunk_of = np.cumsum(lengths[chosen]) // WARM_CHUNK_BYTES
+        for docs in np.split(chosen, np.flatnonzero(np.diff(chunk_of)) + 1):
+            if self.closed or not len(docs):
+                break
+            with self.inner.submit(docs).records() as batch:
+                for b, buffer in enumerate(batch.buffers):
+                    mine = np.flatnonzero(batch.buffer_of == b)
+                    got = batch.docs[mine]
+                    self.cache.admit(got, offsets[got], lengths[got], np.asarray(buffer), batch.starts[mine])
+        logger.info("record cache of %s warmed with %d records", self.path, len(chosen))
+        return len(chosen)
 
 
-def with_record_cache(reader: Reader, record_cache_mb: float | None) -> Reader:
-    """`reader` behind a CachedReader of `record_cache_mb` MiB; 0 or None: the reader itself."""
+def _first_of_each_class(cache: RecordCache, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Doc numbers, in file order, of the first records of each size class, as many as it has free slots."""
+    free = cache.free_slots()
+    cls = cache.store.class_of(lengths)
+    order = np.argsort(offsets, kind="stable")
+    order = order[(cls[order] < len(free)) & (lengths[order] > 0)]
+    by_class = np.argsort(cls[order], kind="stable")
+    group_start = np.searchsorted(cls[order][by_class], cls[order][by_class], side="left")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[by_class] = np.arange(len(order)) - group_start
+    return order[rank < free[cls[order]]]
+
+
+def with_record_cache(reader: Reader, record_cache_mb: float | None, share: str | None = None,
+                      policy: str = DEFAULT_POLICY, warm: bool = False) -> Reader:
+    """`reader` behind a CachedReader of `record_cache_mb` MiB (0 or None: the reader itself),
+    shared under `share`, filled from the file first with `warm` (by the process that made it)."""
     if record_cache_mb is None or record_cache_mb == 0:
         return reader
     if isinstance(record_cache_mb, bool) or not isinstance(record_cache_mb, (int, float)) or record_cache_mb < 0:
         raise InvalidParameterError(f"record_cache_mb must be a number >= 0, got {record_cache_mb!r}")
-    return CachedReader(reader, int(record_cache_mb * _MiB))
+    if share is not None:
+        check_share_key(share)
+    if policy not in POLICIES:
+        raise InvalidParameterError(f"record_cache_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    cached = CachedReader(reader, int(record_cache_mb * _MiB), share, policy)
+    if warm and cached.cache.created:
+        try:
+            cached.warm()
+        except BaseException:
+            cached.close()
+            raise
+    return cached
+
+
+def segment_documents(path: Path) -> np.ndarray:
+    """Sorted doc numbers whose records the shared segment at `path` holds, read under its lock
+    without attaching to it: how a test (or an operator) sees what the workers of a server cache."""
+    with segment_lock(path), open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+        store = SlabStore(buffer)
+        documents = store.cached_documents()
+        del store  # its views of the mapping go before the mapping does
+    return documents
