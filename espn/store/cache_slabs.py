@@ -182,7 +182,7 @@ class SlabStore:
         self.base = np.concatenate([[0], np.cumsum(self.plan.slots)]).astype(np.int64)
         self.arenas = [view(f"arena{c}", np.uint8).reshape(int(n), int(s))
                        for c, (s, n) in enumerate(zip(self.plan.slot_bytes, self.plan.slots))]
-        self._rng = np.random.default_rng()
+        self._rng = np.random.default_rng(0)  # victims are sampled, not secret: the same choices each run
 
     @staticmethod
     def initialise(buffer: mmap.mmap, plan: SlabPlan) -> None:
