@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .choices import READER_NAMES
+from .choices import DEFAULT_LEASE_S, MAX_LEASE_S, MIN_LEASE_S, READER_NAMES
 from .files import is_index_directory, resident_bytes
 from .ids import MAX_ID_BYTES, decode_doc_id, id_problem
 from .params import (DEFAULT_RERANK_COUNT, MAX_CANDIDATES, MAX_K, MAX_PREFETCH_K, MAX_PROBE, MAX_RERANK,
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .live.commit import GroupCommit, lower_priority
     from .live.compaction import CompactionPolicy, CompactionRunningError
     from .live.live_index import LiveIndex
+    from .live.replication.fenced import FencedWriter
     from .live.replication.follower import Follower
     from .live.replication.publisher import Publisher
     from .live.replication.restore import restore_from_store
@@ -81,7 +82,8 @@ __all__ = [
     # snapshots
     "snapshot", "default_name", "snapshots_in", "remove_snapshot_leftovers",
     # replication and partitions
-    "Follower", "Publisher", "restore_from_store", "PartitionLayout", "WrongPartitionError", "HASH_NAME", "owner",
+    "Follower", "Publisher", "FencedWriter", "restore_from_store", "PartitionLayout", "WrongPartitionError",
+    "HASH_NAME", "owner", "DEFAULT_LEASE_S", "MIN_LEASE_S", "MAX_LEASE_S",
     # the command line the server joins (`python -m espn_server`, the generated reference pages)
     "CliParser", "build_parser",
 ]
@@ -102,6 +104,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("CompactionPolicy", "CompactionRunningError"), "espn.live.compaction"),
     "LiveIndex": "espn.live.live_index",
     "Follower": "espn.live.replication.follower",
+    "FencedWriter": "espn.live.replication.fenced",
     "Publisher": "espn.live.replication.publisher",
     "restore_from_store": "espn.live.replication.restore",
     **dict.fromkeys(("create_empty_index", "live_documents", "remove_index"), "espn.live.create"),

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import socket
 import time
 from typing import Any, AsyncIterator
 
@@ -18,7 +19,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from espn.errors import EspnError
-from espn.service import Follower, Publisher, remove_snapshot_leftovers
+from espn.service import FencedWriter, Follower, remove_snapshot_leftovers
 
 from . import connections
 from .deps import AppState, declare_api_key, get_writes
@@ -98,8 +99,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     if settings.follow is not None:
         state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
     if settings.publish is not None:
-        state.publisher = Publisher(settings.publish, settings.index, settings.publish_interval_s,
-                                    settings.publish_keep).start()
+        state.publisher = FencedWriter(settings.publish, settings.index, settings.publish_interval_s,
+                                       settings.publish_keep, name=settings.writer_name or socket.gethostname(),
+                                       advertise_url=settings.advertise_url or "", lease_s=settings.writer_lease_s,
+                                       wait_s=settings.write_wait_s).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     registry.start(settings.index_idle_close_s)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from espn.service import Follower, Publisher
+from espn.service import FencedWriter, Follower
 
 from .errors import ApiError, ServiceUnavailableError
 from .metrics import ServerMetrics
@@ -42,7 +42,7 @@ class AppState:
     read_only: bool = False
     writes: Optional[WriteService] = None  # made at the first write (get_writes)
     follower: Optional[Follower] = None  # --follow: fetches what the writer publishes to object storage
-    publisher: Optional[Publisher] = None  # --publish: uploads each generation to object storage
+    publisher: Optional[FencedWriter] = None  # --publish: the partition's writer while it holds the lease
     name: str = "default"  # the index's name (/v1/indexes/{name}/...)
     lazy: bool = False  # opens at its first request and closes when idle (every index but the default)
     indexes: Optional["IndexRegistry"] = None  # the default index's state: every index the app holds
@@ -106,7 +106,7 @@ def get_writes(state: AppState) -> WriteService:
                        "on a read-only mount); writes are refused", code="read_only")
     with _writes_lock:
         if state.writes is None:
-            state.writes = WriteService(state.settings, live)
+            state.writes = WriteService(state.settings, live, fence=state.publisher)
         return state.writes
 
 

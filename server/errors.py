@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, IndexCorruptError, IndexLockedError,
-                         InvalidParameterError, ReadOnlyIndexError, StorageFullError, WriteFailedError)
+                         InvalidParameterError, ReadOnlyIndexError, SlotsMovingError, StorageFullError,
+                         WriteFailedError, WriterStandbyError, WriterSupersededError)
 from espn.service import WrongPartitionError
 
 from .batching import BatcherClosedError, QueueFullError
@@ -206,6 +207,18 @@ async def _on_write_failed(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, "write_failed", str(exc), headers={"Retry-After": "2"})
 
 
+async def _on_writer_superseded(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "writer_superseded", str(exc), headers={"Retry-After": "1"})
+
+
+async def _on_writer_standby(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "writer_standby", str(exc), headers={"Retry-After": "1"})
+
+
+async def _on_slots_moving(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, "slots_moving", str(exc), headers={"Retry-After": "1"})
+
+
 async def _on_storage_full(request: Request, exc: Exception) -> JSONResponse:
     """The disk is full: 507 with the library's message (what was being written; nothing of it
     kept). Logged, since only the operator can free space."""
@@ -246,6 +259,9 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(CorpusError, _on_corpus_error)
     app.add_exception_handler(ReadOnlyIndexError, _on_read_only)
     app.add_exception_handler(WriteFailedError, _on_write_failed)
-    app.add_exception_handler(StorageFullError, _on_storage_full)  # a WriteFailedError: the closest handler wins
+    app.add_exception_handler(StorageFullError, _on_storage_full)
+    app.add_exception_handler(WriterSupersededError, _on_writer_superseded)
+    app.add_exception_handler(WriterStandbyError, _on_writer_standby)
+    app.add_exception_handler(SlotsMovingError, _on_slots_moving)  # a WriteFailedError: the closest handler wins
     app.add_exception_handler(IndexCorruptError, _on_index_corrupt)
     app.add_exception_handler(BatcherClosedError, _on_batcher_closed)

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from espn.service import READER_NAMES, is_index_directory
+from espn.service import DEFAULT_LEASE_S, MAX_LEASE_S, MIN_LEASE_S, READER_NAMES, is_index_directory
 
 from .index_names import default_index_path, resolve_indexes, split_entries
 from .index_settings import IndexSettings
@@ -145,6 +145,13 @@ class ServerSettings(IndexSettings, BaseSettings):
     publish_keep: Optional[int] = Field(None, ge=1, le=1_000_000,
                                         description="keep the newest N generations on object storage (and blobs "
                                                     "younger than an hour); unset: keep every generation")
+    writer_name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9._:@-]{1,100}$", description="--publish: this "
+                                       "writer's stable name in its partition's lease (a pod name); unset: the host name")
+    writer_lease_s: float = Field(DEFAULT_LEASE_S, ge=MIN_LEASE_S, le=MAX_LEASE_S, description="--publish: the writer "
+                                  "lease's length; a standby takes over from a writer that has not renewed it this long")
+    advertise_url: Optional[str] = Field(None, pattern=r"^https?://[^\s/]+$", description="the base URL others reach "
+                                         "this server at (http://POD_IP:8000), in a writer's lease or a follower's "
+                                         "replica registration, where `espn route --shard-map` finds it")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
@@ -238,6 +245,8 @@ class ServerSettings(IndexSettings, BaseSettings):
             raise ValueError("--publish (this server writes) and --follow (it copies a writer) exclude each other")
         if self.publish is not None and self.read_only:
             raise ValueError("--publish makes this server the writer: it cannot also be --read-only")
+        if self.publish is not None and self.workers > 1:  # the lease holder is the process that acknowledges
+            raise ValueError("--publish runs one worker (--workers 1); searches scale on followers (--follow)")
         return self
 
     @model_validator(mode="after")

@@ -15,11 +15,11 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from espn.errors import EspnError
-from espn.service import (CompactionPolicy, CompactionRunningError, GroupCommit, LiveIndex, LiveSearcher,
-                          MetadataLimits, NewDocument, WriteLimits, WriteResult, lower_priority)
+from espn.service import (CompactionPolicy, CompactionRunningError, FencedWriter, GroupCommit, LiveIndex,
+                          LiveSearcher, MetadataLimits, NewDocument, WriteLimits, WriteResult, lower_priority)
 
 from .settings import ServerSettings
 
@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 class WriteService:
     """Checks, queues and publishes writes (GroupCommit), and compacts past the policy's thresholds."""
 
-    def __init__(self, settings: ServerSettings, live: LiveSearcher) -> None:
+    def __init__(self, settings: ServerSettings, live: LiveSearcher, fence: Optional[FencedWriter] = None) -> None:
         self.settings = settings
+        self.fence = fence  # --publish: every generation goes to the store before it is acknowledged
         self.limits = WriteLimits(MetadataLimits(settings.max_metadata_fields, settings.max_metadata_bytes,
                                                  settings.max_index_fields))
         self.policy = CompactionPolicy(settings.compact_max_segments, settings.compact_merge_factor,
@@ -41,7 +42,8 @@ class WriteService:
         def serve_it(generation: int) -> None:  # this worker searches the new generation before it answers
             live.refresh()
 
-        self.committer = GroupCommit(LiveIndex(settings.index, limits=self.limits), wait_s=settings.write_wait_s,
+        self.committer = GroupCommit(LiveIndex(settings.index, limits=self.limits, fence=fence),
+                                     wait_s=settings.write_wait_s,
                                      nice=settings.write_nice, max_queued=settings.write_queue, on_publish=serve_it)
         self._lock = threading.Lock()  # guards the compaction thread and `_closed`
         self._compaction: threading.Thread | None = None
@@ -86,7 +88,7 @@ class WriteService:
 
     def _compact(self) -> None:
         lower_priority(self.settings.write_nice)  # the work before the swap takes what searches leave
-        compactor = LiveIndex(self.settings.index, limits=self.limits)
+        compactor = LiveIndex(self.settings.index, limits=self.limits, fence=self.fence)
         try:
             compactor.maintain(self.policy, wait_s=self.settings.write_wait_s, swap=self._swap)
         except CompactionRunningError:

@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Protocol, Sequence, TypeVar
 
 import faiss
 import numpy as np
@@ -60,11 +60,27 @@ from .side_index import SideIndex
 from .staging import collect_garbage, recover
 from .status import live_stats
 
-__all__ = ["IndexWriter"]
+__all__ = ["IndexWriter", "WriteFence", "FENCED_FILE"]
 
 log = logging.getLogger(__name__)
 
 W = TypeVar("W", bound="IndexWriter")
+
+#: live/FENCED: this index is published by a fenced writer (espn.live.replication.fenced); a
+#: writer without the fence refuses to write to it, since what it committed here would be on no store.
+FENCED_FILE = "FENCED"
+
+
+class WriteFence(Protocol):
+    """What stands between a writer and its acknowledgements when the index is published to
+    object storage under a lease (espn.live.replication.fenced.FencedWriter)."""
+
+    def admit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
+        """Raise if a write of these ids may not be taken now (not the writer; a slot owned elsewhere or moving)."""
+
+    def publish(self, root: Path, generation: Generation) -> Generation:
+        """Publish the generation (its files written, not yet committed here) to the store, under
+        the writer lock; returns it as published (renumbered if its number was taken)."""
 
 
 class IndexWriter:
@@ -74,11 +90,14 @@ class IndexWriter:
     `IndexWriter.open(root)` holds it until `close()` (use as a context manager). A second
     writer anywhere gets IndexLockedError (or waits up to `wait_s`). side_indexes: the
     indexes kept beside the vectors (none by default; espn.live.LiveIndex gives the index's own).
+    fence: with one, each generation is published to object storage before it is committed
+    here, and a write is admitted only while the fence allows (see WriteFence).
     """
 
     def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
-                 side_indexes: Sequence[SideIndex] = ()) -> None:
+                 side_indexes: Sequence[SideIndex] = (), fence: WriteFence | None = None) -> None:
         self.root = Path(root).absolute()
+        self.fence = fence
         # read_manifest: a clear error for a path that is no index
         manifest = read_manifest(self.root)
         self.partition = PartitionLayout.from_manifest(manifest)
@@ -211,9 +230,13 @@ class IndexWriter:
         return outcome
 
     def check(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteRequest:
-        """`check_write`, then that this partition owns every id (WrongPartitionError)."""
+        """`check_write`, then that this partition owns every id (WrongPartitionError) and, with a
+        fence, that this writer may take the write now."""
         request = check_write(upserts, deletes, self.limits)
-        self.partition.check_owned(request.upserts + request.deletes)
+        if self.fence is not None:
+            self.fence.admit(request.upserts + request.deletes, self.partition)
+        else:
+            self.partition.check_owned(request.upserts + request.deletes)
         return request
 
     def encode(self, documents: Sequence[NewDocument], batch_size: int = 32) -> EncodedDocuments | None:
@@ -258,6 +281,7 @@ class IndexWriter:
         """
         if len(requests) != len(encoded):
             raise InvalidParameterError("publish: one encoding (or None) per write")
+        self.refuse_unfenced()
         with self.locked(wait_s) as current:
             state = self._state_of(current)
             resolved = resolve_writes(state, requests, self.limits)
@@ -277,9 +301,8 @@ class IndexWriter:
             embeddings_bytes = info.records[-1].stop
         chain = add_tombstones(self.live_dir, current.tombstones, tombstones, number)
         side = self._side_on_write(current, number, current.total, documents, tombstones)
-        self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes, tuple(segments),
-                               chain, utc_now(), current.base_files, side))
-        return number
+        return self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes,
+                                      tuple(segments), chain, utc_now(), current.base_files, side)).number
 
     def empty_ivf(self, base: str) -> faiss.IndexIVF:
         """A new IVF with the base's trained quantizer and empty lists (the base's lists are never copied)."""
@@ -302,9 +325,28 @@ class IndexWriter:
                                                    documents, tombstones))
         return side
 
-    def commit(self, generation: Generation) -> None:
+    def refuse_unfenced(self) -> None:
+        """ReadOnlyIndexError when a fenced writer publishes this index and this writer has no fence."""
+        if self.fence is None and (self.live_dir / FENCED_FILE).exists():
+            raise ReadOnlyIndexError(f"{self.root} is published to object storage by a fenced writer (`espn serve "
+                                     "--publish`): write through that server, so that what is written is on the store")
+
+    def commit(self, generation: Generation, fetched: bool = False) -> Generation:
         """Publish (under the writer lock): the generation file, then CURRENT by rename; both
-        fsynced, then the directory. Then files no held generation needs are removed."""
+        fsynced, then the directory. Then files no held generation needs are removed.
+
+        With a fence, the generation goes to object storage first (it may come back renumbered)
+        and is committed here only once it is published there; if that fails nothing is
+        committed and the staged files are removed at once. `fetched`: a generation a follower
+        fetched from the store (published already). Returns the generation as committed."""
+        if not fetched:
+            self.refuse_unfenced()
+        if self.fence is not None and not fetched:
+            try:
+                generation = self.fence.publish(self.root, generation)
+            except BaseException:
+                recover(self.root)  # what this publish staged goes now, not at the next writer's lock
+                raise
         write_json_atomic(self.live_dir / generation.file_name, generation.to_json())
         checkpoint("generation")
         tmp = self.live_dir / "CURRENT.tmp"
@@ -318,6 +360,7 @@ class IndexWriter:
         log.info("published generation %d (%d segments, %d live documents)", generation.number,
                  len(generation.segments), generation.live_documents)
         self.collect_garbage()
+        return generation
 
     def collect_garbage(self) -> list[str]:
         """Remove the files of generations no reader holds (their shared lock); returns what went.

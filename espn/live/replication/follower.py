@@ -104,7 +104,7 @@ class Follower:
                          if needed.sha256 is not None and needed.range is None and not needed.path.endswith("embeddings.bin")}
                 for piece in sorted(pieces, key=lambda p: p.start):  # a file's ranges in order
                     fetch_piece(client, self.where, self.index, piece, what, local)
-                writer.commit(remote)
+                writer.commit(remote, fetched=True)
         except IndexLockedError:
             return None  # another worker of this server is fetching it
         log.info("following %s: generation %d fetched and served", self.url, remote.number)
