@@ -39,7 +39,9 @@ if TYPE_CHECKING:  # what `_LAZY` loads at first use, for the type checker
     from .live.compaction import CompactionPolicy, CompactionRunningError
     from .live.live_index import LiveIndex
     from .live.replication.fenced import FencedWriter
+    from .live.replication.cluster import Cluster, read_cluster
     from .live.replication.follower import Follower
+    from .live.replication.store import make_client as make_store_client
     from .live.replication.publisher import Publisher
     from .live.replication.restore import restore_from_store
     from .live.create import create_empty_index, live_documents, remove_index
@@ -83,7 +85,8 @@ __all__ = [
     "snapshot", "default_name", "snapshots_in", "remove_snapshot_leftovers",
     # replication and partitions
     "Follower", "Publisher", "FencedWriter", "restore_from_store", "PartitionLayout", "WrongPartitionError",
-    "HASH_NAME", "owner", "DEFAULT_LEASE_S", "MIN_LEASE_S", "MAX_LEASE_S",
+    "HASH_NAME", "owner", "DEFAULT_LEASE_S", "MIN_LEASE_S", "MAX_LEASE_S", "Cluster", "read_cluster",
+    "make_store_client",
     # the command line the server joins (`python -m espn_server`, the generated reference pages)
     "CliParser", "build_parser",
 ]
@@ -105,6 +108,8 @@ _LAZY: dict[str, str] = {
     "LiveIndex": "espn.live.live_index",
     "Follower": "espn.live.replication.follower",
     "FencedWriter": "espn.live.replication.fenced",
+    **dict.fromkeys(("Cluster", "read_cluster"), "espn.live.replication.cluster"),
+    "make_store_client": "espn.live.replication.store:make_client",
     "Publisher": "espn.live.replication.publisher",
     "restore_from_store": "espn.live.replication.restore",
     **dict.fromkeys(("create_empty_index", "live_documents", "remove_index"), "espn.live.create"),

@@ -97,12 +97,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if removed:
             logger.info("removed leftovers of killed snapshots", extra={"removed": removed})
     if settings.follow is not None:
-        state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s).start()
+        state.follower = Follower(settings.follow, settings.index, settings.follow_interval_s,
+                                  advertise_url=settings.advertise_url or "").start()
     if settings.publish is not None:
         state.publisher = FencedWriter(settings.publish, settings.index, settings.publish_interval_s,
                                        settings.publish_keep, name=settings.writer_name or socket.gethostname(),
                                        advertise_url=settings.advertise_url or "", lease_s=settings.writer_lease_s,
-                                       wait_s=settings.write_wait_s).start()
+                                       wait_s=settings.write_wait_s, shard_map=settings.shard_map).start()
     warm = asyncio.create_task(_warm(state), name="espn-warmup")
     warm.add_done_callback(_log_warm_failure)
     registry.start(settings.index_idle_close_s)

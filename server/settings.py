@@ -150,8 +150,9 @@ class ServerSettings(IndexSettings, BaseSettings):
     writer_lease_s: float = Field(DEFAULT_LEASE_S, ge=MIN_LEASE_S, le=MAX_LEASE_S, description="--publish: the writer "
                                   "lease's length; a standby takes over from a writer that has not renewed it this long")
     advertise_url: Optional[str] = Field(None, pattern=r"^https?://[^\s/]+$", description="the base URL others reach "
-                                         "this server at (http://POD_IP:8000), in a writer's lease or a follower's "
-                                         "replica registration, where `espn route --shard-map` finds it")
+                                         "this server at (http://POD_IP:8000), where `espn route --shard-map` finds it")
+    shard_map: Optional[str] = Field(None, description="--publish: s3://BUCKET/PREFIX of the shard map this partition "
+                                     "is in: its slots say which ids it takes, and it takes part in reshards")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
@@ -195,7 +196,7 @@ class ServerSettings(IndexSettings, BaseSettings):
     def _absolute(cls, value: Optional[Path]) -> Optional[Path]:
         return value.expanduser().resolve() if value is not None else None
 
-    @field_validator("follow", "publish")
+    @field_validator("follow", "publish", "shard_map")
     @classmethod
     def _check_store_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not (value.startswith("s3://") and value[5:].split("/", 1)[0]):
@@ -329,8 +330,10 @@ class RouterSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
 
-    shards: Annotated[list[str], NoDecode] = Field(
-        description="base URL of each partition's server, e.g. http://espn-part-0:8000 (comma-separated)")
+    shards: Annotated[list[str], NoDecode] = Field(default_factory=list, description="base URL of each partition's "
+                                                   "server (comma-separated); its replicas joined by | (http://a|http://b)")
+    shard_map: Optional[str] = Field(None, pattern=r"^s3://[^/\s]+", description="s3://BUCKET/PREFIX of a shard map: "
+                                     "partitions, replicas and writers from there (re-read) instead of --shards/--writers")
     writers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="base URL of each partition's writer (`espn serve --publish`), in the order of --shards "
@@ -387,9 +390,8 @@ class RouterSettings(BaseSettings):
     @field_validator("shards")
     @classmethod
     def _check_shards(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one shard URL is needed")
-        return _base_urls(value, "shard")
+        _base_urls([url for shard in value for url in shard.split("|")], "shard")  # no URL twice, even across partitions
+        return ["|".join(_base_urls(shard.split("|"), "shard")) for shard in value]
 
     @field_validator("writers")
     @classmethod
@@ -398,6 +400,8 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_writer_per_partition(self) -> "RouterSettings":
+        if (not self.shards) == (self.shard_map is None):
+            raise ValueError("give the partitions' URLs (--shards) or a shard map (--shard-map s3://...), one of them")
         if self.writers and len(self.writers) != len(self.shards):
             raise ValueError(f"--writers lists {len(self.writers)} URL(s) for {len(self.shards)} partition(s) in "
                              "--shards: give one writer per partition, in the same order")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -21,7 +22,22 @@ from espn.pages.grids import concat_grids
 from espn.pages.images import UPLOAD_SUFFIXES, encode_page_image, media_type
 from espn.pages.corpus import MAX_IMAGE_BYTES, decode_image
 
-__all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "reorder_chunk"]
+__all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "reorder_chunk",
+           "documents_encoded"]
+
+_encoded = [0]  # documents this process has run through an encoder (the write path, a warm-up)
+_encoded_lock = threading.Lock()
+
+
+def documents_encoded() -> int:
+    """How many documents this process has encoded for writes: what a reshard must leave unchanged
+    (it copies stored records; a writer reports this in its status)."""
+    return _encoded[0]
+
+
+def _count(documents: int) -> None:
+    with _encoded_lock:
+        _encoded[0] += documents
 
 
 @dataclasses.dataclass
@@ -42,6 +58,7 @@ class EncodedDocuments:
     counts: np.ndarray
     images: list[bytes] | None = None
     grids: np.ndarray | None = None
+    stored: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -56,7 +73,7 @@ class EncodedDocuments:
         return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
                                 self.bow[gather], self.counts[picked],
                                 None if self.images is None else [self.images[i] for i in picked],
-                                None if self.grids is None else self.grids[picked])
+                                None if self.grids is None else self.grids[picked], self.stored)
 
     @classmethod
     def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
@@ -64,9 +81,11 @@ class EncodedDocuments:
         images = None if all(p.images is None for p in parts) else \
             [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
         grids = None if all(p.grids is None for p in parts) else concat_grids(parts)
+        if len({p.stored for p in parts}) > 1:
+            raise ValueError("stored vectors and encoder vectors are written differently: not one segment")
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                   np.concatenate([p.counts for p in parts]), images, grids)
+                   np.concatenate([p.counts for p in parts]), images, grids, parts[0].stored)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
@@ -75,6 +94,7 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
     path (no corpus or chunk files). Batches are bucketed by length as in the build; a title
     joins its text with `joiner`, the index's (`espn.corpus.index_title_joiner`)."""
     texts = [passage_text(title, text, joiner) for _, title, text, _ in documents]
+    _count(len(texts))
     order = encoder.batch_order(texts)
     parts = []
     for start in range(0, len(order), batch_size):
@@ -110,6 +130,7 @@ def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, st
     keeps pages (`encode_page_image`). The stored text and metadata follow the build's pages
     (indexing.pages): "page 1 of ID" unless a text is given, and `source` (the id) and `page` (1)
     added where the metadata has no such field."""
+    _count(len(documents))
     images = []
     for doc_id, data, _, _, _ in documents:
         try:

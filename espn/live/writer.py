@@ -44,7 +44,7 @@ from PIL import Image
 
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
-from espn.errors import ConflictError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
+from espn.errors import ConflictError, EspnError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
 from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json_atomic
 from espn.corpus import index_title_joiner
 from espn.index import read_manifest
@@ -77,6 +77,10 @@ class WriteFence(Protocol):
 
     def admit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
         """Raise if a write of these ids may not be taken now (not the writer; a slot owned elsewhere or moving)."""
+
+    def readmit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
+        """`admit` again under the writer lock, just before the write is published: what changed
+        since the write was queued (a slot frozen by a reshard) is refused here."""
 
     def publish(self, root: Path, generation: Generation) -> Generation:
         """Publish the generation (its files written, not yet committed here) to the store, under
@@ -272,24 +276,40 @@ class IndexWriter:
             self.encode([NewDocument("warm-up", "a passage that warms the write path")])
 
     def publish(self, requests: Sequence[WriteRequest], encoded: Sequence[EncodedDocuments | None],
-                wait_s: float = 0.0) -> list[WriteResult | Exception]:
+                wait_s: float = 0.0, readmit: bool = True) -> list[WriteResult | Exception]:
         """Publish checked writes (`check_write`) and their encoded documents as one generation.
 
         The writes apply in order; each one's outcome is a WriteResult, or the error that
-        made it fail alone (DocumentNotFoundError, InvalidParameterError) while the others
-        publish. Takes the writer lock for the publish only (waiting up to `wait_s`).
-        """
+        made it fail alone (DocumentNotFoundError, InvalidParameterError; with a fence, what
+        its `readmit` refuses) while the others publish. Takes the writer lock for the publish
+        only (waiting up to `wait_s`). readmit False: the writer's own moves (a reshard's)."""
         if len(requests) != len(encoded):
             raise InvalidParameterError("publish: one encoding (or None) per write")
         self.refuse_unfenced()
         with self.locked(wait_s) as current:
+            refused = self._readmit(requests) if readmit else {}
+            kept = [r for r in range(len(requests)) if r not in refused]
             state = self._state_of(current)
-            resolved = resolve_writes(state, requests, self.limits)
+            resolved = resolve_writes(state, [requests[r] for r in kept], self.limits)
             number = current.number
             if resolved.keep or len(resolved.tombstones):
-                number = self._publish(current, state, gather_kept(encoded, resolved.keep) if resolved.keep else None,
-                                       resolved.tombstones)
-        return [o if isinstance(o, Exception) else WriteResult(number, *o) for o in resolved.outcomes]
+                documents = gather_kept([encoded[r] for r in kept], resolved.keep) if resolved.keep else None
+                number = self._publish(current, state, documents, resolved.tombstones)
+        outcomes: list[WriteResult | Exception] = [refused.get(r, WriteResult(number)) for r in range(len(requests))]
+        for r, outcome in zip(kept, resolved.outcomes):
+            outcomes[r] = outcome if isinstance(outcome, Exception) else WriteResult(number, *outcome)
+        return outcomes
+
+    def _readmit(self, requests: Sequence[WriteRequest]) -> dict[int, Exception]:
+        """The writes the fence refuses now, by position (none without a fence)."""
+        refused: dict[int, Exception] = {}
+        if self.fence is not None:
+            for r, request in enumerate(requests):
+                try:
+                    self.fence.readmit(request.upserts + request.deletes, self.partition)
+                except EspnError as exc:
+                    refused[r] = exc
+        return refused
 
     def _publish(self, current: Generation, state: IndexState, documents: EncodedDocuments | None,
                  tombstones: np.ndarray) -> int:

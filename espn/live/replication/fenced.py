@@ -43,12 +43,16 @@ from espn.files import write_json_atomic
 from espn.generation.format import LIVE_DIR, Generation, read_current, record_number
 from espn.partitioning import PartitionLayout
 
+from ..encoding import documents_encoded
+from ..live_index import LiveIndex
 from ..writer import FENCED_FILE, IndexWriter
+from .cluster import Registration
 from .fence import FenceToken, fence_latest, publish_fenced
 from .follower import Follower
 from .lease import DEFAULT_LEASE_S, Lease, LeaseRecord
 from .publisher import Publisher
-from .store import Latest, read_latest, stored_blobs
+from .slots import SlotKeeper
+from .store import Latest, OncePerCause, read_latest, stored_blobs
 
 __all__ = ["FencedWriter", "LEADER", "STANDBY"]
 
@@ -71,10 +75,14 @@ class FencedWriter(Publisher):
 
     def __init__(self, url: str, index: Path, interval_s: float = 0.5, keep: int | None = None, *, name: str,
                  advertise_url: str = "", lease_s: float = DEFAULT_LEASE_S, wait_s: float = 10.0,
-                 verify_every_s: float | None = None) -> None:
+                 shard_map: str | None = None, verify_every_s: float | None = None) -> None:
         super().__init__(url, index, interval_s, keep, verify_every_s)
         self.lease = Lease(self._store_client, self.where, name, advertise_url, lease_s)
         self.follower = Follower(url, index, interval_s)
+        self.registration = Registration(self.where, name, advertise_url)
+        # With a shard map: ownership by its slots, and this partition's part in its moves.
+        self.slots = SlotKeeper(shard_map, url) if shard_map is not None else None
+        self._moves: threading.Thread | None = None
         self.wait_s = wait_s
         self.role = STANDBY
         self._superseded: str | None = None  # why this writer lost the partition (until it leads again)
@@ -91,7 +99,14 @@ class FencedWriter(Publisher):
             if self._superseded is not None:
                 raise WriterSupersededError(f"this writer of {self.url} was superseded ({self._superseded}); {where}")
             raise WriterStandbyError(f"this server stands by for {self.url}: {where}")
-        layout.check_owned(doc_ids)
+        self.readmit(doc_ids, layout)
+
+    def readmit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
+        """The ids' slots: the shard map's (owned, not frozen by a move), else the build's layout."""
+        if self.slots is not None:
+            self.slots.admit(self._store_client, doc_ids)
+        else:
+            layout.check_owned(doc_ids)
 
     def publish(self, root: Path, generation: Generation) -> Generation:
         """Publish a generation the writer staged (under its lock) under this writer's epoch: the
@@ -170,6 +185,7 @@ class FencedWriter(Publisher):
                     self._lead()
                 else:
                     self._stand_by()
+                self.registration.beat(self._store_client(), self.role, read_current(self.index).number)
                 self._failures = 0
                 self._warnings.resolved(f"{self.url}: the store answers again")
             except Exception as exc:  # noqa: BLE001 - the thread outlives any failure: record, retry
@@ -211,6 +227,26 @@ class FencedWriter(Publisher):
         log.info("%s: leading at epoch %d from generation %d", self.url, token.epoch, read_current(self.index).number)
         if ahead:
             self.publish_once()
+        if self.slots is not None and (self._moves is None or not self._moves.is_alive()):
+            self._moves = threading.Thread(target=self._tend_moves, name="espn-moves", daemon=True)
+            self._moves.start()
+
+    def _tend_moves(self) -> None:
+        """While leading: this partition's part in the shard map's moves (a thread of its own: a
+        bundle's download and publish must not hold up the lease's renewals)."""
+        assert self.slots is not None  # started only with a shard map
+        warnings = OncePerCause(log)
+        writer = LiveIndex(self.index, fence=self)
+        try:
+            while not self._stop.is_set() and self.role == LEADER:
+                try:
+                    self.slots.tend(self._store_client(), lambda: writer, self.wait_s)
+                    warnings.resolved(f"{self.url}: moves go on")
+                except Exception as exc:  # noqa: BLE001 - retried at the next pass; the move waits for it
+                    warnings.warning(f"{self.url}: a move step failed, retried: {exc}")
+                self._stop.wait(self.interval_s)
+        finally:
+            writer.close()
 
     def _catch_up(self, latest: Latest | None) -> bool:
         """The local copy at LATEST's generation; True when it holds generations past it that
@@ -251,6 +287,10 @@ class FencedWriter(Publisher):
         """Stop the thread; a leader publishes what is committed one last time and releases the
         lease, so that a standby takes over at its next look instead of after a lease length."""
         super().stop()
+        if self._moves is not None:
+            self._moves.join(60)
+        with contextlib.suppress(Exception):  # a server that did not say goodbye ages out of the routers' view
+            self.registration.leave(self._store_client())
         if self.role == LEADER:
             with self._mutex:
                 self.role = STANDBY
@@ -268,4 +308,6 @@ class FencedWriter(Publisher):
         return {**base, "role": self.role, "epoch": self.lease.epoch or (seen.epoch if seen else 0),
                 "writer": None if seen is None else {"name": seen.name, "url": seen.url, "epoch": seen.epoch},
                 "lease_left_s": round(max(0.0, self.lease.valid_until - time.monotonic()), 1),
-                "superseded": self._superseded}
+                "superseded": self._superseded, "documents_encoded": documents_encoded(),
+                "documents_ingested": self.slots.ingested if self.slots is not None else 0,
+                "partition": self.slots.partition if self.slots is not None else None}
