@@ -181,12 +181,16 @@ class Clients:
     def __init__(self, targets: Callable[[], list[str]], prefix: str = "c", timeout_s: float = 5.0) -> None:
         self.targets, self.prefix, self.timeout_s = targets, prefix, timeout_s
         self.acked: dict[str, int] = {}  # id -> the generation its answer named
+        self.attempted: set[str] = set()  # ids sent at least once (acknowledged or not)
         self.by_writer: dict[str, int] = {}
         self.refusals: dict[str, int] = {}  # error code (or exception) -> times
         self.latencies: list[float] = []
         self.preferred = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
+        self._busy = 0
         self._threads: list[threading.Thread] = []
 
     def start(self, threads: int = 4) -> "Clients":
@@ -197,8 +201,17 @@ class Clients:
 
     def stop(self) -> None:
         self._stop.set()
+        self._go.set()
         for thread in self._threads:
             thread.join(60)
+
+    def pause(self) -> None:
+        """No new write starts until `resume`; returns once the ones in flight are answered."""
+        self._go.clear()
+        wait_for(lambda: self._busy == 0, "the clients' writes in flight", 120, 0.05)
+
+    def resume(self) -> None:
+        self._go.set()
 
     def _refused(self, why: str) -> None:
         with self._lock:
@@ -214,6 +227,8 @@ class Clients:
                 if self._stop.is_set():
                     return False
                 started = time.perf_counter()
+                with self._lock:
+                    self.attempted.add(doc_id)
                 try:
                     answer = client.put(f"{base}/v1/documents/{doc_id}", json=body, timeout=self.timeout_s)
                 except httpx.HTTPError as exc:
@@ -235,7 +250,14 @@ class Clients:
         with httpx.Client(limits=httpx.Limits(max_keepalive_connections=4)) as client:
             i = 0
             while not self._stop.is_set():
-                self.put(client, f"{self.prefix}{thread}-{i}")
+                self._go.wait()
+                with self._lock:
+                    self._busy += 1
+                try:
+                    self.put(client, f"{self.prefix}{thread}-{i}")
+                finally:
+                    with self._lock:
+                        self._busy -= 1
                 i += 1
 
 

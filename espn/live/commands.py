@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 from espn.errors import InvalidParameterError, UsageError
 from espn.partitioning import SLOT_COUNT
 
+from .encoding import documents_encoded
 from .live_index import LiveIndex
 from .replication.cluster import describe_cluster, init_map
 from .replication.publisher import publish
@@ -118,6 +119,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
               f"{r.bundle_bytes / 1e6:.1f} MB; {r.seconds:.1f} s ({r.frozen_s:.1f} s frozen)")
     print(f"{args.url}: resharded to {args.partitions} partitions; {resharder.source_bytes / 1e6:.1f} MB fetched "
           "from the sources")
+    print(f"documents encoded: {documents_encoded()}")  # stored records are copied: this process runs no model
     return 0
 
 

@@ -309,5 +309,6 @@ class FencedWriter(Publisher):
                 "writer": None if seen is None else {"name": seen.name, "url": seen.url, "epoch": seen.epoch},
                 "lease_left_s": round(max(0.0, self.lease.valid_until - time.monotonic()), 1),
                 "superseded": self._superseded, "documents_encoded": documents_encoded(),
+                "live_documents": read_current(self.index).live_documents,
                 "documents_ingested": self.slots.ingested if self.slots is not None else 0,
                 "partition": self.slots.partition if self.slots is not None else None}
