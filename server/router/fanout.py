@@ -123,7 +123,7 @@ class Fanout:
                   check: Callable[[PartitionAnswer, dict[str, Any]], T]) -> T | ShardFailure | ClientError:
         """One partition's answer, from its replicas in turn: the first that checks, a caller
         error (the request's own fault: no other replica would take it), or the last failure."""
-        failure = ShardFailure(shard=target.name, error="unreachable", message="the partition has no replica")
+        failure: ShardFailure | None = None
         for replica in target.order():
             outcome = await self.call(replica, "POST", path, headers, body)
             if isinstance(outcome, ShardFailure):
@@ -143,7 +143,11 @@ class Fanout:
             except BadAnswer as exc:
                 target.failed(replica)
                 failure = self.record_failure(replica, "bad_response", str(exc))
-        return failure
+        return failure or self.no_replica(target)
+
+    def no_replica(self, target: Target) -> ShardFailure:
+        """A partition with no replica to ask (none registered in the shard map)."""
+        return self.record_failure(target.name, "unreachable", f"partition {target.partition} has no replica")
 
 
 def shard_message(answer: PartitionAnswer) -> str:

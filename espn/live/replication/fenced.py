@@ -154,7 +154,7 @@ class FencedWriter(Publisher):
                                          "nothing more is acknowledged until it is") from exc
             raise WriteFailedError(f"the writer lease on {self.url} could not be renewed: {exc} (retry)") from exc
         if not held:
-            self._lose("its lease was taken over")
+            self._lose("its lease is gone or another writer holds it")
             return
         self._renewed_at = sent
 

@@ -51,7 +51,7 @@ async def _ask(fan: Fanout, target: Target, path: str, doc_id: str,
                headers: dict[str, str]) -> JSONResponse | ShardFailure | None:
     """The document from one partition (its replicas in turn): the answer to give, None when the
     partition says it has no such document, or the failure of its last replica."""
-    failure = ShardFailure(shard=target.name, error="unreachable", message="the partition has no replica")
+    failure: ShardFailure | None = None
     for replica in target.order():
         outcome = await fan.call(replica, "GET", path, headers, None, MAX_ANSWER_BYTES)
         if isinstance(outcome, ShardFailure):
@@ -70,4 +70,4 @@ async def _ask(fan: Fanout, target: Target, path: str, doc_id: str,
         else:  # a 404 that is not the server's document_not_found is a wrong path (a URL prefix, a proxy)
             target.failed(replica)
             failure = fan.record_failure(replica, f"http_{outcome.status}", shard_message(outcome))
-    return failure
+    return failure or fan.no_replica(target)
