@@ -102,7 +102,10 @@ def cmd_shard_map(args: argparse.Namespace) -> int:
     if args.action == "init":
         if args.partitions is None:
             raise UsageError("shard-map init needs --partitions S (the build's partition count)")
-        shard_map = init_map(args.url, args.partitions)
+        shard_map = init_map(args.url, args.partitions, exists_ok=args.exists_ok)
+        if shard_map is None:
+            print(f"{args.url}: a shard map is there already; kept as it is")
+            return 0
         print(f"{args.url}: shard map version {shard_map.version}: {args.partitions} partitions, "
               f"{SLOT_COUNT // args.partitions} slots each")
         return 0

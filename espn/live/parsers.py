@@ -92,6 +92,8 @@ def _add_shard_map(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", h
     p.add_argument("url", help="s3://BUCKET/PREFIX: the map is PREFIX/shard-map.json, partition P's store PREFIX/part-P")
     p.add_argument("--partitions", type=int, default=None, metavar="S",
                    help="init: the build's partition count (a power of two up to 256)")
+    p.add_argument("--exists-ok", action="store_true",
+                   help="init: a map already there is no error (it is kept as it is: a reshard may have moved it on)")
     p.set_defaults(handler=handler)
 
 

@@ -217,11 +217,14 @@ class Registration:
             self._said = None
 
 
-def init_map(url: str, partitions: int) -> ShardMap:
-    """The shard map of a build's `partitions` partitions (each at URL/part-P), written where none is."""
+def init_map(url: str, partitions: int, exists_ok: bool = False) -> ShardMap | None:
+    """The shard map of a build's `partitions` partitions (each at URL/part-P), written where none
+    is; None when one is there already and `exists_ok`."""
     shard_map = ShardMap.initial(partitions)
     where = map_url(url)
     if write_map(make_client(), where, shard_map, None) is None:
+        if exists_ok:
+            return None
         raise InvalidParameterError(f"{where.url(MAP_NAME)}: a shard map is there already (`espn shard-map show`)")
     return shard_map
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from espn.errors import DocumentNotFoundError, IndexCorruptError, ObjectStoreError, SlotsMovingError
+from espn.errors import DocumentNotFoundError, IndexCorruptError, ObjectStoreError, SlotsMovingError, WriteFailedError
 from espn.generation.segments import open_view
 from espn.index import read_manifest
 from espn.partitioning import SLOT_COUNT, WrongPartitionError, slots_of
@@ -101,7 +101,8 @@ class SlotKeeper:
         self._read_at = time.monotonic()
         if found is None:
             if self.shard_map is None:
-                raise ObjectStoreError(f"{self.where.url('shard-map.json')}: no shard map there")
+                raise WriteFailedError(f"{self.where.url('shard-map.json')}: no shard map there yet (`espn shard-map "
+                                       "init`); writes wait for it")
             return
         shard_map, self.etag = found
         mine = [p.id for p in shard_map.partitions
@@ -122,7 +123,11 @@ class SlotKeeper:
             return
         slots = slots_of(np.array([i.encode("utf-8") for i in doc_ids], dtype=bytes))
         if self.shard_map is None or (not self._owned[slots].all() and time.monotonic() - self._read_at > MAP_RECHECK_S):
-            self.refresh(client())
+            try:
+                self.refresh(client())
+            except ObjectStoreError as exc:  # the store is away: refuse what is not known to be this writer's
+                if self.shard_map is None:
+                    raise WriteFailedError(f"the shard map at {self.url} cannot be read: {exc}") from exc
         assert self.shard_map is not None  # refresh read it or raised
         foreign = np.flatnonzero(~self._owned[slots])
         if len(foreign):
