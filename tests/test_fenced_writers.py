@@ -12,6 +12,7 @@ In process (below them): the lease and the fence one rule at a time, against the
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator
@@ -28,7 +29,8 @@ from benchmarks.soak_scaleout import check, failover_sequence  # noqa: E402
 from espn.errors import ObjectStoreError, ReadOnlyIndexError, WriterStandbyError, WriterSupersededError  # noqa: E402
 from espn.live.checks import NewDocument  # noqa: E402
 from espn.live.live_index import LiveIndex  # noqa: E402
-from espn.live.replication.fence import FenceToken, advance_latest, fence_latest  # noqa: E402
+from espn.generation.format import read_current  # noqa: E402
+from espn.live.replication.fence import FenceToken, advance_latest, fence_latest, publish_fenced  # noqa: E402
 from espn.live.replication.fenced import LEADER, STANDBY, FencedWriter  # noqa: E402
 from espn.live.replication.lease import Lease  # noqa: E402
 from espn.live.replication.publisher import publish  # noqa: E402
@@ -109,6 +111,31 @@ def test_after_a_fence_no_older_epoch_moves_latest_and_the_unleased_publish_is_r
     assert latest is not None and (latest.name, latest.epoch) == ("gen-000000.json", 2)
     with pytest.raises(ObjectStoreError, match="leased writer"):
         publish(sample_index, url)  # `espn publish` on a prefix a leased writer owns
+
+
+def test_a_superseded_writers_orphan_record_is_skipped_not_overwritten(store: Store, sample_index: Path,
+                                                                       tmp_path: Path) -> None:
+    """Writer A (epoch 1) wrote record 1 and was fenced before its LATEST write: B (epoch 2)
+    publishes its own generation 1 as generation 2, and record 1 keeps its one version."""
+    url = store.url("orphan")
+    where, client = ObjectStoreUrl.parse(url), make_client()
+    index = _copy(sample_index, tmp_path, "b")
+    old, new = FenceToken(1, "a/00000000000a"), FenceToken(2, "b/00000000000b")
+    first = publish_fenced(client, where, index, read_current(index), old, set(), None)
+    assert first.latest.epoch == 1
+    orphan = {"generation": dict(read_current(index).to_json(), generation=1), "pieces": [], "epoch": 1}
+    client.put_object(Bucket=store.bucket, Key="orphan/generations/gen-000001.json", Body=json.dumps(orphan).encode())
+    fence_latest(client, where, new)
+    with LiveIndex(index) as writer:  # B's next generation, staged here: number 1, taken on the store
+        staged = writer.upsert([NewDocument("b1", "written by the new writer")]).generation
+    assert staged == 1
+    published = publish_fenced(client, where, index, read_current(index), new, set(), None)
+    assert published.generation.number == 2 and published.latest.name == "gen-000002.json"
+    assert store.versions("orphan/generations/") == {"orphan/generations/gen-000000.json": 1,
+                                                     "orphan/generations/gen-000001.json": 1,
+                                                     "orphan/generations/gen-000002.json": 1}
+    with pytest.raises(WriterSupersededError):  # and A, resumed, publishes nothing more
+        advance_latest(client, where, "gen-000003.json", old, first.latest)
 
 
 def test_a_standby_refuses_writes_and_an_unfenced_writer_refuses_a_fenced_index(
