@@ -20,7 +20,9 @@ live-index commands (espn.live.parsers) without loading FAISS before logging is 
   live_index.py    LiveIndex: IndexWriter + the index's own side indexes + compaction
   commit.py        GroupCommit: writes that arrive together are published together
   snapshot.py      snapshots and restores of one generation
-  replication/     object storage: publish, follow, restore, retention
-  parsers.py       the parsers of `espn delete | compact | stats | snapshot | restore | publish`
+  replication/     object storage: publish, follow, restore, retention, fenced writers, the shard
+                   map's store side, resharding
+  parsers.py       the parsers of `espn delete | compact | stats | snapshot | restore | publish |
+                   shard-map | reshard`
   commands.py      their code (espn.cli runs it once logging is configured)
 """

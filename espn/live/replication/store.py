@@ -8,7 +8,11 @@ Layout under `s3://BUCKET/PREFIX/`:
     blobs/<sha256>              every file a generation needs, by content (so a file shared by
                                 many generations is stored once, and a retry re-uploads nothing)
     generations/gen-NNNNNN.json the generation record, plus where each of its files' bytes are
-    LATEST                      the name of the newest published generation record
+                                (written only where none is; with the epoch of its writer)
+    LATEST                      the name of the newest published generation record (and, under a
+                                leased writer, its epoch: `Latest`)
+    LEASE                       the writer lease (espn.live.replication.lease)
+    members/NAME.json           the partition's servers, for a router (espn.live.replication.cluster)
 
 `publish` holds the current generation (the writer's collector keeps its files), uploads the
 blobs that are not there yet, each checked against the sha256 the generation records, then
