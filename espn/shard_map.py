@@ -226,18 +226,21 @@ def _int(value: Any) -> int:
 
 
 def plan_moves(shard_map: ShardMap, count: int) -> list[tuple[list[int], int, int]]:
-    """How to reach `count` partitions evenly from the map's active ones, moving as few slots as
+    """How to reach `count` partitions evenly from the map's partitions, moving as few slots as
     possible: moves (slots, source, target), one per (source, target), where a target above the
-    map's highest partition id is a new partition. Growing, each partition gives its excess
-    (its highest slots) to the new ones; shrinking, the highest-numbered partitions give all of
-    theirs to the others."""
+    map's highest partition id is a new partition (an empty one that is not retired is used
+    first). Growing, each partition gives its excess (its highest slots) to the others;
+    shrinking, the highest-numbered partitions give all of theirs to the others."""
     if not 1 <= count <= MAX_PARTITIONS:
         raise InvalidParameterError(f"partitions must be in [1, {MAX_PARTITIONS}], got {count}")
     if shard_map.moves:
         raise InvalidParameterError(f"moves {[m.id for m in shard_map.moves]} are in progress: finish them first")
     active = sorted(set(shard_map.owners))
+    # Partitions that own nothing yet but are not retired (a split that stopped after creating
+    # them) are filled before any new one is made.
+    candidates = sorted(set(active) | {p.id for p in shard_map.partitions if not p.retired})
     first_new = max(p.id for p in shard_map.partitions) + 1
-    kept = active[:count]
+    kept = candidates[:count]
     ids = kept + list(range(first_new, first_new + count - len(kept)))
     quota = {p: SLOT_COUNT // count + (1 if i < SLOT_COUNT % count else 0) for i, p in enumerate(ids)}
     owners = shard_map.owner_array

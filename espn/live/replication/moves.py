@@ -9,6 +9,8 @@ its sidecar is there). The npz holds plain arrays only (read with allow_pickle=F
     ids        [n] bytes   the documents' ids            lines      uint8, offsets [n + 1] int64
     cls        [n, d_cls] float16                         bow        [sum(counts), d_bow] float16
     counts     [n] int32   stored vectors per document    deletes    [m] bytes ids to delete
+    replace    [] bool     the first bundle of a whole copy of the slots: the target first drops
+                           what it holds of them (a resharder that went on after a stop)
 
 The target's writer applies bundles in order (espn.live.replication.slots), each as one
 generation: the documents are appended through its own record writer (its storage type and
@@ -52,10 +54,12 @@ _MAX_LINE_BYTES = 64 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Bundle:
-    """A bundle as the target applies it: documents to upsert (stored vectors) and ids to delete."""
+    """A bundle as the target applies it: documents to upsert (stored vectors), ids to delete,
+    and whether it starts a whole copy of the slots (`replace`)."""
 
     documents: EncodedDocuments | None
     deletes: list[str]
+    replace: bool = False
 
 
 def moving_documents(view: LiveView, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +120,7 @@ def _lines(view: LiveView, numbers: np.ndarray) -> list[bytes]:
     return out
 
 
-def bundle_bytes(documents: EncodedDocuments | None, deletes: Sequence[str]) -> bytes:
+def bundle_bytes(documents: EncodedDocuments | None, deletes: Sequence[str], replace: bool = False) -> bytes:
     """A bundle's npz bytes."""
     if documents is not None and documents.images is not None:
         raise InvalidParameterError("a reshard moves text indexes; an index of page images cannot be resharded yet")
@@ -129,7 +133,7 @@ def bundle_bytes(documents: EncodedDocuments | None, deletes: Sequence[str]) -> 
               "cls": documents.cls if documents else np.zeros((0, 1), np.float16),
               "bow": documents.bow if documents else np.zeros((0, 1), np.float16),
               "counts": documents.counts.astype(np.int32) if documents else np.zeros(0, np.int32),
-              "deletes": np.array([d.encode() for d in deletes], dtype=bytes)}
+              "deletes": np.array([d.encode() for d in deletes], dtype=bytes), "replace": np.array(replace)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
@@ -157,7 +161,8 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
     """A bundle's arrays checked against the target's layout (dims) and one another: IndexCorruptError otherwise."""
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in ("ids", "lines", "line_offsets", "cls", "bow", "counts", "deletes")}
+            arrays = {name: npz[name] for name in ("ids", "lines", "line_offsets", "cls", "bow", "counts", "deletes",
+                                                   "replace")}
     except (OSError, ValueError, KeyError, EOFError) as exc:
         raise IndexCorruptError(f"{what}: not a bundle ({type(exc).__name__}: {exc})") from None
     ids, offsets, counts = arrays["ids"], arrays["line_offsets"], arrays["counts"]
@@ -169,6 +174,7 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
         counts.dtype != np.int32 or counts.shape != (n,) or (n and counts.min() < 0),
         n and (arrays["cls"].dtype != np.float16 or arrays["cls"].shape != (n, layout.d_cls)),
         n and (arrays["bow"].dtype != np.float16 or arrays["bow"].shape != (int(counts.sum()), layout.d_bow)),
+        arrays["replace"].dtype != np.bool_ or arrays["replace"].shape != (),
     ]
     if any(bool(p) for p in problems):
         raise IndexCorruptError(f"{what}: its arrays do not fit together or the index's {layout.d_cls}/{layout.d_bow} "
@@ -181,7 +187,7 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
     documents = None
     if n:
         documents = EncodedDocuments(_ids(ids, what), lines, arrays["cls"], arrays["bow"], counts, stored=True)
-    return Bundle(documents, _ids(arrays["deletes"], what))
+    return Bundle(documents, _ids(arrays["deletes"], what), bool(arrays["replace"]))
 
 
 def _ids(raw: np.ndarray, what: str) -> list[str]:

@@ -50,7 +50,7 @@ from .lease import read_lease
 from .moves import BUNDLE_DOCUMENTS, bundle_bytes, moving_documents, read_stored, sidecar
 from .publisher import publish
 from .restore import restore_from_store
-from .slots import read_marker
+from .slots import bundle_numbers, read_marker
 from .store import ObjectStoreUrl, is_missing, make_client, naming_failures, pieces_of, put_if
 
 __all__ = ["MoveReport", "Resharder"]
@@ -109,6 +109,9 @@ class Resharder:
     def run(self, partitions: int) -> list[MoveReport]:
         """Move slots until `partitions` partitions hold them evenly."""
         self.work.mkdir(parents=True, exist_ok=True)
+        for unfinished in self._map().moves:  # what a stopped run left: finished first, from its state
+            self.announce(f"{unfinished.id} ({unfinished.state}) was left by an earlier run: finishing it")
+            self.move(list(unfinished.slots), unfinished.source, unfinished.target, unfinished.id)
         shard_map = self._map()
         moves = plan_moves(shard_map, partitions)
         known = {p.id for p in shard_map.partitions}
@@ -199,28 +202,36 @@ class Resharder:
         return copy
 
     # -- one move --------------------------------------------------------------------------
-    def move(self, slots: list[int], source: int, target: int) -> MoveReport:
+    def move(self, slots: list[int], source: int, target: int, resume: str | None = None) -> MoveReport:
+        """One move (see the module doc); `resume`: the id of a move in the map to go on with
+        from its state (a copy starts again from the whole slots: bundles replace what is there)."""
         started = time.monotonic()
-        shard_map = self._update(lambda m: m.with_move(slots, source, target)[0])
-        move = next(m for m in shard_map.moves if m.slots == tuple(sorted(slots)))
+        if resume is None:
+            shard_map = self._update(lambda m: m.with_move(slots, source, target)[0])
+            move = next(m for m in shard_map.moves if m.slots == tuple(sorted(slots)))
+        else:
+            move = self._map().move(resume)
         report = MoveReport(move.id, source, target, len(slots))
+        report.bundles = max(bundle_numbers(self.client, self.where, move.id), default=0)
         self.reports.append(report)
-        self.announce(f"{move.id}: {len(slots)} slots from partition {source} to {target}: copying")
+        self.announce(f"{move.id}: {len(slots)} slots from partition {source} to {target}: {move.state}")
         mask = np.zeros(SLOT_COUNT, dtype=bool)
         mask[slots] = True
         sent = _Sent(np.zeros(0, dtype="S1"), np.zeros(0, np.int64), "")
-        for _ in range(MAX_ROUNDS):  # copying: the whole slots, then what changed, while writes go on
+        for _ in range(MAX_ROUNDS if move.state == "copying" else 0):  # the whole slots, then what changed
             sent, changed = self._round(move.id, source, mask, sent, report)
             report.rounds += 1
             if changed <= CATCH_UP_DOCUMENTS:
                 break
         frozen_at = time.monotonic()
-        self._update(lambda m: m.with_state(move.id, "freezing"))
-        self.announce(f"{move.id}: freezing: partition {source} stops taking writes to the slots")
-        generation = self._until(lambda: read_marker(self.client, self.where, move.id, "frozen"),
-                                 f"partition {source} to freeze the slots of {move.id}")
-        self._round(move.id, source, mask, sent, report, at_least=generation)
-        self._update(lambda m: m.with_state(move.id, "switched"))  # the one write that gives the slots away
+        if move.state != "switched":
+            if move.state == "copying":
+                self._update(lambda m: m.with_state(move.id, "freezing"))
+            self.announce(f"{move.id}: freezing: partition {source} stops taking writes to the slots")
+            generation = self._until(lambda: read_marker(self.client, self.where, move.id, "frozen"),
+                                     f"partition {source} to freeze the slots of {move.id}")
+            self._round(move.id, source, mask, sent, report, at_least=generation)
+            self._update(lambda m: m.with_state(move.id, "switched"))  # the one write that gives the slots away
         report.frozen_s = time.monotonic() - frozen_at
         self.announce(f"{move.id}: switched to partition {target} ({report.frozen_s:.1f} s frozen)")
         self._until(lambda: read_marker(self.client, self.where, move.id, "dropped"),
@@ -244,18 +255,21 @@ class Resharder:
             base = view.generation.base
             upsert, deletes = _diff(sent, ids, keys, base)
             changed = int(upsert.sum()) + len(deletes)
-            for at in range(0, max(int(upsert.sum()), 1 if len(deletes) else 0), self.bundle_documents):
+            whole = len(sent.ids) == 0 and not sent.base  # the first round: a whole copy of the slots
+            for at in range(0, max(int(upsert.sum()), 1 if len(deletes) or whole else 0), self.bundle_documents):
                 chosen = numbers[upsert][at: at + self.bundle_documents]
                 documents = read_stored(view, chosen) if len(chosen) else None
-                self._send(move, documents, deletes if at == 0 else [], view.generation.number, report)
+                self._send(move, documents, deletes if at == 0 else [], view.generation.number, report,
+                           replace=whole and at == 0)
         finally:
             view.close()
         order = np.argsort(ids, kind="stable")
         return _Sent(ids[order], keys[order], base), changed
 
-    def _send(self, move: str, documents: Any, deletes: list[str], generation: int, report: MoveReport) -> None:
+    def _send(self, move: str, documents: Any, deletes: list[str], generation: int, report: MoveReport,
+              replace: bool = False) -> None:
         number = report.bundles + 1
-        data = bundle_bytes(documents, deletes)
+        data = bundle_bytes(documents, deletes, replace)
         stem = f"moves/{move}/bundle-{number:06d}"
         n = len(documents) if documents is not None else 0
         put_if(self.client, self.where, f"{stem}.npz", data)

@@ -40,7 +40,7 @@ from espn.untrusted import load_json
 from ..checks import NewDocument, WriteLimits, WriteRequest, check_write
 from ..writer import IndexWriter
 from .cluster import map_url, partition_url, read_map, read_map_if_changed
-from .moves import MAX_BUNDLE_BYTES, check_sidecar, moving_documents, parse_bundle
+from .moves import MAX_BUNDLE_BYTES, Bundle, check_sidecar, moving_documents, parse_bundle
 from .store import ObjectStoreUrl, naming_failures, put_if, read_object
 
 __all__ = ["SlotKeeper", "MAP_RECHECK_S", "marker", "read_marker", "bundle_numbers"]
@@ -194,7 +194,7 @@ class SlotKeeper:
                 continue
             bundle = parse_bundle(self._fetch_bundle(client, move.id, number), self.where.url(
                 f"moves/{move.id}/bundle-{number:06d}.npz"), layout)
-            generation = self._apply(writer, bundle, wait_s)
+            generation = self._apply(writer, bundle, move, wait_s)
             self.ingested += len(bundle.documents) if bundle.documents is not None else 0
             marker(client, self.where, move.id, name, generation)
             log.info("%s: %s bundle %d applied (%d documents, %d deletes; generation %d)", self.publish_url, move.id,
@@ -213,8 +213,10 @@ class SlotKeeper:
         return data
 
     @staticmethod
-    def _apply(writer: IndexWriter, bundle: Any, wait_s: float) -> int:
-        """One generation: the bundle's documents upserted as stored, its deletes of ids this index holds."""
+    def _apply(writer: IndexWriter, bundle: Bundle, move: Move, wait_s: float) -> int:
+        """One generation: the bundle's documents upserted as stored, its deletes of ids this index
+        holds (and, for the first bundle of a whole copy, every other id it holds in the slots)."""
+        documents = bundle.documents
         view = open_view(writer.root)
         try:
             present = []
@@ -224,9 +226,14 @@ class SlotKeeper:
                     present.append(doc_id)
                 except DocumentNotFoundError:
                     pass  # written and deleted at the source between two bundles: never here
+            if bundle.replace:
+                slots = np.zeros(SLOT_COUNT, dtype=bool)
+                slots[list(move.slots)] = True
+                upserted = set(documents.ids) if documents is not None else set()
+                held = [raw.decode("utf-8") for raw in moving_documents(view, slots)[1].tolist()]
+                present += [doc_id for doc_id in held if doc_id not in upserted and doc_id not in present]
         finally:
             view.close()
-        documents = bundle.documents
         upserts = [] if documents is None else [_document(doc_id, line) for doc_id, line in
                                                 zip(documents.ids, documents.lines)]
         if not upserts and not present:
