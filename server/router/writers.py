@@ -23,6 +23,12 @@ naming the partition and saying the write is not confirmed; a writer's own refus
 is a 502. A batch is 200 only when every part checked.
 
 `GET /v1/documents/{id}` goes to the owner's search address only (its followers).
+
+With a shard map (`--shard-map`, `.routing.MapRouting`) the owner is the map's and the writer
+is the holder of the partition's lease; there is no /readyz check (each writer checks the ids
+against the same map), and a writer that says it is not the partition's writer (any more), or
+that cannot be reached, makes the router read the map and the leases again and send the write
+once more when another writer holds the partition now.
 """
 
 from __future__ import annotations
