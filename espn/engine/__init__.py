@@ -18,7 +18,7 @@ from ..results import Document
 from .config import DEFAULT_INDEX_NAME, IndexConfig, ServeConfig
 from .messages import (IndexInfo, IndexLimits, Lifecycle, QueryAnswer, Readiness, SearchAnswer, SearchOptions,
                        SnapshotInfo)
-from .partitions import PARTITIONS
+from .partitions import PARTITIONS, ShardMapView
 from .protocol import Engine, Engines, NullObserver, Observer
 from .rules import RULES
 
@@ -31,8 +31,8 @@ __all__ = [
     # what goes in and out
     "SearchOptions", "SearchAnswer", "QueryAnswer", "Document", "NewDocument", "WriteResult", "SnapshotInfo",
     "IndexInfo", "IndexLimits", "Lifecycle", "Readiness",
-    # what the library accepts from outside, a router's partitioning, the once-per-server steps
-    "RULES", "PARTITIONS", "startup",
+    # what the library accepts from outside, a router's partitioning and shard maps, the once-per-server steps
+    "RULES", "PARTITIONS", "ShardMapView", "startup",
 ]
 
 
