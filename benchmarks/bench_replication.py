@@ -222,7 +222,9 @@ def measure_lag(args: argparse.Namespace, studies: set[str], work: Path, env: di
     with process(command, work / "writer.log", env) as writer_proc:
         wait_ready(writer, writer_proc)
         started = time.perf_counter()
-        while http().get(f"{writer}/readyz", timeout=10).json()["replication"]["published_generation"] is None:
+        # A fenced writer stands by (a follower's status, no published_generation) until its first
+        # look at the store finds the lease free and takes it.
+        while http().get(f"{writer}/readyz", timeout=10).json()["replication"].get("published_generation") is None:
             time.sleep(0.1)
         results["first_publish_s"] = round(time.perf_counter() - started, 2)
         size = sum(p.stat().st_size for p in args.index.rglob("*") if p.is_file())

@@ -146,7 +146,9 @@ def test_a_standby_refuses_writes_and_an_unfenced_writer_refuses_a_fenced_index(
     b = FencedWriter(url, b_dir, 0.1, name="wb", lease_s=6.0)
     try:
         a.start()
-        _until(lambda: a.role == LEADER)
+        # Leading, and done with its first publish (the whole index, under the writer lock: a write
+        # meanwhile would find the lock taken).
+        _until(lambda: a.role == LEADER and a.status()["published_generation"] == 0)
         b.start()
         with LiveIndex(a_dir, fence=a) as writer:
             assert writer.upsert([NewDocument("f1", "a fenced write")]).generation == 1
@@ -156,7 +158,9 @@ def test_a_standby_refuses_writes_and_an_unfenced_writer_refuses_a_fenced_index(
             unfenced.upsert([NewDocument("f3", "around the fence")])
         _until(lambda: b.status()["generation"] == 1)  # the standby follows what the leader published
         a.stop()  # releases the lease: the standby takes over at its next look
-        _until(lambda: b.role == LEADER)
+        # Leading, and done with its first look at what the store holds (a publish under the writer
+        # lock when it finds its generation not recorded as its own publish).
+        _until(lambda: b.role == LEADER and b.status()["published_generation"] == 1)
         assert a.role == STANDBY
         with LiveIndex(b_dir, fence=b) as writer:
             assert writer.upsert([NewDocument("f4", "after the takeover")]).generation == 2
