@@ -27,9 +27,11 @@ pytest.importorskip("moto.server")
 from benchmarks.scaleout import Cluster, Store  # noqa: E402
 from benchmarks.soak_partitions import check, replica_kill, split_and_merge  # noqa: E402
 
+from espn.engine import ShardMapView  # noqa: E402
 from espn.errors import IndexCorruptError, InvalidParameterError  # noqa: E402
-from espn.live.replication.cluster import map_url, read_map, read_map_if_changed, write_map  # noqa: E402
-from espn.live.replication.store import make_client  # noqa: E402
+from espn.live.replication.cluster import (Registration, init_map, map_url, partition_url, read_map,  # noqa: E402
+                                           read_map_if_changed, write_map)
+from espn.live.replication.store import ObjectStoreUrl, make_client  # noqa: E402
 from espn.partitioning import SLOT_COUNT, owners  # noqa: E402
 from espn.shard_map import ShardMap, plan_moves  # noqa: E402
 
@@ -127,3 +129,24 @@ def test_the_map_moves_only_by_a_conditional_write_on_what_was_read(store: Store
     assert write_map(client, where, grown.with_partition("part-3")[0], found[1]) is None  # read before the change
     changed = read_map_if_changed(client, where, found[1])
     assert changed is not None and changed[0].version == grown.version
+
+
+def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_view(store: Store) -> None:
+    """espn.engine.ShardMapView, what `espn route --shard-map` routes by: the map's partitions and
+    owners, each partition's registered replicas, no writer while no lease is held, and the next
+    view re-reading the members (the map itself only when its ETag moved)."""
+    url = store.url("view")
+    shard_map = init_map(url, 2)
+    assert shard_map is not None
+    view = ShardMapView.read(url)
+    ids = [f"doc-{i}" for i in range(200)]
+    assert view.version == shard_map.version and view.partitions() == [0, 1]
+    assert [view.owner(i) for i in ids] == [shard_map.owner(i) for i in ids]
+    assert view.owned(1, ids).tolist() == [shard_map.owner(i) == 1 for i in ids] and view.owned(0, []).size == 0
+    assert view.replicas(0) == [] and view.writer(0) is None
+    part = ObjectStoreUrl.parse(partition_url(url, shard_map, 0))
+    Registration(part, "replica-a", "http://replica-a:8000").beat(make_client(), "replica", 0)
+    after = ShardMapView.read(url, view)
+    assert after.replicas(0) == ["http://replica-a:8000"] and after.replicas(1) == [] and after.version == view.version
+    with pytest.raises(InvalidParameterError, match="no shard map"):
+        ShardMapView.read(store.url("no-map-here"))

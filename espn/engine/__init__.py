@@ -2,11 +2,12 @@
 
 An entry point opens a registry of named indexes (`open_engines`) and asks each index, as an
 `Engine`, for searches, documents, writes and snapshots, passing and receiving the plain
-dataclasses declared here; `RULES` states what the library accepts from outside. Nothing an
-entry point needs lies behind it (tests/test_code_layout.py holds the server to this module
-and `espn.errors`), and nothing here is a re-export of the library's internals: the engine's
-implementation (espn.engine.registry and below) loads torch and FAISS only when the first
-registry opens, so importing the door stays light.
+dataclasses declared here; `RULES` states what the library accepts from outside; a router
+places ids and fuses partitions through `PARTITIONS` and follows a shard map on object storage
+through `ShardMapView`. Nothing an entry point needs lies behind it (tests/test_code_layout.py
+holds the server to this module and `espn.errors`), and nothing here is a re-export of the
+library's internals: the engine's implementation (espn.engine.registry and below) loads torch
+and FAISS only when the first registry opens, so importing the door stays light.
 """
 
 from __future__ import annotations
