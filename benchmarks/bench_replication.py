@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=Path, default=SCIFACT_INDEX, help="one index of the corpus")
     parser.add_argument("--parts", type=Path, default=ROOT / ".espn" / "scifact-parts",
                         help="the same corpus as `espn index --partitions 2` (part-0, part-1)")
-    parser.add_argument("--studies", default="catch-up,lag,search", help="which of the three to run (comma-separated)")
+    parser.add_argument("--studies", default="catch-up,lag,search,ack", help="which of the four to run (comma-separated)")
+    parser.add_argument("--ack-writes", type=int, default=40, help="writes per round of the ack study")
+    parser.add_argument("--ack-rounds", type=int, default=3, help="alternating rounds of the ack study")
     parser.add_argument("--rates", default="1,2,5,10", help="write rates (per second) for the lag study")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds of writes per rate")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of catch-up and of the search comparison")
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.seconds, args.repeats, args.queries = "2", 2.0, 1, 5
+        args.ack_writes, args.ack_rounds = 4, 1
     studies = set(args.studies.split(","))
     for path in (args.index, *((args.parts / "part-0", args.parts / "part-1") if "search" in studies else ())):
         if not (path / "manifest.json").is_file():
@@ -177,50 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(), "index": str(args.index)}
     work = Path(tempfile.mkdtemp(prefix="espn-bench-replication-"))
     try:
-        volume = work / "writer"
-        shutil.copytree(args.index, volume)
-        command, writer = serve(volume, "--publish", url, "--publish-interval-s", "0.2",
-                                "--no-warmup")
-        with process(command, work / "writer.log", env) as writer_proc:
-            wait_ready(writer, writer_proc)
-            started = time.perf_counter()
-            while http().get(f"{writer}/readyz", timeout=10).json()["replication"]["published_generation"] is None:
-                time.sleep(0.1)
-            results["first_publish_s"] = round(time.perf_counter() - started, 2)
-            size = sum(p.stat().st_size for p in args.index.rglob("*") if p.is_file())
-            results["index_bytes"] = size
-
-            # Catch-up from empty: the lag study's follower starts from an empty directory too, so
-            # its start is the first run; the other repeats start (and stop) a follower each.
-            catch_up = []
-            for r in range(1, args.repeats if "catch-up" in studies else 0):
-                command, follower = serve(work / f"empty-{r}", "--follow", url, "--no-warmup")
-                started = time.perf_counter()
-                with process(command, work / f"catch-up-{r}.log", env) as proc:
-                    wait_ready(follower, proc)
-                    catch_up.append(time.perf_counter() - started)
-                shutil.rmtree(work / f"empty-{r}")
-
-            command, follower = serve(work / "follower", "--follow", url, "--follow-interval-s", "0.2", "--no-warmup")
-            started = time.perf_counter()
-            with process(command, work / "follower.log", env) as proc:
-                wait_ready(follower, proc)
-                if "catch-up" in studies:
-                    catch_up.insert(0, time.perf_counter() - started)
-                    results["catch_up_s"] = {"runs": [round(s, 2) for s in catch_up],
-                                             "median": round(median(catch_up), 2)}
-                    print(f"catch-up from empty: median {median(catch_up):.1f} s over {len(catch_up)} "
-                          f"({size / 2**20:.0f} MiB index; first publish {results['first_publish_s']} s)", flush=True)
-                lag_rows = []
-                for rate in [float(r) for r in args.rates.split(",")] if "lag" in studies else []:
-                    row = asyncio.run(lag_at_rate(writer, follower, rate, args.seconds, f"r{rate:g}"))
-                    lag_rows.append(row)
-                    print(f"rate {rate:g}/s: {row['writes']} writes, lag p50 {row['lag_ms'].get('p50', 0):.0f} ms, "
-                          f"p99 {row['lag_ms'].get('p99', 0):.0f} ms, failed {row['failed']}", flush=True)
-                results["lag"] = lag_rows
-
+        if studies & {"catch-up", "lag"}:
+            measure_lag(args, studies, work, env, url, results)
         if "search" in studies:
             results["search_p50_ms"] = compare_search(args, work, env)
+        if "ack" in studies:
+            results["ack"] = compare_acks(args, work, env, f"s3://{BUCKET}/ack")
     finally:
         store.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -237,8 +203,102 @@ def main(argv: list[str] | None = None) -> int:
                              [["one index", median(search["one_index"])],
                               ["router, 2 partitions", median(search["router_2_partitions"])],
                               ["ratio", search["ratio"]]]))
+    if "ack" in results:
+        ack = results["ack"]
+        print()
+        print(markdown_table(["writer", "one at a time: p50 (ms)", "p99 (ms)", "4 clients: writes/s"],
+                             [[name, row["p50_ms"], row["p99_ms"], row["writes_per_s"]] for name, row in ack.items()]))
     write_results("replication", results)
     return 0
+
+
+def measure_lag(args: argparse.Namespace, studies: set[str], work: Path, env: dict[str, str], url: str,
+                results: dict[str, Any]) -> None:
+    """Studies 1 and 2: a writer publishing, a follower from empty (repeated), lag against write rate."""
+    volume = work / "writer"
+    shutil.copytree(args.index, volume)
+    command, writer = serve(volume, "--publish", url, "--publish-interval-s", "0.2",
+                            "--no-warmup")
+    with process(command, work / "writer.log", env) as writer_proc:
+        wait_ready(writer, writer_proc)
+        started = time.perf_counter()
+        # A fenced writer stands by (a follower's status, no published_generation) until its first
+        # look at the store finds the lease free and takes it.
+        while http().get(f"{writer}/readyz", timeout=10).json()["replication"].get("published_generation") is None:
+            time.sleep(0.1)
+        results["first_publish_s"] = round(time.perf_counter() - started, 2)
+        size = sum(p.stat().st_size for p in args.index.rglob("*") if p.is_file())
+        results["index_bytes"] = size
+
+        # Catch-up from empty: the lag study's follower starts from an empty directory too, so
+        # its start is the first run; the other repeats start (and stop) a follower each.
+        catch_up = []
+        for r in range(1, args.repeats if "catch-up" in studies else 0):
+            command, follower = serve(work / f"empty-{r}", "--follow", url, "--no-warmup")
+            started = time.perf_counter()
+            with process(command, work / f"catch-up-{r}.log", env) as proc:
+                wait_ready(follower, proc)
+                catch_up.append(time.perf_counter() - started)
+            shutil.rmtree(work / f"empty-{r}")
+
+        command, follower = serve(work / "follower", "--follow", url, "--follow-interval-s", "0.2", "--no-warmup")
+        started = time.perf_counter()
+        with process(command, work / "follower.log", env) as proc:
+            wait_ready(follower, proc)
+            if "catch-up" in studies:
+                catch_up.insert(0, time.perf_counter() - started)
+                results["catch_up_s"] = {"runs": [round(s, 2) for s in catch_up],
+                                         "median": round(median(catch_up), 2)}
+                print(f"catch-up from empty: median {median(catch_up):.1f} s over {len(catch_up)} "
+                      f"({size / 2**20:.0f} MiB index; first publish {results['first_publish_s']} s)", flush=True)
+            lag_rows = []
+            for rate in [float(r) for r in args.rates.split(",")] if "lag" in studies else []:
+                row = asyncio.run(lag_at_rate(writer, follower, rate, args.seconds, f"r{rate:g}"))
+                lag_rows.append(row)
+                print(f"rate {rate:g}/s: {row['writes']} writes, lag p50 {row['lag_ms'].get('p50', 0):.0f} ms, "
+                      f"p99 {row['lag_ms'].get('p99', 0):.0f} ms, failed {row['failed']}", flush=True)
+            results["lag"] = lag_rows
+
+
+
+def put_round(base: str, tag: str, writes: int, clients: int) -> tuple[list[float], float]:
+    """`writes` PUTs by `clients` threads: each write's latency (ms) and the round's writes/s."""
+    latencies: list[float] = []
+
+    def one(i: int) -> None:
+        started = time.perf_counter()
+        answer = http().put(f"{base}/v1/documents/{tag}-{i}", timeout=120,
+                            json={"text": f"acknowledgement probe {tag}-{i} about glacial moraines"})
+        answer.raise_for_status()
+        latencies.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, range(writes)))
+    return latencies, writes / (time.perf_counter() - started)
+
+
+def compare_acks(args: argparse.Namespace, work: Path, env: dict[str, str], url: str) -> dict[str, Any]:
+    """A fenced writer against a writer that publishes nothing, rounds alternating (see study 4)."""
+    volumes = {name: work / f"ack-{name}" for name in ("publish", "local")}
+    for volume in volumes.values():
+        shutil.copytree(args.index, volume)
+    commands = {"publish": serve(volumes["publish"], "--publish", url), "local": serve(volumes["local"])}
+    single: dict[str, list[float]] = {name: [] for name in commands}
+    rates: dict[str, list[float]] = {name: [] for name in commands}
+    with contextlib.ExitStack() as stack:
+        for name, (command, base) in commands.items():
+            wait_ready(base, stack.enter_context(process(command, work / f"ack-{name}.log", env)))
+        for name, (_, base) in commands.items():  # the first writes of each (caches, the encoder's first batches)
+            put_round(base, f"warm-{name}", 4, 1)
+        for r in range(args.ack_rounds):
+            for name, (_, base) in commands.items():
+                single[name] += put_round(base, f"one-{r}", args.ack_writes, 1)[0]
+                rates[name].append(put_round(base, f"four-{r}", args.ack_writes, 4)[1])
+    return {("ack after the publish (--publish)" if name == "publish" else "ack on the local commit"): {
+        "p50_ms": round(percentiles(single[name])["p50"], 1), "p99_ms": round(percentiles(single[name])["p99"], 1),
+        "writes_per_s": round(median(rates[name]), 2), "rates": [round(r, 2) for r in rates[name]]}
+        for name in commands}
 
 
 def compare_search(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
            "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI",
-           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE", "PRECISIONS", "INT8_MIN_OVERLAP", "LONG_QUERY_RULES"]
+           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE", "PRECISIONS", "INT8_MIN_OVERLAP", "LONG_QUERY_RULES",
+           "DEFAULT_LEASE_S", "MIN_LEASE_S", "MAX_LEASE_S"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
 READER_NAMES = ("kvikio", "memory", "mmap", "posix")
@@ -68,3 +69,10 @@ DEFAULT_BOW_DTYPE = "int8"
 PRECISIONS = ("fp32", "int8", "int8-unchecked")
 #: The int8 quality budget: the least mean top-10 overlap of its ranking with fp32's on the probe.
 INT8_MIN_OVERLAP = 0.95
+
+#: How long a fenced writer's lease lasts without a renewal (it renews every third of it): the
+#: time a standby waits before taking over from a writer that stopped answering
+#: (espn.live.replication.lease), and the bounds `espn serve --writer-lease-s` takes.
+DEFAULT_LEASE_S = 10.0
+MIN_LEASE_S = 1.0
+MAX_LEASE_S = 3600.0

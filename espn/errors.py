@@ -28,6 +28,10 @@ __all__ = [
     "ReadOnlyIndexError",
     "WriteFailedError",
     "ObjectStoreError",
+    "WriterUnavailableError",
+    "WriterStandbyError",
+    "WriterSupersededError",
+    "SlotsMovingError",
     "StorageFullError",
     "PageMemoryBusyError",
     "storage_full",
@@ -162,6 +166,26 @@ class WriteFailedError(EspnError):
 class ObjectStoreError(EspnError):
     """Object storage cannot be reached, or an object an index needs is missing or unreadable
     there; the message names the object (s3://BUCKET/KEY), what it was needed for, and the cause."""
+
+
+class WriterUnavailableError(EspnError):
+    """This server cannot acknowledge a write now, and nothing of the write was acknowledged;
+    another server may (the partition's current writer) or this one soon. HTTP: 503."""
+
+
+class WriterStandbyError(WriterUnavailableError):
+    """This server stands by for a partition whose writer lease another process holds (or its own
+    lease is not renewed): it serves searches, and writes go to the lease holder."""
+
+
+class WriterSupersededError(WriterUnavailableError):
+    """Another writer took this partition over (a newer epoch on object storage): this one stops
+    acknowledging writes at once and becomes a follower. Nothing it did not publish was acknowledged."""
+
+
+class SlotsMovingError(WriterUnavailableError):
+    """A reshard is moving the id's hash slot to another partition: writes to it wait for the
+    switch (seconds) and then go to the new owner."""
 
 
 class StorageFullError(WriteFailedError):

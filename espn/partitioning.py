@@ -1,4 +1,5 @@
-"""Which partition owns a document: a stable hash of its id, modulo the partition count.
+"""Which partition owns a document: a stable hash of its id, modulo the partition count, or
+through a fixed number of hash slots and a shard map (espn.shard_map).
 
 `espn index --partitions S` places every document by this rule and records it in each
 partition's manifest (`partition: {index, count, by}`); the router sends a write to the
@@ -9,6 +10,12 @@ exist, so it cannot change under a running index. Changing S means a rebuild.
 The hash is FNV-1a 64 over the id's UTF-8 bytes: simple enough to restate in any language
 a client is written in, and computed here for a whole array of ids in one pass per byte
 column (no Python work per id at build time).
+
+Slots: `slot(id) = fnv1a64(id) mod SLOT_COUNT` (1,024). A shard map says which partition owns
+each slot, so ownership moves slot by slot (a reshard) while the hash never changes. A build
+of S partitions, S a power of two up to 1,024, placed every id exactly where the map that
+gives slot s to partition s mod S does: fnv mod S equals (fnv mod 1,024) mod S when S divides
+1,024, so such a build starts a map without moving a document.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ import numpy as np
 
 from .errors import WrongPartitionError
 
-__all__ = ["HASH_NAME", "PartitionLayout", "WrongPartitionError", "id_hashes", "owners", "owner"]
+__all__ = ["HASH_NAME", "SLOT_COUNT", "SLOT_HASH_NAME", "PartitionLayout", "WrongPartitionError", "id_hashes",
+           "owners", "owner", "slots_of", "slot_of"]
 
 HASH_NAME = "fnv1a64(utf8(id)) mod count"
+#: Hash slots of a shard map: fixed, so that a slot's owner can change while the hash does not.
+SLOT_COUNT = 1024
+SLOT_HASH_NAME = f"fnv1a64(utf8(id)) mod {SLOT_COUNT}"
 _OFFSET = np.uint64(0xCBF29CE484222325)
 _PRIME = np.uint64(0x100000001B3)
 
@@ -55,6 +66,16 @@ def owners(ids: np.ndarray, count: int) -> np.ndarray:
 def owner(doc_id: str, count: int) -> int:
     """The partition of one id (the router's call for a single write)."""
     return int(owners(np.array([doc_id.encode("utf-8")], dtype=bytes), count)[0])
+
+
+def slots_of(ids: np.ndarray) -> np.ndarray:
+    """The hash slot (0 .. SLOT_COUNT-1) of each id in a bytes array, [n] int64."""
+    return owners(ids, SLOT_COUNT)
+
+
+def slot_of(doc_id: str) -> int:
+    """The hash slot of one id."""
+    return owner(doc_id, SLOT_COUNT)
 
 
 @dataclasses.dataclass(frozen=True)

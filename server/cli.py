@@ -34,8 +34,8 @@ SERVE_GROUPS = (
     ("writes to a live index", ("read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments",
                                 "compact_merge_factor", "compact_base_ratio", "compact_deleted_fraction",
                                 "max_metadata_fields", "max_metadata_bytes", "max_index_fields", "page_memory_bytes")),
-    ("replication", ("publish", "publish_interval_s", "publish_keep", "follow", "follow_interval_s",
-                     "snapshot_dir")),
+    ("replication", ("publish", "publish_interval_s", "publish_keep", "writer_name", "writer_lease_s", "shard_map",
+                     "follow", "follow_interval_s", "advertise_url", "snapshot_dir")),
     ("operations", ("log_level", "warmup", "metrics_port", "trust_remote_code")),
 )
 

@@ -105,8 +105,11 @@ def _return_freed_memory() -> None:
 
 
 def _restore_follower() -> Optional[str]:
-    """A new follower (--follow, INDEX absent) starts from the newest generation; the error line, or None."""
-    follow, index = os.environ.get(f"{ENV_PREFIX}FOLLOW"), os.environ.get(f"{ENV_PREFIX}INDEX")
+    """A new follower (--follow, INDEX absent) starts from the newest generation, and so does a new
+    writer (--publish, INDEX absent: a standby, or the first writer of a partition a reshard
+    made); the error line, or None."""
+    index = os.environ.get(f"{ENV_PREFIX}INDEX")
+    follow = os.environ.get(f"{ENV_PREFIX}FOLLOW") or os.environ.get(f"{ENV_PREFIX}PUBLISH")
     if follow and index and not Path(index).exists():
         try:
             startup().restore(follow, Path(index))

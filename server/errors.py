@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from espn.errors import (ConflictError, CorpusError, DocumentNotFoundError, EspnError, IndexCorruptError,
                          IndexLockedError, IndexNotFoundError, InvalidParameterError, NotEnabledError,
-                         ReadOnlyIndexError, StorageFullError, TooLargeError, UnavailableError, WriteFailedError,
-                         WrongPartitionError)
+                         ReadOnlyIndexError, SlotsMovingError, StorageFullError, TooLargeError, UnavailableError,
+                         WriteFailedError, WriterStandbyError, WriterSupersededError, WrongPartitionError)
 
 __all__ = ["ApiError", "METHOD_NOT_ALLOWED_ROUTE", "allowed_methods", "error_response", "flat_routes", "library_error_response",
            "method_not_allowed_message", "register_exception_handlers"]
@@ -195,6 +195,9 @@ _LIBRARY: dict[type[EspnError], _Status] = {
     IndexLockedError: _Status(503, "index_busy", retry_after_s=2),
     StorageFullError: _Status(507, "insufficient_storage", retry_after_s=30, logged=True),
     WriteFailedError: _Status(503, "write_failed", retry_after_s=2),
+    WriterSupersededError: _Status(503, "writer_superseded", retry_after_s=1),
+    WriterStandbyError: _Status(503, "writer_standby", retry_after_s=1),
+    SlotsMovingError: _Status(503, "slots_moving", retry_after_s=1),
     IndexCorruptError: _Status(503, "index_corrupt", retry_after_s=10, logged=True),
     UnavailableError: _Status(503, "unavailable"),
 }

@@ -24,8 +24,10 @@ class RouterSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
 
-    shards: Annotated[list[str], NoDecode] = Field(
-        description="base URL of each partition's server, e.g. http://espn-part-0:8000 (comma-separated)")
+    shards: Annotated[list[str], NoDecode] = Field(default_factory=list, description="base URL of each partition's "
+                                                   "server (comma-separated); its replicas joined by | (http://a|http://b)")
+    shard_map: Optional[str] = Field(None, pattern=r"^s3://[^/\s]+", description="s3://BUCKET/PREFIX of a shard map: "
+                                     "partitions, replicas and writers from there (re-read) instead of --shards/--writers")
     writers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="base URL of each partition's writer (`espn serve --publish`), in the order of --shards "
@@ -98,9 +100,8 @@ class RouterSettings(BaseSettings):
     @field_validator("shards")
     @classmethod
     def _check_shards(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one shard URL is needed")
-        return _base_urls(value, "shard")
+        _base_urls([url for shard in value for url in shard.split("|")], "shard")  # no URL twice, even across partitions
+        return ["|".join(_base_urls(shard.split("|"), "shard")) for shard in value]
 
     @field_validator("writers")
     @classmethod
@@ -109,6 +110,8 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_writer_per_partition(self) -> "RouterSettings":
+        if (not self.shards) == (self.shard_map is None):
+            raise ValueError("give the partitions' URLs (--shards) or a shard map (--shard-map s3://...), one of them")
         if self.writers and len(self.writers) != len(self.shards):
             raise ValueError(f"--writers lists {len(self.writers)} URL(s) for {len(self.shards)} partition(s) in "
                              "--shards: give one writer per partition, in the same order")

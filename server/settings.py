@@ -160,6 +160,15 @@ class ServerSettings(IndexSettings, BaseSettings):
     publish_keep: Optional[int] = Field(None, ge=1, le=1_000_000,
                                         description="keep the newest N generations on object storage (and blobs "
                                                     "younger than an hour); unset: keep every generation")
+    writer_name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9._:@-]{1,100}$", description="--publish: this "
+                                       "writer's stable name in its partition's lease (a pod name); unset: the host name")
+    writer_lease_s: float = Field(_SERVED.writer_lease_s, ge=RULES.min_lease_s, le=RULES.max_lease_s,
+                                  description="--publish: the writer lease's length; a standby takes over from a "
+                                              "writer that has not renewed it this long")
+    advertise_url: Optional[str] = Field(None, pattern=r"^https?://[^\s/]+$", description="the base URL others reach "
+                                         "this server at (http://POD_IP:8000), where `espn route --shard-map` finds it")
+    shard_map: Optional[str] = Field(None, description="--publish: s3://BUCKET/PREFIX of the shard map this partition "
+                                     "is in: its slots say which ids it takes, and it takes part in reshards")
 
     # Writes to a live index (PUT/DELETE /v1/documents, POST /v1/documents/batch).
     read_only: Optional[bool] = Field(
@@ -209,7 +218,7 @@ class ServerSettings(IndexSettings, BaseSettings):
     def _absolute(cls, value: Optional[Path]) -> Optional[Path]:
         return value.expanduser().resolve() if value is not None else None
 
-    @field_validator("follow", "publish")
+    @field_validator("follow", "publish", "shard_map")
     @classmethod
     def _check_store_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and not (value.startswith("s3://") and value[5:].split("/", 1)[0]):
@@ -276,6 +285,8 @@ class ServerSettings(IndexSettings, BaseSettings):
             raise ValueError("--publish (this server writes) and --follow (it copies a writer) exclude each other")
         if self.publish is not None and self.read_only:
             raise ValueError("--publish makes this server the writer: it cannot also be --read-only")
+        if self.publish is not None and self.workers > 1:  # the lease holder is the process that acknowledges
+            raise ValueError("--publish runs one worker (--workers 1); searches scale on followers (--follow)")
         return self
 
     @model_validator(mode="after")
@@ -332,7 +343,8 @@ class ServerSettings(IndexSettings, BaseSettings):
             "read_only", "write_wait_s", "write_nice", "write_queue", "compact_max_segments", "compact_merge_factor",
             "compact_base_ratio", "compact_deleted_fraction", "max_metadata_fields", "max_metadata_bytes",
             "max_index_fields", "page_memory_bytes", "warmup", "follow", "follow_interval_s", "publish", "publish_interval_s",
-            "publish_keep", "snapshot_dir", "ram_mib", "record_cache_mb")}
+            "publish_keep", "writer_name", "writer_lease_s", "advertise_url", "shard_map", "snapshot_dir", "ram_mib",
+            "record_cache_mb")}
         indexes = self.index_map()
         return ServeConfig(indexes=indexes, default=next(iter(indexes)) if self.index is not None else None,
                            root=self.creation_root(), models=self.model_map(),

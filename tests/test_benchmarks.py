@@ -428,10 +428,11 @@ def test_bench_replication(sample_index: Path, results: Path, capsys, tmp_path: 
     # The search study's four servers are left out here: test_router.py serves the same router over
     # the same partitions and compares its rankings, which is what that study times.
     assert bench_replication.main(["--index", str(sample_index), "--quick", "--query-file", str(queries),
-                                   "--studies", "catch-up,lag"]) == 0
+                                   "--studies", "catch-up,lag,ack"]) == 0
     payload = _check(results, "replication", capsys, png=False)
     assert payload["lag"][0]["writes"] == 4 and payload["lag"][0]["failed"] == 0
     assert payload["catch_up_s"]["median"] > 0 and "search_p50_ms" not in payload
+    assert all(row["writes_per_s"] > 0 and row["p50_ms"] > 0 for row in payload["ack"].values())
 
 
 def test_bench_explain(sample_index: Path, results: Path, capsys) -> None:

@@ -90,7 +90,14 @@ def _cases(sample_index: Path, tmp_path: Path) -> list[tuple[list[str], int, str
         (["serve", str(sample_index), "--port", "70000"], 2, "port (ESPN_PORT)"),
         (["serve", str(sample_index), "--workers", "two"], 2, "workers (ESPN_WORKERS)"),
         (["serve", str(sample_index), "--follow", "ftp://bucket"], 2, "follow (ESPN_FOLLOW)"),
-        (["route"], 2, "shards (ESPN_ROUTER_SHARDS) Field required"),
+        (["route"], 2, "give the partitions' URLs (--shards) or a shard map (--shard-map s3://...)"),
+        (["route", "--shard-map", "gs://bucket"], 2, "shard_map (ESPN_ROUTER_SHARD_MAP)"),
+        (["shard-map", "init", "s3://bucket/prefix"], 2, "shard-map init needs --partitions S"),
+        (["shard-map", "init", "s3://", "--partitions", "2"], 1, "expected s3://BUCKET[/PREFIX]"),
+        (["shard-map", "init", "s3://bucket/prefix", "--partitions", "3"], 1, "partitions must divide 1024"),
+        (["reshard", "s3://bucket/prefix"], 2, "the following arguments are required: --partitions, --work"),
+        (["reshard", "gs://bucket", "--partitions", "3", "--work", str(tmp_path / "work")], 1,
+         "expected s3://BUCKET[/PREFIX]"),
         (["route", "--shards", "ftp://a"], 2, "shard URL must be http(s)"),
         (["route", "--shards", "http://a:1", "--timeout-ms", "0"], 2, "timeout_ms (ESPN_ROUTER_TIMEOUT_MS)"),
     ]
@@ -114,6 +121,13 @@ def test_every_error_is_one_line(isolated: None, sample_index: Path, tmp_path: P
         assert len(lines) == 1 and lines[0].startswith(f"{command}: error: "), (argv, err)
         assert message in lines[0], (argv, lines[0])
         assert out == "", (argv, out)
+
+
+def test_a_writer_publishing_to_object_storage_runs_one_worker(isolated: None, sample_index: Path,
+                                                               capfd: pytest.CaptureFixture) -> None:
+    code = main(["serve", str(sample_index), "--publish", "s3://bucket/prefix", "--workers", "2"])
+    lines = capfd.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and "--publish runs one worker (--workers 1)" in lines[0], lines
 
 
 def _espn(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -369,9 +369,11 @@ def resolved_env(container: dict[str, Any], pod_labels: dict[str, str],
         if "value" in entry:
             env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), entry["value"])
         elif "fieldRef" in source:
-            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", source["fieldRef"]["fieldPath"])
-            assert label, source
-            env[entry["name"]] = pod_labels.get(label.group(1), "")
+            path = source["fieldRef"]["fieldPath"]
+            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+            assert label or path in ("metadata.name", "status.podIP"), source
+            # A pod's own name and address stand as <path>: known only to the kubelet.
+            env[entry["name"]] = pod_labels.get(label.group(1), "") if label else f"<{path}>"
         elif "configMapKeyRef" in source:
             ref = source["configMapKeyRef"]
             env[entry["name"]] = config_maps[ref["name"]][ref["key"]]
@@ -382,13 +384,14 @@ def _arg(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None:
+def test_replicated_overlay_has_a_writer_a_standby_and_followers_per_partition() -> None:
     docs = render(K8S / "overlays/replicated")
     config_maps = {c["metadata"]["name"]: c["data"] for c in _by_kind(docs, "ConfigMap")}
     services = {s["metadata"]["name"]: s for s in _by_kind(docs, "Service")}
     hpa_targets = {h["spec"]["scaleTargetRef"]["kind"] + "/" + h["spec"]["scaleTargetRef"]["name"]
                    for h in _by_kind(docs, "HorizontalPodAutoscaler")}
     jobs = {j["metadata"]["name"]: j for j in _by_kind(docs, "Job")}
+    pdbs = {b["metadata"]["name"]: b for b in _by_kind(docs, "PodDisruptionBudget")}
     merge_args = jobs["espn-index-merge"]["spec"]["template"]["spec"]["containers"][0]["args"]
     partitions = int(_arg(merge_args, "--partitions"))
     # The build writes OUT/part-P on the index store, which the writers mount at /store.
@@ -401,9 +404,13 @@ def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None
     published = {}
     for p in map(str, range(partitions)):
         writer, follower = writers[p], followers[p]
-        # One writer per partition, never autoscaled, with a volume of its own that survives it.
-        assert writer["metadata"]["name"] == f"espn-writer-{p}" and writer["spec"]["replicas"] == 1
+        # Two writers per partition (one holds the lease, one stands by), never autoscaled, a
+        # drain takes one at a time, each with a volume of its own that survives it.
+        assert writer["metadata"]["name"] == f"espn-writer-{p}" and writer["spec"]["replicas"] == 2
         assert f"StatefulSet/espn-writer-{p}" not in hpa_targets
+        assert pdbs[f"espn-writer-{p}"]["spec"]["maxUnavailable"] == 1
+        assert pdbs[f"espn-writer-{p}"]["spec"]["selector"]["matchLabels"].items() <= \
+            writer["spec"]["template"]["metadata"]["labels"].items()
         claim = writer["spec"]["volumeClaimTemplates"][0]
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
         assert writer["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
@@ -416,14 +423,20 @@ def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None
         env = resolved_env(container, labels, config_maps)
         store_url = config_maps[next(n for n in config_maps if n.startswith("espn-replication"))]["store-url"]
         assert env["ESPN_PUBLISH"] == f"{store_url}/part-{p}", env
+        assert env["ESPN_SHARD_MAP"] == store_url and env["ESPN_WRITER_NAME"] == "<metadata.name>", env
+        assert env["ESPN_ADVERTISE_URL"] == "http://<status.podIP>:8000", env  # the router finds the writer in its lease
         published[p] = env["ESPN_PUBLISH"]
+        shard_map = next(c for c in spec["initContainers"] if c["name"] == "shard-map")
+        map_env = resolved_env(shard_map, labels, config_maps)
+        assert map_env["ESPN_STORE_URL"] == store_url and int(map_env["ESPN_PARTITIONS"]) == partitions
+        assert "--exists-ok" in shard_map["args"][0]
         init = next(c for c in spec["initContainers"] if c["name"] == "restore-index")
         init_env = resolved_env(init, labels, config_maps)
         assert init_env["ESPN_PUBLISH"] == published[p]
         assert init_env["ESPN_INDEX_SOURCE"] == str(build_out / f"part-{p}")
         assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/var/lib/espn"] == mount["name"]
-        service = services[f"espn-writer-{p}"]
-        assert service["spec"]["selector"].items() <= labels.items()
+        service = services[f"espn-writer-{p}"]  # headless: the pods' names, not a way to write
+        assert service["spec"]["selector"].items() <= labels.items() and service["spec"]["clusterIP"] == "None"
         assert writer["spec"]["serviceName"] == f"espn-writer-{p}"
 
         # Followers: the server base, following what the writer publishes, from an empty local volume.
@@ -434,22 +447,40 @@ def test_replicated_overlay_has_one_writer_and_followers_per_partition() -> None
         env = resolved_env(container, labels, config_maps)
         assert env["ESPN_FOLLOW"] == published[p] and "ESPN_PUBLISH" not in env
         assert float(env["ESPN_FOLLOW_INTERVAL_S"]) > 0
+        assert env["ESPN_ADVERTISE_URL"] == "http://<status.podIP>:8000"  # registered as a replica for the router
         assert resolved_env(spec["initContainers"][0], labels, config_maps)["ESPN_FOLLOW"] == published[p]
         assert [c["name"] for c in spec["initContainers"]] == ["restore-index"]  # not a copy of the index store
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert "index-store" not in volumes and "ephemeral" in volumes["local-index"]
         assert services[f"espn-part-{p}"]["spec"]["selector"].items() <= labels.items()
 
-    # The router: searches to the followers, writes to the writers, both in partition order.
+    # The router: partitions, replicas and writers from the shard map beside the partitions.
     router = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "espn-router")
-    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-    shards, writer_urls = _arg(args, "--shards").split(","), _arg(args, "--writers").split(",")
-    assert len(shards) == len(writer_urls) == partitions
-    for number, (shard, writer_url) in enumerate(zip(shards, writer_urls)):
-        for url, name in ((shard, f"espn-part-{number}"), (writer_url, f"espn-writer-{number}")):
-            host, _, port = url.removeprefix("http://").partition(":")
-            assert host == name, url
-            assert int(port or 80) == services[name]["spec"]["ports"][0]["port"], url
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    env = resolved_env(container, router["spec"]["template"]["metadata"]["labels"], config_maps)
+    assert _arg(container["args"], "--shard-map") == "$(ESPN_STORE_URL)" and env["ESPN_STORE_URL"] == store_url
+    assert "--shards" not in container["args"] and "--writers" not in container["args"]
+
+
+def test_reshard_job_reshards_the_replicated_overlays_partitions() -> None:
+    docs = render(K8S / "overlays/replicated/reshard")
+    for doc in docs:
+        check_object(doc, "overlays/replicated/reshard")
+        assert doc["metadata"]["namespace"] == "espn"
+    job = next(d for d in docs if d["kind"] == "Job")
+    config_maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = resolved_env(container, job["spec"]["template"]["metadata"]["labels"], config_maps)
+    assert container["args"][:2] == ["reshard", "$(ESPN_STORE_URL)"] and _arg(container["args"], "--work") == "/work"
+    assert env["ESPN_STORE_URL"] == render_store_url() and int(env["ESPN_RESHARD_TO"]) > 1
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def render_store_url() -> str:
+    """The store-url overlays/replicated gives its pods (the reshard Job must name the same)."""
+    docs = render(K8S / "overlays/replicated")
+    return next(c["data"]["store-url"] for c in _by_kind(docs, "ConfigMap") if c["metadata"]["name"].startswith(
+        "espn-replication"))
 
 
 def test_object_storage_credentials_come_only_from_a_secret(rendered: tuple[str, list[dict[str, Any]]]) -> None:

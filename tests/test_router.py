@@ -173,6 +173,26 @@ def test_failed_shard_gives_a_partial_answer(broken: Any, error: str) -> None:
         assert body["failed_shards"][0]["shard"] == B and body["failed_shards"][0]["error"] == error
 
 
+def test_a_partition_whose_replica_fails_is_answered_by_its_other_replica() -> None:
+    a2 = "http://shard-a2:8000"
+    dead, healthy, other = FakeShard({}, status=503), FakeShard({"a0": 0.5, "a1": 0.4}), FakeShard({"b0": 0.45})
+    replicas = {A: dead, a2: healthy, B: other}
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await replicas[f"{request.url.scheme}://{request.url.host}:{request.url.port}"](request)
+
+    settings = RouterSettings(shards=[f"{A}|{a2}", B], timeout_ms=500)  # partition 0 has two replicas
+    with TestClient(build_router_app(settings, transport=httpx.MockTransport(route))) as client:
+        for query in ("q", "query two", "three"):
+            body = client.post("/v1/search", json={"query": query, "k": 3}).json()
+            assert body["partial"] is False and body["stats"]["shards_total"] == 2
+            expected = _brute_force([healthy, other], query, 3)
+            assert [(h["id"], h["score"]) for h in body["results"]] == expected
+        assert client.get("/v1/documents/a1").status_code == 200
+    # Failed once, then tried after its sibling for REPLICA_COOLDOWN_S: one wasted call, not one per search.
+    assert len(dead.requests) == 1 and len(healthy.requests) == 4
+
+
 def test_no_shard_answers_is_503() -> None:
     with _router({A: FakeShard({}, status=503, ready=False), B: FakeShard({}, delay_s=5)}, timeout_ms=100) as client:
         response = client.post("/v1/search", json={"query": "q", "k": 3})

@@ -2,11 +2,12 @@
 
 An entry point opens a registry of named indexes (`open_engines`) and asks each index, as an
 `Engine`, for searches, documents, writes and snapshots, passing and receiving the plain
-dataclasses declared here; `RULES` states what the library accepts from outside. Nothing an
-entry point needs lies behind it (tests/test_code_layout.py holds the server to this module
-and `espn.errors`), and nothing here is a re-export of the library's internals: the engine's
-implementation (espn.engine.registry and below) loads torch and FAISS only when the first
-registry opens, so importing the door stays light.
+dataclasses declared here; `RULES` states what the library accepts from outside; a router
+places ids and fuses partitions through `PARTITIONS` and follows a shard map on object storage
+through `ShardMapView`. Nothing an entry point needs lies behind it (tests/test_code_layout.py
+holds the server to this module and `espn.errors`), and nothing here is a re-export of the
+library's internals: the engine's implementation (espn.engine.registry and below) loads torch
+and FAISS only when the first registry opens, so importing the door stays light.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..results import Document
 from .config import DEFAULT_INDEX_NAME, IndexConfig, ServeConfig
 from .messages import (IndexInfo, IndexLimits, Lifecycle, QueryAnswer, Readiness, SearchAnswer, SearchOptions,
                        SnapshotInfo)
-from .partitions import PARTITIONS
+from .partitions import PARTITIONS, ShardMapView
 from .protocol import Engine, Engines, NullObserver, Observer
 from .rules import RULES
 
@@ -31,8 +32,8 @@ __all__ = [
     # what goes in and out
     "SearchOptions", "SearchAnswer", "QueryAnswer", "Document", "NewDocument", "WriteResult", "SnapshotInfo",
     "IndexInfo", "IndexLimits", "Lifecycle", "Readiness",
-    # what the library accepts from outside, a router's partitioning, the once-per-server steps
-    "RULES", "PARTITIONS", "startup",
+    # what the library accepts from outside, a router's partitioning and shard maps, the once-per-server steps
+    "RULES", "PARTITIONS", "ShardMapView", "startup",
 ]
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ..choices import DEFAULT_LEASE_S
 from ..files import is_index_directory
 from ..pages.memory import DEFAULT_PAGE_MEMORY_BYTES
 from .rules import RULES
@@ -38,7 +39,11 @@ class IndexConfig:
     Writing: read_only (None: decided from the index's files), the writer lock's wait, the
     write threads' nice level, the queue, the compaction policy, the metadata limits, and
     the decoded page images this process holds at once (espn.pages.memory).
-    Replication: follow or publish an object-store prefix; snapshot_dir for snapshots by name.
+    Replication: follow or publish an object-store prefix; a publishing writer is fenced by a
+    lease on the store (writer_name in it, None: the host name; writer_lease_s) and takes the
+    slots of a shard map (shard_map) when given one; advertise_url is where others reach this
+    server (written into its lease, or its replica record when it follows); snapshot_dir for
+    snapshots by name.
     """
 
     reader: Optional[str] = None
@@ -75,6 +80,10 @@ class IndexConfig:
     publish: Optional[str] = None
     publish_interval_s: float = 0.5
     publish_keep: Optional[int] = None
+    writer_name: Optional[str] = None
+    writer_lease_s: float = DEFAULT_LEASE_S
+    advertise_url: Optional[str] = None
+    shard_map: Optional[str] = None
     snapshot_dir: Optional[Path] = None
 
     def replace(self, **changes: Any) -> "IndexConfig":

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from ..choices import READER_NAMES
+from ..choices import MAX_LEASE_S, MIN_LEASE_S, READER_NAMES
 from ..errors import RefusedInputError
 from ..files import is_index_directory
 from ..filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
@@ -61,6 +61,9 @@ class InputRules:
     index_name_pattern = INDEX_NAME_PATTERN
     index_name_rule = INDEX_NAME_RULE
     reader_names = READER_NAMES
+    # replication: the bounds of a fenced writer's lease (espn.live.replication.lease)
+    min_lease_s = MIN_LEASE_S
+    max_lease_s = MAX_LEASE_S
 
     @staticmethod
     def has_text(query: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,8 +21,8 @@ from ..encoders.shared import SharedEncoders
 from ..errors import EspnError, IndexNotFoundError, NotEnabledError, ReadOnlyIndexError, UnavailableError
 from ..files import is_index_directory
 from ..live.checks import NewDocument, WriteResult
+from ..live.replication.fenced import FencedWriter
 from ..live.replication.follower import Follower
-from ..live.replication.publisher import Publisher
 from ..live.snapshot import default_name, remove_leftovers, snapshot, snapshots_in
 from ..live.staging import remove_write_leftovers
 from ..live.status import read_only_reason
@@ -58,7 +59,7 @@ class ServedIndex:
         self.searching: Optional[Searching] = None
         self.writing: Optional[Writing] = None
         self.follower: Optional[Follower] = None
-        self.publisher: Optional[Publisher] = None
+        self.publisher: Optional[FencedWriter] = None  # --publish: the partition's writer while it holds the lease
         self.read_only: Optional[bool] = None
         self.documents = documents  # as of its last open, write or close
         self.memory_bytes: Optional[int] = None
@@ -178,11 +179,21 @@ class ServedIndex:
             self.observer.set_reader(str(reader.get("reader", searcher.reader_name)), str(reader.get("engine", "")))
             self.observer.set_record_cache(reader.get("record_cache"), reader.get("ram"))  # the split before a search
             self.observer.set_prefetch(searcher.prefetch_estimates)  # the verdict before the first search
-            if config.follow is not None:
-                self.follower = Follower(config.follow, self.path, config.follow_interval_s).start()
-            if config.publish is not None:
-                self.publisher = Publisher(config.publish, self.path, config.publish_interval_s,
-                                           config.publish_keep).start()
+            self._start_replication()
+
+    def _start_replication(self) -> None:
+        """--follow: a follower (a replica of its partition when it advertises a URL); --publish: a
+        fenced writer, which leads while it holds the partition's lease on the store and stands by
+        (following) while another process does."""
+        config = self.config
+        if config.follow is not None:
+            self.follower = Follower(config.follow, self.path, config.follow_interval_s,
+                                     advertise_url=config.advertise_url or "").start()
+        if config.publish is not None:
+            self.publisher = FencedWriter(config.publish, self.path, config.publish_interval_s, config.publish_keep,
+                                          name=config.writer_name or socket.gethostname(),
+                                          advertise_url=config.advertise_url or "", lease_s=config.writer_lease_s,
+                                          wait_s=config.write_wait_s, shard_map=config.shard_map).start()
 
     def warm(self) -> None:
         """In a worker thread: a search, and (unless read-only) the write path's encoder, so that the
@@ -241,7 +252,8 @@ class ServedIndex:
         with self._writing_made:  # the warm-up's thread and the first write may ask at once
             if self.writing is None:
                 self.writing = Writing(self.path, self.config, lambda generation: self._serve_newest(live),
-                                       lambda kind, seconds: self._compacted(live, kind, seconds))
+                                       lambda kind, seconds: self._compacted(live, kind, seconds),
+                                       fence=self.publisher)
             return self.writing
 
     @staticmethod

@@ -16,13 +16,14 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..errors import EspnError
 from ..live.checks import NewDocument, WriteLimits, WriteResult
 from ..live.commit import GroupCommit, lower_priority
 from ..live.compaction import CompactionPolicy, CompactionRunningError
 from ..live.live_index import LiveIndex
+from ..live.writer import WriteFence
 from ..metadata import MetadataLimits
 from .config import IndexConfig
 
@@ -36,17 +37,21 @@ class Writing:
 
     on_publish(generation): called on the publishing thread once a generation is durable, before
     its writers are answered (the search side swaps to it there); on_compacted(kind, seconds):
-    once a compaction of this process has been swapped in."""
+    once a compaction of this process has been swapped in. fence: a publishing writer's
+    (espn.live.replication.fenced.FencedWriter): every generation, a compaction's too, goes to
+    the store before it is committed and acknowledged, and only while this process leads."""
 
     def __init__(self, index: Path, config: IndexConfig, on_publish: Callable[[int], None],
-                 on_compacted: Callable[[str, float], None] = lambda kind, seconds: None) -> None:
+                 on_compacted: Callable[[str, float], None] = lambda kind, seconds: None,
+                 fence: Optional[WriteFence] = None) -> None:
         self.index = index
         self.config = config
+        self.fence = fence
         self.limits = WriteLimits(MetadataLimits(config.max_metadata_fields, config.max_metadata_bytes,
                                                  config.max_index_fields))
         self.policy = CompactionPolicy(config.compact_max_segments, config.compact_merge_factor,
                                        config.compact_base_ratio, config.compact_deleted_fraction)
-        self.committer = GroupCommit(LiveIndex(index, limits=self.limits), wait_s=config.write_wait_s,
+        self.committer = GroupCommit(LiveIndex(index, limits=self.limits, fence=fence), wait_s=config.write_wait_s,
                                      nice=config.write_nice, max_queued=config.write_queue, on_publish=on_publish)
         self._lock = threading.Lock()  # guards the compaction thread and `_closed`
         self._compaction: threading.Thread | None = None
@@ -100,7 +105,7 @@ class Writing:
 
     def _compact(self, kind: str) -> None:
         lower_priority(self.config.write_nice)  # the work before the swap takes what searches leave
-        compactor = LiveIndex(self.index, limits=self.limits)
+        compactor = LiveIndex(self.index, limits=self.limits, fence=self.fence)
         started = time.perf_counter()
         try:
             if kind == "refit":

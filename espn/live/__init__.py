@@ -23,7 +23,9 @@ live-index commands (espn.live.parsers) without loading FAISS before logging is 
   create.py        an index created empty (exact), and removing one from an index root
   commit.py        GroupCommit: writes that arrive together are published together
   snapshot.py      snapshots and restores of one generation
-  replication/     object storage: publish, follow, restore, retention
-  parsers.py       the parsers of `espn create | delete | compact | refit | stats | snapshot | restore | publish`
+  replication/     object storage: publish, follow, restore, retention, fenced writers, the shard
+                   map's store side, resharding
+  parsers.py       the parsers of `espn create | delete | compact | refit | stats | snapshot | restore |
+                   publish | shard-map | reshard`
   commands.py      their code (espn.cli runs it once logging is configured)
 """

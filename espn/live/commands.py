@@ -1,5 +1,5 @@
-"""`espn create | delete | compact | refit | stats | snapshot | restore | publish`: the commands that act on a
-live index.
+"""`espn create | delete | compact | refit | stats | snapshot | restore | publish | shard-map | reshard`:
+the commands that act on a live index or its partitions.
 
 Their parsers are espn.live.parsers (registered into the `espn` command by espn.cli, which
 runs these through its dispatch once logging is configured). `espn add`, whose bulk path
@@ -15,12 +15,16 @@ from typing import Any, Callable, Iterator
 
 from espn.encoders import encoder_from_spec
 from espn.errors import InvalidParameterError, UsageError
+from espn.partitioning import SLOT_COUNT
 from espn.store.ram_plan import plan_ram
 from espn.text.config import TextConfig
 
 from .create import NewIndex, create_index
+from .encoding import documents_encoded
 from .live_index import LiveIndex
+from .replication.cluster import describe_cluster, init_map
 from .replication.publisher import publish
+from .replication.reshard import Resharder
 from .replication.restore import restore_from_store
 from .replication.retention import apply_retention
 from .replication.store import is_store_url
@@ -28,7 +32,7 @@ from .snapshot import restore, snapshot
 from .status import live_stats
 
 __all__ = ["COMMANDS", "iter_ids_file", "print_write", "cmd_create", "cmd_delete", "cmd_compact", "cmd_refit",
-           "cmd_stats", "cmd_snapshot", "cmd_restore", "cmd_publish"]
+           "cmd_stats", "cmd_snapshot", "cmd_restore", "cmd_publish", "cmd_shard_map", "cmd_reshard"]
 
 
 def iter_ids_file(path: Path) -> Iterator[str]:
@@ -116,6 +120,34 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shard_map(args: argparse.Namespace) -> int:
+    if args.action == "init":
+        if args.partitions is None:
+            raise UsageError("shard-map init needs --partitions S (the build's partition count)")
+        shard_map = init_map(args.url, args.partitions, exists_ok=args.exists_ok)
+        if shard_map is None:
+            print(f"{args.url}: a shard map is there already; kept as it is")
+            return 0
+        print(f"{args.url}: shard map version {shard_map.version}: {args.partitions} partitions, "
+              f"{SLOT_COUNT // args.partitions} slots each")
+        return 0
+    print(json.dumps(describe_cluster(args.url), indent=2))
+    return 0
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    resharder = Resharder(args.url, args.work, wait_s=args.wait_s, announce=lambda line: print(line, flush=True))
+    reports = resharder.run(args.partitions)
+    for r in reports:
+        print(f"{r.move}: {r.slots} slots from partition {r.source} to {r.target}: {r.documents} documents "
+              f"({r.vectors} stored vectors), {r.deletes} deletes in {r.bundles} bundles of "
+              f"{r.bundle_bytes / 1e6:.1f} MB; {r.seconds:.1f} s ({r.frozen_s:.1f} s frozen)")
+    print(f"{args.url}: resharded to {args.partitions} partitions; {resharder.source_bytes / 1e6:.1f} MB fetched "
+          "from the sources")
+    print(f"documents encoded: {documents_encoded()}")  # stored records are copied: this process runs no model
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     ram_mib = getattr(args, "ram_mib", None)
     if ram_mib is not None and not ram_mib >= 0:
@@ -135,4 +167,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "snapshot": cmd_snapshot,
     "restore": cmd_restore,
     "publish": cmd_publish,
+    "shard-map": cmd_shard_map,
+    "reshard": cmd_reshard,
 }

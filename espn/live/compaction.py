@@ -181,8 +181,8 @@ def _merge(writer: IndexWriter, view: LiveView, plan: Plan, staging: Path, wait_
             segments = (*current.segments[:at], dataclasses.replace(merged, name=name),
                         *current.segments[at + len(sources):])
             side = side_on_swap(writer, current, number, lambda numbers: numbers)
-            writer.commit(Generation(number, current.base, current.base_documents, current.embeddings_bytes, segments,
-                                     current.tombstones, utc_now(), current.base_files, side))
+            number = writer.commit(Generation(number, current.base, current.base_documents, current.embeddings_bytes,
+                                              segments, current.tombstones, utc_now(), current.base_files, side)).number
         log.info("merged %d deltas (%d documents) into %s", len(sources), merged.documents, name)
         return number
 

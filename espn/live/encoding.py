@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -23,11 +24,25 @@ from espn.pages.decode import MAX_IMAGE_BYTES, SIGNATURE_BYTES, decode_image, op
 from espn.pages.memory import PageMemory, bounded_groups, page_cost, process_page_memory
 
 __all__ = ["EncodedDocuments", "encode_documents", "encode_page_documents", "decode_page_bytes", "page_header",
-           "reorder_chunk", "PAGE_BATCH_SIZE"]
+           "reorder_chunk", "PAGE_BATCH_SIZE", "documents_encoded"]
 
 #: Pages a write decodes and the model encodes together at most (fewer where their pixels are
 #: over espn.pages.memory.MAX_GROUP_BYTES).
 PAGE_BATCH_SIZE = 8
+
+_encoded = [0]  # documents this process has run through an encoder (the write path, a warm-up)
+_encoded_lock = threading.Lock()
+
+
+def documents_encoded() -> int:
+    """How many documents this process has encoded for writes: what a reshard must leave unchanged
+    (it copies stored records; a writer reports this in its status)."""
+    return _encoded[0]
+
+
+def _count(documents: int) -> None:
+    with _encoded_lock:
+        _encoded[0] += documents
 
 
 @dataclasses.dataclass
@@ -48,6 +63,7 @@ class EncodedDocuments:
     counts: np.ndarray
     images: list[bytes] | None = None
     grids: np.ndarray | None = None
+    stored: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -62,7 +78,7 @@ class EncodedDocuments:
         return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
                                 self.bow[gather], self.counts[picked],
                                 None if self.images is None else [self.images[i] for i in picked],
-                                None if self.grids is None else self.grids[picked])
+                                None if self.grids is None else self.grids[picked], self.stored)
 
     @classmethod
     def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
@@ -70,9 +86,11 @@ class EncodedDocuments:
         images = None if all(p.images is None for p in parts) else \
             [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
         grids = None if all(p.grids is None for p in parts) else concat_grids(parts)
+        if len({p.stored for p in parts}) > 1:
+            raise ValueError("stored vectors and encoder vectors are written differently: not one segment")
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                   np.concatenate([p.counts for p in parts]), images, grids)
+                   np.concatenate([p.counts for p in parts]), images, grids, parts[0].stored)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
@@ -81,6 +99,7 @@ def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, 
     path (no corpus or chunk files). Batches are bucketed by length as in the build; a title
     joins its text with `joiner`, the index's (`espn.corpus.index_title_joiner`)."""
     texts = [passage_text(title, text, joiner) for _, title, text, _ in documents]
+    _count(len(texts))
     order = encoder.batch_order(texts)
     parts = []
     for start in range(0, len(order), batch_size):
@@ -141,6 +160,7 @@ def encode_page_documents(encoder: Any, documents: Sequence[tuple[str, bytes, st
     exist; the model then embeds each group. The stored text and metadata follow the build's pages
     (indexing.pages): "page 1 of ID" unless a text is given, and `source` (the id) and `page` (1)
     added where the metadata has no such field."""
+    _count(len(documents))
     memory = process_page_memory() if memory is None else memory
     costs = []
     for doc_id, data, _, _, _ in documents:

@@ -17,7 +17,7 @@ from .checks import WriteLimits, WriteResult
 from .compaction import CompactionPolicy, Plan, run_compaction
 from .side_index import SideIndex
 from .text_side import own_side_indexes
-from .writer import IndexWriter
+from .writer import IndexWriter, WriteFence
 
 __all__ = ["LiveIndex"]
 
@@ -30,9 +30,10 @@ class LiveIndex(IndexWriter):
     """
 
     def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
-                 side_indexes: Sequence[SideIndex] | None = None) -> None:
+                 side_indexes: Sequence[SideIndex] | None = None, fence: WriteFence | None = None) -> None:
         root = Path(root).absolute()
-        super().__init__(root, encoder, limits, own_side_indexes(root) if side_indexes is None else side_indexes)
+        super().__init__(root, encoder, limits, own_side_indexes(root) if side_indexes is None else side_indexes,
+                         fence)
 
     def compact(self, wait_s: float = 0.0) -> WriteResult:
         """Rewrite the base from every segment's live documents (deleted ones dropped), from a

@@ -1,5 +1,5 @@
-"""The parsers of `espn create | delete | compact | refit | stats | snapshot | restore | publish`,
-the commands that act on a live index (their code: espn.live.commands).
+"""The parsers of `espn create | delete | compact | refit | stats | snapshot | restore | publish |
+shard-map | reshard`, the commands that act on a live index or its partitions (their code: espn.live.commands).
 
 FAISS-free: `espn --help` builds these without loading the writer, and FAISS loads after
 logging is configured (its loader's lines show with -v).
@@ -42,6 +42,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler
     _add_snapshot(sub, handler)
     _add_restore(sub, handler)
     _add_publish(sub, handler)
+    _add_shard_map(sub, handler)
+    _add_reshard(sub, handler)
 
 
 def add_wait_option(p: argparse.ArgumentParser) -> None:
@@ -109,4 +111,30 @@ def _add_publish(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", han
                    help="then keep only the newest N generations there (and the files they need); default: keep all")
     p.add_argument("--min-age-s", type=float, default=3600.0,
                    help="with --keep: never delete a stored file younger than this (a publish in progress; default 3600)")
+    p.set_defaults(handler=handler)
+
+
+def _add_shard_map(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("shard-map", help="write or show the shard map of a partitioned index on object storage "
+                                         "(which partition owns each of the 1,024 hash slots)")
+    p.add_argument("action", choices=("init", "show"), help="init: the map of a build's partitions (slot s to "
+                                                            "partition s mod S); show: the map, writers and replicas")
+    p.add_argument("url", help="s3://BUCKET/PREFIX: the map is PREFIX/shard-map.json, partition P's store PREFIX/part-P")
+    p.add_argument("--partitions", type=int, default=None, metavar="S",
+                   help="init: the build's partition count (a power of two up to 256)")
+    p.add_argument("--exists-ok", action="store_true",
+                   help="init: a map already there is no error (it is kept as it is: a reshard may have moved it on)")
+    p.set_defaults(handler=handler)
+
+
+def _add_reshard(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", handler: Handler) -> None:
+    p = sub.add_parser("reshard", help="move hash slots until S partitions hold them evenly, copying stored records "
+                                       "(no model runs) while writes go on")
+    p.add_argument("url", help="s3://BUCKET/PREFIX of the shard map")
+    p.add_argument("--partitions", type=int, required=True, metavar="S", help="the partition count to reach")
+    p.add_argument("--work", type=Path, required=True,
+                   help="a local directory for copies of the source partitions (as large as the largest one)")
+    p.add_argument("--wait-s", type=float, default=600.0,
+                   help="how long a step waits for a writer: a new partition's to start, a target's to take in a "
+                        "bundle, a source's to freeze its slots (default 600)")
     p.set_defaults(handler=handler)

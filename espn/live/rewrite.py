@@ -98,8 +98,8 @@ def _carry(writer: IndexWriter, snapshot: Generation, keep: np.ndarray, live_mas
         carried_dirs = {segments[0].first: writer.live_dir / segments[0].name} if carried else {}
         side = side_on_swap(writer, current, number, renumber,
                              SwapSource(writer.live_dir / name, carried_dirs, translated))
-        writer.commit(Generation(number, f"{LIVE_DIR}/{name}", n, end, segments, chain, utc_now(),
-                                 dict(manifest["files"]), side))
+        number = writer.commit(Generation(number, f"{LIVE_DIR}/{name}", n, end, segments, chain, utc_now(),
+                                          dict(manifest["files"]), side)).number
     log.info("rewrote the base: %d documents (%d carried over from writes during the rewrite)", n,
              sum(s.documents for s in segments))
     return number

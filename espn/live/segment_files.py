@@ -3,6 +3,7 @@ embeddings.bin) and a tombstone file. Called by the writer under its lock."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -37,6 +38,8 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     base = state.base
     # pooling and storage type as the build's; residual records against the base's centroids
     layout = StoreLayout.from_manifest(base.manifest["store"], base.path)
+    if documents.stored:  # vectors read back from an index's records: pooled already, written as they are
+        layout = dataclasses.replace(layout, pool_factor=1)
     n = len(documents)
     name = f"seg-{number:06d}"
     staging = live_dir / f"{name}.tmp"

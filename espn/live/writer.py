@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Protocol, Sequence, TypeVar
 
 import faiss
 import numpy as np
@@ -44,7 +44,7 @@ from PIL import Image
 
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
-from espn.errors import ConflictError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
+from espn.errors import ConflictError, EspnError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
 from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json_atomic
 from espn.corpus import index_title_joiner
 from espn.index import read_manifest
@@ -60,11 +60,31 @@ from .side_index import SideIndex
 from .staging import LOCK_FILE, collect_garbage, recover
 from .status import live_stats
 
-__all__ = ["IndexWriter"]
+__all__ = ["IndexWriter", "WriteFence", "FENCED_FILE"]
 
 log = logging.getLogger(__name__)
 
 W = TypeVar("W", bound="IndexWriter")
+
+#: live/FENCED: this index is published by a fenced writer (espn.live.replication.fenced); a
+#: writer without the fence refuses to write to it, since what it committed here would be on no store.
+FENCED_FILE = "FENCED"
+
+
+class WriteFence(Protocol):
+    """What stands between a writer and its acknowledgements when the index is published to
+    object storage under a lease (espn.live.replication.fenced.FencedWriter)."""
+
+    def admit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
+        """Raise if a write of these ids may not be taken now (not the writer; a slot owned elsewhere or moving)."""
+
+    def readmit(self, doc_ids: Sequence[str], layout: PartitionLayout) -> None:
+        """`admit` again under the writer lock, just before the write is published: what changed
+        since the write was queued (a slot frozen by a reshard) is refused here."""
+
+    def publish(self, root: Path, generation: Generation) -> Generation:
+        """Publish the generation (its files written, not yet committed here) to the store, under
+        the writer lock; returns it as published (renumbered if its number was taken)."""
 
 
 class IndexWriter:
@@ -74,11 +94,14 @@ class IndexWriter:
     `IndexWriter.open(root)` holds it until `close()` (use as a context manager). A second
     writer anywhere gets IndexLockedError (or waits up to `wait_s`). side_indexes: the
     indexes kept beside the vectors (none by default; espn.live.LiveIndex gives the index's own).
+    fence: with one, each generation is published to object storage before it is committed
+    here, and a write is admitted only while the fence allows (see WriteFence).
     """
 
     def __init__(self, root: Path | str, encoder: Encoder | None = None, limits: WriteLimits = WriteLimits(),
-                 side_indexes: Sequence[SideIndex] = ()) -> None:
+                 side_indexes: Sequence[SideIndex] = (), fence: WriteFence | None = None) -> None:
         self.root = Path(root).absolute()
+        self.fence = fence
         # read_manifest: a clear error for a path that is no index
         manifest = read_manifest(self.root)
         self.partition = PartitionLayout.from_manifest(manifest)
@@ -211,9 +234,13 @@ class IndexWriter:
         return outcome
 
     def check(self, upserts: Sequence[NewDocument], deletes: Sequence[str]) -> WriteRequest:
-        """`check_write`, then that this partition owns every id (WrongPartitionError)."""
+        """`check_write`, then that this partition owns every id (WrongPartitionError) and, with a
+        fence, that this writer may take the write now."""
         request = check_write(upserts, deletes, self.limits)
-        self.partition.check_owned(request.upserts + request.deletes)
+        if self.fence is not None:
+            self.fence.admit(request.upserts + request.deletes, self.partition)
+        else:
+            self.partition.check_owned(request.upserts + request.deletes)
         return request
 
     def encode(self, documents: Sequence[NewDocument], batch_size: int = 32) -> EncodedDocuments | None:
@@ -249,27 +276,44 @@ class IndexWriter:
             self.encode([NewDocument("warm-up", "a passage that warms the write path")])
 
     def publish(self, requests: Sequence[WriteRequest], encoded: Sequence[EncodedDocuments | None],
-                wait_s: float = 0.0) -> list[WriteResult | Exception]:
+                wait_s: float = 0.0, readmit: bool = True) -> list[WriteResult | Exception]:
         """Publish checked writes (`check_write`) and their encoded documents as one generation.
 
         The writes apply in order; each one's outcome is a WriteResult, or the error that
-        made it fail alone (DocumentNotFoundError, InvalidParameterError) while the others
-        publish. Takes the writer lock for the publish only (waiting up to `wait_s`).
-        """
+        made it fail alone (DocumentNotFoundError, InvalidParameterError; with a fence, what
+        its `readmit` refuses) while the others publish. Takes the writer lock for the publish
+        only (waiting up to `wait_s`). readmit False: the writer's own moves (a reshard's)."""
         if len(requests) != len(encoded):
             raise InvalidParameterError("publish: one encoding (or None) per write")
+        self.refuse_unfenced()
         with self.locked(wait_s) as current:
+            refused = self._readmit(requests) if readmit else {}
+            kept = [r for r in range(len(requests)) if r not in refused]
             state = self._state_of(current)
-            resolved = resolve_writes(state, requests, self.limits)
+            resolved = resolve_writes(state, [requests[r] for r in kept], self.limits)
             number = current.number
             if resolved.keep or len(resolved.tombstones):
+                documents = gather_kept([encoded[r] for r in kept], resolved.keep) if resolved.keep else None
                 try:
-                    number = self._publish(current, state, gather_kept(encoded, resolved.keep) if resolved.keep
-                                           else None, resolved.tombstones)
+                    number = self._publish(current, state, documents, resolved.tombstones)
                 except BaseException:
                     self._remove_unpublished()
                     raise
-        return [o if isinstance(o, Exception) else WriteResult(number, *o) for o in resolved.outcomes]
+        outcomes: list[WriteResult | Exception] = [refused.get(r, WriteResult(number)) for r in range(len(requests))]
+        for r, outcome in zip(kept, resolved.outcomes):
+            outcomes[r] = outcome if isinstance(outcome, Exception) else WriteResult(number, *outcome)
+        return outcomes
+
+    def _readmit(self, requests: Sequence[WriteRequest]) -> dict[int, Exception]:
+        """The writes the fence refuses now, by position (none without a fence)."""
+        refused: dict[int, Exception] = {}
+        if self.fence is not None:
+            for r, request in enumerate(requests):
+                try:
+                    self.fence.readmit(request.upserts + request.deletes, self.partition)
+                except EspnError as exc:
+                    refused[r] = exc
+        return refused
 
     def _publish(self, current: Generation, state: IndexState, documents: EncodedDocuments | None,
                  tombstones: np.ndarray) -> int:
@@ -281,9 +325,8 @@ class IndexWriter:
             embeddings_bytes = info.records[-1].stop
         chain = add_tombstones(self.live_dir, current.tombstones, tombstones, number)
         side = self._side_on_write(current, number, current.total, documents, tombstones)
-        self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes, tuple(segments),
-                               chain, utc_now(), current.base_files, side))
-        return number
+        return self.commit(Generation(number, current.base, current.base_documents, embeddings_bytes,
+                                      tuple(segments), chain, utc_now(), current.base_files, side)).number
 
     def _remove_unpublished(self) -> None:
         """After a publish that failed (a full disk, an I/O error), under the writer lock: what it
@@ -318,9 +361,28 @@ class IndexWriter:
                                                    documents, tombstones))
         return side
 
-    def commit(self, generation: Generation) -> None:
+    def refuse_unfenced(self) -> None:
+        """ReadOnlyIndexError when a fenced writer publishes this index and this writer has no fence."""
+        if self.fence is None and (self.live_dir / FENCED_FILE).exists():
+            raise ReadOnlyIndexError(f"{self.root} is published to object storage by a fenced writer (`espn serve "
+                                     "--publish`): write through that server, so that what is written is on the store")
+
+    def commit(self, generation: Generation, fetched: bool = False) -> Generation:
         """Publish (under the writer lock): the generation file, then CURRENT by rename; both
-        fsynced, then the directory. Then files no held generation needs are removed."""
+        fsynced, then the directory. Then files no held generation needs are removed.
+
+        With a fence, the generation goes to object storage first (it may come back renumbered)
+        and is committed here only once it is published there; if that fails nothing is
+        committed and the staged files are removed at once. `fetched`: a generation a follower
+        fetched from the store (published already). Returns the generation as committed."""
+        if not fetched:
+            self.refuse_unfenced()
+        if self.fence is not None and not fetched:
+            try:
+                generation = self.fence.publish(self.root, generation)
+            except BaseException:
+                recover(self.root)  # what this publish staged goes now, not at the next writer's lock
+                raise
         write_json_atomic(self.live_dir / generation.file_name, generation.to_json())
         checkpoint("generation")
         tmp = self.live_dir / "CURRENT.tmp"
@@ -334,6 +396,7 @@ class IndexWriter:
         log.info("published generation %d (%d segments, %d live documents)", generation.number,
                  len(generation.segments), generation.live_documents)
         self.collect_garbage()
+        return generation
 
     def collect_garbage(self) -> list[str]:
         """Remove the files of generations no reader holds (their shared lock); returns what went.

@@ -28,8 +28,12 @@ documents spread by a hash of their ids they differ by sampling noise only. Meas
 partitions of 300 SciFact abstracts (tests/test_router.py): the same top-10 set on most queries, and
 every routed hybrid ranking within the tolerance stated there.
 
-Nothing here is a cluster manager: the shard list is static configuration, and
-scheduling, discovery, restarts and load balancing over replicas belong to the platform.
+Where the partitions are (`routing`): static flags (`--shards`, a partition's replicas joined
+by `|`; `--writers`), or a shard map on object storage (`--shard-map`: which partition owns
+each hash slot, each partition's replicas and writer, read again every few seconds). A
+partition's searches go to its replicas in turn and a failed one is retried on the next.
+Nothing here is a cluster manager: scheduling and restarts belong to the platform, the map and
+the leases to the store, and the router only follows them.
 """
 
 from ..router_settings import RouterSettings

@@ -3,6 +3,7 @@ assembles the server; its lifespan opens the shards' client (and the writers).""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import AsyncIterator, Optional
@@ -20,6 +21,7 @@ from .deps import RouterState, router_error
 from .fanout import ClientError, Fanout, RouterMetrics
 from .index_path import RouterIndexRoutes
 from .routes import documents, health, search, writes
+from .routing import MapRouting, routing_for
 from .writers import WriterPool
 
 __all__ = ["build_router_app"]
@@ -33,20 +35,28 @@ def _lifespan(state: RouterState, transport: Optional[httpx.AsyncBaseTransport])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        connections = settings.max_connections * len(settings.shards)
+        routing = state.routing
+        watching: asyncio.Task[None] | None = None
+        if isinstance(routing, MapRouting):
+            await routing.start()  # no map, no router: a clear error at start, not 503s
+            watching = asyncio.create_task(routing.run(), name="espn-shard-map")
+        connections = settings.max_connections * max(1, len(settings.shards) or routing.partition_count())
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, transport=transport,
                                      trust_env=False) as client:
-            fanout = Fanout(client, list(settings.shards), timeout_s, state.metrics)
+            fanout = Fanout(client, lambda: routing.targets, timeout_s, state.metrics)
             state.fanout = fanout
-            state.writers = WriterPool(client, list(settings.writers), settings.write_timeout_ms / 1000.0,
-                                       fanout.record_failure)
-            logger.info("routing to %d shard(s): %s", len(settings.shards), ", ".join(settings.shards))
-            if settings.writers:
+            state.writers = WriterPool(client, routing, settings.write_timeout_ms / 1000.0, fanout.record_failure)
+            logger.info("routing to %d partition(s): %s", len(fanout.shards), ", ".join(fanout.shards))
+            if settings.shard_map is not None:
+                logger.info("partitions, replicas and writers from the shard map at %s", settings.shard_map)
+            elif settings.writers:
                 logger.info("writes to %d writer(s): %s", len(settings.writers), ", ".join(settings.writers))
             try:
                 yield
             finally:
+                if watching is not None:
+                    watching.cancel()
                 state.fanout = state.writers = None
 
     return lifespan
@@ -96,7 +106,7 @@ def _add_middleware(app: FastAPI, settings: RouterSettings) -> None:
 
 def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.AsyncBaseTransport] = None) -> FastAPI:
     """The router as a FastAPI app. `transport` replaces the network (tests)."""
-    state = RouterState(settings=settings, metrics=RouterMetrics())
+    state = RouterState(settings=settings, metrics=RouterMetrics(), routing=routing_for(settings))
     app = FastAPI(
         title="ESPN router",
         summary="Fans queries out to the partitions of an index and merges their top-k",
@@ -109,7 +119,7 @@ def build_router_app(settings: RouterSettings, *, transport: Optional[httpx.Asyn
     app.add_exception_handler(ApiError, _api_error)
     app.include_router(search.router)
     _add_middleware(app, settings)
-    app.include_router(writes.router if settings.writers else writes.no_writes_router)
+    app.include_router(writes.router if state.routing.takes_writes else writes.no_writes_router)
     app.include_router(documents.router)
     app.include_router(health.router)
     return app

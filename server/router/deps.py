@@ -15,6 +15,7 @@ from ..schemas import ErrorResponse
 from ..router_settings import RouterSettings
 from .fanout import Fanout, RouterMetrics
 from .models import ShardFailure
+from .routing import MapRouting, StaticRouting
 from .writers import WriterPool
 
 __all__ = ["RouterState", "get_router_state", "forwarded_headers", "router_error"]
@@ -35,6 +36,7 @@ class RouterState:
 
     settings: RouterSettings
     metrics: RouterMetrics
+    routing: StaticRouting | MapRouting  # the partitions, their replicas and writers (flags or a shard map)
     fanout: Optional[Fanout] = None  # the shards and their client, while the app runs
     writers: Optional[WriterPool] = None  # with --writers: one writer per partition
 
@@ -58,7 +60,7 @@ class RouterState:
     def unavailable(self, endpoint: str, failures: list[ShardFailure]) -> JSONResponse:
         """No partition answered: a 503 naming each failure."""
         self.metrics.requests.labels(endpoint=endpoint, status="503").inc()
-        return router_error(503, "no_shard_answered", f"none of the {len(self.settings.shards)} shard(s) answered",
+        return router_error(503, "no_shard_answered", f"none of the {len(failures)} shard(s) answered",
                             failed_shards=[f.model_dump() for f in failures])
 
 

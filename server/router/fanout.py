@@ -1,6 +1,7 @@
-"""Calling the partitions: one request to every shard at once, each bounded in time and in
-bytes, each answer checked (`.answers`); what failed is counted and named, never raised (a
-missing partition makes an answer partial)."""
+"""Calling the partitions: one request to every partition at once, each bounded in time and in
+bytes, each answer checked (`.answers`); a replica that fails is replaced by the partition's
+next one (`.routing.Target`), and what failed on every replica is counted and named, never
+raised (a missing partition makes an answer partial)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from .answers import MAX_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, error_body, fetch
 from .index_path import shard_path
 from .models import ShardFailure
+from .routing import Target
 
 __all__ = ["CALLER_ERRORS", "ClientError", "Fanout", "RouterMetrics", "shard_message"]
 
@@ -55,12 +57,18 @@ class RouterMetrics:
 
 @dataclasses.dataclass
 class Fanout:
-    """The shards, the client that calls them, and how long each call may take."""
+    """The client that calls the partitions, how long each call may take, and where they are
+    (`targets()`: the routing's partitions, each with its replicas)."""
 
     client: httpx.AsyncClient
-    shards: list[str]
+    targets: Callable[[], list[Target]]
     timeout_s: float
     metrics: RouterMetrics
+
+    @property
+    def shards(self) -> list[str]:
+        """Each partition's name (its URL, or its replicas joined by |), in partition order."""
+        return [target.name for target in self.targets()]
 
     async def call(self, shard: str, method: str, path: str, headers: dict[str, str],
                    json_body: Optional[dict[str, Any]], max_bytes: int = MAX_ANSWER_BYTES
@@ -88,34 +96,58 @@ class Fanout:
         return ShardFailure(shard=shard, error=error, message=message)
 
     async def search(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                     check: Callable[[PartitionAnswer, dict[str, Any]], T]) -> tuple[list[T], list[ShardFailure]]:
-        """POST `body` to every shard at once; returns (answers that passed `check`, failures).
-        An answer that fails it (BadAnswer: the wrong shape, a non-finite score, more hits than
-        asked) is that shard failing, as if it had not answered."""
-        calls = [self.call(shard, "POST", path, headers, body) for shard in self.shards]
-        answers: list[T] = []
+                     check: Callable[[PartitionAnswer, dict[str, Any]], T]
+                     ) -> tuple[list[tuple[Target, T]], list[ShardFailure]]:
+        """POST `body` to every partition at once; returns (each answering partition with its
+        answer that passed `check`, failures). A replica that fails (no answer in time, a 5xx,
+        an answer `check` refuses: the wrong shape, a non-finite score, more hits than asked)
+        is replaced by the partition's next replica; the partition fails when all have."""
+        targets = self.targets()
+        outcomes = await asyncio.gather(*(self.ask(target, path, body, headers, check) for target in targets))
+        answers: list[tuple[Target, T]] = []
         failures: list[ShardFailure] = []
         client_errors: list[ClientError] = []
-        for shard, outcome in zip(self.shards, await asyncio.gather(*calls)):
+        for target, outcome in zip(targets, outcomes):
             if isinstance(outcome, ShardFailure):
                 failures.append(outcome)
-                continue
-            status = outcome.status
-            # A 404 for a named index (/v1/indexes/{name}/...): the shards do not hold that index.
-            if status in CALLER_ERRORS or (status == 404 and shard_path(path) != path):
-                client_errors.append(ClientError(status, error_body(outcome, "shard_error")))
-                continue
-            if status != 200:
-                failures.append(self.record_failure(shard, f"http_{status}", shard_message(outcome)))
-                continue
-            try:
-                answers.append(check(outcome, body))
-            except BadAnswer as exc:
-                failures.append(self.record_failure(shard, "bad_response", str(exc)))
+            elif isinstance(outcome, ClientError):
+                client_errors.append(outcome)
+            else:
+                answers.append((target, outcome))
         if client_errors:
             # Every partition validates the same request the same way: pass the first on.
             raise client_errors[0]
         return answers, failures
+
+    async def ask(self, target: Target, path: str, body: dict[str, Any], headers: dict[str, str],
+                  check: Callable[[PartitionAnswer, dict[str, Any]], T]) -> T | ShardFailure | ClientError:
+        """One partition's answer, from its replicas in turn: the first that checks, a caller
+        error (the request's own fault: no other replica would take it), or the last failure."""
+        failure: ShardFailure | None = None
+        for replica in target.order():
+            outcome = await self.call(replica, "POST", path, headers, body)
+            if isinstance(outcome, ShardFailure):
+                target.failed(replica)
+                failure = outcome
+                continue
+            status = outcome.status
+            # A 404 for a named index (/v1/indexes/{name}/...): the partitions do not hold that index.
+            if status in CALLER_ERRORS or (status == 404 and shard_path(path) != path):
+                return ClientError(status, error_body(outcome, "shard_error"))
+            if status != 200:
+                target.failed(replica)
+                failure = self.record_failure(replica, f"http_{status}", shard_message(outcome))
+                continue
+            try:
+                return check(outcome, body)
+            except BadAnswer as exc:
+                target.failed(replica)
+                failure = self.record_failure(replica, "bad_response", str(exc))
+        return failure or self.no_replica(target)
+
+    def no_replica(self, target: Target) -> ShardFailure:
+        """A partition with no replica to ask (none registered in the shard map)."""
+        return self.record_failure(target.name, "unreachable", f"partition {target.partition} has no replica")
 
 
 def shard_message(answer: PartitionAnswer) -> str:

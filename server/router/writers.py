@@ -23,6 +23,12 @@ naming the partition and saying the write is not confirmed; a writer's own refus
 is a 502. A batch is 200 only when every part checked.
 
 `GET /v1/documents/{id}` goes to the owner's search address only (its followers).
+
+With a shard map (`--shard-map`, `.routing.MapRouting`) the owner is the map's and the writer
+is the holder of the partition's lease; there is no /readyz check (each writer checks the ids
+against the same map), and a writer that says it is not the partition's writer (any more), or
+that cannot be reached, makes the router read the map and the leases again and send the write
+once more when another writer holds the partition now.
 """
 
 from __future__ import annotations
@@ -41,12 +47,17 @@ from ..schemas import ErrorResponse, WriteResponse
 from .answers import (MAX_SMALL_ANSWER_BYTES, AnswerTooLarge, BadAnswer, PartitionAnswer, check_readiness, check_write,
                       error_body, fetch, retry_after)
 from .index_path import shard_path
+from .routing import MapRouting, StaticRouting
 
-__all__ = ["RETRY_AFTER_S", "PASSED_ON", "WriteOutcome", "WriterPool", "relay", "writer_error"]
+__all__ = ["RETRY_AFTER_S", "PASSED_ON", "NOT_THE_WRITER", "WriteOutcome", "WriterPool", "relay", "writer_error"]
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2
+
+# A writer's answers that mean another process writes its partition now (nothing was applied):
+# with a shard map the router looks for that writer and sends the write there once more.
+NOT_THE_WRITER = frozenset({"writer_standby", "writer_superseded", "writer_unavailable"})
 
 # A writer's statuses passed on to the client as they are: its refusals (4xx) and what says
 # it could not take the write now (a gateway error, unavailable, a timeout, a full disk).
@@ -72,26 +83,32 @@ class WriteOutcome:
 
 @dataclasses.dataclass
 class WriterPool:
-    """The writers, one per partition, and what the router learnt of each."""
+    """The writers, one per partition (`routing`: the flags' or a shard map's), and what the router
+    learnt of each."""
 
     client: httpx.AsyncClient
-    writers: list[str]
+    routing: StaticRouting | MapRouting
     timeout_s: float
     on_failure: Callable[[str, str, str], object]
     verified: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def count(self) -> int:
-        return len(self.writers)
+        return self.routing.partition_count()
 
     def owner(self, doc_id: str) -> int:
-        return PARTITIONS.owner(doc_id, self.count)
+        return self.routing.owner(doc_id)
+
+    def _url(self, partition: int) -> str:
+        return self.routing.writer(partition) or f"(no writer holds partition {partition}'s lease)"
 
     async def _get(self, partition: int, method: str, path: str, headers: Optional[dict[str, str]] = None,
                    content: Optional[bytes] = None) -> PartitionAnswer | WriteOutcome:
         """The writer's answer within the time and byte limits, or the router's own outcome
         (503 unreachable, 504 timed out, 502 over the byte limit or undecodable)."""
-        url = self.writers[partition]
+        url = self.routing.writer(partition)
+        if url is None:
+            return self._down(partition, "no writer holds its lease (a standby takes it over within a lease length)")
         try:
             return await asyncio.wait_for(
                 fetch(self.client, method, url + shard_path(path), headers=headers, content=content,
@@ -108,10 +125,11 @@ class WriterPool:
 
     async def _verify(self, partition: int, headers: dict[str, str]) -> Optional[WriteOutcome]:
         """None when the writer reports partition p of S by the hash rule; else the outcome to give.
-        headers: the write's own (its API key: a server with keys tells its layout only to a key)."""
-        if partition in self.verified:
+        headers: the write's own (its API key: a server with keys tells its layout only to a key).
+        A shard map's writers check the ids against its slots themselves."""
+        if partition in self.verified or not self.routing.checks_layout:
             return None
-        url = self.writers[partition]
+        url = self._url(partition)
         key = {name: value for name, value in headers.items() if name.lower() == "authorization"}
         answer = await self._get(partition, "GET", "/readyz", key or None)
         if isinstance(answer, WriteOutcome):
@@ -136,7 +154,7 @@ class WriterPool:
         return None
 
     def _down(self, partition: int, why: str) -> WriteOutcome:
-        url = self.writers[partition]
+        url = self._url(partition)
         self.verified.discard(partition)
         self.on_failure(url, "writer_unavailable", why)
         return writer_error(503, "writer_unavailable", f"the writer of partition {partition} ({url}) is not "
@@ -145,7 +163,7 @@ class WriterPool:
 
     def _bad(self, partition: int, path: str, why: str,
              applied: str = "the write is not confirmed and may or may not have been applied; retry it") -> WriteOutcome:
-        url = self.writers[partition]
+        url = self._url(partition)
         self.verified.discard(partition)  # check its layout again before the next write
         self.on_failure(url, "bad_response", f"{path}: {why}")
         return writer_error(502, "bad_gateway", f"the writer of partition {partition} ({url}) answered {path} "
@@ -154,7 +172,21 @@ class WriterPool:
     async def write(self, partition: int, method: str, path: str, headers: dict[str, str], content: bytes,
                     upserts: list[str], deletes: list[str]) -> WriteOutcome:
         """Send one write to its partition's writer; applied only when the answer lists exactly
-        `upserts` and `deletes` as written (see the module doc for the statuses)."""
+        `upserts` and `deletes` as written (see the module doc for the statuses). With a shard
+        map, a writer that says it is not the partition's writer (any more), or that cannot be
+        reached, makes the router read the map again; the write goes once more when another
+        writer holds the partition now (nothing of it was applied by the first)."""
+        outcome = await self._write_once(partition, method, path, headers, content, upserts, deletes)
+        if self.routing.checks_layout or outcome.body.get("error") not in NOT_THE_WRITER:
+            return outcome
+        before = self.routing.writer(partition)
+        await self.routing.refresh()
+        if self.routing.writer(partition) in (None, before):
+            return outcome
+        return await self._write_once(partition, method, path, headers, content, upserts, deletes)
+
+    async def _write_once(self, partition: int, method: str, path: str, headers: dict[str, str], content: bytes,
+                          upserts: list[str], deletes: list[str]) -> WriteOutcome:
         refused = await self._verify(partition, headers)
         if refused is not None:
             return refused

@@ -15,6 +15,7 @@ from espn.errors import EspnError, IndexLockedError, ObjectStoreError
 from ...generation.format import LIVE_DIR, read_current
 
 from ..writer import IndexWriter
+from .cluster import Registration, member_name
 from .restore import fetch_piece
 from .store import ObjectStoreUrl, OncePerCause, failure_cause, latest_name, make_client, read_record
 
@@ -36,8 +37,10 @@ class Follower:
     the error in one sentence (logged once per cause, not at every poll).
     """
 
-    def __init__(self, url: str, index: Path, interval_s: float = 2.0) -> None:
+    def __init__(self, url: str, index: Path, interval_s: float = 2.0, advertise_url: str = "") -> None:
         self.where, self.url, self.index, self.interval_s = ObjectStoreUrl.parse(url), url, Path(index), interval_s
+        # With an advertised URL, a replica of its partition for `espn route --shard-map` (espn.live.replication.cluster).
+        self.registration = Registration(self.where, member_name(advertise_url), advertise_url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -57,11 +60,14 @@ class Follower:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
+        with contextlib.suppress(Exception):  # a replica that did not say goodbye ages out of the routers' view
+            self.registration.leave(self._client or make_client())
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.poll_once()
+                self.registration.beat(self._client, "replica", read_current(self.index).number)
                 with self._lock:
                     self._last_error = None
                 self._warnings.resolved(f"following {self.url}: fetching again")
@@ -104,7 +110,7 @@ class Follower:
                          if needed.sha256 is not None and needed.range is None and not needed.path.endswith("embeddings.bin")}
                 for piece in sorted(pieces, key=lambda p: p.start):  # a file's ranges in order
                     fetch_piece(client, self.where, self.index, piece, what, local)
-                writer.commit(remote)
+                writer.commit(remote, fetched=True)
         except IndexLockedError:
             return None  # another worker of this server is fetching it
         log.info("following %s: generation %d fetched and served", self.url, remote.number)

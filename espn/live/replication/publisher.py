@@ -1,5 +1,6 @@
 """Publishing generations to object storage: `publish` (one generation, `espn publish`) and
-`Publisher` (every generation of a served index, `espn serve --publish`)."""
+`Publisher` (every generation of an index, polled; espn.live.replication.fenced.FencedWriter,
+what `espn serve --publish` runs, builds on it)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,22 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, RefusedInputError
-from espn.files import checkpoint, sha256_file
+from espn.errors import EspnError, InvalidParameterError, ObjectStoreError, RefusedInputError
 from ...generation.format import held_generation, read_current
 from espn.untrusted import read_json_file
 
+from .fence import NumberTaken, advance_latest, upload_pieces, write_record
 from .retention import apply_retention
-from .store import (ObjectStoreUrl, OncePerCause, RangeReader, failure_cause, latest_name, make_client, naming_failures,
-                    object_exists, pieces_of, read_record, stored_blobs)
+from .store import (ObjectStoreUrl, OncePerCause, failure_cause, latest_name, make_client, pieces_of, read_record,
+                    stored_blobs)
 
 __all__ = ["PublishResult", "publish", "Publisher"]
 
 log = logging.getLogger(__name__)
+
+P = TypeVar("P", bound="Publisher")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,42 +45,28 @@ def publish(index: Path, url: str, client: Any = None, stored: set[str] | None =
     """Upload the index's current generation (what is not stored yet), then its record, then LATEST.
 
     The record is written only once every blob it names is known to be on the store: found by
-    a HEAD (or in `stored`), or uploaded by this call. `client`: a boto3 S3 client to reuse
-    (one is made by default). `stored`: sha256s of blobs checked on the store lately (by a
-    listing or a HEAD; not asked again; what this publish finds or uploads is added).
+    a HEAD (or in `stored`), or uploaded by this call; and only where no record of that number
+    is (one holding this same generation counts as written). LATEST moves by a conditional
+    write, never back, and never on a prefix a leased writer publishes to
+    (espn.live.replication.fence). `client`: a boto3 S3 client to reuse (one is made by
+    default). `stored`: sha256s of blobs checked on the store lately (by a listing or a HEAD;
+    not asked again; what this publish finds or uploads is added).
     """
     index, where = Path(index), ObjectStoreUrl.parse(url)
     if not (index / "manifest.json").is_file():
         raise InvalidParameterError(f"{index}: not an espn index (no manifest.json)")
     client = client or make_client()
     known = stored if stored is not None else set()
-    uploaded = uploaded_bytes = there = 0
     with held_generation(index) as generation:
         pieces = pieces_of(index, generation)
-        for piece in pieces:
-            name = f"blobs/{piece.sha256}"
-            if piece.sha256 in known or object_exists(client, where, name):
-                there += 1
-                known.add(piece.sha256)
-                continue
-            path = index / piece.path
-            if sha256_file(path, piece.start, piece.stop) != piece.sha256:
-                raise IndexCorruptError(f"{path}: bytes {piece.start}-{piece.stop} do not match the generation's "
-                                        "sha256; nothing of this generation was published")
-            with naming_failures(f"uploading {path} to {where.url(name)}"), RangeReader(path, piece.start, piece.stop) as body:
-                client.upload_fileobj(body, where.bucket, where.key(name))  # streamed (multipart when large)
-            uploaded, uploaded_bytes = uploaded + 1, uploaded_bytes + piece.size
-            known.add(piece.sha256)
-            checkpoint("uploaded")  # crash point: a writer killed mid-upload (tests/crash_serve.py)
-        record = {"generation": generation.to_json(), "pieces": [piece.to_json() for piece in pieces]}
-        name = generation.file_name
-        with naming_failures(f"writing {where.url(f'generations/{name}')}"):
-            client.put_object(Bucket=where.bucket, Key=where.key(f"generations/{name}"),
-                              Body=json.dumps(record).encode(), ContentType="application/json")
-        newest = latest_name(client, where)
-        if newest is None or newest < name:  # never move LATEST back (a slower, older publish racing a newer one)
-            with naming_failures(f"writing {where.url('LATEST')}"):
-                client.put_object(Bucket=where.bucket, Key=where.key("LATEST"), Body=name.encode())
+        uploaded, uploaded_bytes, there = upload_pieces(client, where, index, pieces, known)
+        try:
+            write_record(client, where, generation, pieces, None)
+        except NumberTaken:
+            raise ObjectStoreError(f"{where.url('generations/' + generation.file_name)} holds another generation "
+                                   f"{generation.number} (another index's, or a writer's that published there); "
+                                   "nothing was published: publish to a prefix of its own") from None
+        advance_latest(client, where, generation.file_name, None)
     log.info("%s: generation %d published to %s (%d blobs uploaded, %d bytes; %d already there)", index,
              generation.number, url, uploaded, uploaded_bytes, there)
     return PublishResult(generation.number, uploaded, uploaded_bytes, there)
@@ -125,12 +114,13 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._lock_fd = -1
         self._client: Any = None
+        self._record_lock = threading.Lock()
 
     @property
     def _state_path(self) -> Path:
         return self.index / "live" / "PUBLISHED"
 
-    def start(self) -> "Publisher":
+    def start(self: P) -> P:
         self._thread = threading.Thread(target=self._run, name="espn-publish", daemon=True)
         self._thread.start()
         return self
@@ -208,28 +198,38 @@ class Publisher:
             self._check_store()
         if current == self._published().get("generation") and not self._republish:
             return None
-        self._client = self._client or make_client()  # made once: a boto3 client costs tens of ms to make
-        assert self._stored is not None  # set by _check_store
-        result = publish(self.index, self.url, self._client, self._stored)
+        number = self._publish_current()
         self._republish = False
-        self._record(generation=result.generation)
+        self._record(generation=number)
         if self.keep is not None and time.monotonic() - self._retained_at > self.RETENTION_EVERY_S:
             self._retained_at = time.monotonic()
             self._stored = None  # retention deletes blobs: list again before the next publish
             apply_retention(self.url, self.keep)
-        return result.generation
+        return number
+
+    def _publish_current(self) -> int:
+        """Publish the current generation; its number."""
+        client = self._store_client()
+        assert self._stored is not None  # set by _check_store
+        return publish(self.index, self.url, client, self._stored).generation
+
+    def _store_client(self) -> Any:
+        """The boto3 client, made once (a client costs tens of ms to make) and again after a failure."""
+        self._client = self._client or make_client()
+        return self._client
 
     def _check_store(self) -> None:
         """List the store's blobs (what the next publish need not upload) and check that the
         published generation's record, its blobs and LATEST are all still there."""
-        self._client = self._client or make_client()
-        stored = stored_blobs(self._client, self.where)
+        # What was published is read before the listing: a publish that lands in between (a
+        # fenced writer's write path publishes beside this thread) is then not taken for a loss.
         published = self._published().get("generation")
+        stored = stored_blobs(self._store_client(), self.where)
         problem = None
         if published is not None:
             name = f"gen-{int(published):06d}.json"
-            checked = read_record(self._client, self.where, name)
-            latest = latest_name(self._client, self.where)
+            checked = read_record(self._store_client(), self.where, name)
+            latest = latest_name(self._store_client(), self.where)
             if checked is None:
                 problem = f"its record {self.where.url(f'generations/{name}')} is missing"
             else:
@@ -257,21 +257,22 @@ class Publisher:
 
     def _record(self, generation: int | None = None, error: str | None = None, lost: bool = False) -> None:
         """live/PUBLISHED: the generation the store holds whole (None once it lost it), the last error."""
-        state = self._published()
-        if generation is not None:
-            state.update(generation=generation, published_at=time.time())
-        if lost:
-            state["generation"] = None
-        state["error"] = error
-        state["attempt_at"] = time.time()
-        # Not write_json_atomic: its live/PUBLISHED.tmp is a *.tmp in live/, which the writer's
-        # crash recovery removes under the writer lock, not this one; the rename then failed.
-        scratch = self._state_path.with_name("PUBLISHED.next")
-        with open(scratch, "w", encoding="utf-8") as f:
-            json.dump(state, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(scratch, self._state_path)
+        with self._record_lock:  # the publishing thread and a fenced writer's write path
+            state = self._published()
+            if generation is not None:
+                state.update(generation=generation, published_at=time.time())
+            if lost:
+                state["generation"] = None
+            state["error"] = error
+            state["attempt_at"] = time.time()
+            # Not write_json_atomic: its live/PUBLISHED.tmp is a *.tmp in live/, which the writer's
+            # crash recovery removes under the writer lock, not this one; the rename then failed.
+            scratch = self._state_path.with_name("PUBLISHED.next")
+            with open(scratch, "w", encoding="utf-8") as f:
+                json.dump(state, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(scratch, self._state_path)
 
     def status(self) -> dict[str, Any]:
         """What /readyz reports: generations committed here but not yet on object storage, and

@@ -8,7 +8,11 @@ Layout under `s3://BUCKET/PREFIX/`:
     blobs/<sha256>              every file a generation needs, by content (so a file shared by
                                 many generations is stored once, and a retry re-uploads nothing)
     generations/gen-NNNNNN.json the generation record, plus where each of its files' bytes are
-    LATEST                      the name of the newest published generation record
+                                (written only where none is; with the epoch of its writer)
+    LATEST                      the name of the newest published generation record (and, under a
+                                leased writer, its epoch: `Latest`)
+    LEASE                       the writer lease (espn.live.replication.lease)
+    members/NAME.json           the partition's servers, for a router (espn.live.replication.cluster)
 
 `publish` holds the current generation (the writer's collector keeps its files), uploads the
 blobs that are not there yet, each checked against the sha256 the generation records, then
@@ -39,7 +43,8 @@ from espn.generation.format import MAX_CURRENT_BYTES, MAX_RECORD_BYTES, RECORD_N
 from espn.untrusted import load_json
 
 __all__ = ["ObjectStoreUrl", "Piece", "is_store_url", "make_client", "failure_cause", "naming_failures",
-           "object_exists", "read_object", "latest_name", "read_record", "checked_record", "pieces_of", "RangeReader",
+           "object_exists", "read_object", "read_object_tagged", "put_if", "Latest", "read_latest",
+           "latest_name", "read_record", "checked_record", "pieces_of", "RangeReader",
            "stored_blobs", "OncePerCause", "CHUNK_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _MISSING = ("404", "NoSuchKey", "NotFound")
+_HOLDER = re.compile(r"[A-Za-z0-9._:/@-]{0,200}\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +170,12 @@ def read_object(client: Any, where: ObjectStoreUrl, name: str, max_bytes: int) -
     """The object's bytes, None when it does not exist; an object of more than `max_bytes` is
     IndexCorruptError, found from its length before any byte is read (and never read past
     `max_bytes + 1` bytes, whatever the store says its length is)."""
+    found = read_object_tagged(client, where, name, max_bytes)
+    return None if found is None else found[0]
+
+
+def read_object_tagged(client: Any, where: ObjectStoreUrl, name: str, max_bytes: int) -> tuple[bytes, str] | None:
+    """`read_object`, with the object's ETag (what a conditional write of it names next)."""
     from botocore.exceptions import ClientError
 
     with naming_failures(f"reading {where.url(name)}"):
@@ -183,19 +195,85 @@ def read_object(client: Any, where: ObjectStoreUrl, name: str, max_bytes: int) -
         raise IndexCorruptError(f"{where.url(name)}: refused, {length} bytes (at most {max_bytes}); nothing was fetched")
     if len(data) > max_bytes:
         raise IndexCorruptError(f"{where.url(name)}: refused, over {max_bytes} bytes; nothing was fetched")
-    return data
+    return data, str(response.get("ETag", ""))
+
+
+def put_if(client: Any, where: ObjectStoreUrl, name: str, body: bytes, *, if_match: str | None = None,
+           if_absent: bool = False, content_type: str = "application/octet-stream") -> str | None:
+    """Write `name` only if it still has ETag `if_match` (or, `if_absent`, does not exist): the new
+    ETag, or None when the condition failed (someone else wrote it, or it went). Without either
+    condition the write is unconditional. A store without conditional writes answers 501 and this
+    raises ObjectStoreError: a fenced writer never falls back to writing blindly."""
+    from botocore.exceptions import ClientError
+
+    conditions: dict[str, str] = {}
+    if if_match is not None:
+        conditions["IfMatch"] = if_match
+    if if_absent:
+        conditions["IfNoneMatch"] = "*"
+    with naming_failures(f"writing {where.url(name)}"):
+        try:
+            response = client.put_object(Bucket=where.bucket, Key=where.key(name), Body=body,
+                                         ContentType=content_type, **conditions)
+        except ClientError as exc:
+            if conditions and _condition_failed(exc):
+                return None
+            raise
+    return str(response.get("ETag", ""))
+
+
+def _condition_failed(exc: BaseException) -> bool:
+    """412 (the ETag moved, or the object exists), 409 (a concurrent conditional write won) or, for
+    If-Match, 404 (the object is gone): another writer got there first."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict", *_MISSING) or status in (409, 412)
+
+
+@dataclasses.dataclass(frozen=True)
+class Latest:
+    """What LATEST says: the newest published generation record, the writer epoch that published
+    (or fenced) it, and the object's ETag, which the next conditional write names.
+
+    The body is the record's name alone while no leased writer ever published (epoch 0, the
+    format before writer leases), else `NAME\\nepoch E\\nholder H\\n`: a new epoch always
+    changes the bytes, so it always changes the ETag (a store's ETag may be the bytes' MD5)."""
+
+    name: str
+    epoch: int = 0
+    holder: str = ""
+    etag: str = ""
+
+    def body(self) -> bytes:
+        if self.epoch == 0:
+            return self.name.encode()
+        return f"{self.name}\nepoch {self.epoch}\nholder {self.holder}\n".encode()
+
+    @classmethod
+    def parse(cls, body: bytes, etag: str, what: str) -> "Latest":
+        lines = body.decode("utf-8", "replace").strip().splitlines() or [""]
+        name, fields = lines[0].strip(), dict(line.partition(" ")[::2] for line in lines[1:])
+        epoch = fields.get("epoch", "0")
+        holder = fields.get("holder", "")
+        if not RECORD_NAME.match(name) or not epoch.isdigit() or len(epoch) > 12 or not _HOLDER.match(holder):
+            raise IndexCorruptError(f"{what}: names {name[:80]!r} (epoch {epoch[:20]!r}), not a generation record "
+                                    "(gen-NNNNNN.json) and a writer epoch; nothing was fetched")
+        return cls(name, int(epoch), holder, etag)
+
+
+def read_latest(client: Any, where: ObjectStoreUrl) -> Latest | None:
+    """LATEST, parsed and checked, with its ETag; None before the first publish."""
+    found = read_object_tagged(client, where, "LATEST", MAX_CURRENT_BYTES)
+    return None if found is None else Latest.parse(found[0], found[1], where.url("LATEST"))
 
 
 def latest_name(client: Any, where: ObjectStoreUrl) -> str | None:
     """The record LATEST names (gen-NNNNNN.json sorts by number), or None before the first publish."""
-    body = read_object(client, where, "LATEST", MAX_CURRENT_BYTES)
-    if body is None:
-        return None
-    name = body.decode("utf-8", "replace").strip()
-    if not RECORD_NAME.match(name):
-        raise IndexCorruptError(f"{where.url('LATEST')}: names {name[:80]!r}, not a generation record "
-                                "(gen-NNNNNN.json); nothing was fetched")
-    return name
+    latest = read_latest(client, where)
+    return None if latest is None else latest.name
 
 
 def read_record(client: Any, where: ObjectStoreUrl, name: str) -> tuple[Generation, list[Piece]] | None:

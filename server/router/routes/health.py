@@ -28,11 +28,14 @@ async def healthz() -> HealthResponse:
             responses={503: {"model": HealthResponse}})
 async def readyz(state: RouterState = Depends(get_router_state)) -> Response:
     fan = state.require_fanout()
-    # Only the status is read: a ready partition answers 200, whatever its body says.
-    outcomes = await asyncio.gather(*(fan.call(s, "GET", "/readyz", {}, None, MAX_SMALL_ANSWER_BYTES)
-                                      for s in fan.shards))
-    ready = [s for s, o in zip(fan.shards, outcomes) if isinstance(o, PartitionAnswer) and o.status == 200]
-    detail = f"{len(ready)} of {len(fan.shards)} shard(s) ready"
+    # Only the status is read: a ready partition answers 200, whatever its body says; a
+    # partition is ready when one of its replicas is.
+    targets = fan.targets()
+    replicas = [(t.partition, url) for t in targets for url in t.replicas]
+    outcomes = await asyncio.gather(*(fan.call(url, "GET", "/readyz", {}, None, MAX_SMALL_ANSWER_BYTES)
+                                      for _, url in replicas))
+    ready = {p for (p, _), o in zip(replicas, outcomes) if isinstance(o, PartitionAnswer) and o.status == 200}
+    detail = f"{len(ready)} of {len(targets)} shard(s) ready"
     if ready:
         return JSONResponse(HealthResponse(status="ready", detail=detail).model_dump(exclude={"reader"}))
     return JSONResponse(HealthResponse(status="unavailable", detail=detail).model_dump(exclude={"reader"}),

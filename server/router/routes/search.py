@@ -11,6 +11,7 @@ from ...schemas import BatchSearchRequest, ErrorResponse, QueryError, SearchRequ
 from ..answers import check_batch, check_search
 from ..deps import RouterState, forwarded_headers, get_router_state
 from ..merge import fan_out_body, merge_responses
+from ..owners import owned_batches, owned_hits
 from ..models import RoutedBatchResponse, RoutedSearchAnswer, RoutedSearchResponse, ShardFailure, ShardsBatch
 
 __all__ = ["router"]
@@ -24,11 +25,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {422: {"model": ErrorResponse}, 503: 
              responses=_ERRORS)
 async def search(body: SearchRequest, request: Request, state: RouterState = Depends(get_router_state)) -> Any:
     started = time.perf_counter()
-    answers, failures = await state.require_fanout().search(
-        "/v1/search", fan_out_body(body), forwarded_headers(request), check_search)
-    if not answers:
+    fanout = state.require_fanout()
+    asked = fan_out_body(body)
+    answered, failures = await fanout.search("/v1/search", asked, forwarded_headers(request), check_search)
+    if not answered:
         return state.unavailable("search", failures)
-    merged = merge_responses(body.query, answers, body.k, len(state.settings.shards), failures,
+    answers = await owned_hits(fanout, state.routing, answered, asked, forwarded_headers(request))
+    merged = merge_responses(body.query, answers, body.k, len(fanout.shards), failures,
                              (time.perf_counter() - started) * 1000)
     state.observe("search", started, partial=merged.partial)
     return merged
@@ -39,12 +42,14 @@ async def search(body: SearchRequest, request: Request, state: RouterState = Dep
 async def search_batch(body: BatchSearchRequest, request: Request,
                        state: RouterState = Depends(get_router_state)) -> Any:
     started = time.perf_counter()
-    answers, failures = await state.require_fanout().search(
-        "/v1/search/batch", fan_out_body(body), forwarded_headers(request), check_batch)
-    if not answers:  # a shard that answered other queries than asked failed in check_batch
+    fanout = state.require_fanout()
+    answered, failures = await fanout.search("/v1/search/batch", fan_out_body(body), forwarded_headers(request),
+                                             check_batch)
+    if not answered:  # a shard that answered other queries than asked failed in check_batch
         return state.unavailable("batch", failures)
+    answers = owned_batches(state.routing, answered)
     route_ms = (time.perf_counter() - started) * 1000
-    responses, errors = _merge_batch(body, answers, failures, len(state.settings.shards), route_ms)
+    responses, errors = _merge_batch(body, answers, failures, len(fanout.shards), route_ms)
     state.observe("batch", started, partial=bool(failures))
     return RoutedBatchResponse(responses=responses, errors=errors, partial=bool(failures), failed_shards=failures)
 

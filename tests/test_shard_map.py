@@ -1,0 +1,152 @@
+"""The shard map (espn.shard_map) and what reads it: the router over replicas and a reshard.
+
+End to end with real processes and a real S3-compatible server (moto's), the scenarios of
+benchmarks/soak_partitions.py run short: 2 partitions x 2 replicas behind `espn route
+--shard-map`, one replica killed with SIGKILL during 300 searches (0 failed, the same rankings
+as the healthy run); and 4 clients writing through the router while `espn reshard` splits 2
+partitions into 3 and merges them back (every acknowledged document found once by id and by
+search, held by one partition, nothing encoded to move it).
+
+In process: the map's rules (a build's placement is the map's, crafted maps refused, plans
+that move the fewest slots) and its conditional writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+from benchmarks.scaleout import Cluster, Store  # noqa: E402
+from benchmarks.soak_partitions import check, replica_kill, split_and_merge  # noqa: E402
+
+from espn.engine import ShardMapView  # noqa: E402
+from espn.errors import IndexCorruptError, InvalidParameterError  # noqa: E402
+from espn.live.replication.cluster import (Registration, init_map, map_url, partition_url, read_map,  # noqa: E402
+                                           read_map_if_changed, write_map)
+from espn.live.replication.store import ObjectStoreUrl, make_client  # noqa: E402
+from espn.partitioning import SLOT_COUNT, owners  # noqa: E402
+from espn.shard_map import ShardMap, plan_moves  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[Store]:
+    server = Store("espn-shard-map")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_replica_killed_during_searches_fails_none_and_changes_no_ranking(store: Store, sample_partitions: Path,
+                                                                             tmp_path: Path) -> None:
+    cluster = Cluster(store, tmp_path)
+    try:
+        result = replica_kill(cluster, sample_partitions, tmp_path, searches=300)
+    finally:
+        cluster.stop()
+    check(result)
+
+
+@pytest.mark.slow
+def test_a_split_and_a_merge_under_writes_keep_every_document_once(store: Store, sample_partitions: Path,
+                                                                   tmp_path: Path) -> None:
+    cluster = Cluster(store, tmp_path)
+    try:
+        result = split_and_merge(cluster, sample_partitions, tmp_path, seconds=6.0)
+    finally:
+        cluster.stop()
+    check(result)
+    # Each finished move's report line (its progress lines, copying, freezing and switched, say the
+    # same move-id): 0->2 and 1->2, then 2->0 and 2->1.
+    reports = [line for line in result["split"] + result["merge"] if line.startswith("move-") and " documents (" in line]
+    pairs = sorted(tuple(map(int, re.search(r"from partition (\d+) to (\d+):", line).groups())) for line in reports)
+    assert pairs == [(0, 2), (1, 2), (2, 0), (2, 1)], result["split"] + result["merge"]
+
+
+def test_a_build_of_a_power_of_two_partitions_is_placed_as_its_initial_map_says() -> None:
+    ids = np.array([f"doc-{i}".encode() for i in range(5000)], dtype=bytes)
+    for count in (1, 2, 4, 8):
+        assert np.array_equal(ShardMap.initial(count).owners_of(ids), owners(ids, count))
+    with pytest.raises(InvalidParameterError, match="divide"):
+        ShardMap.initial(3)
+
+
+def test_plans_move_the_fewest_slots_and_balance_the_partitions() -> None:
+    shard_map = ShardMap.initial(2)
+    moves = plan_moves(shard_map, 3)
+    assert [(len(slots), source, target) for slots, source, target in moves] == [(170, 0, 2), (171, 1, 2)]
+    grown, _ = shard_map.with_partition("part-2")
+    for slots, source, target in moves:
+        grown, move = grown.with_move(slots, source, target)
+        assert grown.owner_array[slots].tolist() == [source] * len(slots)  # copying: still the source's
+        grown = grown.with_state(move.id, "freezing").with_state(move.id, "switched").without_move(move.id)
+    assert sorted(np.bincount(grown.owner_array).tolist()) == [341, 341, 342]
+    back = plan_moves(grown, 2)
+    assert [(source, target) for _, source, target in back] == [(2, 0), (2, 1)]
+    assert sum(len(slots) for slots, _, _ in back) == 341
+    with pytest.raises(InvalidParameterError, match="already moving"):
+        grown.with_move(back[0][0], 2, 0)[0].with_move(back[0][0][:1], 2, 1)
+
+
+@pytest.mark.parametrize("edit, rule", [
+    (lambda m: m.update(owners=m["owners"][:-1]), "owners"),
+    (lambda m: m.update(owners=[7] * SLOT_COUNT), "owners"),
+    (lambda m: m["partitions"][1].update(store="../elsewhere"), "relative prefixes"),
+    (lambda m: m["partitions"][1].update(store="part-0"), "distinct"),
+    (lambda m: m.update(slots=512), "slots"),
+    (lambda m: m.update(moves=[{"id": "move-000001", "slots": [1], "source": 0, "target": 1,
+                                "state": "copying"}]), "not owned by partition 0"),
+    (lambda m: m.update(moves=[{"id": "move-000001", "slots": [0], "source": 0, "target": 0,
+                                "state": "copying"}]), "free slots"),
+    (lambda m: m.update(version="7"), "integer"),
+])
+def test_a_crafted_map_is_refused_naming_the_rule(edit, rule: str) -> None:  # noqa: ANN001
+    stored = json.loads(ShardMap.initial(2).to_bytes())
+    edit(stored)
+    with pytest.raises(IndexCorruptError, match=rule):
+        ShardMap.parse(json.dumps(stored).encode(), "s3://b/shard-map.json")
+
+
+def test_the_map_moves_only_by_a_conditional_write_on_what_was_read(store: Store) -> None:
+    where, client = map_url(store.url("conditional-map")), make_client()
+    first = ShardMap.initial(2)
+    etag = write_map(client, where, first, None)
+    assert etag and write_map(client, where, first, None) is None  # one map per prefix
+    found = read_map(client, where)
+    assert found is not None and found[0] == first
+    assert read_map_if_changed(client, where, found[1]) is None  # unchanged: a 304, no body
+    grown = first.with_partition("part-2")[0]
+    assert write_map(client, where, grown, found[1]) is not None
+    assert write_map(client, where, grown.with_partition("part-3")[0], found[1]) is None  # read before the change
+    changed = read_map_if_changed(client, where, found[1])
+    assert changed is not None and changed[0].version == grown.version
+
+
+def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_view(store: Store) -> None:
+    """espn.engine.ShardMapView, what `espn route --shard-map` routes by: the map's partitions and
+    owners, each partition's registered replicas, no writer while no lease is held, and the next
+    view re-reading the members (the map itself only when its ETag moved)."""
+    url = store.url("view")
+    shard_map = init_map(url, 2)
+    assert shard_map is not None
+    view = ShardMapView.read(url)
+    ids = [f"doc-{i}" for i in range(200)]
+    assert view.version == shard_map.version and view.partitions() == [0, 1]
+    assert [view.owner(i) for i in ids] == [shard_map.owner(i) for i in ids]
+    assert view.owned(1, ids).tolist() == [shard_map.owner(i) == 1 for i in ids] and view.owned(0, []).size == 0
+    assert view.replicas(0) == [] and view.writer(0) is None
+    part = ObjectStoreUrl.parse(partition_url(url, shard_map, 0))
+    Registration(part, "replica-a", "http://replica-a:8000").beat(make_client(), "replica", 0)
+    after = ShardMapView.read(url, view)
+    assert after.replicas(0) == ["http://replica-a:8000"] and after.replicas(1) == [] and after.version == view.version
+    with pytest.raises(InvalidParameterError, match="no shard map"):
+        ShardMapView.read(store.url("no-map-here"))
