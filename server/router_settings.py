@@ -12,14 +12,13 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .auth import Keyring
 from .connection_limits import ConnectionLimits, check_connections_below_limit, connection_limits
-from .settings import ROUTER_ENV_PREFIX, LogLevel, check_api_key, keys_file
+from .settings import ROUTER_ENV_PREFIX, KeyedSettings, LogLevel
 
 __all__ = ["RouterSettings"]
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(KeyedSettings, BaseSettings):
     """Configuration of `espn route`; each field is `ESPN_ROUTER_<NAME>` in the environment."""
 
     model_config = SettingsConfigDict(env_prefix=ROUTER_ENV_PREFIX, extra="ignore", frozen=True)
@@ -61,23 +60,6 @@ class RouterSettings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0.0, le=3600.0,
                                   description="a request body must arrive whole within this many seconds, else 408")
     keep_alive_s: int = Field(5, ge=1, le=3600, description="how long an idle keep-alive connection is kept open")
-
-    @field_validator("api_key")
-    @classmethod
-    def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
-        return check_api_key(value)
-
-    @field_validator("api_keys_file")
-    @classmethod
-    def _check_api_keys_file(cls, value: Optional[Path]) -> Optional[Path]:
-        return keys_file(value)
-
-    @property
-    def keyed(self) -> bool:
-        return self.api_key is not None or self.api_keys_file is not None
-
-    def keyring(self) -> Keyring:
-        return Keyring(self.api_key.get_secret_value() if self.api_key is not None else None, self.api_keys_file)
 
     @model_validator(mode="after")
     def _check_max_connections(self) -> "RouterSettings":

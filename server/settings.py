@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from espn.engine import RULES, IndexConfig, ServeConfig
@@ -50,7 +50,33 @@ READER_NAMES = RULES.reader_names
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
-class ServerSettings(IndexSettings, BaseSettings):
+class KeyedSettings(BaseModel):
+    """What the server's and the router's settings share about API keys: each declares the two
+    fields (its own variables and words), this checks them and makes the keyring."""
+
+    api_key: Optional[SecretStr] = None
+    api_keys_file: Optional[Path] = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
+        return check_api_key(value)
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_api_keys_file(cls, value: Optional[Path]) -> Optional[Path]:
+        return keys_file(value)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether requests need an API key."""
+        return self.api_key is not None or self.api_keys_file is not None
+
+    def keyring(self) -> Keyring:
+        return Keyring(self.api_key.get_secret_value() if self.api_key is not None else None, self.api_keys_file)
+
+
+class ServerSettings(IndexSettings, KeyedSettings, BaseSettings):
     """Everything `espn serve` can be told; each field is `ESPN_<NAME>` in the environment."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
@@ -233,24 +259,6 @@ class ServerSettings(IndexSettings, BaseSettings):
         if value not in READER_NAMES:  # espn.store.READERS by name (tests/test_cli.py checks they agree)
             raise ValueError(f"reader must be one of {', '.join(READER_NAMES)}, got {value!r}")
         return value
-
-    @field_validator("api_key")
-    @classmethod
-    def _check_api_key(cls, value: Optional[SecretStr]) -> Optional[SecretStr]:
-        return check_api_key(value)
-
-    @field_validator("api_keys_file")
-    @classmethod
-    def _check_api_keys_file(cls, value: Optional[Path]) -> Optional[Path]:
-        return keys_file(value)
-
-    @property
-    def keyed(self) -> bool:
-        """Whether requests need an API key."""
-        return self.api_key is not None or self.api_keys_file is not None
-
-    def keyring(self) -> Keyring:
-        return Keyring(self.api_key.get_secret_value() if self.api_key is not None else None, self.api_keys_file)
 
     @model_validator(mode="before")
     @classmethod
