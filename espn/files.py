@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["is_index_directory", "resident_bytes", "fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within",
+__all__ = ["is_index_directory", "resident_bytes", "fsync_path", "fsync_tree", "sha256_file", "file_entry", "write_json_atomic", "flock_within", "process_alive",
            "lock_is_free", "remove_path", "utc_now", "checkpoint"]
 
 
@@ -101,6 +101,18 @@ def lock_is_free(path: Path, unlink: bool = False) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts): who may still own a lock, a slot or
+    a directory named after it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def remove_path(path: Path) -> None:

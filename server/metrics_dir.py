@@ -29,16 +29,6 @@ PREFIX = "espn-metrics-"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[A-Za-z0-9_]+$")
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: running
-        return True
-    return True
-
-
 def remove_stale(parent: Path | None = None) -> list[Path]:
     """Remove the metric directories of `espn serve` processes that are gone (see the module's
     docstring) from `parent` (default: the temporary directory); returns what went."""
@@ -59,7 +49,7 @@ def remove_stale(parent: Path | None = None) -> list[Path]:
             continue
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue
-        if _running(int(match[1])) or not startup().lock_is_free(path):
+        if startup().process_alive(int(match[1])) or not startup().lock_is_free(path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EspnError
-from ..files import lock_is_free
+from ..files import lock_is_free, process_alive
 from ..generation.segments import open_view
 from ..live.create import remove_leftovers
 from ..live.replication.restore import restore_from_store
@@ -62,6 +62,11 @@ class Startup:
     def lock_is_free(path: Path) -> bool:
         """Whether no process holds a lock on `path` (a directory a serving process owns while it lives)."""
         return lock_is_free(path)
+
+    @staticmethod
+    def process_alive(pid: int) -> bool:
+        """Whether process `pid` exists (espn.files.process_alive)."""
+        return process_alive(pid)
 
     @staticmethod
     def preload() -> None:

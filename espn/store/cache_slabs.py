@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import os
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidParameterError
+from ..files import process_alive
 from .cache_policy import POLICIES, VICTIM_SAMPLES, FrequencySketch, contenders, pick_victims
 
 __all__ = ["SlabPlan", "SlabStore", "plan_slabs", "class_sizes", "ALIGN", "MAX_CLASSES", "COUNTERS"]
@@ -252,7 +252,7 @@ class SlabStore:
     def drop_dead_reads(self) -> None:
         """Free the rows of processes that no longer exist (killed mid-read)."""
         for pid in np.unique(self.reads[self.reads[:, 0] != 0, 0]).tolist():
-            if not _alive(pid):
+            if not process_alive(pid):
                 self.reads[self.reads[:, 0] == pid, 0] = 0
 
     def count(self, name: str, n: int) -> None:
@@ -399,14 +399,6 @@ class SlabStore:
         return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _runs(sorted_values: np.ndarray) -> list[tuple[int, int]]:
