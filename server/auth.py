@@ -29,7 +29,6 @@ import fnmatch
 import hashlib
 import hmac
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -151,12 +150,12 @@ class Keyring:
 
 
 def _read(path: Path) -> tuple[tuple[bytes, Principal], ...]:
-    """The keys file's entries (ValueError naming the problem: too large, not JSON, wrong shape)."""
+    """The keys file's entries (ValueError naming the problem: not a regular file, too large, too
+    deeply nested, not JSON, wrong shape)."""
     try:
-        size = os.stat(path).st_size
-        if size > MAX_KEYS_FILE_BYTES:
-            raise ValueError(f"{size} bytes, at most {MAX_KEYS_FILE_BYTES}")
-        parsed = KeyFile.model_validate(RULES.load_json(path.read_bytes(), str(path), max_bytes=MAX_KEYS_FILE_BYTES))
+        # A link is followed: a Kubernetes Secret mounts its files as links into its own directory.
+        parsed = KeyFile.model_validate(RULES.read_json_file(path, "API keys file", max_bytes=MAX_KEYS_FILE_BYTES,
+                                                             follow_links=True, error=ValueError))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])

@@ -6,6 +6,7 @@ is reloaded without a restart; a bad file stops the server at start in one line.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from espn_server.auth import key_digest
+from espn_server.auth import MAX_KEYS_FILE_BYTES, check_keys_file, key_digest
 from espn_server.router import RouterSettings, build_router_app
 from helpers import HTTP_TIMEOUT_S, wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
@@ -142,6 +143,29 @@ def test_a_keys_file_that_does_not_read_stops_the_server_in_one_line(root: Path,
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("espn serve: error: api_keys_file") and "sha256" in last, done.stderr
+
+
+def test_a_keys_file_is_read_as_input_from_outside(tmp_path: Path) -> None:
+    """A FIFO is refused without blocking, an oversized or deeply nested file before it is parsed;
+    a link is followed (a Kubernetes Secret's files are links), as the server reads it at start
+    and at each reload."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (MAX_KEYS_FILE_BYTES + 1))
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"keys": ' + "[" * 10_000 + "]" * 10_000 + "}")
+    for path, words in [(fifo, "a FIFO, not a regular file"), (huge, f"at most {MAX_KEYS_FILE_BYTES}"),
+                        (deep, "nested")]:
+        with pytest.raises(ValueError, match=words) as refused:
+            check_keys_file(path)
+        assert "\n" not in str(refused.value)
+    real = tmp_path / "secret" / "keys.json"
+    real.parent.mkdir()
+    real.write_text(json.dumps({"keys": [{"name": "x", "sha256": key_digest("k" * 32), "role": "read",
+                                          "indexes": ["a"]}]}))
+    (tmp_path / "keys.json").symlink_to(real)
+    assert [p.name for p in check_keys_file(tmp_path / "keys.json")] == ["x"]
 
 
 def test_key_hash_prints_the_digest_a_keys_file_holds() -> None:

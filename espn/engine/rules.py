@@ -20,7 +20,7 @@ from ..ids import MAX_ID_BYTES, decode_doc_id, id_problem
 from ..pages.images import BASE64_PATTERN, MAX_BASE64_CHARS, MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE, decode_base64_image
 from ..params import (DEFAULT_RERANK_COUNT, MAX_CANDIDATES, MAX_K, MAX_LEXICAL_K, MAX_PREFETCH_K, MAX_PROBE,
                       MAX_QUERY_CHARS, MAX_RERANK, NO_TEXT_PATTERN, has_text)
-from ..untrusted import MAX_JSON_DEPTH, check_json_depth, load_json
+from ..untrusted import MAX_JSON_DEPTH, check_json_depth, load_json, read_json_file
 
 __all__ = ["InputRules", "RULES", "INDEX_NAME_PATTERN", "INDEX_NAME_RULE"]
 
@@ -96,6 +96,13 @@ class InputRules:
         """JSON from outside, bounded in size and depth before it is parsed; any failure is `error`.
         finite: every number parsed is a finite float (no NaN, Infinity, or past a float's range)."""
         return load_json(data, what, max_bytes=max_bytes, finite=finite, error=error)
+
+    @staticmethod
+    def read_json_file(path: Path, what: str, *, max_bytes: int, follow_links: bool = False,
+                       error: type[Exception] = RefusedInputError) -> Any:
+        """A JSON file read as input from outside: a regular file (never a FIFO or a device, opened
+        without blocking), bounded in size and depth before it is parsed; any failure is `error`."""
+        return read_json_file(path, what, max_bytes=max_bytes, follow_links=follow_links, error=error)
 
     @staticmethod
     def index_name_problem(name: str) -> Optional[str]:
