@@ -48,11 +48,14 @@ IMAGES_FILE = "page_images.bin"
 IMAGE_OFFSETS_FILE = "page_images_offsets.npy"
 GRIDS_FILE = "page_grids.npy"
 PAGE_IMAGE_FILES = (IMAGES_FILE, IMAGE_OFFSETS_FILE, GRIDS_FILE)
+#: The projection of the stored token vectors of an index created empty (espn.store.projection).
+PROJECTION_FILE = "projection.npy"
 #: Files an index holds where it has them, checksummed like the others: the pooling groups
-#: of pooled records (espn.pooling.groups), the page images of a page index (espn.pages.images).
+#: of pooled records (espn.pooling.groups), the page images of a page index (espn.pages.images),
+#: the projection a created index fitted on its own documents (espn.store.projection).
 #: Added within format 2: an index without them explains by re-encoding (has no images), and an
 #: older espn opens an index with them.
-OPTIONAL_FILES = (*POOL_GROUP_FILES, *PAGE_IMAGE_FILES)
+OPTIONAL_FILES = (*POOL_GROUP_FILES, *PAGE_IMAGE_FILES, PROJECTION_FILE)
 #: Below this total size `verify="auto"` hashes every file on open; above it only sizes
 #: and the small files (hashing tens of GB at every start would take minutes).
 FULL_VERIFY_LIMIT = 2 << 30

@@ -119,6 +119,7 @@ def test_a_created_index_is_empty_answers_searches_and_encoded_nothing(tmp_path:
     assert manifest["counts"] == {"documents": 0, "bow_vectors": 0} and manifest["fit"]["exact"] is True
     assert manifest["first_stage"]["kind"] == "exact" and manifest["ann"]["nlist"] == 1
     assert manifest["encoder"]["projection"] is None  # no PCA fitted on foreign text
+    assert manifest["fit"]["projection"] == 64  # fitted on its own token vectors once it has enough
     assert manifest["text"]["documents"] == 0
     assert (created / "docs.jsonl").stat().st_size == 0 and (created / "embeddings.bin").stat().st_size == 0
     with Searcher.open(created) as searcher:
@@ -245,3 +246,64 @@ def test_writes_during_a_refit_leave_its_progress_file_alone(created: Path) -> N
     with LiveIndex(created) as writer:
         writer.delete([ids[0]])
     assert not (live / "COMPACT.json.tmp").exists()
+
+
+def _maxsim(projection: np.ndarray, query: np.ndarray, document: np.ndarray) -> float:
+    """MaxSim of model-space vectors both projected as espn.store.projection projects them."""
+    q, d = (v @ projection for v in (query, document))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    return float((q @ d.T).max(axis=1).sum())
+
+
+def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_through_it(tmp_path: Path) -> None:
+    """A created index asked for a 16-d projection keeps the model's 32-d vectors while exact; its
+    first fitted base fits the PCA on its own records and projects them, the writes carried over
+    that re-fit and those after it are projected as they are stored, queries in the model's
+    dimensions go through it, and later re-fits keep it (the dropped dimensions are gone)."""
+    encoder = PrecomputedEncoder(DIM, DIM, bow_reduction="sum", learned_weight=0.0)
+    index = create_index(tmp_path / "projected", encoder, NewIndex(first_stage="centroids", text_index=None,
+                                                                   bow_dim=16))
+    n = EXACT_MAX_DOCUMENTS + 100
+    ids, cls, bow, counts = _corpus(n + 60, seed=13)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    _write(index, ids[:300], cls[:300], bow[: starts[300]], counts[:300], batch=300)
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert manifest["fit"]["projection"] == 16 and "projection" not in manifest["store"]
+    _write(index, ids[300:n], cls[300:n], bow[starts[300] : starts[n]], counts[300:n], batch=n)
+
+    def write_at(step: str) -> None:  # 30 documents written while the first fit runs: carried over, projected
+        if step == "compact-staged":
+            rows = range(n, n + 30)
+            late = EncodedDocuments([ids[i] for i in rows], [b'{"title": "", "text": "late"}'] * 30, cls[n : n + 30],
+                                    bow[starts[n] : starts[n + 30]], counts[n : n + 30])
+            with LiveIndex(index) as other:
+                upserts = [NewDocument(ids[i], "late") for i in rows]
+                assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
+
+    files._checkpoint = write_at
+    try:
+        with LiveIndex(index) as writer:
+            writer.refit()
+    finally:
+        files._checkpoint = lambda step: None
+    _write(index, ids[n + 30 :], cls[n + 30 :], bow[starts[n + 30] :], counts[n + 30 :], batch=30)  # after the fit
+    with Searcher.open(index) as searcher:
+        store = searcher.manifest["store"]
+        assert store["d_bow"] == 16 and store["projection"] == "projection.npy" and not searcher.manifest["fit"]["exact"]
+        projection = np.load(searcher.index.path / "projection.npy")
+        assert projection.shape == (DIM, 16)
+        for doc in (5, n - 1, n + 10, n + 45):  # in the fitted base, carried over, written after the fit
+            own = bow[starts[doc] : starts[doc] + 8].astype(np.float32)
+            query = QueryEmbeddings(cls[doc : doc + 1].astype(np.float32), own[None], np.ones((1, len(own)), bool))
+            expected = _maxsim(projection, own, bow[starts[doc] : starts[doc + 1]].astype(np.float32))
+            scores = searcher.score_documents(query, np.array([searcher.ids.internal(ids[doc])]))
+            assert abs(float(scores[1, 0, 0]) - expected) < 0.05  # int8 rounding of the projected records
+            assert searcher.search(["q"], k=1, embeddings=query)[0].hits[0].doc_id == ids[doc]
+        assert _recall(searcher, _queries()) >= 0.95
+        first = (searcher.index.path / "projection.npy").read_bytes()
+    with LiveIndex(index) as writer:  # a later re-fit keeps the projection the records went through
+        writer.refit()
+    with Searcher.open(index) as again:  # and across a restart
+        assert (again.index.path / "projection.npy").read_bytes() == first and again.layout.d_bow == 16
+        assert again.search(["q"], k=1, embeddings=query)[0].hits[0].doc_id == ids[n + 45]

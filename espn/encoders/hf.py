@@ -36,7 +36,7 @@ from .int8 import check_precision, loaded_precision
 from .onnx import QueryGraphOwner, checked_query_graph
 from .weights import verify_model_files
 
-__all__ = ["HFEncoder", "default_model_dir"]
+__all__ = ["HFEncoder", "default_model_dir", "uncentred_pca", "DEFAULT_BOW_DIM"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ MAX_PADDING_SHARE = 0.15
 #: What `fit(reuse=True)` may keep of its forward passes for `embed_documents` (a corpus no
 #: larger than the fit sample is then run through the model once, not twice).
 FIT_REUSE_BYTES = 256 << 20
+#: The dimension of the projection a corpus fits (`espn index --bow-dim`), and the one an index
+#: created empty fits on its own documents once it has enough (espn.store.projection).
+DEFAULT_BOW_DIM = 64
 
 
 def default_model_dir() -> Path:
@@ -167,7 +170,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
         self._fit_outputs: dict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # see `fit`
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = 64, device: str | None = None,
+    def from_pretrained(cls, path: str | Path | None, bow_dim: int | None = DEFAULT_BOW_DIM, device: str | None = None,
                         bow_pooling: str = "tokens", trust_remote_code: bool = False,
                         precision: str = "fp32") -> "HFEncoder":
         if path is None:
@@ -371,14 +374,7 @@ class HFEncoder(QueryGraphOwner, Encoder):
             raise InvalidParameterError("cannot fit the BOW projection: the sample has no token vectors")
         if count < 10 * self.d_bow:
             log.warning("fitting a %d-d projection on only %d token vectors; it will be rough", self.d_bow, count)
-        eigenvalues, eigenvectors = torch.linalg.eigh(moment / count)
-        top = torch.argsort(eigenvalues, descending=True)[: self.d_bow]
-        basis = eigenvectors[:, top]
-        # Fix each component's sign so the same sample always gives the same projection.
-        signs = torch.sign(basis[basis.abs().argmax(0), torch.arange(self.d_bow)])
-        self.projection = (basis * signs).float().numpy()
-        kept = float(eigenvalues[top].sum() / eigenvalues.sum())
-        log.info("PCA %d -> %d on %d token vectors keeps %.1f%% of the energy", self.hidden, self.d_bow, count, 100 * kept)
+        self.projection = uncentred_pca(moment / count, self.d_bow)
 
     # -- persistence -----------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -430,6 +426,19 @@ class HFEncoder(QueryGraphOwner, Encoder):
             trust_remote_code=trust_remote_code,
             precision=loaded_precision(config, device),
         )
+
+
+def uncentred_pca(moment: torch.Tensor, dim: int) -> np.ndarray:
+    """The projection [hidden, dim] float32 onto the top `dim` eigenvectors of `moment` (E[x xᵀ] of
+    token vectors, float64): uncentred, so dot products are kept, which MaxSim compares. Each
+    component's sign is fixed, so the same vectors always give the same projection."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(moment)
+    top = torch.argsort(eigenvalues, descending=True)[:dim]
+    basis = eigenvectors[:, top]
+    signs = torch.sign(basis[basis.abs().argmax(0), torch.arange(dim)])
+    kept = float(eigenvalues[top].sum() / eigenvalues.sum())
+    log.info("PCA %d -> %d keeps %.1f%% of the token vectors' energy", len(moment), dim, 100 * kept)
+    return (basis * signs).float().numpy()
 
 
 def _config_positions(model_dir: Path) -> int | None:

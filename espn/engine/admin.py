@@ -92,8 +92,8 @@ async def _model_files(registry: "Registry", model: str, spec: str) -> EncoderFi
         files = registry.templates.get(model)
         if files is None:
             config = registry.config.index
-            # bow_dim None: an encoder that would fit a projection stores its vectors unprojected
-            # (espn.live.create says why).
+            # bow_dim None: saved without a projection; each index created with it fits its own on
+            # its own token vectors (espn.live.create).
             encoder = await asyncio.to_thread(encoder_from_spec, spec, None, config.device,
                                               trust_remote_code=config.trust_remote_code)
             assert registry.root is not None  # checked by the caller

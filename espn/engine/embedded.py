@@ -58,12 +58,14 @@ class Index:
     @classmethod
     def create(cls, path: Path | str, encoder: str = "minilm", *, dtype: str = NewIndex.dtype,
                first_stage: Optional[str] = None, text_index: bool = True, device: Optional[str] = None,
-               trust_remote_code: bool = False, config: IndexConfig = IndexConfig()) -> "Index":
+               trust_remote_code: bool = False, bow_dim: Optional[int] = None,
+               config: IndexConfig = IndexConfig()) -> "Index":
         """An empty index at `path` (which must not exist) with `encoder` (a spec as `espn index
         --encoder` takes it), opened. It is searched exactly while small and fitted on its own
-        documents as it grows; nothing is trained on other text."""
+        documents as it grows; nothing is trained on other text. bow_dim: the projection of its
+        token vectors fitted then (`espn create --bow-dim`; None: the model's default)."""
         model = encoder_from_spec(encoder, bow_dim=None, device=device, trust_remote_code=trust_remote_code)
-        create_index(path, model, NewIndex(dtype=dtype, first_stage=first_stage,
+        create_index(path, model, NewIndex(dtype=dtype, first_stage=first_stage, bow_dim=bow_dim,
                                            text_index=TextConfig() if text_index else None))
         return cls.open(path, config=config.replace(device=device, trust_remote_code=trust_remote_code))
 

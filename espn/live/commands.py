@@ -63,10 +63,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    # bow_dim None: an encoder that would fit a projection stores its vectors unprojected (espn.live.create).
+    # bow_dim None: saved without a projection; the index fits one on its own vectors (espn.live.create).
     encoder = encoder_from_spec(args.encoder, bow_dim=None, device=args.device, trust_remote_code=args.trust_remote_code)
     options = NewIndex(dtype=args.bow_dtype, first_stage=args.first_stage,
-                       text_index=None if args.no_text_index else TextConfig())
+                       text_index=None if args.no_text_index else TextConfig(), bow_dim=args.bow_dim)
     create_index(args.index, encoder, options)
     print(f"{args.index}: created empty ({encoder.kind} encoder); it takes writes now (`espn add`, or PUT over HTTP)")
     return 0

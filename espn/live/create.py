@@ -7,11 +7,10 @@ it answers searches (no hits) and takes writes at once; its IVF, token centroids
 residual codes are fitted on its own documents once it holds EXACT_MAX_DOCUMENTS of them,
 and again each time it has grown by half (the base rewrites of espn.live.compaction).
 
-An encoder that would fit a projection of its token vectors (the generic Hugging Face
-encoder's PCA, `espn index --bow-dim`) stores its vectors unprojected here: the projection
-could be fitted on the index's own first documents, but it could never be fitted again
-(the stored vectors would be the projected ones), so a created index keeps the model's
-own token vectors and fits only what can be fitted again (docs/guides/live-index.md).
+An encoder that fits a projection of its token vectors (the generic Hugging Face encoder's
+PCA, `espn index --bow-dim`) is saved without one: the index stores the model's own token
+vectors while it is exact, and its first fitted base fits the projection on them and projects
+them (espn.store.projection; `NewIndex.bow_dim`, fitted once, docs/guides/live-index.md).
 
 The encoder's files are written once per model in a directory of templates and hard-linked
 into each index created with it (its files are immutable and checksummed), so a creation
@@ -43,6 +42,7 @@ from ..choices import DEFAULT_BOW_DTYPE
 from ..corpus import default_title_joiner
 from ..encoders import Encoder
 from ..encoders.base import reads_pages
+from ..encoders.hf import DEFAULT_BOW_DIM
 from ..errors import IndexExistsError, InvalidParameterError
 from ..files import file_entry, fsync_path, fsync_tree
 from ..first_stage.build import default_first_stage, first_stage_kind
@@ -76,13 +76,16 @@ TEMPLATES_DIR = ".espn-models"
 class NewIndex:
     """How an index is created: its storage type and block size, its first stage once fitted
     (None: the model's default), a full-text index (None: none), the title joiner (None: the
-    model's)."""
+    model's), and the dimension of the projection it fits on its own token vectors once fitted
+    (None: DEFAULT_BOW_DIM where its encoder fits one, the generic Hugging Face encoder, else none;
+    the model's width: none)."""
 
     dtype: str = DEFAULT_BOW_DTYPE
     block_size: int = 4096
     first_stage: str | None = None
     text_index: TextConfig | None = TextConfig()
     title_joiner: str | None = None
+    bow_dim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +183,8 @@ def _empty_base(out: Path, encoder: EncoderFiles, options: NewIndex) -> dict[str
     if reads_pages(config):
         PageImagesWriter(out).finish()
     stage = dataclasses.replace(default_first_stage(config), kind=first_stage_kind(options.first_stage, config))
-    fitted = fit_base(out, written, 0, Fit(exact=True, stage=stage, dtype=options.dtype))
+    fitted = fit_base(out, written, 0, Fit(exact=True, stage=stage, dtype=options.dtype,
+                                          projection=_projection_dim(config, options.bow_dim)))
     weight = config.get("learned_weight")
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -241,3 +245,16 @@ def remove_leftovers(root: Path | str) -> list[str]:
 def live_documents(root: Path | str) -> int:
     """Documents searchable in the index at ROOT now (deleted ones not counted); no lock needed."""
     return int(read_current(Path(root)).live_documents)
+
+
+def _projection_dim(config: dict[str, Any], bow_dim: int | None) -> int | None:
+    """The dimension of the projection a created index fits once fitted: `bow_dim`, or by default
+    DEFAULT_BOW_DIM where its encoder fits one (its saved configuration names a "projection", none
+    yet: the generic Hugging Face encoder); None where that is not narrower than its vectors."""
+    width = int(config["d_bow"])
+    if bow_dim is None:
+        fits_one = "projection" in config and not config["projection"]
+        bow_dim = DEFAULT_BOW_DIM if fits_one else width
+    if not 1 <= bow_dim <= width:
+        raise InvalidParameterError(f"bow_dim must be in [1, {width}] (the model's token vectors), got {bow_dim}")
+    return bow_dim if bow_dim < width else None

@@ -64,6 +64,9 @@ class EncodedDocuments:
     images: list[bytes] | None = None
     grids: np.ndarray | None = None
     stored: bool = False
+    #: stored vectors only: the sha256 of the projection their base stores them through (None: the
+    #: model's own vectors; espn.store.projection)
+    projection: str | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -78,7 +81,7 @@ class EncodedDocuments:
         return EncodedDocuments([self.ids[i] for i in picked], [self.lines[i] for i in picked], self.cls[picked],
                                 self.bow[gather], self.counts[picked],
                                 None if self.images is None else [self.images[i] for i in picked],
-                                None if self.grids is None else self.grids[picked], self.stored)
+                                None if self.grids is None else self.grids[picked], self.stored, self.projection)
 
     @classmethod
     def concat(cls, parts: Sequence["EncodedDocuments"]) -> "EncodedDocuments":
@@ -86,11 +89,11 @@ class EncodedDocuments:
         images = None if all(p.images is None for p in parts) else \
             [image for p in parts for image in (p.images if p.images is not None else [b""] * len(p))]
         grids = None if all(p.grids is None for p in parts) else concat_grids(parts)
-        if len({p.stored for p in parts}) > 1:
+        if len({(p.stored, p.projection) for p in parts}) > 1:
             raise ValueError("stored vectors and encoder vectors are written differently: not one segment")
         return cls([i for p in parts for i in p.ids], [line for p in parts for line in p.lines],
                    np.concatenate([p.cls for p in parts]), np.concatenate([p.bow for p in parts]),
-                   np.concatenate([p.counts for p in parts]), images, grids, parts[0].stored)
+                   np.concatenate([p.counts for p in parts]), images, grids, parts[0].stored, parts[0].projection)
 
 
 def encode_documents(encoder: Encoder, documents: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],

@@ -6,6 +6,8 @@ which makes what is trained, from the base's own documents only:
 
 - the IVF over CLS vectors, its list count from the documents (`espn.ann.default_nlist`);
 - the token centroids of the centroid first stage, where the model has no trained CLS vector;
+- the projection of the token vectors, where an index created empty asks for one and its records
+  still hold the model's own vectors (espn.store.projection: fitted once);
 - the residual codec, where the records are residual codes (coded against those centroids);
 - the search defaults for that many documents.
 
@@ -34,6 +36,7 @@ from ..first_stage.centroids import FirstStageConfig
 from ..mapped import map_npy
 from ..params import default_search_params
 from ..store.format import StoreLayout
+from ..store.projection import fit_projection, projection_entry
 from ..store.recode import recode_residual
 from ..store.record_order import RECORD_ORDER, reorder_index_records
 
@@ -54,6 +57,8 @@ class Fit:
     stage:   the first stage once fitted (ivf, centroids or union), with its probe and candidates
     dtype:   the records' storage type once fitted (residual codes need the centroids)
     ann:     the fitted IVF's kind (flat or pq) and code size; nlist: its lists (None: from the documents)
+    projection: the dimension an index created empty projects its token vectors to once fitted
+             (None: it keeps the model's; espn.store.projection)
     """
 
     exact: bool
@@ -62,6 +67,7 @@ class Fit:
     ann: str = "flat"
     pq_m: int = 32
     nlist: int | None = None
+    projection: int | None = None
 
     def for_documents(self, n_docs: int) -> "Fit":
         """This fit for a base of `n_docs` documents: exact while an index created empty is small,
@@ -70,7 +76,7 @@ class Fit:
 
     def to_json(self) -> dict[str, Any]:
         return {"exact": self.exact, "stage": self.stage.to_json(), "dtype": self.dtype, "ann": self.ann,
-                "pq_m": self.pq_m, "nlist": self.nlist}
+                "pq_m": self.pq_m, "nlist": self.nlist, "projection": self.projection}
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> "Fit":
@@ -79,7 +85,8 @@ class Fit:
         section = manifest.get("fit")
         if section is not None:
             return cls(bool(section["exact"]), FirstStageConfig.from_manifest(section["stage"]), str(section["dtype"]),
-                       str(section.get("ann", "flat")), int(section.get("pq_m", 32)), section.get("nlist"))
+                       str(section.get("ann", "flat")), int(section.get("pq_m", 32)), section.get("nlist"),
+                       section.get("projection"))
         ann = manifest.get("ann", {})
         stage = FirstStageConfig.from_manifest(manifest.get("first_stage"))
         return cls(False, stage, str(manifest["store"].get("dtype", "float16")), str(ann.get("kind", "flat")),
@@ -114,15 +121,18 @@ def fit_base(out: Path, written: StoreLayout, n_docs: int, fit: Fit, pool_factor
     layout = written
     first_stage: dict[str, Any] | None = {**fit.stage.to_json(), "kind": "exact"}
     if not fit.exact:
-        first_stage = build_first_stage(out, map_npy(out / "records.npy"), written, fit.stage.kind,
+        if fit.projection is not None and layout.d_bow > fit.projection and not projection_entry(out):
+            layout = fit_projection(out, layout, fit.projection)  # before the centroids: they are of projected vectors
+            file_bytes = (out / "embeddings.bin").stat().st_size
+        first_stage = build_first_stage(out, map_npy(out / "records.npy"), layout, fit.stage.kind,
                                         previous=fit.stage.to_json())
-        if written.dtype != fit.dtype:  # residual codes, against the centroids just trained
-            layout, file_bytes = recode_residual(out, written, fit.dtype)
+        if layout.dtype != fit.dtype:  # residual codes, against the centroids just trained
+            layout, file_bytes = recode_residual(out, layout, fit.dtype)
     return {
         "ann": {"kind": ivf.kind, "nlist": ivf.nlist, "pq_m": ivf.pq_m if ivf.kind == "pq" else None,
                 "metric": "inner_product", "trained_on": trained_on},
         "store": {**layout.manifest(), "pool_factor": pool_factor, "file_bytes": file_bytes,
-                  "record_order": RECORD_ORDER},
+                  "record_order": RECORD_ORDER, **projection_entry(out)},
         "first_stage": first_stage,
         "fit": {**fit.to_json(), "documents": n_docs, "at": utc_now()},
         "search_defaults": default_search_params(ivf.nlist, max(1, n_docs)),

@@ -63,6 +63,10 @@ def _add_create(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", hand
                    help="the candidate generator once fitted (default: centroids for models without a trained CLS "
                         "vector, else ivf); exact until then")
     p.add_argument("--no-text-index", action="store_true", help="no full-text index (lexical and hybrid search need one)")
+    p.add_argument("--bow-dim", type=int, default=None,
+                   help="the dimensions its token vectors are projected to once fitted on its own documents (an "
+                        "uncentred PCA, as espn index --bow-dim fits on a corpus; default 64 for models whose vectors "
+                        "espn projects, none for others; the model's width: none)")
     p.add_argument("--device", help="torch device of the encoder (default: cuda if available)")
     p.set_defaults(handler=handler)
 

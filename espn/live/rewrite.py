@@ -19,13 +19,14 @@ from ..ann import load_ivf
 from ..files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
 from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
 from ..generation.segments import LiveView, empty_ivf, open_view
-from ..index import IndexDirectory, write_manifest
+from ..index import PROJECTION_FILE, IndexDirectory, write_manifest
 from ..pages.images import copy_page_images
 from ..pages.stored import open_index_images
 from ..pooling.groups import copy_pool_groups
 from ..pooling.spans import open_index_groups
 from ..store import open_reader
 from ..store.format import RECORD_DTYPE, RecordWriter, StoreLayout
+from ..store.projection import base_projection, project
 from ..store.recode import written_before_centroids
 from .fitting import CLS_TABLE, Fit, fit_base
 from .merging import columns_from_docs, merge_segments, side_on_swap
@@ -112,7 +113,8 @@ def _carry_segments(writer: IndexWriter, carried: list[SegmentInfo], staging: Pa
     another residual codec, perhaps another storage type), appended to its embeddings.bin, and
     their IVF entries listed under its new quantizer. Called under the writer lock."""
     out = staging / "base"
-    new = StoreLayout.from_manifest(IndexDirectory.open(out, verify="none").manifest["store"], out)
+    new_store = IndexDirectory.open(out, verify="none").manifest["store"]
+    new = StoreLayout.from_manifest(new_store, out)
     new = dataclasses.replace(new, pool_factor=1)  # the records hold pooled vectors: written as they are
     view = open_view(writer.root, verify="none")  # the current generation: the writer lock keeps it
     numbers = np.arange(since_total, view.generation.total, dtype=np.int64)
@@ -120,14 +122,16 @@ def _carry_segments(writer: IndexWriter, carried: list[SegmentInfo], staging: Pa
     ann = empty_ivf(load_ivf(out / "ann.faiss"))
     start = (out / "embeddings.bin").stat().st_size
     stored = dataclasses.replace(StoreLayout.from_manifest(view.base.manifest["store"], view.base.path), pool_factor=1)
+    # The first fitted base of an index created empty projects its vectors: so do the carried ones.
+    projection = base_projection(out, new_store) if stored.d_bow != new.d_bow else None
     reader = open_reader("mmap", view.embeddings, view.records, stored)  # type: ignore[arg-type]
     try:
         with RecordWriter(out / "embeddings.bin", new, resume_at=start) as records_out:
             for at in range(0, len(numbers), 4096):
                 part = numbers[at : at + 4096]
                 data = reader.read(part)
-                table[at : at + len(part)] = records_out.append(data.cls.numpy(), data.vectors.numpy(),
-                                                                np.diff(data.offsets))
+                vectors = data.vectors.numpy() if projection is None else project(data.vectors.numpy(), projection)
+                table[at : at + len(part)] = records_out.append(data.cls.numpy(), vectors, np.diff(data.offsets))
                 alive = ~np.isin(part, dead)
                 ann.add_with_ids(np.ascontiguousarray(data.cls.numpy()[alive], dtype=np.float32), part[alive] + shift)
             end = records_out.close()
@@ -149,6 +153,8 @@ def write_base(view: LiveView, out: Path, progress: Callable[[int, int], None] |
     out.mkdir()
     base = view.base
     store = base.manifest["store"]
+    if "projection" in store:  # fitted once: the records stay projected (espn.store.projection)
+        os.link(base.path / store["projection"], out / PROJECTION_FILE)
     # The stored vectors are pooled already: they are read, and written again, as they are.
     stored = dataclasses.replace(StoreLayout.from_manifest(store, base.path), pool_factor=1)
     fit = Fit.from_manifest(base.manifest)

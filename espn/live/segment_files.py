@@ -19,12 +19,15 @@ from ..metadata import MetadataWriter, add_from_passages
 from ..pages.images import present_image_files, write_page_images
 from ..pooling.groups import present_group_files
 from ..generation.format import SEGMENT_FILES, ByteRange, Generation, SegmentInfo, TombstoneFile
+from ..errors import ConflictError
+from ..index import IndexDirectory
 from ..store.format import RecordWriter, StoreLayout, stored_cls
+from ..store.projection import base_projection, project
 
 from .encoding import EncodedDocuments
 from .resolve import IndexState
 
-__all__ = ["write_delta", "add_tombstones", "write_tombstones", "TOMBSTONE_MERGE_MAX"]
+__all__ = ["write_delta", "add_tombstones", "write_tombstones", "bow_as_stored", "projection_sha", "TOMBSTONE_MERGE_MAX"]
 
 #: A tombstone file is merged into the next one while the result stays this small (entries),
 #: so a chain of single deletes costs a few small files, not one file per delete.
@@ -52,7 +55,7 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     start = current.embeddings_bytes
     # Truncates any unpublished tail first (a crashed writer's), then appends block-aligned.
     with RecordWriter(base.file("embeddings.bin"), layout, resume_at=start, groups_dir=staging) as records_out:
-        records = records_out.append(documents.cls, documents.bow, documents.counts)
+        records = records_out.append(documents.cls, bow_as_stored(documents, base), documents.counts)
         stop = records_out.close()
     checkpoint("appended")
     _write_segment_arrays(staging, documents, records)
@@ -73,6 +76,30 @@ def write_delta(live_dir: Path, number: int, current: Generation, state: IndexSt
     files = {f: file_entry(final / f) for f in [*SEGMENT_FILES, *column_files, *group_files, *image_files]}
     appended = ByteRange(start, stop, sha256_file(base.file("embeddings.bin"), start, stop))
     return SegmentInfo(name, first, n, files, (appended,), columns)
+
+
+def projection_sha(base: IndexDirectory) -> str | None:
+    """The sha256 of the projection `base` stores its token vectors through (None: none)."""
+    name = base.manifest["store"].get("projection")
+    return None if name is None else str(base.manifest["files"][name]["sha256"])
+
+
+def bow_as_stored(documents: EncodedDocuments, base: IndexDirectory) -> np.ndarray:
+    """The documents' BOW vectors in the space `base` stores them in: the model's own vectors go
+    through its projection where it has one (an index created empty, once fitted); vectors stored
+    through a projection (a move's) must have been through the same one."""
+    mine = projection_sha(base)
+    if documents.projection == mine:
+        return documents.bow
+    if documents.projection is None:
+        projection = base_projection(base.path, base.manifest["store"])
+        assert projection is not None  # mine is not None
+        if documents.bow.shape[1] != len(projection):
+            raise ConflictError(f"these documents' token vectors have {documents.bow.shape[1]} dimensions; this index "
+                                f"projects the model's {len(projection)}")
+        return project(documents.bow, projection).astype(documents.bow.dtype)
+    raise ConflictError("these documents' stored vectors were projected by another index's fitted projection; "
+                        "write them again from their text (each index created empty fits its own)")
 
 
 def _write_segment_arrays(directory: Path, documents: EncodedDocuments, records: np.ndarray) -> None:

@@ -26,6 +26,7 @@ from ..prefetch import PrefetchModel
 from ..generation.segments import LiveView, RecordTable, SegmentedDocStore, SegmentedIdMap
 from ..store import Reader
 from ..store.format import StoreLayout
+from ..store.projection import project
 from ..text.engine import TextIndex
 from .validation import check_texts
 
@@ -73,6 +74,9 @@ class SearchContext:
     #: the candidate generator and, for the centroid first stage, its index (None: not built)
     first_stage: FirstStageConfig
     centroids: TokenCentroids | None
+    #: the projection the base stores its token vectors through ([model dim, stored dim]; None:
+    #: none), which a query's go through too (espn.store.projection)
+    projection: np.ndarray | None = None
 
     @property
     def num_documents(self) -> int:
@@ -90,7 +94,14 @@ class SearchContext:
             raise InvalidParameterError("this Searcher was opened without an encoder; use search_embeddings")
         with self.tokenizer_lock:
             tokens = self.encoder.tokenize(list(queries), is_query=True)
-        return self.encoder.embed_queries(tokens)
+        return self.as_stored(self.encoder.embed_queries(tokens))
+
+    def as_stored(self, queries: QueryEmbeddings) -> QueryEmbeddings:
+        """Queries in the space the records are stored in: the model's own vectors through the
+        base's projection where it has one; others as they are (check_embeddings judges them)."""
+        if self.projection is None or queries.bow.shape[-1] != len(self.projection):
+            return queries
+        return dataclasses.replace(queries, bow=project(queries.bow, self.projection))
 
 
 class Timer:

@@ -25,6 +25,7 @@ from ..generation.segments import LiveView, RecordTable
 from ..store import Reader, default_reader_name, open_reader
 from ..store.ram_plan import plan_ram
 from ..store.format import StoreLayout
+from ..store.projection import base_projection
 from .centroid_stage import open_centroids
 from .context import SearchContext
 from .lexical import open_text_index
@@ -91,7 +92,8 @@ def open_context(index: IndexDirectory, view: LiveView | None, encoder: Encoder 
         bow_reduction=score.get("bow_reduction", "mean"), encoder=encoder, tokenizer_lock=threading.Lock(),
         pool=pool, prefetch=PrefetchModel(min_hidden_ms), early_rerank=early_rerank,
         metadata=view.metadata if view is not None else MetadataColumns.open(index.path, manifest),
-        text=text, first_stage=first_stage, centroids=centroids)
+        text=text, first_stage=first_stage, centroids=centroids,
+        projection=base_projection(index.path, manifest["store"]))
 
 
 def _generation_arrays(index: IndexDirectory, view: LiveView | None) -> tuple[Any, ...]:

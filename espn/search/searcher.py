@@ -307,6 +307,8 @@ class Searcher:
             return []
         if embeddings is not None and len(embeddings) != len(queries):
             raise InvalidParameterError(f"embeddings hold {len(embeddings)} queries for {len(queries)} texts")
+        if embeddings is not None:  # perhaps by an older generation's Searcher, before the projection was fitted
+            embeddings = self.context.as_stored(embeddings)
         if hybrid.mode != "dense":
             return search_modes(self.context, queries, params, hybrid, filtered, explain, Timer(), embeddings)
         timer = Timer()
@@ -366,6 +368,7 @@ class Searcher:
         params = self.params(k, **overrides)
         hybrid = self.hybrid_params(mode, fusion, lexical_k, rrf_k, mix_weight, union, syntax)
         filtered = self.filtered_docs(filter)
+        queries = self.context.as_stored(queries)
         check_embeddings(queries, self.layout)
         if hybrid.mode != "dense":
             if texts is None or len(texts) != len(queries):
@@ -428,15 +431,15 @@ class Searcher:
     # -- reference -------------------------------------------------------------------
     def score_documents(self, queries: QueryEmbeddings, doc_numbers: np.ndarray) -> np.ndarray:
         """[2, B, n] float32: exact CLS and MaxSim of every query against documents `doc_numbers` [n]."""
-        return score_documents(self.context, queries, doc_numbers)
+        return score_documents(self.context, self.context.as_stored(queries), doc_numbers)
 
     def search_maxsim_exhaustive(self, queries: QueryEmbeddings, k: int, block: int = 4096) -> list[list[Hit]]:
         """Brute-force MaxSim reference: every live document read and scored, the top k kept
         (score `w·cls + (1−w)·bow` as every search's). What a first stage is measured against."""
-        return search_maxsim_exhaustive(self.context, queries, k, block)
+        return search_maxsim_exhaustive(self.context, self.context.as_stored(queries), k, block)
 
     def search_exhaustive(self, queries: QueryEmbeddings, k: int, rerank_count: int = 1000,
                           block: int = 65536, allowed: np.ndarray | None = None) -> list[list[Hit]]:
         """Brute-force reference: exact CLS over every document (or the `allowed` [N] bool ones),
         MaxSim over the top `rerank_count`. Deleted and replaced documents are never allowed."""
-        return search_exhaustive(self.context, queries, k, rerank_count, block, allowed)
+        return search_exhaustive(self.context, self.context.as_stored(queries), k, rerank_count, block, allowed)

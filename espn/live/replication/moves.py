@@ -39,6 +39,7 @@ from espn.store.format import StoreLayout
 from espn.untrusted import load_json
 
 from ..encoding import EncodedDocuments
+from ..segment_files import projection_sha
 
 __all__ = ["BUNDLE_DOCUMENTS", "MAX_BUNDLE_BYTES", "Bundle", "moving_documents", "read_stored", "bundle_bytes",
            "parse_bundle", "sidecar", "check_sidecar"]
@@ -100,7 +101,8 @@ def read_stored(view: LiveView, numbers: np.ndarray) -> EncodedDocuments:
     return EncodedDocuments(view.ids.external(numbers), _lines(view, numbers),
                             np.concatenate(cls_parts) if cls_parts else np.zeros((0, d_cls), np.float16),
                             np.concatenate(bow_parts) if bow_parts else np.zeros((0, d_bow), np.float16),
-                            np.concatenate(count_parts) if count_parts else np.zeros(0, np.int32), stored=True)
+                            np.concatenate(count_parts) if count_parts else np.zeros(0, np.int32), stored=True,
+                            projection=projection_sha(view.base))
 
 
 def _lines(view: LiveView, numbers: np.ndarray) -> list[bytes]:
@@ -133,7 +135,9 @@ def bundle_bytes(documents: EncodedDocuments | None, deletes: Sequence[str], rep
               "cls": documents.cls if documents else np.zeros((0, 1), np.float16),
               "bow": documents.bow if documents else np.zeros((0, 1), np.float16),
               "counts": documents.counts.astype(np.int32) if documents else np.zeros(0, np.int32),
-              "deletes": np.array([d.encode() for d in deletes], dtype=bytes), "replace": np.array(replace)}
+              "deletes": np.array([d.encode() for d in deletes], dtype=bytes), "replace": np.array(replace),
+              # the projection the stored vectors went through (espn.store.projection; b"": none)
+              "projection": np.array((documents.projection if documents and documents.projection else "").encode())}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
@@ -163,6 +167,7 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in ("ids", "lines", "line_offsets", "cls", "bow", "counts", "deletes",
                                                    "replace")}
+            projection = npz["projection"] if "projection" in npz.files else np.array(b"")
     except (OSError, ValueError, KeyError, EOFError) as exc:
         raise IndexCorruptError(f"{what}: not a bundle ({type(exc).__name__}: {exc})") from None
     ids, offsets, counts = arrays["ids"], arrays["line_offsets"], arrays["counts"]
@@ -175,6 +180,7 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
         n and (arrays["cls"].dtype != np.float16 or arrays["cls"].shape != (n, layout.d_cls)),
         n and (arrays["bow"].dtype != np.float16 or arrays["bow"].shape != (int(counts.sum()), layout.d_bow)),
         arrays["replace"].dtype != np.bool_ or arrays["replace"].shape != (),
+        projection.dtype.kind != "S" or projection.shape != () or projection.dtype.itemsize > 64,
     ]
     if any(bool(p) for p in problems):
         raise IndexCorruptError(f"{what}: its arrays do not fit together or the index's {layout.d_cls}/{layout.d_bow} "
@@ -186,7 +192,8 @@ def parse_bundle(data: bytes, what: str, layout: StoreLayout) -> Bundle:
             raise IndexCorruptError(f"{what}: a passage line is not a JSON object; nothing of it was applied")
     documents = None
     if n:
-        documents = EncodedDocuments(_ids(ids, what), lines, arrays["cls"], arrays["bow"], counts, stored=True)
+        documents = EncodedDocuments(_ids(ids, what), lines, arrays["cls"], arrays["bow"], counts, stored=True,
+                                     projection=projection.item().decode("ascii", "replace") or None)
     return Bundle(documents, _ids(arrays["deletes"], what), bool(arrays["replace"]))
 
 
