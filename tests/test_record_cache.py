@@ -389,3 +389,19 @@ def test_an_orphaned_lock_file_is_removed(tmp_path: Path) -> None:
     (tmp_path / "unrelated.lock").write_bytes(b"")
     assert remove_stale_segments(tmp_path) == [tmp_path / f"{SEGMENT_PREFIX}gone-1234"]
     assert [p.name for p in tmp_path.iterdir()] == ["unrelated.lock"]
+
+
+def test_the_embedded_index_is_planned_and_cached_as_a_server_serves_it(sample_index: Path) -> None:
+    """espn.Index opens with IndexConfig's RAM plan and record cache, warmed, as `espn serve` does."""
+    from espn import Index
+    from espn.engine import IndexConfig
+    from espn.store.ram_plan import plan_ram
+
+    plan = plan_ram(sample_index, 64 << 20)
+    with Index.open(sample_index, IndexConfig(reader="posix", ram_mib=64)) as index:
+        reader = index.stats()["reader"]
+        assert reader["ram"]["record_cache_bytes"] == plan.record_cache_bytes
+        assert 0 < reader["record_cache"]["bytes"] <= plan.record_cache_bytes  # filled at open
+        hits = [h.doc_id for h in index.search(["what causes ocean tides"], k=5)[0].hits]
+    with Searcher.open(sample_index, reader="posix") as plain:
+        assert [h.doc_id for h in plain.search(["what causes ocean tides"], k=5)[0].hits] == hits

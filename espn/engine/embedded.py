@@ -50,8 +50,9 @@ class Index:
     def __init__(self, path: Path, config: IndexConfig) -> None:
         self.path = Path(path)
         self.config = config
+        # The RAM plan and the record cache as a server's (IndexConfig.ram_mib, record_cache_mb).
         self._live = LiveSearcher(Searcher.open(self.path, reader=config.reader, device=config.device,
-                                                reader_options=dict(config.reader_options),
+                                                reader_options=config.open_options(),
                                                 trust_remote_code=config.trust_remote_code))
         self._writing: Optional[Writing] = None
 
@@ -101,8 +102,11 @@ class Index:
         return result
 
     def stats(self) -> dict[str, Any]:
-        """Counts, what the index is fitted on and whether a re-fit runs (espn.live.status.live_stats)."""
-        return live_stats(self.path)
+        """Counts, what the index is fitted on and whether a re-fit runs (espn.live.status.live_stats),
+        and its reader: which one, its RAM plan and record cache (`reader`)."""
+        with self._live.lease() as searcher:
+            reader = searcher.reader.describe()
+        return {**live_stats(self.path), "reader": reader}
 
     def close(self) -> None:
         """Let a running compaction finish, publish what was accepted, close the searcher."""
