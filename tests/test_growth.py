@@ -307,3 +307,30 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
     with Searcher.open(index) as again:  # and across a restart
         assert (again.index.path / "projection.npy").read_bytes() == first and again.layout.d_bow == 16
         assert again.search(["q"], k=1, embeddings=query)[0].hits[0].doc_id == ids[n + 45]
+
+
+def test_the_default_model_fits_its_projection_on_its_own_documents(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real MiniLM path end to end, with the exact threshold lowered so that 120 sample passages
+    reach it: the first re-fit projects the stored 384-d vectors to 64, queries (and an explained
+    search) go through the projection, and the ranking is the one the model's own vectors gave."""
+    from espn.live import fitting
+
+    monkeypatch.setattr(fitting, "EXACT_MAX_DOCUMENTS", 100)
+    corpus = [json.loads(line) for line in (Path(__file__).parents[1] / "espn/data/sample_corpus.jsonl")
+              .read_text().splitlines()[:120]]
+    queries = ["what causes ocean tides", "how do solar eclipses happen", "which planets are gas giants"]
+    with Index.create(tmp_path / "minilm") as index:
+        index.add([{"id": d["_id"], "title": d["title"], "text": d["text"]} for d in corpus[:110]])
+        before = [[h.doc_id for h in r.hits] for r in index.search(queries, k=5)]  # exact, 384-d
+        index.refit()
+        index.add([{"id": d["_id"], "title": d["title"], "text": d["text"]} for d in corpus[110:]])  # after the fit
+        after = [[h.doc_id for h in r.hits] for r in index.search(queries, k=5, first_stage="exact")]
+        assert index.stats()["exact"] is False
+        explained = index.search(queries[:1], k=1, explain=True)[0].hits[0]
+    manifest = json.loads(next((tmp_path / "minilm" / "live").glob("base-*/manifest.json")).read_text())
+    assert manifest["store"]["d_bow"] == 64 and manifest["store"]["projection"] == "projection.npy"
+    assert all(a[0] == b[0] for a, b in zip(after, before))  # the best hit of each query kept
+    assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(after, before)]) >= 0.8
+    why = explained.explanation  # computed from the projected query and records: it adds up to the score
+    assert why is not None and why.matches and abs(why.cls_part + why.bow_part - explained.score) < 1e-3
