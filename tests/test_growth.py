@@ -18,6 +18,7 @@ from espn import files
 from espn.encoders import QueryEmbeddings, encoder_from_spec
 from espn.encoders.precomputed import PrecomputedEncoder
 from espn.engine.embedded import Index
+from espn.errors import ConflictError
 from espn.live.checks import NewDocument
 from espn.live.create import NewIndex, create_index
 from espn.live.encoding import EncodedDocuments
@@ -307,6 +308,11 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
     with Searcher.open(index) as again:  # and across a restart
         assert (again.index.path / "projection.npy").read_bytes() == first and again.layout.d_bow == 16
         assert again.search(["q"], k=1, embeddings=query)[0].hits[0].doc_id == ids[n + 45]
+    moved = EncodedDocuments(["moved"], [b'{"title": "", "text": "moved"}'], cls[:1], bow[:8, :16], np.array([8], np.int32),
+                             stored=True, projection="0" * 64)  # stored vectors of an index that fitted another
+    with LiveIndex(index) as writer, pytest.raises(ConflictError, match="another index's fitted projection"):
+        writer.publish([writer.check([NewDocument("moved", "moved")], [])], [moved])
+    assert live_stats(index)["live_documents"] == n + 60  # nothing of it written
 
 
 def test_the_default_model_fits_its_projection_on_its_own_documents(tmp_path: Path,
