@@ -175,16 +175,18 @@ def _ndcg(index: Path, queries: Path, qrels: Path, run: Path) -> dict[str, float
 
 
 def _stored(index: Path) -> dict[str, Any]:
-    """What an index stores: its encoder's token dimensions and the bytes of its files (all
-    generations' live files: a created index keeps its bases and deltas under live/)."""
+    """What an index stores: its records' token dimensions (a created index projects them at its first
+    fit, espn.store.projection; a built one through its encoder's), pooling, and the bytes of its files
+    (all generations' live files: a created index keeps its bases and deltas under live/)."""
     from espn.generation.format import read_current
 
     manifest = json.loads((index / "manifest.json").read_text())
     current = read_current(index)
     base = json.loads((index / current.base / "manifest.json").read_text())
     total = sum(p.stat().st_size for p in index.rglob("*") if p.is_file() and "encoder" not in p.parts)
-    return {"d_bow": base["encoder"]["d_bow"], "projection": manifest["encoder"].get("projection"),
-            "dtype": base["store"]["dtype"], "bytes_without_encoder": total,
+    return {"d_bow": base["store"]["d_bow"],
+            "projection": base["store"].get("projection") or manifest["encoder"].get("projection"),
+            "pool_factor": base["store"].get("pool_factor", 1), "dtype": base["store"]["dtype"], "bytes_without_encoder": total,
             "embeddings_bytes": current.embeddings_bytes,  # the base's records and its deltas' after them
             "documents": current.live_documents, "deltas": len(current.segments)}
 
@@ -254,9 +256,9 @@ def report_quality(out: dict[str, Any]) -> str:
             ratio = row.get(f"{state}_over_built", 1.0 if state == "built" else float("nan"))
             rows.append([name, {"created": "written over HTTP", "refitted": "written, then espn refit",
                                 "built": "espn index"}[state], row[state]["measures"].get("nDCG@10", float("nan")),
-                         ratio, stored["d_bow"], stored["dtype"], stored["deltas"],
+                         ratio, stored["d_bow"], stored.get("pool_factor", 1), stored["dtype"], stored["deltas"],
                          f"{stored['embeddings_bytes'] / 1e6:.1f}", f"{stored['bytes_without_encoder'] / 1e6:.1f}"])
-    return markdown_table(["model", "index", "nDCG@10", "÷ espn index", "stored d", "dtype", "deltas",
+    return markdown_table(["model", "index", "nDCG@10", "÷ espn index", "stored d", "pool", "dtype", "deltas",
                            "records MB", "all files MB"], rows)
 
 

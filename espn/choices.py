@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["READER_NAMES", "ENCODER_SPECS", "TRUST_REMOTE_CODE_HELP", "MODES", "FUSIONS", "DEFAULT_FUSION",
            "DEFAULT_LEXICAL_K", "DEFAULT_RRF_K", "DEFAULT_MIX_WEIGHT", "SYNTAXES", "STEMMER_LANGUAGES", "PAGE_DPI",
-           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE", "PRECISIONS", "INT8_MIN_OVERLAP", "LONG_QUERY_RULES",
+           "STORAGE_TYPES", "DEFAULT_BOW_DTYPE", "DEFAULT_POOL_FACTOR", "default_pool_factor", "PRECISIONS", "INT8_MIN_OVERLAP", "LONG_QUERY_RULES",
            "DEFAULT_LEASE_S", "MIN_LEASE_S", "MAX_LEASE_S"]
 
 #: The embedding readers by name (espn.store.READERS maps each to its class).
@@ -62,6 +62,19 @@ STORAGE_TYPES = ("float16", "int8", "residual2", "residual4")
 #: How a new index stores its vectors unless told, built (`espn index`) or created (`espn create`):
 #: chosen on SciFact train queries (docs/benchmarks/compact-records.md).
 DEFAULT_BOW_DTYPE = "int8"
+#: Pooling by 2 (and int8) cut embeddings.bin 4.0x with nDCG@10 0.7057 against 0.7063 on SciFact
+#: train queries (docs/benchmarks/compact-records.md): how a new index pools the generic encoder's
+#: token vectors unless told, built or created (`default_pool_factor`).
+DEFAULT_POOL_FACTOR = 2
+
+
+def default_pool_factor(kind: str) -> int:
+    """The pool factor of a new index whose encoder is of `kind` (its saved configuration's), unless
+    told: DEFAULT_POOL_FACTOR for the generic Hugging Face encoder; 1 for ColBERTer (its vectors are
+    one per whole word already, stop words gated out), a ColBERT checkpoint (its scores should be its
+    reference's: PyLate's default is no pooling; docs/guides/colbert-models.md gives the cost), pages
+    and precomputed vectors."""
+    return DEFAULT_POOL_FACTOR if kind == "hf" else 1
 
 #: `espn index --encoder-precision` (espn.encoders.int8): fp32 (the default), int8 (queries and documents
 #: through the dynamically quantised ONNX graph, refused below INT8_MIN_OVERLAP) or int8-unchecked

@@ -22,6 +22,7 @@ from espn.encoders.colbert_checkpoint import checkpoint_format
 from espn.encoders.precomputed import PrecomputedEncoder
 from espn.encoders.st_format import is_visual_save
 from espn.choices import DEFAULT_BOW_DTYPE
+from espn.choices import default_pool_factor as pool_factor_of_kind
 from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
@@ -40,27 +41,18 @@ from .precomputed import import_embeddings
 from .scan import scan_corpus
 from .workdir import WorkDir
 
-__all__ = ["DEFAULT_POOL_FACTOR", "default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial", "check_modality"]
+__all__ = ["default_pool_factor", "BuildConfig", "BuildError", "build_index", "merge_index", "build_from_embeddings", "keeping_partial", "check_modality"]
 
 log = logging.getLogger(__name__)
 
-#: Pooling by 2 (and int8, espn.choices.DEFAULT_BOW_DTYPE) cut embeddings.bin 4.0x with nDCG@10
-#: 0.7057 against 0.7063 on SciFact train queries (docs/benchmarks/compact-records.md).
-DEFAULT_POOL_FACTOR = 2
-
-
 def default_pool_factor(encoder: str) -> int:
-    """The pool factor `espn index` uses unless told: ColBERTer's vectors are already one per
-    whole word with stop words gated out (and pooling them further was not measured), so 1;
-    a ColBERT checkpoint's scores should be its reference's (PyLate's default is no pooling;
-    docs/guides/colbert-models.md gives what pooling costs), so 1."""
+    """The pool factor `espn index --encoder SPEC` uses unless told (espn.choices.default_pool_factor
+    of the kind the spec loads as: a checkpoint given as hf:DIR loads as colbert: or visual:)."""
     kind, _, location = encoder.partition(":")
-    if kind in ("colberter", "colbert", "visual"):
-        return 1
     if kind == "hf" and location and (checkpoint_format(location.partition("?")[0]) is not None
                                       or is_visual_save(location.partition("?")[0])):
         return 1  # encoder_from_spec loads it as colbert: (or visual:)
-    return DEFAULT_POOL_FACTOR
+    return pool_factor_of_kind("hf" if kind in ("", "minilm") else kind)  # minilm: the generic encoder's default model
 
 
 class BuildError(EspnError):

@@ -330,13 +330,18 @@ def test_the_default_model_fits_its_projection_on_its_own_documents(tmp_path: Pa
         index.add([{"id": d["_id"], "title": d["title"], "text": d["text"]} for d in corpus[:110]])
         before = [[h.doc_id for h in r.hits] for r in index.search(queries, k=5)]  # exact, 384-d
         index.refit()
-        index.add([{"id": d["_id"], "title": d["title"], "text": d["text"]} for d in corpus[110:]])  # after the fit
         after = [[h.doc_id for h in r.hits] for r in index.search(queries, k=5, first_stage="exact")]
         assert index.stats()["exact"] is False
+        index.add([{"id": d["_id"], "title": d["title"], "text": d["text"]} for d in corpus[110:]])  # after the fit
+        late = corpus[115]
+        assert index.search([late["title"]], k=1)[0].hits[0].doc_id == late["_id"]
         explained = index.search(queries[:1], k=1, explain=True)[0].hits[0]
     manifest = json.loads(next((tmp_path / "minilm" / "live").glob("base-*/manifest.json")).read_text())
     assert manifest["store"]["d_bow"] == 64 and manifest["store"]["projection"] == "projection.npy"
-    assert all(a[0] == b[0] for a, b in zip(after, before))  # the best hit of each query kept
-    assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(after, before)]) >= 0.8
+    # 64 of 384 dimensions kept: the best hit of each query stays, most of the top 5 with it (a wrong
+    # projection, or queries not projected as the records are, keeps neither; SciFact's nDCG is in
+    # docs/benchmarks/live-index.md)
+    assert all(a[0] == b[0] for a, b in zip(after, before))
+    assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(after, before)]) >= 0.6
     why = explained.explanation  # computed from the projected query and records: it adds up to the score
     assert why is not None and why.matches and abs(why.cls_part + why.bow_part - explained.score) < 1e-3

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ..choices import DEFAULT_BOW_DTYPE
+from ..choices import DEFAULT_BOW_DTYPE, default_pool_factor
 from ..corpus import default_title_joiner
 from ..encoders import Encoder
 from ..encoders.base import reads_pages
@@ -76,9 +76,10 @@ TEMPLATES_DIR = ".espn-models"
 class NewIndex:
     """How an index is created: its storage type and block size, its first stage once fitted
     (None: the model's default), a full-text index (None: none), the title joiner (None: the
-    model's), and the dimension of the projection it fits on its own token vectors once fitted
+    model's), the dimension of the projection it fits on its own token vectors once fitted
     (None: DEFAULT_BOW_DIM where its encoder fits one, the generic Hugging Face encoder, else none;
-    the model's width: none)."""
+    the model's width: none), and how its writes pool token vectors (None: as `espn index` pools
+    them for this encoder, espn.choices.default_pool_factor)."""
 
     dtype: str = DEFAULT_BOW_DTYPE
     block_size: int = 4096
@@ -86,6 +87,7 @@ class NewIndex:
     text_index: TextConfig | None = TextConfig()
     title_joiner: str | None = None
     bow_dim: int | None = None
+    pool_factor: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +185,11 @@ def _empty_base(out: Path, encoder: EncoderFiles, options: NewIndex) -> dict[str
     if reads_pages(config):
         PageImagesWriter(out).finish()
     stage = dataclasses.replace(default_first_stage(config), kind=first_stage_kind(options.first_stage, config))
+    pool_factor = default_pool_factor(str(config["kind"])) if options.pool_factor is None else options.pool_factor
+    if pool_factor < 1:
+        raise InvalidParameterError(f"pool_factor must be >= 1, got {pool_factor}")
     fitted = fit_base(out, written, 0, Fit(exact=True, stage=stage, dtype=options.dtype,
-                                          projection=_projection_dim(config, options.bow_dim)))
+                                          projection=_projection_dim(config, options.bow_dim)), pool_factor=pool_factor)
     weight = config.get("learned_weight")
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
