@@ -21,7 +21,7 @@ import numpy as np
 from espn.corpus import PASSAGE_JOINER
 from espn.encoders.base import reads_pages
 from espn.errors import CorpusError, IndexExistsError
-from espn.files import fsync_path
+from espn.files.durable import fsync_path
 from espn.index import FORMAT_VERSION, write_manifest
 from espn.live.fitting import CLS_TABLE, Fit, fit_base
 from espn.metadata import MetadataWriter, add_from_passages

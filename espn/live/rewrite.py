@@ -16,7 +16,10 @@ from typing import Callable
 import numpy as np
 
 from ..ann import load_ivf
-from ..files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
+from ..files.checksums import sha256_file
+from ..files.clock import utc_now
+from ..files.crash_points import checkpoint
+from ..files.durable import fsync_path, fsync_tree
 from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
 from ..generation.segments import LiveView, empty_ivf, open_view
 from ..index import IndexDirectory, write_manifest
