@@ -53,7 +53,7 @@ def child_build(corpus: Path, out: Path, batch_size: int, chunk_size: int) -> di
     from espn_indexing.build import BuildConfig, _prepare_encoder, merge_index
     from espn_indexing.encode import encode_corpus
     from espn_indexing.workdir import WorkDir
-    from espn.files import write_json_atomic
+    from espn.files.durable import write_json_atomic
 
     config = BuildConfig(corpus=corpus, out=out, force=True, progress=False, batch_size=batch_size,
                          chunk_size=chunk_size).validate()

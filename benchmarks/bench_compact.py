@@ -43,7 +43,7 @@ TODAY = (1, "float16 today")
 
 def export_chunks(index: Path, work_out: Path, chunk_size: int = 1024) -> Path:
     """The build job's work dir (chunks, encoder, job.json, shard marker) from an unpooled fp16 index."""
-    from espn.files import write_json_atomic
+    from espn.files.durable import write_json_atomic
     from espn.index import DocStore, IndexDirectory
     from espn.store import open_reader
     from espn.store.format import StoreLayout
@@ -113,7 +113,7 @@ def scale_errors(encoded: Path, docs: int = 400, seed: int = 0) -> list[list]:
 
 def assemble_setting(encoded: Path, out: Path, pool_factor: int, dtype: str) -> float:
     """Assemble one setting from the shared chunks; seconds taken."""
-    from espn.files import write_json_atomic
+    from espn.files.durable import write_json_atomic
 
     from indexing.assemble import assemble, publish
     from indexing.workdir import WorkDir

@@ -55,7 +55,7 @@ def fresh_build(corpus: SyntheticCorpus, n: int, out: Path) -> float:
     """The first n documents through the build's assembler (`espn index --embeddings` minus the
     import), stored and fitted as a created index stores them once fitted; seconds."""
     from espn.encoders.precomputed import PrecomputedEncoder
-    from espn.files import write_json_atomic
+    from espn.files.durable import write_json_atomic
     from espn_indexing.build import merge_index
     from espn_indexing.chunks import write_chunk
     from espn_indexing.workdir import WorkDir

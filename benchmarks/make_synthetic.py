@@ -226,7 +226,7 @@ def generate(out: Path, docs: int, source: Path, d_cls: int = 128, d_bow: int = 
     bow_dtype: the records' dtype in page mode (the text modes keep theirs)."""
     from espn.encoders.precomputed import PrecomputedEncoder
     from espn.first_stage.build import PAGE_FIRST_STAGE
-    from espn.files import write_json_atomic
+    from espn.files.durable import write_json_atomic
     from espn.index import update_manifest
     from espn.text.config import TextConfig
     from espn_indexing.build import merge_index

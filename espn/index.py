@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .errors import DocumentNotFoundError, IndexCorruptError
-from .files import sha256_file, write_json_atomic
+from .files.checksums import sha256_file
+from .files.durable import write_json_atomic
 from .mapped import map_npy
 from .results import Document
 

@@ -1,9 +1,9 @@
 """Assemble stage: chunk files -> a finished index directory, published by an atomic rename.
 
-Streams chunk by chunk: records go straight into embeddings.bin, CLS vectors into
-a temporary fp16 memmap from which espn.live.fitting fits the IVF (on a sample), the first
-stage and residual codes, as it does for every base; the only arrays sized by the corpus are
-numpy memmaps.
+Streams chunk by chunk into espn.live.base_segment's writer, the one every base goes through:
+records straight into embeddings.bin, CLS vectors into a temporary fp16 memmap from which
+espn.live.fitting fits the IVF (on a sample), the first stage and residual codes; the only
+arrays sized by the corpus are numpy memmaps.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ import numpy as np
 from espn.corpus import PASSAGE_JOINER
 from espn.encoders.base import reads_pages
 from espn.errors import CorpusError, IndexExistsError
-from espn.files import fsync_path
+from espn.files.durable import fsync_path
 from espn.index import FORMAT_VERSION, write_manifest
-from espn.live.fitting import CLS_TABLE, Fit, fit_base
+from espn.live.base_segment import BaseSegmentWriter
+from espn.live.fitting import Fit
 from espn.metadata import MetadataWriter, add_from_passages
 from espn.pages.images import PageImagesWriter
 from espn.partitioning import PartitionLayout, owners
-from espn.store.format import RECORD_DTYPE, RecordWriter, StoreLayout, stored_cls
+from espn.store.format import StoreLayout
 from espn.store.recode import require_centroid_stage, written_before_centroids
 
 from espn.text.config import TextConfig
@@ -92,12 +93,12 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
     n_docs, id_width = _count_documents(work, chunks, partition_layout, job["corpus"])
     started = time.perf_counter()
     first_layout = written_before_centroids(layout)  # residual records are coded once the centroids exist
-    written = _write_records(work, chunks, staging, first_layout, n_docs, id_width, partition_layout)
-    _write_id_order(staging, written.ids, job["corpus"])
     # A build has its whole corpus: it is fitted from the start (espn.live.fitting).
     fit = Fit(exact=False, stage=dataclasses.replace(default_first_stage(encoder_config), kind=stage_kind),
               dtype=layout.dtype, ann=job.get("ann", "flat"), pq_m=job.get("pq_m", 32), nlist=job.get("nlist"))
-    fitted = fit_base(staging, first_layout, n_docs, fit, pool_factor=layout.pool_factor)
+    with BaseSegmentWriter(staging, first_layout, n_docs, id_width, job["corpus"], groups_dir=staging) as base:
+        written = _write_documents(work, chunks, staging, base, partition_layout)
+        fitted = base.finish(fit, pool_factor=layout.pool_factor)
     shutil.copytree(work.encoder_dir, staging / "encoder")
 
     weight = job.get("w") if job.get("w") is not None else encoder_config.get("learned_weight")
@@ -105,7 +106,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "encoder": encoder_config,
-        "counts": {"documents": n_docs, "bow_vectors": written.n_bow, "bow_vectors_encoded": written.n_encoded},
+        "counts": {"documents": n_docs, "bow_vectors": base.n_bow, "bow_vectors_encoded": written.n_encoded},
         "store": fitted["store"],
         "ann": fitted["ann"],
         "fit": fitted["fit"],
@@ -128,7 +129,7 @@ def assemble(work: WorkDir, staging: Path, partition: int = 0, partitions: int =
         manifest["text"] = build_for_directory(staging, TextConfig.from_json(job["text_index"]))
         manifest["hybrid"] = DEFAULT_HYBRID.to_json()
     manifest = write_manifest(staging, manifest)
-    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, written.n_bow, fitted["store"]["file_bytes"] / 1e6,
+    log.info("assembled %d documents (%d BOW vectors, %.1f MB) in %.1fs", n_docs, base.n_bow, fitted["store"]["file_bytes"] / 1e6,
              time.perf_counter() - started)
     return manifest
 
@@ -148,70 +149,37 @@ def _count_documents(work: WorkDir, chunks: list[int], partition_layout: Partiti
 
 @dataclasses.dataclass
 class _Written:
-    """What pass 2 leaves: the ids memmap (in row order), the vector counts, the metadata section."""
+    """What pass 2 leaves beside the base's own files: the vectors encoded (before pooling), the
+    metadata section."""
 
-    ids: np.ndarray
-    n_bow: int
     n_encoded: int
     metadata: dict[str, Any] | None
 
 
-def _write_records(work: WorkDir, chunks: list[int], staging: Path, layout: StoreLayout, n_docs: int, id_width: int,
-                   partition_layout: PartitionLayout) -> _Written:
-    """Pass 2: records into embeddings.bin, ids, document lines and offsets, metadata, and the
-    CLS vectors into cls.tmp.npy (the ANN's input), chunk by chunk."""
-    records = np.lib.format.open_memmap(staging / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n_docs,))
-    ids = np.lib.format.open_memmap(staging / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n_docs,))
-    docs_offsets = np.lib.format.open_memmap(staging / "docs_offsets.npy", mode="w+", dtype=np.int64, shape=(n_docs + 1,))
-    cls_tmp = np.lib.format.open_memmap(staging / CLS_TABLE, mode="w+", dtype=np.float16, shape=(n_docs, layout.d_cls))
-    docs_offsets[0] = 0
-    position = n_bow = n_encoded = 0
-    metadata = MetadataWriter(staging, n_docs)
+def _write_documents(work: WorkDir, chunks: list[int], staging: Path, base: BaseSegmentWriter,
+                     partition_layout: PartitionLayout) -> _Written:
+    """Pass 2, chunk by chunk: records, ids and passages into the base, metadata and page images
+    beside them."""
+    position = n_encoded = 0
+    metadata = MetadataWriter(staging, base.n_docs)
     # A page index keeps each page's image beside its record (espn.pages.images); listed by write_manifest.
     images = PageImagesWriter(staging) if reads_pages(work.job()["encoder_config"]) else None
-    with RecordWriter(staging / "embeddings.bin", layout, groups_dir=staging) as writer, \
-            open(staging / "docs.jsonl", "wb") as docs:
-        for c in chunks:
-            chunk = read_chunk(work.path, c)
-            if partition_layout.count > 1:
-                chunk = chunk.select(_mine(chunk.ids, partition_layout))
-            rows = slice(position, position + len(chunk))
-            written = writer.append(chunk.cls, chunk.bow, chunk.counts)
-            records[rows] = written
-            ids[rows] = chunk.ids
-            cls_tmp[rows] = stored_cls(chunk.cls, layout)  # the IVF is fitted on the CLS as stored
-            docs.write(chunk.docs_blob.tobytes())
-            if images is not None and chunk.images_blob is not None and chunk.images_offsets is not None:
-                images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets), chunk.grids)
-            elif images is not None:  # a chunk encoded before images were kept: its pages have none
-                images.append_unknown(len(chunk))
-            _add_metadata(metadata, chunk, position)
-            docs_offsets[position + 1 : position + len(chunk) + 1] = docs_offsets[position] + chunk.docs_offsets[1:]
-            position += len(chunk)
-            n_bow += int(written["n_bow"].sum())
-            n_encoded += int(chunk.counts.sum())
-        writer.close()
-        docs.flush()
-        os.fsync(docs.fileno())
+    for c in chunks:
+        chunk = read_chunk(work.path, c)
+        if partition_layout.count > 1:
+            chunk = chunk.select(_mine(chunk.ids, partition_layout))
+        base.append(chunk.cls, chunk.bow, chunk.counts)
+        base.append_passages(chunk.ids, chunk.docs_blob.tobytes(), np.diff(chunk.docs_offsets))
+        if images is not None and chunk.images_blob is not None and chunk.images_offsets is not None:
+            images.append_blob(chunk.images_blob, np.diff(chunk.images_offsets), chunk.grids)
+        elif images is not None:  # a chunk encoded before images were kept: its pages have none
+            images.append_unknown(len(chunk))
+        _add_metadata(metadata, chunk, position)
+        position += len(chunk)
+        n_encoded += int(chunk.counts.sum())
     if images is not None:
         images.finish()
-    for array in (records, ids, docs_offsets, cls_tmp):
-        array.flush()
-    return _Written(ids, n_bow, n_encoded, metadata.finish())
-
-
-def _write_id_order(staging: Path, ids: np.ndarray, corpus: str) -> None:
-    """ids_sorted.npy, the rows in id order; a duplicate id is refused naming both documents."""
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    dup = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
-    if len(dup):
-        first = int(dup[0])
-        raise CorpusError(
-            f"{corpus}: duplicate document id {bytes(sorted_ids[first]).decode()!r} "
-            f"(documents #{int(order[first]) + 1} and #{int(order[first + 1]) + 1}); ids must be unique"
-        )
-    np.save(staging / "ids_sorted.npy", order)
+    return _Written(n_encoded, metadata.finish())
 
 
 def _add_metadata(writer: MetadataWriter, chunk: Chunk, first: int) -> None:

@@ -26,7 +26,7 @@ from espn.choices import default_pool_factor as pool_factor_of_kind
 from espn.corpus import PASSAGE_JOINER, check_title_joiner, default_title_joiner
 from espn.errors import CorpusError, CorruptModelError, EspnError, IndexExistsError, InvalidParameterError
 from espn.params import FIRST_STAGE_KINDS
-from espn.files import write_json_atomic
+from espn.files.durable import write_json_atomic
 from espn.index import read_manifest
 from espn.pages.corpus import DEFAULT_DPI, MAX_DPI, MIN_DPI, count_pages, is_page_corpus, no_pages_error
 from espn.store.format import STORAGE_TYPES

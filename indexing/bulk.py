@@ -14,7 +14,7 @@ from espn.encoders.base import reads_pages
 from espn.corpus import index_title_joiner
 from espn.errors import CorpusError
 from espn.index import read_manifest
-from espn.files import checkpoint
+from espn.files.crash_points import checkpoint
 from espn.live.checks import WriteRequest, WriteResult
 from espn.live.writer import IndexWriter
 from espn.live.encoding import EncodedDocuments

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from espn.files import write_json_atomic
+from espn.files.durable import write_json_atomic
 
 __all__ = ["WorkDir"]
 

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
+from benchmarks.scaleout import Cluster, Store  # noqa: E402
 from helpers import run_espn, write_scifact_subset  # noqa: E402
 from server_fixtures import ServerProcess, running_server  # noqa: E402
 
@@ -122,6 +123,40 @@ def sample_partitions(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built_once(tmp_path_factory, "partitions", lambda out: run_espn(
         "index", SAMPLE_CORPUS, "--out", out, "--partitions", "2", "--no-progress"), leaf="parts")
 
+
+
+@pytest.fixture(scope="module")
+def moto_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """moto's S3 server with one versioned bucket for one test module (the bucket named after the
+    module): the object store of the scale-out tests, in process and for the processes they start."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    server = Store("espn-" + request.module.__name__.removeprefix("test_").replace("_", "-"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def cluster(moto_store: Store, tmp_path: Path) -> Iterator[Cluster]:
+    """The processes of one scale-out run against `moto_store` (their logs in tmp_path), every one
+    stopped when the test ends, passed or failed."""
+    running = Cluster(moto_store, tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def colpali_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """benchmarks.make_visual_checkpoint's tiny seeded ColPali (64 px pages, 8 px patches), written
+    once per test run: the model of the page tests, which only read it."""
+    # Imported here: it loads transformers, which most test files never need.
+    from benchmarks.make_visual_checkpoint import write_checkpoint
+
+    return built_once(tmp_path_factory, "colpali", write_checkpoint, leaf="tiny-colpali")
 
 #: The API key of `client_server`.
 CLIENT_API_KEY = "client-test-key-0123456789"

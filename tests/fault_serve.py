@@ -4,7 +4,7 @@ ESPN_TEST_BUG_FILE=PATH: while PATH exists, every read of the embedding store fa
 plain ValueError (an internal bug, not a refusal of the query), through the store's fault
 injector (`espn.store.engines.inject_faults`).
 ESPN_TEST_PAUSE_AT=STEP:SECONDS:MARKER: the first time a writer or a compaction reaches the
-checkpoint STEP (espn.files.checkpoint), MARKER is created and the thread sleeps SECONDS.
+checkpoint STEP (espn.files.crash_points.checkpoint), MARKER is created and the thread sleeps SECONDS.
 
 Run with --workers 1, so the server is this process. Used by tests/test_serving_trust.py.
 """
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import espn.files
+import espn.files.crash_points
 from espn.cli import main
 from espn.store.engines import FaultInjector, inject_faults
 
@@ -45,7 +45,7 @@ if os.environ.get("ESPN_TEST_PAUSE_AT"):
             Path(marker).touch()
             time.sleep(float(seconds))  # the pause injected at that step (the marker says it began)
 
-    espn.files._checkpoint = checkpoint
+    espn.files.crash_points._checkpoint = checkpoint
 
 if os.environ.get("ESPN_TEST_BUG_FILE"):
     with inject_faults(InjectedBug(Path(os.environ["ESPN_TEST_BUG_FILE"]))):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 from helpers import wait_until
@@ -40,24 +40,10 @@ SECONDS = 9.0
 LEASE_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[Store]:
-    server = Store("espn-fenced")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.slow
-def test_every_acknowledged_write_is_published_through_a_pause_and_a_kill(store: Store, sample_index: Path,
+def test_every_acknowledged_write_is_published_through_a_pause_and_a_kill(cluster: Cluster, sample_index: Path,
                                                                            tmp_path: Path) -> None:
-    cluster = Cluster(store, tmp_path)
-    try:
-        result = failover_sequence(cluster, sample_index, tmp_path, SECONDS, LEASE_S)
-    finally:
-        cluster.stop()
-    check(result)
+    check(failover_sequence(cluster, sample_index, tmp_path, SECONDS, LEASE_S))
 
 
 def _copy(sample_index: Path, tmp_path: Path, name: str) -> Path:
@@ -65,8 +51,9 @@ def _copy(sample_index: Path, tmp_path: Path, name: str) -> Path:
     return tmp_path / name
 
 
-def test_a_lease_is_taken_once_renewed_and_taken_over_only_after_a_whole_lease_unrenewed(store: Store) -> None:
-    where = ObjectStoreUrl.parse(store.url("lease-rules"))
+def test_a_lease_is_taken_once_renewed_and_taken_over_only_after_a_whole_lease_unrenewed(
+        moto_store: Store) -> None:
+    where = ObjectStoreUrl.parse(moto_store.url("lease-rules"))
     clock = [0.0]
     a = Lease(make_client, where, "a", "http://a", lease_s=5.0, clock=lambda: clock[0])
     b = Lease(make_client, where, "b", "http://b", lease_s=5.0, clock=lambda: clock[0])
@@ -86,8 +73,9 @@ def test_a_lease_is_taken_once_renewed_and_taken_over_only_after_a_whole_lease_u
     assert again.try_acquire() and again.epoch == 3  # released: taken at once
 
 
-def test_a_restarted_writer_takes_its_own_lease_back_at_once_and_only_at_its_first_look(store: Store) -> None:
-    where = ObjectStoreUrl.parse(store.url("lease-restart"))
+def test_a_restarted_writer_takes_its_own_lease_back_at_once_and_only_at_its_first_look(
+        moto_store: Store) -> None:
+    where = ObjectStoreUrl.parse(moto_store.url("lease-restart"))
     first = Lease(make_client, where, "pod-0", lease_s=30.0)
     assert first.try_acquire()
     restarted = Lease(make_client, where, "pod-0", lease_s=30.0)  # the same name, a new process
@@ -97,8 +85,8 @@ def test_a_restarted_writer_takes_its_own_lease_back_at_once_and_only_at_its_fir
 
 
 def test_after_a_fence_no_older_epoch_moves_latest_and_the_unleased_publish_is_refused(
-        store: Store, sample_index: Path, tmp_path: Path) -> None:
-    url = store.url("fence-rules")
+        moto_store: Store, sample_index: Path, tmp_path: Path) -> None:
+    url = moto_store.url("fence-rules")
     where, client = ObjectStoreUrl.parse(url), make_client()
     publish(sample_index, url)  # generation 0, epoch 0 (no lease)
     old, new = FenceToken(1, "a/000000000001"), FenceToken(2, "b/000000000002")
@@ -113,25 +101,25 @@ def test_after_a_fence_no_older_epoch_moves_latest_and_the_unleased_publish_is_r
         publish(sample_index, url)  # `espn publish` on a prefix a leased writer owns
 
 
-def test_a_superseded_writers_orphan_record_is_skipped_not_overwritten(store: Store, sample_index: Path,
+def test_a_superseded_writers_orphan_record_is_skipped_not_overwritten(moto_store: Store, sample_index: Path,
                                                                        tmp_path: Path) -> None:
     """Writer A (epoch 1) wrote record 1 and was fenced before its LATEST write: B (epoch 2)
     publishes its own generation 1 as generation 2, and record 1 keeps its one version."""
-    url = store.url("orphan")
+    url = moto_store.url("orphan")
     where, client = ObjectStoreUrl.parse(url), make_client()
     index = _copy(sample_index, tmp_path, "b")
     old, new = FenceToken(1, "a/00000000000a"), FenceToken(2, "b/00000000000b")
     first = publish_fenced(client, where, index, read_current(index), old, set(), None)
     assert first.latest.epoch == 1
     orphan = {"generation": dict(read_current(index).to_json(), generation=1), "pieces": [], "epoch": 1}
-    client.put_object(Bucket=store.bucket, Key="orphan/generations/gen-000001.json", Body=json.dumps(orphan).encode())
+    client.put_object(Bucket=moto_store.bucket, Key="orphan/generations/gen-000001.json", Body=json.dumps(orphan).encode())
     fence_latest(client, where, new)
     with LiveIndex(index) as writer:  # B's next generation, staged here: number 1, taken on the store
         staged = writer.upsert([NewDocument("b1", "written by the new writer")]).generation
     assert staged == 1
     published = publish_fenced(client, where, index, read_current(index), new, set(), None)
     assert published.generation.number == 2 and published.latest.name == "gen-000002.json"
-    assert store.versions("orphan/generations/") == {"orphan/generations/gen-000000.json": 1,
+    assert moto_store.versions("orphan/generations/") == {"orphan/generations/gen-000000.json": 1,
                                                      "orphan/generations/gen-000001.json": 1,
                                                      "orphan/generations/gen-000002.json": 1}
     with pytest.raises(WriterSupersededError):  # and A, resumed, publishes nothing more
@@ -139,8 +127,8 @@ def test_a_superseded_writers_orphan_record_is_skipped_not_overwritten(store: St
 
 
 def test_a_standby_refuses_writes_and_an_unfenced_writer_refuses_a_fenced_index(
-        store: Store, sample_index: Path, tmp_path: Path) -> None:
-    url = store.url("standby-rules")
+        moto_store: Store, sample_index: Path, tmp_path: Path) -> None:
+    url = moto_store.url("standby-rules")
     a_dir, b_dir = _copy(sample_index, tmp_path, "a"), _copy(sample_index, tmp_path, "b")
     a = FencedWriter(url, a_dir, 0.1, name="wa", lease_s=6.0)
     b = FencedWriter(url, b_dir, 0.1, name="wb", lease_s=6.0)

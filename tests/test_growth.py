@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from espn import files
+from espn.files import crash_points
 from espn.encoders import QueryEmbeddings, encoder_from_spec
 from espn.encoders.precomputed import PrecomputedEncoder
 from espn.engine.embedded import Index
@@ -178,12 +178,12 @@ def test_writes_during_a_refit_are_carried_over_coded_for_the_new_base(created: 
                 upserts = [NewDocument(i, "late") for i in ids[n:]]
                 assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
 
-    files._checkpoint = write_at  # the named crash points' hook: only the timing is arranged
+    crash_points._checkpoint = write_at  # the named crash points' hook: only the timing is arranged
     try:
         with LiveIndex(created) as writer:
             writer.refit()
     finally:
-        files._checkpoint = lambda step: None
+        crash_points._checkpoint = lambda step: None
     stats = live_stats(created)
     assert stats["live_documents"] == n + 50 and stats["delta_documents"] == 50 and not stats["exact"]
     with Searcher.open(created) as searcher:
@@ -235,12 +235,12 @@ def test_writes_during_a_refit_leave_its_progress_file_alone(created: Path) -> N
             kept.append((live / "COMPACT.json.tmp").is_file())
             (live / "COMPACT.json.tmp").replace(live / "COMPACT.json")
 
-    files._checkpoint = write_at
+    crash_points._checkpoint = write_at
     try:
         with LiveIndex(created) as writer:
             writer.refit()
     finally:
-        files._checkpoint = lambda step: None
+        crash_points._checkpoint = lambda step: None
     assert kept == [True]
     assert live_stats(created)["live_documents"] == n + 10 and live_stats(created)["refit_running"] is None
     (live / "COMPACT.json.tmp").write_text("{}")  # what a compaction killed mid-write leaves

@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from benchmarks.bench_visual import draw_page
-from benchmarks.make_visual_checkpoint import write_checkpoint
 from espn.live.create import TEMPLATES_DIR
 from helpers import png, wait_until
 from server_fixtures import HTTP, ServerProcess, running_server
@@ -30,20 +29,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("growth-root")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("model") / "tiny-colpali")
-
-
-def _serve(root: Path, checkpoint: Path, name: str) -> Any:
+def _serve(root: Path, colpali_checkpoint: Path, name: str) -> Any:
     return running_server(None, root, "--index-root", str(root / "indexes"), "--model", "small=minilm",
-                          "--model", f"pages=visual:{checkpoint}", env={"ESPN_API_KEY": KEY}, name=name,
+                          "--model", f"pages=visual:{colpali_checkpoint}", env={"ESPN_API_KEY": KEY}, name=name,
                           fd_limit=1024)
 
 
 @pytest.fixture(scope="module")
-def server(root: Path, checkpoint: Path) -> Iterator[ServerProcess]:
-    with _serve(root, checkpoint, "growth") as server:
+def server(root: Path, colpali_checkpoint: Path) -> Iterator[ServerProcess]:
+    with _serve(root, colpali_checkpoint, "growth") as server:
         yield server
 
 
@@ -114,10 +108,10 @@ def test_a_refit_runs_in_the_background_while_the_index_is_searched_and_written(
     assert 'espn_compactions_total{index="texts",kind="rewrite"}' in metrics
 
 
-def test_created_indexes_survive_a_restart(server: ServerProcess, root: Path, checkpoint: Path) -> None:
+def test_created_indexes_survive_a_restart(server: ServerProcess, root: Path, colpali_checkpoint: Path) -> None:
     before = _ids(_call(server, "POST", "/v1/indexes/texts/search", {"query": DOCS[3]["text"][:80], "k": 5}))
     server.terminate()
-    with _serve(root, checkpoint, "growth-again") as again:
+    with _serve(root, colpali_checkpoint, "growth-again") as again:
         names = [item["name"] for item in _call(again, "GET", "/v1/indexes").json()["indexes"]]
         assert names == ["pages", "texts"]
         assert _ids(_call(again, "POST", "/v1/indexes/texts/search", {"query": DOCS[3]["text"][:80], "k": 5})) == before

@@ -20,7 +20,7 @@ import pytest
 from pydantic import ValidationError
 
 from espn_client import Client, ConflictError, InvalidRequestError, NotFoundError
-from espn.files import resident_bytes
+from espn.files.index_directory import resident_bytes
 from espn.live.create import STAGING_MARK, TEMPLATES_DIR
 from espn_server.settings import ServerSettings
 from helpers import HTTP_TIMEOUT_S

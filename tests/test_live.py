@@ -238,7 +238,7 @@ def test_searches_during_writes_never_fail_nor_see_half_a_batch(index: Path, enc
 
 CRASHER = textwrap.dedent("""
     import os, signal, sys
-    import espn.files as files
+    import espn.files.crash_points as crash_points
     from espn.live.checks import NewDocument
     from espn.live.compaction import Plan, run_compaction
     from espn.live.live_index import LiveIndex
@@ -246,7 +246,7 @@ CRASHER = textwrap.dedent("""
     def checkpoint(name):
         if name == step:
             os.kill(os.getpid(), signal.SIGKILL)
-    files._checkpoint = checkpoint
+    crash_points._checkpoint = checkpoint
     writer = LiveIndex(sys.argv[1])
     if sys.argv[3] == "merge":
         run_compaction(writer, Plan("merge", tuple(s.name for s in writer.current().segments)))
@@ -440,7 +440,7 @@ def test_a_delete_writes_a_tombstone_of_a_few_bytes(index: Path) -> None:
 def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encoder) -> None:
     """A base rewrite works from a snapshot without the writer lock: writes published while it
     runs (adds, replacements, deletes of old and of new documents) are carried onto the new base."""
-    import espn.files as live
+    import espn.files.crash_points as crash_points
 
     with LiveIndex.open(index, encoder=encoder) as writer:
         writer.upsert([NewDocument("before", "written before the compaction about coral reefs")])
@@ -455,11 +455,11 @@ def test_writes_during_a_compaction_are_carried_over(index: Path, encoder: Encod
                          ["s0004", "before"])
             during.delete(["during-2"])
 
-    original, live._checkpoint = live._checkpoint, write_meanwhile
+    original, crash_points._checkpoint = crash_points._checkpoint, write_meanwhile
     try:
         LiveIndex(index).compact()
     finally:
-        live._checkpoint = original
+        crash_points._checkpoint = original
     current = read_current(index)
     assert current.base.startswith("live/base-") and current.base_documents == 300  # s0002 dropped, "before" in
     assert len(current.segments) == 1 and current.segments[0].first == current.base_documents

@@ -28,7 +28,7 @@ from espn.encoders.colberter import ColBERTerEncoder
 from espn.encoders.colberter_checkpoint import ColBERTerModel
 from espn.encoders.model_files import MAX_CONFIG_BYTES
 from espn.errors import IndexCorruptError, InvalidParameterError, RefusedInputError
-from espn.files import write_json_atomic
+from espn.files.durable import write_json_atomic
 from espn.index import read_manifest
 from espn.search.searcher import Searcher
 from espn_indexing.build import BuildConfig, build_index

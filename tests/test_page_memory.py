@@ -31,7 +31,6 @@ from PIL import Image
 
 from benchmarks.bench_page_memory import one_bit_png, text_pdf
 from benchmarks.common import MemoryCgroup, cgroup_unavailable_reason, rss_pss
-from benchmarks.make_visual_checkpoint import write_checkpoint
 from espn.errors import PageMemoryBusyError, TooLargeError
 from espn.pages.decode import MAX_PIXELS
 from espn.pages.memory import DEFAULT_PAGE_MEMORY_BYTES, PageMemory, bounded_groups, page_cost
@@ -79,18 +78,13 @@ def tree_rss(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("model") / "tiny-colpali")
-
-
-@pytest.fixture(scope="module")
-def page_index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def page_index(colpali_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An index of 4 small pages built by `espn index` with the tiny checkpoint."""
     corpus = tmp_path_factory.mktemp("pages")
     for number in range(4):
         Image.new("RGB", (64, 48), (40 * number, 90, 200)).save(corpus / f"p{number}.png")
     out = tmp_path_factory.mktemp("idx") / "pages"
-    run_espn("index", corpus, "--out", out, "--encoder", f"visual:{checkpoint}", "--bow-dtype", "float16",
+    run_espn("index", corpus, "--out", out, "--encoder", f"visual:{colpali_checkpoint}", "--bow-dtype", "float16",
              "--no-progress", "--device", "cpu")
     return out
 
@@ -203,7 +197,7 @@ def test_a_page_that_can_never_fit_is_413_and_the_next_page_is_written(page_inde
 
 @pytest.mark.slow
 def test_the_page_build_streams_pages_in_bounded_memory_whatever_the_chunk_size(
-        checkpoint: Path, tmp_path: Path) -> None:
+        colpali_checkpoint: Path, tmp_path: Path) -> None:
     """`espn index` of a 300-page PDF of text at the default dpi, chunk size and loader, in a 1.5 GiB
     cgroup: it completes, and the build's processes together never held more than 1.5 GiB. Before,
     a chunk of rendered pages (6 MB each) was held whole: the cgroup killed the page loader."""
@@ -213,7 +207,7 @@ def test_the_page_build_streams_pages_in_bounded_memory_whatever_the_chunk_size(
     out = tmp_path / "index"
     with memory_limit("build", limit) as cgroup:
         command = [sys.executable, "-m", "espn.cli", "index", str(pdf), "--out", str(out), "--encoder",
-                   f"visual:{checkpoint}", "--no-progress", "--device", "cpu"]
+                   f"visual:{colpali_checkpoint}", "--no-progress", "--device", "cpu"]
         build = subprocess.Popen(in_cgroup(cgroup, command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True)
         peak = 0

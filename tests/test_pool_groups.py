@@ -22,7 +22,7 @@ from espn.cli import main as cli_main
 from espn.corpus import passage_text
 from espn.errors import IndexCorruptError
 from espn.search.explain import passage_spans, pooled_spans
-from espn.files import write_json_atomic
+from espn.files.durable import write_json_atomic
 from espn.index import read_manifest
 from espn.pooling.cluster import pool_documents, pool_documents_grouped, pool_vectors
 from espn.pooling.groups import (GROUP_OFFSETS_FILE, GROUPS_FILE, POOL_GROUP_FILES, PoolGroups, PoolGroupsWriter,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -36,34 +35,16 @@ from espn.partitioning import SLOT_COUNT, owners  # noqa: E402
 from espn.shard_map import ShardMap, plan_moves  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[Store]:
-    server = Store("espn-shard-map")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.slow
-def test_a_replica_killed_during_searches_fails_none_and_changes_no_ranking(store: Store, sample_partitions: Path,
+def test_a_replica_killed_during_searches_fails_none_and_changes_no_ranking(cluster: Cluster, sample_partitions: Path,
                                                                              tmp_path: Path) -> None:
-    cluster = Cluster(store, tmp_path)
-    try:
-        result = replica_kill(cluster, sample_partitions, tmp_path, searches=300)
-    finally:
-        cluster.stop()
-    check(result)
+    check(replica_kill(cluster, sample_partitions, tmp_path, searches=300))
 
 
 @pytest.mark.slow
-def test_a_split_and_a_merge_under_writes_keep_every_document_once(store: Store, sample_partitions: Path,
+def test_a_split_and_a_merge_under_writes_keep_every_document_once(cluster: Cluster, sample_partitions: Path,
                                                                    tmp_path: Path) -> None:
-    cluster = Cluster(store, tmp_path)
-    try:
-        result = split_and_merge(cluster, sample_partitions, tmp_path, seconds=6.0)
-    finally:
-        cluster.stop()
+    result = split_and_merge(cluster, sample_partitions, tmp_path, seconds=6.0)
     check(result)
     # Each finished move's report line (its progress lines, copying, freezing and switched, say the
     # same move-id): 0->2 and 1->2, then 2->0 and 2->1.
@@ -116,8 +97,8 @@ def test_a_crafted_map_is_refused_naming_the_rule(edit, rule: str) -> None:  # n
         ShardMap.parse(json.dumps(stored).encode(), "s3://b/shard-map.json")
 
 
-def test_the_map_moves_only_by_a_conditional_write_on_what_was_read(store: Store) -> None:
-    where, client = map_url(store.url("conditional-map")), make_client()
+def test_the_map_moves_only_by_a_conditional_write_on_what_was_read(moto_store: Store) -> None:
+    where, client = map_url(moto_store.url("conditional-map")), make_client()
     first = ShardMap.initial(2)
     etag = write_map(client, where, first, None)
     assert etag and write_map(client, where, first, None) is None  # one map per prefix
@@ -131,11 +112,11 @@ def test_the_map_moves_only_by_a_conditional_write_on_what_was_read(store: Store
     assert changed is not None and changed[0].version == grown.version
 
 
-def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_view(store: Store) -> None:
+def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_view(moto_store: Store) -> None:
     """espn.engine.ShardMapView, what `espn route --shard-map` routes by: the map's partitions and
     owners, each partition's registered replicas, no writer while no lease is held, and the next
     view re-reading the members (the map itself only when its ETag moved)."""
-    url = store.url("view")
+    url = moto_store.url("view")
     shard_map = init_map(url, 2)
     assert shard_map is not None
     view = ShardMapView.read(url)
@@ -149,4 +130,4 @@ def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_vie
     after = ShardMapView.read(url, view)
     assert after.replicas(0) == ["http://replica-a:8000"] and after.replicas(1) == [] and after.version == view.version
     with pytest.raises(InvalidParameterError, match="no shard map"):
-        ShardMapView.read(store.url("no-map-here"))
+        ShardMapView.read(moto_store.url("no-map-here"))

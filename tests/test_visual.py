@@ -21,7 +21,6 @@ from PIL import Image
 from sentence_transformers import MultiVectorEncoder
 
 from benchmarks.bench_visual import QUERIES, draw_page
-from benchmarks.make_visual_checkpoint import write_checkpoint
 from espn import Searcher
 from espn.choices import PAGE_DPI
 from espn.cli import OWN_LOGGERS, main
@@ -41,18 +40,13 @@ RELATIVE = 0.005
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("model") / "tiny-colpali")
+def library(colpali_checkpoint: Path) -> MultiVectorEncoder:
+    return visual_library(colpali_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def library(checkpoint: Path) -> MultiVectorEncoder:
-    return visual_library(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def encoder(checkpoint: Path) -> VisualEncoder:
-    return visual_encoder(checkpoint)
+def encoder(colpali_checkpoint: Path) -> VisualEncoder:
+    return visual_encoder(colpali_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +63,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def index(corpus: Path, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def index(corpus: Path, colpali_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built by the `espn index` command, float16 records, chunks of 5 pages."""
-    return _build_pages(corpus, checkpoint, tmp_path_factory.mktemp("idx") / "pages", "float16")
+    return _build_pages(corpus, colpali_checkpoint, tmp_path_factory.mktemp("idx") / "pages", "float16")
 
 
-def _build_pages(corpus: Path, checkpoint: Path, out: Path, dtype: str) -> Path:
+def _build_pages(corpus: Path, colpali_checkpoint: Path, out: Path, dtype: str) -> Path:
     """`espn index` over the page corpus with `--bow-dtype dtype`, chunks of 5 pages."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("ESPN_")})
-        status = main(["index", str(corpus), "--out", str(out), "--encoder", f"colbert:{checkpoint}",
+        status = main(["index", str(corpus), "--out", str(out), "--encoder", f"colbert:{colpali_checkpoint}",
                        "--bow-dtype", dtype, "--chunk-size", "5", "--batch-size", "4", "--dpi", "72",
                        "--loader-workers", "1", "--no-progress", "--device", "cpu"])
     root.handlers[:], root.level = handlers, level
@@ -95,10 +89,10 @@ def test_the_cli_defaults_are_the_page_readers() -> None:
     assert PAGE_DPI == (MIN_DPI, MAX_DPI, DEFAULT_DPI)
 
 
-def test_the_checkpoint_is_a_visual_sentence_transformers_save(checkpoint: Path) -> None:
-    assert is_sentence_transformers_save(checkpoint) and is_visual_save(checkpoint)
-    assert sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) < 4 << 20
-    for spec in (f"visual:{checkpoint}", f"hf:{checkpoint}"):  # hf: is never the text recipe on it
+def test_the_checkpoint_is_a_visual_sentence_transformers_save(colpali_checkpoint: Path) -> None:
+    assert is_sentence_transformers_save(colpali_checkpoint) and is_visual_save(colpali_checkpoint)
+    assert sum(f.stat().st_size for f in colpali_checkpoint.rglob("*") if f.is_file()) < 4 << 20
+    for spec in (f"visual:{colpali_checkpoint}", f"hf:{colpali_checkpoint}"):  # hf: is never the text recipe on it
         assert isinstance(encoder_from_spec(spec, device="cpu"), VisualEncoder)
         assert default_pool_factor(spec) == 1
     text_model = Path(__file__).resolve().parents[1] / "espn" / "data"
@@ -153,12 +147,12 @@ def test_the_index_ranks_as_the_librarys_maxsim(index: Path, corpus: Path, libra
     assert decided >= 3
 
 
-def test_pages_stored_as_residual_records_rank_as_their_float16_index(index: Path, corpus: Path, checkpoint: Path,
-                                                                       tmp_path: Path) -> None:
+def test_pages_stored_as_residual_records_rank_as_their_float16_index(
+        index: Path, corpus: Path, colpali_checkpoint: Path, tmp_path: Path) -> None:
     """A page index of residual4 records (patch vectors coded against its centroids): smaller, its
     scores within a tenth of the float16 index's, the same top page wherever the float16 ranking
     is decided by more than that error, and the default search serving its exhaustive top 3."""
-    residual = _build_pages(corpus, checkpoint, tmp_path / "residual", "residual4")
+    residual = _build_pages(corpus, colpali_checkpoint, tmp_path / "residual", "residual4")
     stored = {path: json.loads((path / "manifest.json").read_text())["store"] for path in (index, residual)}
     assert stored[residual]["dtype"] == "residual4" and stored[residual]["file_bytes"] < stored[index]["file_bytes"]
     with Searcher.open(index) as exact, Searcher.open(residual) as coded:
@@ -246,11 +240,12 @@ def quiet_cli() -> Iterator[None]:
 
 
 def test_a_text_encoder_over_pages_and_a_visual_encoder_over_text_fail_in_one_line(
-        corpus: Path, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+        corpus: Path, colpali_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        quiet_cli: None) -> None:
     text = tmp_path / "corpus.jsonl"
     text.write_text(json.dumps({"_id": "d1", "title": "", "text": "a passage of text"}) + "\n")
     cases = [(corpus, "minilm", "is a page corpus (images or PDFs) but the hf encoder reads text"),
-             (text, f"colbert:{checkpoint}", "a visual index takes pages: ")]
+             (text, f"colbert:{colpali_checkpoint}", "a visual index takes pages: ")]
     for source, spec, message in cases:
         out = tmp_path / f"out-{spec.partition(':')[0]}"
         assert main(["index", str(source), "--out", str(out), "--encoder", spec, "--no-progress",
@@ -261,7 +256,8 @@ def test_a_text_encoder_over_pages_and_a_visual_encoder_over_text_fail_in_one_li
 
 
 def test_deeply_nested_json_in_pages_or_model_is_one_line_and_nothing_written(
-        corpus: Path, checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+        corpus: Path, colpali_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        quiet_cli: None) -> None:
     """A page JSONL line or a model directory's JSON file of 100,000 brackets: refused before Python's
     recursive parser sees it (a RecursionError would be a traceback), and no index is started."""
     deep = "[" * 100_000 + "]" * 100_000
@@ -271,9 +267,9 @@ def test_deeply_nested_json_in_pages_or_model_is_one_line_and_nothing_written(
     models = {}
     for name in ("config.json", "modules.json"):
         models[name] = tmp_path / f"model-{name}"
-        shutil.copytree(checkpoint, models[name])
+        shutil.copytree(colpali_checkpoint, models[name])
         (models[name] / name).write_text(deep)
-    cases = [(pages, checkpoint, f"{pages}:2: refused, JSON nested 100001 levels deep (at most 64)"),
+    cases = [(pages, colpali_checkpoint, f"{pages}:2: refused, JSON nested 100001 levels deep (at most 64)"),
              (corpus, models["config.json"], "refused, JSON nested 100000 levels deep (at most 64)"),
              (corpus, models["modules.json"], "refused, JSON nested 100000 levels deep (at most 64)")]
     for number, (source, model, message) in enumerate(cases):
@@ -287,18 +283,18 @@ def test_deeply_nested_json_in_pages_or_model_is_one_line_and_nothing_written(
         assert not out.exists() and not Path(f"{out}.partial", "chunks").exists()
 
 
-def test_the_model_directory_rules_hold_for_the_visual_kind(checkpoint: Path, tmp_path: Path) -> None:
+def test_the_model_directory_rules_hold_for_the_visual_kind(colpali_checkpoint: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside.json"
-    shutil.copy2(checkpoint / "tokenizer.json", outside)
+    shutil.copy2(colpali_checkpoint / "tokenizer.json", outside)
     linked = tmp_path / "linked"
-    shutil.copytree(checkpoint, linked)
+    shutil.copytree(colpali_checkpoint, linked)
     (linked / "tokenizer.json").unlink()
     (linked / "tokenizer.json").symlink_to(outside)
     for spec in (f"colbert:{linked}", f"visual:{linked}"):
         with pytest.raises(RefusedInputError, match="tokenizer.json"):
             encoder_from_spec(spec, device="cpu")
     remote = tmp_path / "remote"
-    shutil.copytree(checkpoint, remote)
+    shutil.copytree(colpali_checkpoint, remote)
     config = json.loads((remote / "config.json").read_text())
     (remote / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "evil.Model"}}))
     with pytest.raises(RefusedInputError, match="trust-remote-code|remote code"):
@@ -335,7 +331,7 @@ def test_explained_query_tokens_map_to_the_characters_they_came_from(encoder: Vi
 
 
 def test_a_refused_pdf_or_image_given_alone_says_why_and_a_scan_is_read_by_its_first_bytes(
-        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+        colpali_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
     """`espn index FILE` of one file that gives no page names that file's refusal in one line, never
     "the corpus has no pages" (nor, for an image type that is not read, a text corpus's UTF-8
     error); a PNG without a suffix is a page."""
@@ -356,13 +352,13 @@ def test_a_refused_pdf_or_image_given_alone_says_why_and_a_scan_is_read_by_its_f
              "fax": "fax: refused, a TIFF image; pages are read from PNG, JPEG, WebP and PDF files"}
     for name, message in cases.items():
         out = tmp_path / f"out-{name}"
-        assert main(["index", str(tmp_path / name), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+        assert main(["index", str(tmp_path / name), "--out", str(out), "--encoder", f"visual:{colpali_checkpoint}",
                      "--no-progress", "--loader-workers", "0", "--device", "cpu"]) == 1
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (name, lines)
         assert not out.exists() and not Path(f"{out}.partial").exists()
     out = tmp_path / "out-scan"
-    assert main(["index", str(tmp_path / "scan"), "--out", str(out), "--encoder", f"visual:{checkpoint}",
+    assert main(["index", str(tmp_path / "scan"), "--out", str(out), "--encoder", f"visual:{colpali_checkpoint}",
                  "--no-progress", "--loader-workers", "0", "--device", "cpu"]) == 0
     with Searcher.open(out) as searcher:
         assert searcher.document("scan").text == "page 1 of scan"

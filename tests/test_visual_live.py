@@ -24,7 +24,6 @@ import pytest
 from PIL import Image
 
 from benchmarks.bench_visual import draw_page
-from benchmarks.make_visual_checkpoint import write_checkpoint
 from espn import Searcher
 from espn.cli import OWN_LOGGERS, main
 from espn.encoders.visual import VisualEncoder
@@ -49,13 +48,8 @@ QUERY = "red square in the corner"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("model") / "tiny-colpali")
-
-
-@pytest.fixture(scope="module")
-def encoder(checkpoint: Path) -> VisualEncoder:
-    return visual_encoder(checkpoint)
+def encoder(colpali_checkpoint: Path) -> VisualEncoder:
+    return visual_encoder(colpali_checkpoint)
 
 
 def espn(*argv: str) -> int:
@@ -72,15 +66,15 @@ def espn(*argv: str) -> int:
     return status
 
 
-def espn_index(corpus: Path, out: Path, checkpoint: Path, *extra: str) -> int:
+def espn_index(corpus: Path, out: Path, colpali_checkpoint: Path, *extra: str) -> int:
     """`espn index CORPUS --out OUT` with the tiny checkpoint."""
-    return espn("index", str(corpus), "--out", str(out), "--encoder", f"visual:{checkpoint}", "--bow-dtype",
+    return espn("index", str(corpus), "--out", str(out), "--encoder", f"visual:{colpali_checkpoint}", "--bow-dtype",
                 "float16", "--chunk-size", "4", "--batch-size", "4", "--loader-workers", "0", "--no-progress",
                 "--device", "cpu", *extra)
 
 
 @pytest.fixture(scope="module")
-def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def index(colpali_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """8 PNG pages listed by a JSONL with a `lang` field, built by `espn index`."""
     corpus = tmp_path_factory.mktemp("pages")
     with open(corpus / "pages.jsonl", "w") as f:
@@ -89,7 +83,7 @@ def index(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             f.write(json.dumps({"_id": f"p{number}", "image": f"p{number}.png",
                                 "metadata": {"lang": "en" if number % 2 else "fr"}}) + "\n")
     out = tmp_path_factory.mktemp("idx") / "pages"
-    assert espn_index(corpus / "pages.jsonl", out, checkpoint) == 0
+    assert espn_index(corpus / "pages.jsonl", out, colpali_checkpoint) == 0
     return out
 
 
@@ -381,7 +375,7 @@ def test_pages_over_http_uploaded_searched_filtered_explained_fetched_and_kept_a
 
 
 def test_pdfs_rendered_indexed_served_written_filtered_explained_and_restarted(
-        checkpoint: Path, tmp_path: Path) -> None:
+        colpali_checkpoint: Path, tmp_path: Path) -> None:
     """The issue's end-to-end run from PDFs: two PDFs (3 and 2 pages) rendered by PDFium and
     indexed by `espn index`, served, one page replaced and one deleted over HTTP, searched with
     a filter on the `source` the build adds, explained, and the same again after a restart."""
@@ -391,7 +385,7 @@ def test_pdfs_rendered_indexed_served_written_filtered_explained_and_restarted(
         pages = [draw_page(n) for n in numbers]
         pages[0].save(corpus / name, format="PDF", save_all=True, append_images=pages[1:], resolution=72)
     root = tmp_path / "index"
-    assert espn_index(corpus, root, checkpoint, "--dpi", "72") == 0
+    assert espn_index(corpus, root, colpali_checkpoint, "--dpi", "72") == 0
     ids = {"reports/a.pdf#1", "reports/a.pdf#2", "reports/a.pdf#3", "b.pdf#1", "b.pdf#2"}
 
     def url(doc_id: str) -> str:

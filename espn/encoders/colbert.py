@@ -44,7 +44,7 @@ from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed, trimmed_span
 from .colbert_checkpoint import (SETTING_NAMES, ColBERTSettings, DenseLayer, checkpoint_format, weights_file,

@@ -54,7 +54,7 @@ from transformers import DistilBertTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from ..errors import IndexCorruptError, InvalidParameterError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans
 from .colberter_checkpoint import (DISTILBERT_BASE_UNCASED, TOKENIZER_FILES, CheckpointError, ColBERTerModel,
                                    check_supported, distilbert_config, load_strict, read_checkpoint, read_config,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from ..mapped import read_npy
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, overflowed
 from .colbert_checkpoint import weights_file

@@ -41,7 +41,7 @@ from sentence_transformers.util import batch_to_device
 from transformers.utils import logging as hf_logging
 
 from ..errors import InvalidParameterError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from .backbone_config import normalised_configs
 from .base import DocumentEmbeddings, Encoder, QueryEmbeddings, VectorSpans, trimmed_span
 from .colbert_checkpoint import weights_file

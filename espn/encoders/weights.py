@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..errors import CorruptModelError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 
 __all__ = ["MINILM_WHEEL", "MINILM_SHA256", "verify_model_files"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..choices import DEFAULT_LEASE_S
-from ..files import is_index_directory
+from ..files.index_directory import is_index_directory
 from ..pages.memory import DEFAULT_PAGE_MEMORY_BYTES
 from .rules import RULES
 

@@ -1,7 +1,7 @@
 """The memory budget of a registry: what an open index holds, estimated, and room made for one.
 
 The estimate of an index is its RAM plan as the library makes it (`espn.store.ram_plan`, from
-its config's `ram_mib`): the files its searches map into memory (`espn.files.resident_bytes`:
+its config's `ram_mib`): the files its searches map into memory (`espn.files.index_directory.resident_bytes`:
 not the records, read from storage per query unless the mmap reader maps them, nor the
 passages or the model, loaded once per process for every index that uses it), plus its record
 cache (one copy, shared by the processes of a server) or the memory reader's table. The
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Optional
 
 from ..errors import InvalidParameterError, UnavailableError
-from ..files import resident_bytes
+from ..files.index_directory import resident_bytes
 from ..store.ram_plan import RamPlan, plan_ram
 from .config import IndexConfig
 

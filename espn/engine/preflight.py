@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import EspnError
-from ..files import lock_is_free, process_alive
+from ..files.locks import lock_is_free, process_alive
 from ..generation.segments import open_view
 from ..live.create import remove_leftovers
 from ..live.replication.restore import restore_from_store
@@ -65,7 +65,7 @@ class Startup:
 
     @staticmethod
     def process_alive(pid: int) -> bool:
-        """Whether process `pid` exists (espn.files.process_alive)."""
+        """Whether process `pid` exists (espn.files.locks.process_alive)."""
         return process_alive(pid)
 
     @staticmethod

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 from ..encoders.shared import SharedEncoders
 from ..errors import EspnError, IndexNotFoundError, ShuttingDownError, UnavailableError
-from ..files import is_index_directory
+from ..files.index_directory import is_index_directory
 from ..index import encoder_label
 from ..live.create import EncoderFiles, live_documents
 from ..live.status import fit_status

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ..choices import MAX_LEASE_S, MIN_LEASE_S, READER_NAMES
 from ..errors import RefusedInputError
-from ..files import is_index_directory
+from ..files.index_directory import is_index_directory
 from ..filters import MAX_FILTER_BRANCHES, MAX_FILTER_NODES, MAX_FILTER_VALUES
 from ..ids import MAX_ID_BYTES, decode_doc_id, id_problem
 from ..pages.images import BASE64_PATTERN, MAX_BASE64_CHARS, MAX_THUMBNAIL_SIDE, MIN_THUMBNAIL_SIDE, decode_base64_image

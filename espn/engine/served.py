@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..encoders.shared import SharedEncoders
 from ..errors import EspnError, IndexNotFoundError, NotEnabledError, ReadOnlyIndexError, UnavailableError
-from ..files import is_index_directory
+from ..files.index_directory import is_index_directory
 from ..live.checks import NewDocument, WriteResult
 from ..live.replication.fenced import FencedWriter
 from ..live.replication.follower import Follower

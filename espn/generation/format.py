@@ -51,7 +51,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import IndexCorruptError
-from ..files import lock_is_free, sha256_file
+from ..files.checksums import sha256_file
+from ..files.locks import lock_is_free
 from ..index import IndexDirectory, read_manifest
 from ..mapped import read_npy
 from ..metadata import MetadataColumns, schema_of

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..ann import load_ivf
 from ..errors import DocumentNotFoundError, IndexCorruptError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from .format import LIVE_DIR, Generation, SegmentInfo, generation_schema, hold_current, read_tombstones
 from ..index import DocStore, IdMap, IndexDirectory
 from ..refcount import Shared

@@ -36,7 +36,7 @@ import threading
 from typing import Any, Callable, Sequence, TypeVar
 
 from espn.errors import EspnError, InvalidParameterError, WriteFailedError, storage_full
-from espn.files import checkpoint
+from espn.files.crash_points import checkpoint
 
 from .checks import NewDocument, WriteRequest, WriteResult
 from .encoding import EncodedDocuments

@@ -41,7 +41,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from espn.errors import IndexLockedError, InvalidParameterError
-from espn.files import checkpoint, flock_within, fsync_path, utc_now
+from espn.files.clock import utc_now
+from espn.files.crash_points import checkpoint
+from espn.files.durable import fsync_path
+from espn.files.locks import flock_within
 from ..generation.format import Generation
 from ..generation.segments import LiveView, open_view
 

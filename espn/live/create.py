@@ -44,7 +44,8 @@ from ..encoders import Encoder
 from ..encoders.base import reads_pages
 from ..encoders.hf import DEFAULT_BOW_DIM
 from ..errors import IndexExistsError, InvalidParameterError
-from ..files import file_entry, fsync_path, fsync_tree
+from ..files.checksums import file_entry
+from ..files.durable import fsync_path, fsync_tree
 from ..first_stage.build import default_first_stage, first_stage_kind
 from ..generation.format import read_current
 from ..generation.segments import open_view

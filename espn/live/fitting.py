@@ -30,7 +30,7 @@ import faiss
 import numpy as np
 
 from ..ann import IVFConfig, build_ivf, default_nlist, one_list_ivf
-from ..files import utc_now
+from ..files.clock import utc_now
 from ..first_stage.build import build_first_stage
 from ..first_stage.centroids import FirstStageConfig
 from ..mapped import map_npy

@@ -9,7 +9,8 @@ from typing import Any, Callable, Sequence
 import faiss
 import numpy as np
 
-from espn.files import file_entry, fsync_tree
+from espn.files.checksums import file_entry
+from espn.files.durable import fsync_tree
 from espn.index import IndexDirectory
 from espn.mapped import read_npy
 from espn.metadata import MetadataWriter, add_from_passages

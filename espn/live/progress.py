@@ -9,7 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..files import lock_is_free, utc_now, write_json_atomic
+from ..files.clock import utc_now
+from ..files.durable import write_json_atomic
+from ..files.locks import lock_is_free
 
 __all__ = ["PROGRESS_FILE", "COMPACTION_LOCK", "Progress", "compaction_progress", "is_running_progress"]
 

@@ -1,5 +1,5 @@
 """A compaction's base rewrite: a new base from the live documents of a snapshot, written and
-fitted the way the build writes one (espn.live.fitting), then swapped in with what was
+fitted by the writer the build uses (espn.live.base_segment), then swapped in with what was
 published meanwhile carried over, coded and listed as the new base codes and lists its own
 (see espn.live.compaction)."""
 
@@ -16,7 +16,10 @@ from typing import Callable
 import numpy as np
 
 from ..ann import load_ivf
-from ..files import checkpoint, fsync_path, fsync_tree, sha256_file, utc_now
+from ..files.checksums import sha256_file
+from ..files.clock import utc_now
+from ..files.crash_points import checkpoint
+from ..files.durable import fsync_path, fsync_tree
 from ..generation.format import LIVE_DIR, ByteRange, Generation, SegmentInfo, read_tombstones
 from ..generation.segments import LiveView, empty_ivf, open_view
 from ..index import PROJECTION_FILE, IndexDirectory, write_manifest
@@ -28,7 +31,8 @@ from ..store import open_reader
 from ..store.format import RECORD_DTYPE, RecordWriter, StoreLayout
 from ..store.projection import base_projection, project
 from ..store.recode import written_before_centroids
-from .fitting import CLS_TABLE, Fit, fit_base
+from .base_segment import BaseSegmentWriter
+from .fitting import Fit
 from .merging import columns_from_docs, merge_segments, side_on_swap
 from .side_index import SwapSource
 from .writer import IndexWriter
@@ -144,11 +148,11 @@ def _carry_segments(writer: IndexWriter, carried: list[SegmentInfo], staging: Pa
 
 
 def write_base(view: LiveView, out: Path, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-    """A complete index directory at `out` from the live documents of `view`, the way the build
-    writes one: live documents in doc-number order, records through `RecordWriter`, then fitted
-    on those documents (espn.live.fitting: the IVF, the first stage, residual codes; exact while
-    an index created empty is small), search defaults for the new count. Returns the doc
-    numbers kept ([n] int64, sorted). progress(done, total): documents written so far."""
+    """A complete index directory at `out` from the live documents of `view`, written as the build
+    writes one (espn.live.base_segment): live documents in doc-number order, then fitted on those
+    documents (the IVF, the first stage, residual codes; exact while an index created empty is
+    small), search defaults for the new count. Returns the doc numbers kept ([n] int64, sorted).
+    progress(done, total): documents written so far."""
     snapshot = view.generation
     out.mkdir()
     base = view.base
@@ -163,51 +167,18 @@ def write_base(view: LiveView, out: Path, progress: Callable[[int, int], None] |
     # Residual records are coded against the centroids this base fits: int8 until then.
     written = written_before_centroids(dataclasses.replace(stored, dtype=fit.for_documents(n).dtype, codec=None))
     id_width = max([m.ids.dtype.itemsize for m in view.ids.maps] + [1])
-    records = np.lib.format.open_memmap(out / "records.npy", mode="w+", dtype=RECORD_DTYPE, shape=(n,))
-    ids = np.lib.format.open_memmap(out / "ids.npy", mode="w+", dtype=f"S{id_width}", shape=(n,))
-    cls_table = np.lib.format.open_memmap(out / CLS_TABLE, mode="w+", dtype=np.float16, shape=(n, stored.d_cls))
-    reader = open_reader("mmap", view.embeddings, view.records, stored)  # type: ignore[arg-type]
-    # Records stored as the new base stores them are copied byte for byte (never decoded and coded
-    # again, which would round them a second time at each rewrite); others are coded anew.
-    as_stored = written.dtype == stored.dtype and written.codec is None
-    source = np.memmap(view.embeddings, dtype=np.uint8, mode="r") if as_stored and n else None
-    n_bow = 0
-    try:
-        with RecordWriter(out / "embeddings.bin", written) as writer:
-            for at in range(0, n, 4096):
-                part = keep[at : at + 4096]
-                data = reader.read(part)
-                counts = np.diff(data.offsets)
-                rows = slice(at, at + len(counts))
-                if source is not None:
-                    table = view.records[part]
-                    records[rows] = writer.append_stored(_gather(source, table["offset"], table["length"]),
-                                                         table["length"], table["n_bow"])
-                else:
-                    records[rows] = writer.append(data.cls.numpy(), data.vectors.numpy(), counts)
-                cls_table[rows] = data.cls.numpy()
-                n_bow += int(counts.sum())
-                if progress is not None:
-                    progress(rows.stop, n)
-            writer.close()
-    finally:
-        reader.close()
-        source = None  # the mapping of the snapshot's records goes with it
-    checkpoint("compact-records")
-    copy_pool_groups(open_index_groups(view.base, view), keep, out)  # listed by write_manifest
-    copy_page_images(open_index_images(view.base, view), keep, out)  # likewise
-    _copy_ids_and_docs(view, keep, ids, out)
+    with BaseSegmentWriter(out, written, n, id_width, str(base.path)) as writer:
+        _copy_records(view, keep, stored, writer, progress)
+        checkpoint("compact-records")
+        copy_pool_groups(open_index_groups(view.base, view), keep, out)  # listed by write_manifest
+        copy_page_images(open_index_images(view.base, view), keep, out)  # likewise
+        _copy_ids_and_docs(view, keep, writer)
+        fitted = writer.finish(fit, pool_factor=store.get("pool_factor", 1))
     columns = columns_from_docs(out, n)
-    for array in (records, ids, cls_table):
-        array.flush()
-    del records, cls_table
-    np.save(out / "ids_sorted.npy", np.argsort(ids, kind="stable"))
-    del ids
-    fitted = fit_base(out, written, n, fit, pool_factor=store.get("pool_factor", 1))
     link_tree(base.file("encoder"), out / "encoder")  # stored once per index: every base shares its bytes
     manifest = {key: value for key, value in base.manifest.items() if key not in ("files", "metadata", "first_stage")}
     manifest["created"] = utc_now()
-    manifest["counts"] = {"documents": n, "bow_vectors": n_bow}
+    manifest["counts"] = {"documents": n, "bow_vectors": writer.n_bow}
     manifest["store"] = {**{key: value for key, value in store.items() if key != "residual"}, **fitted["store"]}
     for section in ("ann", "fit", "search_defaults"):
         manifest[section] = fitted[section]
@@ -219,6 +190,32 @@ def write_base(view: LiveView, out: Path, progress: Callable[[int, int], None] |
     write_manifest(out, manifest)
     fsync_tree(out)
     return keep
+
+
+def _copy_records(view: LiveView, keep: np.ndarray, stored: StoreLayout, writer: BaseSegmentWriter,
+                  progress: Callable[[int, int], None] | None) -> None:
+    """The records of the kept doc numbers into the new base, in order. Records stored as the new
+    base stores them are copied byte for byte (never decoded and coded again, which would round
+    them a second time at each rewrite); others are coded anew."""
+    n = len(keep)
+    reader = open_reader("mmap", view.embeddings, view.records, stored)  # type: ignore[arg-type]
+    as_stored = writer.layout.dtype == stored.dtype and writer.layout.codec is None
+    source = np.memmap(view.embeddings, dtype=np.uint8, mode="r") if as_stored and n else None
+    try:
+        for at in range(0, n, 4096):
+            part = keep[at : at + 4096]
+            data = reader.read(part)
+            if source is not None:
+                table = view.records[part]
+                writer.append_stored(_gather(source, table["offset"], table["length"]), table["length"], table["n_bow"],
+                                     data.cls.numpy())
+            else:
+                writer.append(data.cls.numpy(), data.vectors.numpy(), np.diff(data.offsets))
+            if progress is not None:
+                progress(at + len(part), n)
+    finally:
+        reader.close()
+        source = None  # the mapping of the snapshot's records goes with it
 
 
 def _gather(blob: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -251,29 +248,20 @@ def link_tree(source: Path, target: Path) -> tuple[int, int]:
     return linked, copied
 
 
-def _copy_ids_and_docs(view: LiveView, keep: np.ndarray, ids: np.ndarray, out: Path) -> None:
+def _copy_ids_and_docs(view: LiveView, keep: np.ndarray, writer: BaseSegmentWriter) -> None:
     """Ids and passages of the kept doc numbers, segment by segment, as byte ranges (no per-doc JSON)."""
     firsts = view.ids.firsts
     seg = np.searchsorted(firsts, keep, side="right") - 1
-    offsets = np.zeros(len(keep) + 1, dtype=np.int64)
-    at = 0
-    with open(out / "docs.jsonl", "wb") as f:
-        for s in range(len(firsts)):
-            local = keep[seg == s] - firsts[s]
-            if len(local) == 0:
-                continue
-            ids[at : at + len(local)] = view.ids.maps[s].ids[local]
-            store = view.docs.stores[s]
-            blob = np.memmap(store.path, dtype=np.uint8, mode="r")
-            for block in range(0, len(local), 65536):  # bounded index arrays, whatever the corpus
-                part = local[block : block + 65536]
-                starts = np.asarray(store.offsets[part], dtype=np.int64)
-                lengths = np.asarray(store.offsets[part + 1], dtype=np.int64) - starts
-                gather = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
-                f.write(blob[gather].tobytes())
-                offsets[at + 1 : at + len(part) + 1] = offsets[at] + np.cumsum(lengths)
-                at += len(part)
-            del blob
-        f.flush()
-        os.fsync(f.fileno())
-    np.save(out / "docs_offsets.npy", offsets)
+    for s in range(len(firsts)):
+        local = keep[seg == s] - firsts[s]
+        if len(local) == 0:
+            continue
+        ids = view.ids.maps[s].ids
+        store = view.docs.stores[s]
+        blob = np.memmap(store.path, dtype=np.uint8, mode="r")
+        for block in range(0, len(local), 65536):  # bounded index arrays, whatever the corpus
+            part = local[block : block + 65536]
+            starts = np.asarray(store.offsets[part], dtype=np.int64)
+            lengths = np.asarray(store.offsets[part + 1], dtype=np.int64) - starts
+            writer.append_passages(ids[part], _gather(blob, starts, lengths).tobytes(), lengths)
+        del blob

@@ -12,7 +12,9 @@ from typing import Callable, Sequence
 import faiss
 import numpy as np
 
-from ..files import checkpoint, file_entry, fsync_path, fsync_tree, sha256_file
+from ..files.checksums import file_entry, sha256_file
+from ..files.crash_points import checkpoint
+from ..files.durable import fsync_path, fsync_tree
 from ..mapped import read_npy
 from ..metadata import DIRECTORY as METADATA_DIR
 from ..metadata import MetadataWriter, add_from_passages

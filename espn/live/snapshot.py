@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from espn.errors import ConflictError, IndexCorruptError, InvalidParameterError, storage_full
-from espn.files import checkpoint, fsync_path, sha256_file, write_json_atomic
+from espn.files.checksums import sha256_file
+from espn.files.crash_points import checkpoint
+from espn.files.durable import fsync_path, write_json_atomic
 from espn.layout import check_generation_layout
 from espn.generation.format import (CURRENT, LIVE_DIR, MAX_RECORD_BYTES, Generation, check_recorded, held_generation,
                                      read_current)

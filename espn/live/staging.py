@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
-from espn.files import flock_within, fsync_path, lock_is_free, remove_path
+from espn.files.durable import fsync_path, remove_path
+from espn.files.locks import flock_within, lock_is_free
 from espn.index import FILES, OPTIONAL_FILES
 from espn.metadata import DIRECTORY as METADATA_DIR
 from espn.generation.format import LIVE_DIR, Generation, read_current, read_generation

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from espn.files import checkpoint
+from espn.files.crash_points import checkpoint
 from espn.index import read_manifest
 from ..generation.format import LIVE_DIR, read_current
 from espn.text.config import TextConfig

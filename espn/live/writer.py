@@ -45,7 +45,10 @@ from PIL import Image
 from espn.ann import load_ivf
 from espn.encoders import Encoder, load_encoder
 from espn.errors import ConflictError, EspnError, IndexLockedError, InvalidParameterError, ReadOnlyIndexError
-from espn.files import checkpoint, flock_within, fsync_path, utc_now, write_json_atomic
+from espn.files.clock import utc_now
+from espn.files.crash_points import checkpoint
+from espn.files.durable import fsync_path, write_json_atomic
+from espn.files.locks import flock_within
 from espn.corpus import index_title_joiner
 from espn.index import read_manifest
 from espn.partitioning import PartitionLayout

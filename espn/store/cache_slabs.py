@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidParameterError
-from ..files import process_alive
+from ..files.locks import process_alive
 from .cache_policy import POLICIES, VICTIM_SAMPLES, FrequencySketch, contenders, pick_victims
 
 __all__ = ["SlabPlan", "SlabStore", "plan_slabs", "class_sizes", "ALIGN", "MAX_CLASSES", "COUNTERS"]

@@ -2,7 +2,7 @@
 
 An operator states how much RAM an index may use (`ram_bytes`); `plan_ram` gives the first
 stage what it must keep resident (the files its searches map: IVF or token centroids, the
-records table, ids, metadata, full-text index; `espn.files.resident_bytes`) and the rest to the
+records table, ids, metadata, full-text index; `espn.files.index_directory.resident_bytes`) and the rest to the
 posix reader's record cache, up to what caching the whole table takes. Without a number the
 cache gets `DEFAULT_CACHE_TABLE_FRACTION` of the table, at most `DEFAULT_CACHE_RAM_FRACTION` of
 the machine's RAM: on by default, and never a large share of a machine nobody sized it for.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParameterError
-from ..files import resident_bytes
+from ..files.index_directory import resident_bytes
 
 __all__ = ["RamPlan", "plan_ram", "DEFAULT_CACHE_TABLE_FRACTION", "DEFAULT_CACHE_RAM_FRACTION", "MIN_CACHE_BYTES",
            "CACHE_TABLE_HEADROOM"]

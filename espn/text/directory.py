@@ -19,7 +19,8 @@ from typing import Any, Iterator
 from espn.errors import IndexCorruptError, InvalidParameterError
 from espn.mapped import map_npy
 from ..params import HybridParams
-from ..files import sha256_file, write_json_atomic
+from ..files.checksums import sha256_file
+from ..files.durable import write_json_atomic
 from ..index import read_manifest
 from espn.generation.format import read_current
 from espn.text.config import TextConfig

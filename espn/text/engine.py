@@ -29,7 +29,7 @@ import tantivy
 
 from ..corpus import passage_text
 from ..errors import IndexCorruptError
-from ..files import fsync_path
+from ..files.durable import fsync_path
 from .config import TOKENIZER_NAME, TextConfig
 from .query import LexicalQuery
 from .schema import (ENGINE, FIELD_BODY, FIELD_DOC, TERM_SET_MAX, TextDocument, check_files, engine_files, open_index,

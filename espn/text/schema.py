@@ -16,7 +16,7 @@ import tantivy
 
 from ..corpus import passage_text
 from ..errors import IndexCorruptError, InvalidParameterError
-from ..files import sha256_file
+from ..files.checksums import sha256_file
 from .config import TOKENIZER_NAME, TextConfig
 
 __all__ = ["TextDocument", "ENGINE", "FIELD_DOC", "FIELD_BODY", "TERM_SET_MAX", "SEGMENT_FILE", "schema", "open_index",

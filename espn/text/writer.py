@@ -15,7 +15,8 @@ import numpy as np
 import tantivy
 
 from ..errors import IndexCorruptError, storage_full
-from ..files import fsync_path, sha256_file
+from ..files.checksums import sha256_file
+from ..files.durable import fsync_path
 from .config import TextConfig
 from .schema import FIELD_DOC, SEGMENT_FILE, TextDocument, engine_files, open_index, to_document
 

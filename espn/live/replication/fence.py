@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from espn.errors import IndexCorruptError, ObjectStoreError, WriterSupersededError
-from espn.files import checkpoint, sha256_file
+from espn.files.checksums import sha256_file
+from espn.files.crash_points import checkpoint
 from espn.generation.format import MAX_RECORD_BYTES, RECORD_NAME, Generation
 from espn.untrusted import load_json
 

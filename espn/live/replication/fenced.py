@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from espn.errors import (EspnError, IndexCorruptError, ObjectStoreError, WriteFailedError, WriterStandbyError,
                          WriterSupersededError)
-from espn.files import write_json_atomic
+from espn.files.durable import write_json_atomic
 from espn.generation.format import LIVE_DIR, Generation, read_current, record_number
 from espn.partitioning import PartitionLayout
 

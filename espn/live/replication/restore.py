@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from espn.errors import IndexCorruptError, InvalidParameterError
-from espn.files import fsync_path, sha256_file
+from espn.files.checksums import sha256_file
+from espn.files.durable import fsync_path
 from espn.layout import inside_index
 from ...generation.segments import open_view
 from espn.untrusted import inside_root, open_regular

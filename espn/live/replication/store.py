@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from espn.errors import EspnError, IndexCorruptError, InvalidParameterError, ObjectStoreError
-from espn.files import sha256_file
+from espn.files.checksums import sha256_file
 from espn.layout import check_generation_layout, check_index_path
 from espn.generation.format import MAX_CURRENT_BYTES, MAX_RECORD_BYTES, RECORD_NAME, Generation, record_number
 from espn.untrusted import load_json

@@ -19,8 +19,8 @@ space); this engine: 83k IOPS (83%) at 4.7 us (1.2 in user space: the Python); a
 at 5.1 us; the threads engine 43% at 18 us. Through the posix reader at its default
 depth 64: 98% of fio at 4.3 us. The device's speed varies from run to run (fio from 99k
 to 149k IOPS; at 149k this engine made 79%, the reader at depth 64 80%). Most of the CPU
-per read is the kernel's (virtio submission and completion), which fio pays too; the
-issue's 2 us target holds for the engine's own (user-space) share only.
+per read is the kernel's (virtio submission and completion), which fio pays too, so a
+budget of 2 us per read is met by the engine's own (user-space) share only.
 
 One ring per submitting thread (`threading.local`), made at its first `submit`, released
 by `close()`: with IORING_SETUP_SINGLE_ISSUER and DEFER_TASKRUN (6.1+) only that thread may
