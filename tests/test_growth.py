@@ -282,12 +282,12 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
                 upserts = [NewDocument(ids[i], "late") for i in rows]
                 assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
 
-    files._checkpoint = write_at
+    crash_points._checkpoint = write_at
     try:
         with LiveIndex(index) as writer:
             writer.refit()
     finally:
-        files._checkpoint = lambda step: None
+        crash_points._checkpoint = lambda step: None
     _write(index, ids[n + 30 :], cls[n + 30 :], bow[starts[n + 30] :], counts[n + 30 :], batch=30)  # after the fit
     with Searcher.open(index) as searcher:
         store = searcher.manifest["store"]
