@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 print(f"round {r} {f:.0%} {run['config']}: " + (run.get("error", "")[-200:] or
                       f"p50 {run['p50']:.2f} ms, qps {run.get('qps') or 0:.1f}"), file=sys.stderr)
+        # What the rounds so far measured (NAME.partial.json): a run stopped late keeps them.
+        write_results(f"{args.name}.partial", {"index": str(args.index), "table_bytes": table, "base": base,
+                                               "rounds_done": r + 1, "runs": runs, "stream": args.stream})
     shutil.rmtree(work, ignore_errors=True)  # the children's stderr; kept where a run raised
     rows, ratios = summarise(runs, fractions)
     headers = ["budget (of table)", "configuration", "p50 ms", "p99 ms", "batch-32 QPS", "cache hit rate",
