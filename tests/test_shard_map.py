@@ -13,6 +13,7 @@ that move the fewest slots) and its conditional writes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -28,11 +29,13 @@ from benchmarks.soak_partitions import check, replica_kill, split_and_merge  # n
 
 from espn.engine import ShardMapView  # noqa: E402
 from espn.errors import IndexCorruptError, InvalidParameterError  # noqa: E402
-from espn.live.replication.cluster import (Registration, init_map, map_url, partition_url, read_map,  # noqa: E402
-                                           read_map_if_changed, write_map)
+from espn.live.replication.cluster import (MAP_NAME, Registration, init_map, map_url, partition_url,  # noqa: E402
+                                           read_map, read_map_if_changed, write_map)
+from espn.live.replication.reshard import Resharder  # noqa: E402
 from espn.live.replication.store import ObjectStoreUrl, make_client  # noqa: E402
 from espn.partitioning import SLOT_COUNT, owners  # noqa: E402
-from espn.shard_map import ShardMap, plan_moves  # noqa: E402
+from espn.shard_map import MAX_MAP_BYTES, ShardMap, plan_moves  # noqa: E402
+from espn_server.router.routing import MapRouting  # noqa: E402
 
 
 @pytest.mark.slow
@@ -131,3 +134,52 @@ def test_the_router_reads_a_map_its_replicas_and_writers_through_the_engines_vie
     assert after.replicas(0) == ["http://replica-a:8000"] and after.replicas(1) == [] and after.version == view.version
     with pytest.raises(InvalidParameterError, match="no shard map"):
         ShardMapView.read(moto_store.url("no-map-here"))
+
+
+@pytest.mark.parametrize("kind", ["oversized", "nested"])
+def test_a_map_too_large_or_too_deep_is_refused_and_nothing_routes_or_moves_by_it(moto_store: Store, tmp_path: Path,
+                                                                                   kind: str) -> None:
+    """A shard map on the store is outside input (espn.untrusted): one over MAX_MAP_BYTES or nested
+    past the depth rule is refused in one line naming the object and the rule, before any parser
+    sees it. A running router keeps routing by the map it read last, a router does not start on
+    it, a resharder moves nothing, and the object is left as it is; the good map put back is read
+    as before."""
+    url = moto_store.url(f"crafted-{kind}")
+    shard_map = init_map(url, 2)
+    assert shard_map is not None
+    where, client = map_url(url), make_client()
+    good = client.get_object(Bucket=where.bucket, Key=where.key(MAP_NAME))["Body"].read()
+    if kind == "oversized":  # valid JSON, a byte over the limit
+        body = good + b" " * (MAX_MAP_BYTES + 1 - len(good))
+        rule = rf"refused, (over {MAX_MAP_BYTES} bytes|{MAX_MAP_BYTES + 1} bytes \(at most {MAX_MAP_BYTES}\))"
+    else:  # 10 KB, 5,001 levels deep
+        body = b'{"pad": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
+        rule = r"refused, JSON nested 5001 levels deep \(at most 64\)"
+    ids = [f"doc-{i}" for i in range(500)]
+    before = [shard_map.owner(i) for i in ids]
+
+    async def route() -> None:
+        routing = MapRouting(url)
+        await routing.start()
+        client.put_object(Bucket=where.bucket, Key=where.key(MAP_NAME), Body=body)
+        with pytest.raises(IndexCorruptError, match=rule) as refused:
+            await routing._read()  # what the router's poll does every MAP_POLL_S (it logs the error and goes on)
+        message = str(refused.value)
+        assert message.startswith(where.url(MAP_NAME)) and "\n" not in message and len(message) < 300, message
+        await asyncio.sleep(0.6)  # refresh reads at most every 0.5 s
+        await routing.refresh()  # what a request that found a partition moved does: the refusal is swallowed
+        assert routing.view is not None and routing.view.version == shard_map.version
+        assert [routing.owner(i) for i in ids] == before and [t.partition for t in routing.targets] == [0, 1]
+        client.put_object(Bucket=where.bucket, Key=where.key(MAP_NAME), Body=good)
+        await routing._read()
+        assert [routing.owner(i) for i in ids] == before
+
+    asyncio.run(route())
+    client.put_object(Bucket=where.bucket, Key=where.key(MAP_NAME), Body=body)
+    with pytest.raises(IndexCorruptError, match=rule):
+        ShardMapView.read(url)  # a router starting now: it does not start on this map
+    with pytest.raises(IndexCorruptError, match=rule):
+        Resharder(url, tmp_path / "work", wait_s=5).run(3)
+    listed = client.list_objects_v2(Bucket=where.bucket, Prefix=where.key(""))
+    assert sorted(o["Key"] for o in listed.get("Contents", [])) == [where.key(MAP_NAME)]  # no partition made
+    assert client.get_object(Bucket=where.bucket, Key=where.key(MAP_NAME))["Body"].read() == body  # left for a look
