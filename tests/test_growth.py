@@ -245,3 +245,46 @@ def test_writes_during_a_refit_leave_its_progress_file_alone(created: Path) -> N
     with LiveIndex(created) as writer:
         writer.delete([ids[0]])
     assert not (live / "COMPACT.json.tmp").exists()
+
+
+def test_a_compaction_due_again_when_it_ends_runs_the_next_without_waiting_for_a_write(created: Path) -> None:
+    """Writes published while a base rewrite ran are carried onto the new base as one delta, which
+    can make the policy due again the moment it ends. The server's compaction thread then runs
+    the next one itself: an index whose writes stopped right then would otherwise keep that
+    delta, and a base fitted on the documents it had before, until some later write."""
+    from espn.engine.config import IndexConfig
+    from espn.engine.writing import Writing
+
+    first, n = 400, 1200
+    ids, cls, bow, counts = _corpus(n, seed=9)
+    end = int(counts[:first].sum())
+    with LiveIndex(created) as writer:  # one delta over the empty base: a rewrite is due
+        upserts = [NewDocument(i, "early") for i in ids[:first]]
+        early = EncodedDocuments(ids[:first], [b'{"title": "", "text": "early"}'] * first, cls[:first], bow[:end],
+                                 counts[:first])
+        assert not isinstance(writer.publish([writer.check(upserts, [])], [early])[0], Exception)
+    late = EncodedDocuments(ids[first:], [b'{"title": "", "text": "late"}'] * (n - first), cls[first:], bow[end:],
+                            counts[first:])
+    published: list[str] = []
+
+    def write_at(step: str) -> None:
+        if step == "compact-staged" and not published:  # twice the new base's documents, while it waits to swap
+            published.append(step)
+            with LiveIndex(created) as other:
+                upserts = [NewDocument(i, "late") for i in ids[first:]]
+                assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
+
+    compacted: list[str] = []
+    writing = Writing(created, IndexConfig(write_wait_s=60.0), on_publish=lambda generation: None,
+                      on_compacted=lambda kind, seconds: compacted.append(kind))
+    files._checkpoint = write_at
+    try:
+        writing.maybe_compact()
+        writing.wait_idle()  # no write after the first rewrite: the second is the thread's own
+    finally:
+        files._checkpoint = lambda step: None
+        writing.close()
+    assert published and compacted == ["rewrite", "rewrite"]
+    stats = live_stats(created)
+    assert stats["live_documents"] == n and stats["base_documents"] == n and stats["delta_segments"] == 0
+    assert stats["fitted_on_documents"] == n and stats["refit_running"] is None
