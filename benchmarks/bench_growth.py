@@ -243,7 +243,8 @@ def run_growth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_exact(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    kinds = {"tokens": args.source, "text": args.text_source}
+    kinds = {kind: source for kind, source in (("tokens", args.source), ("text", args.text_source))
+             if kind in args.kinds.split(",")}
     out: dict[str, Any] = {}
     for kind, source in kinds.items():
         if source is None:
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                    "sooner if the re-fit does)")
     p.add_argument("--throughput-at", help="growth: comma-separated sizes after which the throughput windows run "
                    "(default: the largest; their writes would carry the index past the next size)")
+    p.add_argument("--kinds", default="tokens,text", help="exact: which kinds of documents (comma-separated)")
     p.add_argument("--work", type=Path, help="where indexes go (default: a temporary directory, removed after)")
     p.add_argument("--quick", action="store_true", help="tiny sizes around the sample index (the CI smoke test)")
     args = p.parse_args(argv)
