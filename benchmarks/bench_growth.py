@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.source = args.source or SAMPLE_INDEX
         args.text_source = args.text_source or args.source
-        args.sizes, args.queries, args.rounds, args.refit_rounds, args.window = "300,600", 6, 1, 1, 2
+        args.sizes, args.queries, args.rounds, args.refit_rounds, args.window = "200,600", 6, 1, 1, 2
     if args.source is None:
         p.error("--source is required (a ColBERT-class index; see the module doc)")
     args.sizes = sorted(int(s) for s in args.sizes.split(","))
