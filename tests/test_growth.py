@@ -130,8 +130,8 @@ def test_a_created_index_is_empty_answers_searches_and_encoded_nothing(tmp_path:
 def test_small_is_exact_and_the_first_fit_is_on_its_own_documents(created: Path) -> None:
     n = EXACT_MAX_DOCUMENTS + 400
     ids, cls, bow, counts = _corpus(n)
-    small = 600
-    _write(created, ids[:small], cls[:small], bow[: int(counts[:small].sum())], counts[:small], batch=150)
+    small = EXACT_MAX_DOCUMENTS * 3 // 4
+    _write(created, ids[:small], cls[:small], bow[: int(counts[:small].sum())], counts[:small], batch=small // 4)
     queries = _queries()
     with Searcher.open(created) as searcher:
         assert searcher.manifest["fit"]["exact"] is True
@@ -164,7 +164,7 @@ def test_small_is_exact_and_the_first_fit_is_on_its_own_documents(created: Path)
 def test_writes_during_a_refit_are_carried_over_coded_for_the_new_base(created: Path) -> None:
     """A re-fit trains a new quantizer and (residual records) a new codec: what was written while it
     ran is re-coded and listed anew at the swap, so it is found exactly as before."""
-    n = EXACT_MAX_DOCUMENTS + 200
+    n = max(EXACT_MAX_DOCUMENTS, 2048) + 200  # fitted, on enough documents for the recall bar below
     ids, cls, bow, counts = _corpus(n + 50, seed=3)
     end = int(counts[:n].sum())
     _write(created, ids[:n], cls[:n], bow[:end], counts[:n], batch=n)
