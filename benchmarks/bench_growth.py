@@ -14,12 +14,14 @@ growth: an index created empty (espn.live.create, the model's first stage once f
 records, no text index) takes the documents in batches while the compaction policy runs as a
 server runs it (espn.engine.writing.Writing: a background thread at lowered priority past the
 policy's thresholds, its swap on the publishing thread): each base rewrite fits it again. At
-each size the writes stop, the running compaction finishes, and the grown index (as the policy
-left it: a base and its deltas) is compared with a fresh build of the same documents
+each size the writes stop, the compactions the policy asks for run to the end, and the grown
+index (as the policy leaves it: a base and its deltas) is compared with a fresh build of the same documents
 (`espn index`'s assembler over the same vectors): recall of the exhaustive MaxSim top 10, and
 single-query search latency, both searchers interleaved query by query in shuffled rounds.
-Then write throughput with and without a re-fit running: `--refit-rounds` pairs of windows, one
-of `--window` batches with no compaction, one while a re-fit (`Writing.refit`) runs.
+Then, after the sizes in `--throughput-at` (the largest by default: the windows' writes carry
+the index past the next size), write throughput with and without a re-fit running:
+`--refit-rounds` pairs of windows, one of `--window` batches with no compaction, one of the
+batches written while a re-fit (`Writing.refit`) runs (at most `--window`).
 
 exact: for each size, a fresh build of the first N documents of each kind (a ColBERT-class
 token model around `--source`; the default text model around `--text-source`, an index of
@@ -128,7 +130,10 @@ class Grower:
         return batches
 
     def settle(self) -> None:
-        """Let the running compaction finish (Writing.close joins it); a new Writing for what follows."""
+        """The writes stopped: the compaction the policy asks for runs, and those it chains (as a
+        server's would, writes or none), until none is due; then a new Writing for what follows."""
+        self.writing.maybe_compact()
+        self.writing.wait_idle()
         self.writing.close()
         self.writing = self.new_writing()
 
@@ -139,19 +144,22 @@ class Grower:
 
     def throughput(self, window: int, during_refit: bool) -> dict[str, Any]:
         """docs/s of `window` batches with no compaction running, or of the batches written while one
-        re-fit runs (from when it holds the compaction lock until it has been swapped in)."""
+        re-fit runs (from when it holds the compaction lock until it has been swapped in, at most
+        `window` of them: a re-fit starved of CPU would otherwise grow the index without bound); then
+        the re-fit is left to finish."""
         if during_refit:
             assert self.writing.refit()
             deadline = time.monotonic() + 60
             while not self.compacting() and time.monotonic() < deadline:
                 time.sleep(0.005)
         before, started, batches = self.written, time.perf_counter(), 0
-        while (self.compacting() if during_refit else batches < window):
+        while batches < window and (self.compacting() if during_refit else True):
             batches += self.write(self.written + self.batch, compact=False)
         seconds = time.perf_counter() - started
+        refit_running_after = during_refit and self.compacting()
         self.settle()
         return {"docs": self.written - before, "seconds": seconds, "docs_per_s": (self.written - before) / seconds,
-                "batches": batches}
+                "batches": batches, "window_ended_before_refit": refit_running_after}
 
     def close(self) -> None:
         self.writing.close()
@@ -218,7 +226,7 @@ def run_growth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             row = {"documents": n, "stats": stats, "write_s": write_s, "batches": batches,
                    "fresh_build_s": build_s, "search": measured,
                    "p50_ratio": measured["grown"]["p50_ms"] / measured["fresh build"]["p50_ms"]}
-            if args.refit_rounds:
+            if args.refit_rounds and size in args.throughput_at:
                 pairs = [(grower.throughput(args.window, False), grower.throughput(args.window, True))
                          for _ in range(args.refit_rounds)]
                 row["throughput"] = {"without": [a for a, _ in pairs], "during_refit": [b for _, b in pairs]}
@@ -235,7 +243,8 @@ def run_growth(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def run_exact(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    kinds = {"tokens": args.source, "text": args.text_source}
+    kinds = {kind: source for kind, source in (("tokens", args.source), ("text", args.text_source))
+             if kind in args.kinds.split(",")}
     out: dict[str, Any] = {}
     for kind, source in kinds.items():
         if source is None:
@@ -293,17 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--refit-rounds", type=int, default=3, help="growth: pairs of throughput windows at each size")
-    p.add_argument("--window", type=int, default=40, help="growth: batches in a window without a re-fit")
+    p.add_argument("--window", type=int, default=40, help="growth: batches in a window (one during a re-fit ends "
+                   "sooner if the re-fit does)")
+    p.add_argument("--throughput-at", help="growth: comma-separated sizes after which the throughput windows run "
+                   "(default: the largest; their writes would carry the index past the next size)")
+    p.add_argument("--kinds", default="tokens,text", help="exact: which kinds of documents (comma-separated)")
     p.add_argument("--work", type=Path, help="where indexes go (default: a temporary directory, removed after)")
     p.add_argument("--quick", action="store_true", help="tiny sizes around the sample index (the CI smoke test)")
     args = p.parse_args(argv)
     if args.quick:
         args.source = args.source or SAMPLE_INDEX
         args.text_source = args.text_source or args.source
-        args.sizes, args.queries, args.rounds, args.refit_rounds, args.window = "300,600", 6, 1, 1, 2
+        args.sizes, args.queries, args.rounds, args.refit_rounds, args.window = "200,600", 6, 1, 1, 2
     if args.source is None:
         p.error("--source is required (a ColBERT-class index; see the module doc)")
     args.sizes = sorted(int(s) for s in args.sizes.split(","))
+    args.throughput_at = ({int(s) for s in args.throughput_at.split(",")} if args.throughput_at
+                          else set(args.sizes) if args.quick else {args.sizes[-1]})
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-growth-"))
     work.mkdir(parents=True, exist_ok=True)
     info = machine()

@@ -132,8 +132,8 @@ def test_a_created_index_is_empty_answers_searches_and_encoded_nothing(tmp_path:
 def test_small_is_exact_and_the_first_fit_is_on_its_own_documents(created: Path) -> None:
     n = EXACT_MAX_DOCUMENTS + 400
     ids, cls, bow, counts = _corpus(n)
-    small = 600
-    _write(created, ids[:small], cls[:small], bow[: int(counts[:small].sum())], counts[:small], batch=150)
+    small = EXACT_MAX_DOCUMENTS * 3 // 4
+    _write(created, ids[:small], cls[:small], bow[: int(counts[:small].sum())], counts[:small], batch=small // 4)
     queries = _queries()
     with Searcher.open(created) as searcher:
         assert searcher.manifest["fit"]["exact"] is True
@@ -166,7 +166,7 @@ def test_small_is_exact_and_the_first_fit_is_on_its_own_documents(created: Path)
 def test_writes_during_a_refit_are_carried_over_coded_for_the_new_base(created: Path) -> None:
     """A re-fit trains a new quantizer and (residual records) a new codec: what was written while it
     ran is re-coded and listed anew at the swap, so it is found exactly as before."""
-    n = EXACT_MAX_DOCUMENTS + 200
+    n = max(EXACT_MAX_DOCUMENTS, 2048) + 200  # fitted, on enough documents for the recall bar below
     ids, cls, bow, counts = _corpus(n + 50, seed=3)
     end = int(counts[:n].sum())
     _write(created, ids[:n], cls[:n], bow[:end], counts[:n], batch=n)
@@ -265,13 +265,17 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
     encoder = PrecomputedEncoder(DIM, DIM, bow_reduction="sum", learned_weight=0.0)
     index = create_index(tmp_path / "projected", encoder, NewIndex(first_stage="centroids", text_index=None,
                                                                    bow_dim=16))
-    n = EXACT_MAX_DOCUMENTS + 100
+    n, small = 2048, EXACT_MAX_DOCUMENTS // 2
     ids, cls, bow, counts = _corpus(n + 60, seed=13)
     starts = np.concatenate([[0], np.cumsum(counts)])
-    _write(index, ids[:300], cls[:300], bow[: starts[300]], counts[:300], batch=300)
-    manifest = json.loads((index / "manifest.json").read_text())
-    assert manifest["fit"]["projection"] == 16 and "projection" not in manifest["store"]
-    _write(index, ids[300:n], cls[300:n], bow[starts[300] : starts[n]], counts[300:n], batch=n)
+    _write(index, ids[:small], cls[:small], bow[: starts[small]], counts[:small], batch=small)
+    with Searcher.open(index) as exact:  # small: exact, the model's own vectors
+        assert exact.manifest["fit"]["exact"] and exact.manifest["fit"]["projection"] == 16 and exact.layout.d_bow == DIM
+    with LiveIndex.open(index) as writer:  # the rest in one generation, no compaction: the re-fit below is the first fit
+        upserts = [NewDocument(ids[i], f"document {ids[i]}") for i in range(small, n)]
+        lines = [json.dumps({"title": "", "text": d.text}).encode() for d in upserts]
+        encoded = EncodedDocuments(ids[small:n], lines, cls[small:n], bow[starts[small] : starts[n]], counts[small:n])
+        assert not isinstance(writer.publish([writer.check(upserts, [])], [encoded])[0], Exception)
 
     def write_at(step: str) -> None:  # 30 documents written while the first fit runs: carried over, projected
         if step == "compact-staged":
@@ -345,3 +349,46 @@ def test_the_default_model_fits_its_projection_on_its_own_documents(tmp_path: Pa
     assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(after, before)]) >= 0.6
     why = explained.explanation  # computed from the projected query and records: it adds up to the score
     assert why is not None and why.matches and abs(why.cls_part + why.bow_part - explained.score) < 1e-3
+
+
+def test_a_compaction_due_again_when_it_ends_runs_the_next_without_waiting_for_a_write(created: Path) -> None:
+    """Writes published while a base rewrite ran are carried onto the new base as one delta, which
+    can make the policy due again the moment it ends. The server's compaction thread then runs
+    the next one itself: an index whose writes stopped right then would otherwise keep that
+    delta, and a base fitted on the documents it had before, until some later write."""
+    from espn.engine.config import IndexConfig
+    from espn.engine.writing import Writing
+
+    first, n = 400, 1200
+    ids, cls, bow, counts = _corpus(n, seed=9)
+    end = int(counts[:first].sum())
+    with LiveIndex(created) as writer:  # one delta over the empty base: a rewrite is due
+        upserts = [NewDocument(i, "early") for i in ids[:first]]
+        early = EncodedDocuments(ids[:first], [b'{"title": "", "text": "early"}'] * first, cls[:first], bow[:end],
+                                 counts[:first])
+        assert not isinstance(writer.publish([writer.check(upserts, [])], [early])[0], Exception)
+    late = EncodedDocuments(ids[first:], [b'{"title": "", "text": "late"}'] * (n - first), cls[first:], bow[end:],
+                            counts[first:])
+    published: list[str] = []
+
+    def write_at(step: str) -> None:
+        if step == "compact-staged" and not published:  # twice the new base's documents, while it waits to swap
+            published.append(step)
+            with LiveIndex(created) as other:
+                upserts = [NewDocument(i, "late") for i in ids[first:]]
+                assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
+
+    compacted: list[str] = []
+    writing = Writing(created, IndexConfig(write_wait_s=60.0), on_publish=lambda generation: None,
+                      on_compacted=lambda kind, seconds: compacted.append(kind))
+    crash_points._checkpoint = write_at
+    try:
+        writing.maybe_compact()
+        writing.wait_idle()  # no write after the first rewrite: the second is the thread's own
+    finally:
+        crash_points._checkpoint = lambda step: None
+        writing.close()
+    assert published and compacted == ["rewrite", "rewrite"]
+    stats = live_stats(created)
+    assert stats["live_documents"] == n and stats["base_documents"] == n and stats["delta_segments"] == 0
+    assert stats["fitted_on_documents"] == n and stats["refit_running"] is None

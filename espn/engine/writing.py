@@ -53,8 +53,9 @@ class Writing:
                                        config.compact_base_ratio, config.compact_deleted_fraction)
         self.committer = GroupCommit(LiveIndex(index, limits=self.limits, fence=fence), wait_s=config.write_wait_s,
                                      nice=config.write_nice, max_queued=config.write_queue, on_publish=on_publish)
-        self._lock = threading.Lock()  # guards the compaction thread and `_closed`
+        self._lock = threading.Lock()  # guards the compaction thread, `_running` and `_closed`
         self._compaction: threading.Thread | None = None
+        self._running = False  # the thread is compacting (it may chain one job after another)
         self._on_compacted = on_compacted  # (merge or rewrite, seconds): a rewrite fits the index again
         self._closed = False
 
@@ -92,8 +93,9 @@ class Writing:
 
     def _start(self, kind: str) -> bool:
         with self._lock:
-            if self._closed or (self._compaction is not None and self._compaction.is_alive()):
+            if self._closed or self._running:
                 return False
+            self._running = True
             # Not a daemon: `close` joins it, so that the process never ends in the middle of a compaction.
             self._compaction = threading.Thread(target=self._compact, args=(kind,), name=f"espn-{kind}")
             self._compaction.start()
@@ -103,8 +105,35 @@ class Writing:
         """The swap holds the writer lock: it runs on the publishing thread, at normal priority."""
         return self.committer.run_exclusive(run).result()
 
+    def wait_idle(self) -> None:
+        """Until no compaction of this process runs, those it chains included (tests, benchmarks)."""
+        while True:
+            with self._lock:
+                thread = self._compaction if self._running else None
+            if thread is None:
+                return
+            thread.join()
+
     def _compact(self, kind: str) -> None:
+        """One compaction, then the next while the policy asks for one: writes published while a
+        rewrite ran (carried onto the new base as one delta) can make it due again at once, and an
+        index whose writes have stopped would otherwise keep that delta, fitted on the documents it
+        had before, until the next write."""
         lower_priority(self.config.write_nice)  # the work before the swap takes what searches leave
+        try:
+            while self._compact_once(kind):
+                with self._lock:
+                    plan = None if self._closed else self.policy.plan(self.committer.index.current())
+                    if plan is None:
+                        self._running = False  # under the lock: a write's maybe_compact from now on starts one
+                        return
+                kind = plan.kind
+        finally:
+            with self._lock:
+                self._running = False
+
+    def _compact_once(self, kind: str) -> bool:
+        """One compaction job (a re-fit, or what the policy plans); False when none ran to its swap."""
         compactor = LiveIndex(self.index, limits=self.limits, fence=self.fence)
         started = time.perf_counter()
         try:
@@ -113,6 +142,7 @@ class Writing:
             else:
                 compactor.maintain(self.policy, wait_s=self.config.write_wait_s, swap=self._swap)
             self._on_compacted("merge" if kind == "merge" else "rewrite", time.perf_counter() - started)
+            return True
         except CompactionRunningError:
             logger.info("compaction not started: another one is running on this index")
         except (EspnError, OSError) as exc:  # the disk is full, the writer lock stayed busy: try after a later write
@@ -121,6 +151,7 @@ class Writing:
             logger.exception("compaction failed")
         finally:
             compactor.close()  # its side indexes' writers (a text engine's) go with it
+        return False
 
     def close(self) -> None:
         """Let a running compaction finish and join it, publish what was accepted and stop the

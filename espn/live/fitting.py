@@ -43,8 +43,8 @@ from ..store.record_order import RECORD_ORDER, reorder_index_records
 __all__ = ["EXACT_MAX_DOCUMENTS", "CLS_TABLE", "Fit", "fit_base"]
 
 #: Below this many documents an index created empty is searched exactly (chosen by measurement:
-#: docs/benchmarks/live-index.md, "An index that grows").
-EXACT_MAX_DOCUMENTS = 2048
+#: docs/benchmarks/live-index.md, "When an index created empty stops being exact").
+EXACT_MAX_DOCUMENTS = 256
 #: The CLS vectors of a base being written, in doc-number order (fp16; removed by `fit_base`).
 CLS_TABLE = "cls.tmp.npy"
 
