@@ -44,7 +44,7 @@ NOT_RUN = re.compile(r"^\s*<!-- not-run: (.+?) -->\s*$")
 CAUSES = ("GPU", "docker", "kubectl", "Kubernetes", "SciFact", "object store", "S3", "download", "pip",
           "benchmark", "make test", "minutes", "a minute", "cores", "hostnames", "image", "servers")
 #: The programs a block may run here.
-RUNNABLE = ("espn", ".venv/bin/espn", "curl")
+RUNNABLE = ("espn", ".venv/bin/espn", "curl", "printf")  # printf: a page writes a small file for the next command
 #: Placeholders of the pages and their values here (applied in this order, to every block).
 SUBSTITUTIONS = (
     (r"\bNEW_INDEX\b", "new-index"),
