@@ -22,7 +22,7 @@ from espn.errors import ConflictError
 from espn.live.checks import NewDocument
 from espn.live.create import NewIndex, create_index
 from espn.live.encoding import EncodedDocuments
-from espn.live.fitting import EXACT_MAX_DOCUMENTS
+from espn.live.fitting import EXACT_MAX_DOCUMENTS, PROJECTION_MIN_DOCUMENTS
 from espn.live.live_index import LiveIndex
 from espn.live.status import live_stats
 from espn.search.searcher import Searcher
@@ -265,17 +265,27 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
     encoder = PrecomputedEncoder(DIM, DIM, bow_reduction="sum", learned_weight=0.0)
     index = create_index(tmp_path / "projected", encoder, NewIndex(first_stage="centroids", text_index=None,
                                                                    bow_dim=16))
-    n, small = 2048, EXACT_MAX_DOCUMENTS // 2
+    n, small, fitted = PROJECTION_MIN_DOCUMENTS, EXACT_MAX_DOCUMENTS // 2, EXACT_MAX_DOCUMENTS + 100
     ids, cls, bow, counts = _corpus(n + 60, seed=13)
     starts = np.concatenate([[0], np.cumsum(counts)])
     _write(index, ids[:small], cls[:small], bow[: starts[small]], counts[:small], batch=small)
     with Searcher.open(index) as exact:  # small: exact, the model's own vectors
         assert exact.manifest["fit"]["exact"] and exact.manifest["fit"]["projection"] == 16 and exact.layout.d_bow == DIM
-    with LiveIndex.open(index) as writer:  # the rest in one generation, no compaction: the re-fit below is the first fit
-        upserts = [NewDocument(ids[i], f"document {ids[i]}") for i in range(small, n)]
-        lines = [json.dumps({"title": "", "text": d.text}).encode() for d in upserts]
-        encoded = EncodedDocuments(ids[small:n], lines, cls[small:n], bow[starts[small] : starts[n]], counts[small:n])
-        assert not isinstance(writer.publish([writer.check(upserts, [])], [encoded])[0], Exception)
+
+    def publish(rows: range) -> None:  # one generation, no compaction
+        with LiveIndex.open(index) as writer:
+            upserts = [NewDocument(ids[i], f"document {ids[i]}") for i in rows]
+            lines = [json.dumps({"title": "", "text": d.text}).encode() for d in upserts]
+            encoded = EncodedDocuments(ids[rows.start : rows.stop], lines, cls[rows.start : rows.stop],
+                                       bow[starts[rows.start] : starts[rows.stop]], counts[rows.start : rows.stop])
+            assert not isinstance(writer.publish([writer.check(upserts, [])], [encoded])[0], Exception)
+
+    publish(range(small, fitted))
+    with LiveIndex(index) as writer:  # fitted, but on too few documents for the projection: not projected yet
+        writer.refit()
+    with Searcher.open(index) as early:
+        assert not early.manifest["fit"]["exact"] and early.layout.d_bow == DIM and "projection" not in early.manifest["store"]
+    publish(range(fitted, n))  # the re-fit below is the first with PROJECTION_MIN_DOCUMENTS
 
     def write_at(step: str) -> None:  # 30 documents written while the first fit runs: carried over, projected
         if step == "compact-staged":
@@ -321,12 +331,13 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
 
 def test_the_default_model_fits_its_projection_on_its_own_documents(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real MiniLM path end to end, with the exact threshold lowered so that 120 sample passages
-    reach it: the first re-fit projects the stored 384-d vectors to 64, queries (and an explained
+    """The real MiniLM path end to end, with the exact and projection thresholds lowered so that 120
+    sample passages reach them: the first re-fit projects the stored 384-d vectors to 64, queries (and an explained
     search) go through the projection, and the ranking is the one the model's own vectors gave."""
     from espn.live import fitting
 
     monkeypatch.setattr(fitting, "EXACT_MAX_DOCUMENTS", 100)
+    monkeypatch.setattr(fitting, "PROJECTION_MIN_DOCUMENTS", 100)
     corpus = [json.loads(line) for line in (Path(__file__).parents[1] / "espn/data/sample_corpus.jsonl")
               .read_text().splitlines()[:120]]
     queries = ["what causes ocean tides", "how do solar eclipses happen", "which planets are gas giants"]

@@ -7,7 +7,8 @@ which makes what is trained, from the base's own documents only:
 - the IVF over CLS vectors, its list count from the documents (`espn.ann.default_nlist`);
 - the token centroids of the centroid first stage, where the model has no trained CLS vector;
 - the projection of the token vectors, where an index created empty asks for one and its records
-  still hold the model's own vectors (espn.store.projection: fitted once);
+  still hold the model's own vectors, once it has PROJECTION_MIN_DOCUMENTS (espn.store.projection:
+  fitted once);
 - the residual codec, where the records are residual codes (coded against those centroids);
 - the search defaults for that many documents.
 
@@ -40,11 +41,16 @@ from ..store.projection import fit_projection, projection_entry
 from ..store.recode import recode_residual
 from ..store.record_order import RECORD_ORDER, reorder_index_records
 
-__all__ = ["EXACT_MAX_DOCUMENTS", "CLS_TABLE", "Fit", "fit_base"]
+__all__ = ["EXACT_MAX_DOCUMENTS", "PROJECTION_MIN_DOCUMENTS", "CLS_TABLE", "Fit", "fit_base"]
 
 #: Below this many documents an index created empty is searched exactly (chosen by measurement:
 #: docs/benchmarks/live-index.md, "When an index created empty stops being exact").
 EXACT_MAX_DOCUMENTS = 256
+#: The fewest documents an index created empty fits its token projection on: it is fitted once, so
+#: on more vectors than the first fit has (SciFact, default encoder: fitted on 2,560 documents'
+#: 262k vectors it ranked at 1.001x `espn index`, on 384 documents' 31k at 0.996x;
+#: docs/benchmarks/live-index.md). Until then the records keep the model's own vectors.
+PROJECTION_MIN_DOCUMENTS = 2048
 #: The CLS vectors of a base being written, in doc-number order (fp16; removed by `fit_base`).
 CLS_TABLE = "cls.tmp.npy"
 
@@ -121,7 +127,8 @@ def fit_base(out: Path, written: StoreLayout, n_docs: int, fit: Fit, pool_factor
     layout = written
     first_stage: dict[str, Any] | None = {**fit.stage.to_json(), "kind": "exact"}
     if not fit.exact:
-        if fit.projection is not None and layout.d_bow > fit.projection and not projection_entry(out):
+        if fit.projection is not None and layout.d_bow > fit.projection and not projection_entry(out) \
+                and n_docs >= PROJECTION_MIN_DOCUMENTS:
             layout = fit_projection(out, layout, fit.projection)  # before the centroids: they are of projected vectors
             file_bytes = (out / "embeddings.bin").stat().st_size
         first_stage = build_first_stage(out, map_npy(out / "records.npy"), layout, fit.stage.kind,
