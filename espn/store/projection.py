@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,18 +27,17 @@ import torch
 from ..encoders.hf import uncentred_pca
 from ..index import PROJECTION_FILE
 from ..mapped import read_npy
-from .format import RecordWriter, StoreLayout
+from .format import StoreLayout
 from .mmap import MmapReader
+from .recode import CHUNK_DOCUMENTS, rewrite_records
 from .sample import sample_vectors
 
 __all__ = ["PROJECTION_FILE", "FIT_SAMPLE", "project", "base_projection", "projection_entry", "fit_projection"]
 
 log = logging.getLogger(__name__)
 
-#: Token vectors the PCA is fitted on (whole documents, drawn at random), as `espn index` samples.
+#: The most token vectors the PCA is fitted on (whole documents, drawn at random).
 FIT_SAMPLE = 1 << 18
-#: Documents read and projected per step: bounds the memory of the pass.
-_CHUNK_DOCUMENTS = 4096
 
 
 def project(vectors: np.ndarray, projection: np.ndarray) -> np.ndarray:
@@ -76,30 +74,14 @@ def fit_projection(directory: Path, layout: StoreLayout, dim: int, seed: int = 1
             return batch.vectors.float().numpy(), batch.offsets
 
         sample = sample_vectors(vectors_of, len(records), int(records["n_bow"].sum()), FIT_SAMPLE, seed,
-                                _CHUNK_DOCUMENTS).astype(np.float64)
+                                CHUNK_DOCUMENTS).astype(np.float64)
         sample /= np.maximum(np.linalg.norm(sample, axis=1, keepdims=True), 1e-12)
         projection = uncentred_pca(torch.from_numpy(sample.T @ sample / max(1, len(sample))), dim)
         np.save(directory / PROJECTION_FILE, projection)
         target = dataclasses.replace(layout, d_bow=dim)
-        order = np.argsort(records["offset"], kind="stable")
-        projected = records.copy()
-        staged = directory / "embeddings.bin.projected"
-        with RecordWriter(staged, target) as writer:
-            for at in range(0, len(order), _CHUNK_DOCUMENTS):
-                batch = reader.read(order[at:at + _CHUNK_DOCUMENTS])
-                projected[batch.docs] = writer.append(batch.cls.float().numpy(),
-                                                      project(batch.vectors.float().numpy(), projection),
-                                                      np.diff(batch.offsets))
-            size = writer.close()
+        size = rewrite_records(directory, reader, records, target, lambda vectors: project(vectors, projection))
     finally:
         reader.close()
-    staged_records = directory / "records.npy.projected"
-    with open(staged_records, "wb") as file:
-        np.save(file, projected)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(staged, directory / "embeddings.bin")
-    os.replace(staged_records, directory / "records.npy")
     log.info("records of %s projected %d -> %d on %d of their token vectors: %.1f MB", directory, layout.d_bow, dim,
              len(sample), size / 1e6)
     return target

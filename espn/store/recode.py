@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -21,10 +22,11 @@ from ..errors import InvalidParameterError
 from ..mapped import read_npy
 from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
+from .reader import Reader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
 from .sample import sample_vectors
 
-__all__ = ["recode_residual", "written_before_centroids", "require_centroid_stage", "CHUNK_DOCUMENTS"]
+__all__ = ["recode_residual", "rewrite_records", "written_before_centroids", "require_centroid_stage", "CHUNK_DOCUMENTS"]
 
 log = logging.getLogger(__name__)
 
@@ -71,25 +73,35 @@ def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int 
         codec.save(folder)
         # the vectors are pooled already: the writer stores them as they are
         target = dataclasses.replace(layout, dtype=dtype, pool_factor=1, codec=codec)
-        order = np.argsort(records["offset"], kind="stable")
-        recoded = records.copy()
-        staged = directory / "embeddings.bin.recoded"
-        with RecordWriter(staged, target) as writer:
-            for at in range(0, len(order), CHUNK_DOCUMENTS):
-                batch = reader.read(order[at:at + CHUNK_DOCUMENTS])
-                recoded[batch.docs] = writer.append(batch.cls.float().numpy(), batch.vectors.float().numpy(),
-                                                    np.diff(batch.offsets))
-            size = writer.close()
+        size = rewrite_records(directory, reader, records, target)
     finally:
         reader.close()
-    staged_records = directory / "records.npy.recoded"
-    with open(staged_records, "wb") as file:
-        np.save(file, recoded)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(staged, directory / "embeddings.bin")
-    os.replace(staged_records, directory / "records.npy")
     log.info("records of %s recoded as %s: %.1f MB (%d centroids, normalized: %s)", directory, dtype, size / 1e6,
              len(centroids), codec.normalize)
     return dataclasses.replace(target, pool_factor=layout.pool_factor), size
 
+
+
+def rewrite_records(directory: Path, reader: Reader, records: np.ndarray, target: StoreLayout,
+                    convert: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
+    """Every record `reader` reads written again as `target` stores it (its BOW vectors through
+    `convert` first), in the file's own order (the IVF-list order stays); then embeddings.bin and
+    records.npy are replaced, each by rename once written and synced. Returns the new file size."""
+    order = np.argsort(records["offset"], kind="stable")
+    rewritten = records.copy()
+    staged = directory / "embeddings.bin.rewritten"
+    with RecordWriter(staged, target) as writer:
+        for at in range(0, len(order), CHUNK_DOCUMENTS):
+            batch = reader.read(order[at:at + CHUNK_DOCUMENTS])
+            vectors = batch.vectors.float().numpy()
+            rewritten[batch.docs] = writer.append(batch.cls.float().numpy(), vectors if convert is None else
+                                                  convert(vectors), np.diff(batch.offsets))
+        size = writer.close()
+    staged_records = directory / "records.npy.rewritten"
+    with open(staged_records, "wb") as file:
+        np.save(file, rewritten)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staged, directory / "embeddings.bin")
+    os.replace(staged_records, directory / "records.npy")
+    return size
