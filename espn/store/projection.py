@@ -30,7 +30,7 @@ from ..mapped import read_npy
 from .format import StoreLayout
 from .mmap import MmapReader
 from .recode import CHUNK_DOCUMENTS, rewrite_records
-from .sample import sample_vectors
+from .sample import sample_records
 
 __all__ = ["PROJECTION_FILE", "FIT_SAMPLE", "project", "base_projection", "projection_entry", "fit_projection"]
 
@@ -69,12 +69,7 @@ def fit_projection(directory: Path, layout: StoreLayout, dim: int, seed: int = 1
     records = read_npy(directory / "records.npy")
     reader = MmapReader(directory / "embeddings.bin", records, layout)
     try:
-        def vectors_of(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            batch = reader.read(numbers)
-            return batch.vectors.float().numpy(), batch.offsets
-
-        sample = sample_vectors(vectors_of, len(records), int(records["n_bow"].sum()), FIT_SAMPLE, seed,
-                                CHUNK_DOCUMENTS).astype(np.float64)
+        sample = sample_records(reader, records, FIT_SAMPLE, seed, CHUNK_DOCUMENTS).astype(np.float64)
         sample /= np.maximum(np.linalg.norm(sample, axis=1, keepdims=True), 1e-12)
         projection = uncentred_pca(torch.from_numpy(sample.T @ sample / max(1, len(sample))), dim)
         np.save(directory / PROJECTION_FILE, projection)

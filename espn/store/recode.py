@@ -24,7 +24,7 @@ from .format import RecordWriter, StoreLayout
 from .mmap import MmapReader
 from .reader import Reader
 from .residual import TRAIN_SAMPLE, residual_bits, train_codec
-from .sample import sample_vectors
+from .sample import sample_records
 
 __all__ = ["recode_residual", "rewrite_records", "written_before_centroids", "require_centroid_stage", "CHUNK_DOCUMENTS"]
 
@@ -63,12 +63,7 @@ def recode_residual(directory: Path, layout: StoreLayout, dtype: str, seed: int 
     records = read_npy(directory / "records.npy")
     reader = MmapReader(directory / "embeddings.bin", records, layout)
     try:
-        def vectors_of(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            batch = reader.read(numbers)
-            return batch.vectors.float().numpy(), batch.offsets
-
-        sample = sample_vectors(vectors_of, len(records), int(records["n_bow"].sum()), TRAIN_SAMPLE, seed,
-                                CHUNK_DOCUMENTS)
+        sample = sample_records(reader, records, TRAIN_SAMPLE, seed, CHUNK_DOCUMENTS)
         codec = train_codec(centroids, sample, bits)
         codec.save(folder)
         # the vectors are pooled already: the writer stores them as they are
