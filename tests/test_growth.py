@@ -8,8 +8,10 @@ real model over HTTP, and tests/test_growth_server.py serves one through a re-fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -98,6 +100,15 @@ def _fresh_build(out: Path, ids: list[str], cls: np.ndarray, bow: np.ndarray, co
     return out
 
 
+@contextlib.contextmanager
+def hooked(write_at: Callable[[str], None]) -> Iterator[None]:
+    """The named crash points' hook set to `write_at` for the block, unset after: only the timing of
+    what a test does meanwhile is arranged."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(crash_points, "_checkpoint", write_at)
+        yield
+
+
 @pytest.fixture()
 def created(tmp_path: Path) -> Path:
     encoder = PrecomputedEncoder(DIM, DIM, bow_reduction="sum", learned_weight=0.0)
@@ -178,12 +189,8 @@ def test_writes_during_a_refit_are_carried_over_coded_for_the_new_base(created: 
                 upserts = [NewDocument(i, "late") for i in ids[n:]]
                 assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
 
-    crash_points._checkpoint = write_at  # the named crash points' hook: only the timing is arranged
-    try:
-        with LiveIndex(created) as writer:
-            writer.refit()
-    finally:
-        crash_points._checkpoint = lambda step: None
+    with hooked(write_at), LiveIndex(created) as writer:
+        writer.refit()
     stats = live_stats(created)
     assert stats["live_documents"] == n + 50 and stats["delta_documents"] == 50 and not stats["exact"]
     with Searcher.open(created) as searcher:
@@ -235,12 +242,8 @@ def test_writes_during_a_refit_leave_its_progress_file_alone(created: Path) -> N
             kept.append((live / "COMPACT.json.tmp").is_file())
             (live / "COMPACT.json.tmp").replace(live / "COMPACT.json")
 
-    crash_points._checkpoint = write_at
-    try:
-        with LiveIndex(created) as writer:
-            writer.refit()
-    finally:
-        crash_points._checkpoint = lambda step: None
+    with hooked(write_at), LiveIndex(created) as writer:
+        writer.refit()
     assert kept == [True]
     assert live_stats(created)["live_documents"] == n + 10 and live_stats(created)["refit_running"] is None
     (live / "COMPACT.json.tmp").write_text("{}")  # what a compaction killed mid-write leaves
@@ -296,12 +299,8 @@ def test_a_projection_fitted_once_on_its_own_vectors_and_what_comes_later_goes_t
                 upserts = [NewDocument(ids[i], "late") for i in rows]
                 assert not isinstance(other.publish([other.check(upserts, [])], [late])[0], Exception)
 
-    crash_points._checkpoint = write_at
-    try:
-        with LiveIndex(index) as writer:
-            writer.refit()
-    finally:
-        crash_points._checkpoint = lambda step: None
+    with hooked(write_at), LiveIndex(index) as writer:
+        writer.refit()
     _write(index, ids[n + 30 :], cls[n + 30 :], bow[starts[n + 30] :], counts[n + 30 :], batch=30)  # after the fit
     with Searcher.open(index) as searcher:
         store = searcher.manifest["store"]
@@ -392,12 +391,11 @@ def test_a_compaction_due_again_when_it_ends_runs_the_next_without_waiting_for_a
     compacted: list[str] = []
     writing = Writing(created, IndexConfig(write_wait_s=60.0), on_publish=lambda generation: None,
                       on_compacted=lambda kind, seconds: compacted.append(kind))
-    crash_points._checkpoint = write_at
     try:
-        writing.maybe_compact()
-        writing.wait_idle()  # no write after the first rewrite: the second is the thread's own
+        with hooked(write_at):
+            writing.maybe_compact()
+            writing.wait_idle()  # no write after the first rewrite: the second is the thread's own
     finally:
-        crash_points._checkpoint = lambda step: None
         writing.close()
     assert published and compacted == ["rewrite", "rewrite"]
     stats = live_stats(created)
