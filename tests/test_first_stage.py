@@ -31,6 +31,7 @@ from espn.live.checks import NewDocument
 from espn.live.live_index import LiveIndex
 from espn.store.engines import FaultInjector, inject_faults
 from espn.store.engines.ownership import LEDGER
+from espn.search import centroid_stage
 
 D = 32
 N_DOCS = 1500
@@ -212,6 +213,11 @@ class _FailSecondWave(FaultInjector):
         return np.full_like(results, -errno.EIO) if self.batches == 2 else results
 
 
+class _FailEveryRead(FaultInjector):
+    def results(self, engine: str, lengths: np.ndarray, results: np.ndarray) -> np.ndarray:
+        return np.full_like(results, -errno.EIO)
+
+
 def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(built: Path, collection: dict) -> None:
     """prefetch on: each query's candidates are read as soon as the stage has ranked it (a
     single query's in waves scored as they arrive); off: one read after the stage. Same candidates, same ranking;
@@ -241,6 +247,66 @@ def test_reads_start_beside_the_stage_in_waves_and_rank_as_one_read_after_it(bui
         assert stats["in_use"] == 0 and stats["quarantined"] == 0 and LEDGER.outstanding() == 0, stats
         again = searcher.search_embeddings(queries, k=10)
         assert [[h.doc_id for h in r.hits] for r in again] == [[h.doc_id for h in r.hits] for r in after]
+
+
+def test_a_cache_s_hits_are_scored_beside_its_misses_and_rank_as_the_memory_reader(built: Path, collection: dict
+                                                                                   ) -> None:
+    """posix behind a record cache of a quarter of the table: each read splits into the hits
+    (scored first) and the misses; rankings and scores are the memory reader's, with and without
+    waves, and a failed miss read fails the search with no read of the hits left open."""
+    queries = collection["queries"]
+    table_mb = (built / "embeddings.bin").stat().st_size / 2**20
+    with Searcher.open(built, with_encoder=False, reader="memory") as plain, \
+            Searcher.open(built, with_encoder=False, reader="posix", min_hidden_ms=0,
+                          reader_options={"record_cache_mb": table_mb / 4 + 1}) as cached:
+        want = plain.search_embeddings(queries, k=10)
+        for prefetch in (False, True, False):
+            got = cached.search_embeddings(queries, k=10, prefetch=prefetch, prefetch_k=16)
+            for a, b in zip(got, want):
+                assert [(h.doc_id, h.score) for h in a.hits] == [(h.doc_id, h.score) for h in b.hits]
+        stats = cached.reader.describe()["record_cache"]
+        assert 0 < stats["hit_rate"] < 1, stats
+        with inject_faults(_FailEveryRead()), pytest.raises(OSError, match="EIO"):
+            cached.search_embeddings(queries, k=10, prefetch=False)
+        assert cached.reader.stats()["reads_in_flight"] == 0
+        assert cached.reader.inner.buffer_pool.stats()["in_use"] == 0 and LEDGER.outstanding() == 0
+
+
+def test_a_batch_reads_its_candidates_in_waves_of_bounded_bytes(built: Path, collection: dict,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's candidates are read a few at a time (READ_BYTES_IN_FLIGHT), not into one buffer
+    as large as all of them; the ranking is the memory reader's."""
+    queries = collection["queries"]
+
+    def peak_buffer_bytes(cap: int) -> tuple[int, list]:
+        monkeypatch.setattr(centroid_stage, "READ_BYTES_IN_FLIGHT", cap)
+        with Searcher.open(built, with_encoder=False, reader="posix") as searcher:
+            pool = searcher.reader.buffer_pool
+            acquire, release, held, peak = pool.acquire, pool.release, [0], [0]
+
+            def tracked_acquire(nbytes: int):
+                buffer = acquire(nbytes)
+                held[0] += len(buffer)
+                peak[0] = max(peak[0], held[0])
+                return buffer
+
+            def tracked_release(buffer, in_flight: bool = False) -> None:
+                held[0] -= len(buffer)
+                release(buffer, in_flight)
+
+            monkeypatch.setattr(pool, "acquire", tracked_acquire)
+            monkeypatch.setattr(pool, "release", tracked_release)
+            results = searcher.search_embeddings(queries, k=10, prefetch=False)
+            assert held[0] == 0
+        return peak[0], [[(h.doc_id, h.score) for h in r.hits] for r in results]
+
+    with Searcher.open(built, with_encoder=False, reader="memory") as memory:
+        want = [[(h.doc_id, h.score) for h in r.hits] for r in memory.search_embeddings(queries, k=10)]
+    cap = 64 << 10
+    bounded, got = peak_buffer_bytes(cap)
+    unbounded, got_unbounded = peak_buffer_bytes(1 << 40)
+    assert got == want and got_unbounded == want
+    assert bounded <= 2 * cap < unbounded, (bounded, unbounded)  # a buffer is a power of two of the bytes
 
 
 def test_the_native_estimate_ranks_exactly_as_the_numpy_one(built: Path, collection: dict, index: Path) -> None:

@@ -187,6 +187,31 @@ def test_an_exception_in_the_gather_ends_the_read_of_the_hits(store: Store) -> N
         assert_batch_equal(reader.read(np.arange(60)), store.expected(np.arange(60)))
 
 
+def test_a_read_splits_into_its_hits_then_its_misses(store: Store) -> None:
+    """The hits are handed over while the misses are still in flight (what a search scores
+    first); each part is exact, and a search that drops the misses' part mid-way still ends every read."""
+    with cached(store, 0.2) as reader:
+        held = np.arange(0, 80, 2)
+        reader.read(np.concatenate([held, np.arange(160, 200)]))
+        docs = np.arange(80)
+        parts = reader.submit(docs).split_in_memory()
+        assert [sorted(d.tolist()) for d, _ in parts] == [held.tolist(), np.arange(1, 80, 2).tolist()]
+        for i, (part_docs, read) in enumerate(parts):
+            batch = read.result()
+            assert batch.docs is not None and batch.docs.tolist() == part_docs.tolist()
+            assert (batch.bytes_read == 0) == (i == 0)
+            assert_batch_equal(batch, store.expected(part_docs))
+        (_, hits), (_, misses) = reader.submit(np.arange(160, 260)).split_in_memory()  # the misses were admitted
+        with hits.records():
+            assert reader.stats()["reads_in_flight"] == 1
+        misses.discard()
+        assert reader.stats()["reads_in_flight"] == 0 and reader.inner.buffer_pool.stats()["in_use"] == 0
+        everything = reader.submit(held).split_in_memory()  # nothing to wait for: one read
+        assert len(everything) == 1
+        everything[0][1].discard()
+        assert reader.stats()["reads_in_flight"] == 0
+
+
 def test_no_slot_a_read_holds_changes_under_it(store: Store) -> None:
     """Hits are read in place: while a batch of them is held (unscored), heavy churn through a
     small cache must evict around them (here: the records cached before it), never over them."""

@@ -35,6 +35,7 @@ class MemoryReader(Reader):
 
     name = "memory"
     io_bound = False
+    reads_into_buffers = False
     follows_appends = False  # a copy of the file as it was at open
 
     def __init__(

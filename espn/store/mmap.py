@@ -35,6 +35,7 @@ class MmapReader(Reader):
 
     name = "mmap"
     follows_appends = False  # a map of the file as it was at open
+    reads_into_buffers = False  # views of the map
 
     def __init__(
         self,

@@ -33,6 +33,9 @@ class ReadSource(Protocol):
 class Fetch(abc.ABC):
     """One backend read in flight (what `Reader._submit` returns)."""
 
+    #: The records are in memory already (a cache's hits): `complete` does not wait on storage.
+    in_memory = False
+
     @abc.abstractmethod
     def complete(self) -> tuple[Buffer, np.ndarray, int, int]:
         """Wait for the read; (buffer, starts, bytes_read, ios) as `Reader._fetch` returns them."""
@@ -160,6 +163,26 @@ class PendingRead:
             raise ValueError("this read has already been parsed")
         parts, self._parts = self._parts, []
         return hand_over_parts(parts, select)
+
+    def split_in_memory(self) -> list[tuple[np.ndarray, "PendingRead"]]:
+        """This read as separate reads, each with its doc numbers: the parts already in memory (a
+        cache's hits) first, then those still in flight, so that a search scores the first while
+        the others are read. One read (self) when nothing or everything is in memory, or a part
+        was started on an executor (its split is known only once it has been waited for)."""
+        parts = self._parts
+        ready = [part for part in parts if part.future is None and part.fetch is not None and part.fetch.in_memory]
+        if not ready or len(ready) == len(parts) or any(part.future is not None for part in parts):
+            return [(np.concatenate([part.docs for part in parts] + [np.zeros(0, np.int64)]), self)]
+        if self._result is not None:
+            raise ValueError("this read has already been parsed")
+        rest = [part for part in parts if not (part.fetch is not None and part.fetch.in_memory)]
+        self._parts = []
+        out = []
+        for group in (ready, rest):
+            read = PendingRead(self._reader)
+            read._parts, read._requests = group, self._requests
+            out.append((np.concatenate([part.docs for part in group]), read))
+        return out
 
     def discard(self) -> None:
         """Cancel what has not gone to the storage yet and wait for the rest without parsing

@@ -46,6 +46,9 @@ class Reader(abc.ABC):
     #: True where a read waits on storage, so a prefetch wave has latency to hide behind the
     #: ANN scan; False where reading is CPU work (the memory reader): a wave would only add it.
     io_bound: ClassVar[bool] = True
+    #: True where a read copies the records into a buffer of its own (what a search holds in
+    #: RAM while its reads are in flight); False where it hands out views of memory it keeps.
+    reads_into_buffers: ClassVar[bool] = True
     #: True where reads go to the file itself, so bytes appended after open are readable
     #: (`extend_records`); False for readers that hold a copy or a map of it (memory, mmap).
     follows_appends: ClassVar[bool] = True

@@ -153,6 +153,8 @@ def _all_rows(records: Any) -> np.ndarray:
 class _ArenaFetch(Fetch):
     """A cache's hits, read where they lie in its segment (until `release` ends the read)."""
 
+    in_memory = True
+
     def __init__(self, cache: RecordCache, read: int, starts: np.ndarray) -> None:
         self._cache, self._read = cache, read
         self._done = (cache.arena, starts, 0, 0)
