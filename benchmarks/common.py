@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -218,14 +219,23 @@ class MemoryCgroup:
         return 0
 
     def remove(self) -> None:
-        for _ in range(50):
+        """Remove the cgroup; a process still in it after 5 s (a helper its child started, such
+        as multiprocessing's resource tracker, outliving it) is killed first, so none is left."""
+        for attempt in range(100):
             try:
                 if self.v1:
                     with contextlib.suppress(OSError):
                         (self.path / "memory.force_empty").write_text("0")
                 self.path.rmdir()
                 return
+            except FileNotFoundError:
+                return
             except OSError:
+                if attempt >= 50:
+                    with contextlib.suppress(OSError, ValueError):
+                        for pid in (self.path / "cgroup.procs").read_text().split():
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(int(pid), signal.SIGKILL)
                 time.sleep(0.1)
 
 
