@@ -19,11 +19,17 @@ it imports only that library, torch, transformers and tokenizers (never espn):
   `reference.json` beside the checkpoint.
 
 colpali-engine (ColPali, ColQwen2) has no fixture: its 0.3.x releases that take torch 2.13
-(0.3.18, on transformers >= 5.3) import torchvision (Qwen2-VL's image processor), whose PyPI
-wheels link against the CUDA build of torch (`libtorch_cuda.so`, `libc10_cuda.so`); the CPU
-build of torchvision is only on PyTorch's own index, and the releases before 0.3.14 pin
-torch < 2.9. The tiny page models of the tests are written by transformers and Sentence
-Transformers (benchmarks/make_visual_checkpoint.py).
+(0.3.18, on transformers >= 5.3) import torchvision (Qwen2-VL's image processor), and
+torchvision 0.28.0 from PyPI does not import beside the CPU torch 2.13.0: its `_C.so` links
+against the CUDA build (`libtorch_cuda.so`, `libc10_cuda.so`), fails to load, and then
+`torchvision/_meta_registrations.py` stops the import ("operator torchvision::nms does not
+exist"); the CPU build of torchvision is only on PyTorch's own index, and the releases before
+0.3.14 pin torch < 2.9. Without torchvision, ColQwen2 still cannot be built (transformers 5.3.0's
+Qwen2VLProcessor demands a video processor, which imports torchvision; 5.4.0 and later need it
+for the image processor or at colpali_engine's import), and ColPali under transformers 5.3.0
+saves its projection as `base_model\\.model\\.custom_text_proj.*`, which its own
+`from_pretrained` does not read back. The tiny page models of the tests are written by
+transformers and Sentence Transformers (benchmarks/make_visual_checkpoint.py).
 
 The outputs live in tests/model_fixtures/<name>/ (checkpoint files plus reference.json); the test
 matrix (tests/test_model_fixtures.py) indexes each one with espn and compares. A new format is
