@@ -450,6 +450,25 @@ def test_the_canary_catches_a_write_into_a_buffer_given_back() -> None:
         pool.acquire(1 << 16)
 
 
+def test_a_full_pool_keeps_the_buffers_given_back_last() -> None:
+    """Large buffers of a one-off read (a cache being filled) must not hold the pool's room so
+    that every later, smaller read maps a fresh buffer: the oldest free buffers make way."""
+    pool = BufferPool(retain_bytes=1 << 20)
+    big = [pool.acquire(512 << 10) for _ in range(2)]
+    for buf in big:
+        pool.release(buf)
+    assert pool.stats()["retained_bytes"] == 1 << 20
+    small = pool.acquire(64 << 10)
+    pool.release(small)
+    stats = pool.stats()
+    assert stats["retained_bytes"] == (512 << 10) + (64 << 10) and stats["free"] == 2, stats
+    assert pool.acquire(64 << 10) is small  # reused, not a fresh mapping
+    assert pool.acquire(512 << 10) is big[1]  # the one given back last stayed
+    assert pool.acquire(2 << 20) is not None and pool.stats()["in_use"] == 3
+    pool.clear()
+    assert pool.stats()["free"] == 0
+
+
 # -- ring indices: acquire / release ---------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ page-aligned host mappings (`BufferPool`) and the kvikio reader's device tensors
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 from typing import Protocol
@@ -34,9 +35,12 @@ def _mmap_intact(buf: mmap.mmap) -> bool:
 class BufferPool:
     """Page-aligned anonymous buffers, reused across reads.
 
-    A fresh mapping costs a page fault per 4 KiB on first touch; reusing buffers keeps that
-    off the read path. Buffers are kept in power-of-two size classes up to `retain_bytes`
-    in total; beyond that a released buffer is dropped.
+    A fresh mapping costs a page fault per 4 KiB on first touch (and an munmap when dropped);
+    reusing buffers keeps that off the read path. Buffers are kept in power-of-two size classes
+    up to `retain_bytes` in total; a buffer given back when the pool is full makes room by
+    dropping the free buffers given back longest ago, so the sizes in use now stay pooled (a
+    few large buffers of a one-off read, such as a cache being filled, do not keep every later
+    read on fresh mappings).
 
     Every buffer that comes back passes the ownership check (`engines.ownership.ReturnGuard`):
     one that a read in flight still targets is quarantined, never reused, until the read
@@ -48,6 +52,7 @@ class BufferPool:
     def __init__(self, retain_bytes: int = 64 << 20) -> None:
         self.retain_bytes = retain_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._given_back: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()  # free, oldest first
         self._retained = 0
         self._in_use = 0
         self._lock = threading.Lock()
@@ -68,6 +73,7 @@ class BufferPool:
             if free:
                 self._retained -= size
                 buf = free.pop()
+                del self._given_back[id(buf)]
             else:
                 buf = None
         if buf is None:
@@ -90,12 +96,21 @@ class BufferPool:
 
     def _keep(self, buf: mmap.mmap) -> None:
         size = len(buf)
+        dropped = [buf]
         with self._lock:
-            if size == self.size_class(size) and self._retained + size <= self.retain_bytes:
+            if size == self.size_class(size) and size <= self.retain_bytes:
+                dropped = []
+                while self._retained + size > self.retain_bytes:
+                    _, old = self._given_back.popitem(last=False)
+                    bufs = self._free[len(old)]
+                    bufs.pop(next(i for i, b in enumerate(bufs) if b is old))
+                    self._retained -= len(old)
+                    dropped.append(old)
                 self._free.setdefault(size, []).append(buf)
+                self._given_back[id(buf)] = buf
                 self._retained += size
-                return
-        self._guard.forget(buf)
+        for old in dropped:
+            self._guard.forget(old)
 
     def check(self) -> None:
         """Check that no free buffer changed since it came back (canary policy; tests)."""
@@ -116,6 +131,7 @@ class BufferPool:
                 for buf in bufs:
                     self._guard.forget(buf)
             self._free.clear()
+            self._given_back.clear()
             self._retained = 0
 
 
