@@ -95,11 +95,12 @@ class PendingRead:
     `discard()` on the thread that submitted: ring-based engines keep a ring per thread.
     """
 
-    def __init__(self, reader: ReadSource) -> None:
+    def __init__(self, reader: ReadSource, started: "list[_Part] | None" = None, requests: int = 0) -> None:
+        """started, requests: parts another read started, and how many submits it had (its split)."""
         self._reader = reader
-        self._parts: list[_Part] = []
+        self._parts: list[_Part] = started or []
         self._result: ReadBatch | None = None
-        self._requests = 0
+        self._requests = requests
 
     def submit(self, doc_numbers: np.ndarray, executor: Executor | None = None) -> "PendingRead":
         """Start reading more documents; returns self.
@@ -177,12 +178,8 @@ class PendingRead:
             raise ValueError("this read has already been parsed")
         rest = [part for part in parts if not (part.fetch is not None and part.fetch.in_memory)]
         self._parts = []
-        out = []
-        for group in (ready, rest):
-            read = PendingRead(self._reader)
-            read._parts, read._requests = group, self._requests
-            out.append((np.concatenate([part.docs for part in group]), read))
-        return out
+        return [(np.concatenate([part.docs for part in group]), PendingRead(self._reader, group, self._requests))
+                for group in (ready, rest)]
 
     def discard(self) -> None:
         """Cancel what has not gone to the storage yet and wait for the rest without parsing
