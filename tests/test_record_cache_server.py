@@ -132,14 +132,27 @@ def test_workers_share_one_cache_whose_contents_follow_writes_and_compaction(ser
                    "the workers to serve the rewritten base", timeout_s=120, interval_s=1)
         answers = search_all(server)
         assert_as_without_cache(index, answers)
-        # A worker moves to the new generation at its next request (refresh is per request, not
-        # timed), and the old segment goes once both have: keep both answering while waiting.
-        wait_until(lambda: search_all(server, times=1) and not segment.exists(), f"{segment} to be removed",
-                   timeout_s=120, interval_s=1)
+        wait_until(lambda: not segment.exists(), f"{segment} to be removed", timeout_s=120, interval_s=1)
         segment = segment_of(server)
         assert len(segment_documents(segment)) > 0
         key = segment.name[len(SEGMENT_PREFIX):].rsplit("-", 1)[0]
     assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{key}-*")), "a stopped server leaves no segment"
+
+
+def test_idle_workers_let_go_of_the_cache_of_a_compacted_base(served) -> None:
+    """No request reaches the workers after a compaction: each still moves to the new base on its
+    own (the idle refresh) and the old base's segment goes, not at the next request."""
+    index, root, flags, env = served
+    with running_server(index, root, *flags, env=env, name="idle", fd_limit=1024) as server:
+        search_all(server, times=1)
+        segment = segment_of(server)
+        put = HTTP.put(f"{server.base_url}/v1/documents/idle-doc", json={"text": "a note on tides"}, headers=AUTH,
+                       timeout=120)
+        assert put.status_code in (200, 201), put.text
+        run_espn("compact", index)
+        wait_until(lambda: not segment.exists(), f"{segment} to be removed with no request", timeout_s=120,
+                   interval_s=0.5)
+        assert segment_of(server) != segment
 
 
 def test_a_restart_after_sigkill_starts_a_fresh_cache_and_removes_the_dead_one(served) -> None:

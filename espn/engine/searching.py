@@ -38,6 +38,9 @@ __all__ = ["Searching", "open_searcher", "EncoderLoader"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between the idle refreshes of a served index (one stat of live/CURRENT when nothing changed).
+IDLE_REFRESH_S = 5.0
+
 #: (encoder directory, the manifest's encoder entry) -> the loaded encoder (a shared one).
 EncoderLoader = Callable[[Path, Mapping[str, Any]], Encoder]
 #: What one search call measured, from its thread to the loop: per call (queries, stage times,
@@ -97,15 +100,33 @@ class Searching:
             run_inline=self._run_inline if config.inline_search_ms > 0 else None,
         )
         self._lone_call_ms = 0.0  # running mean of one-query calls' time (inline or not)
+        self._idle_refresh: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start the batcher; call from the running event loop."""
+        """Start the batcher and the idle refresh; call from the running event loop."""
         self.batcher.start()
+        self._idle_refresh = asyncio.get_running_loop().create_task(self._refresh_while_idle())
 
     async def close(self) -> None:
         """Search what is queued, then stop the search threads (the Searcher stays open)."""
+        if self._idle_refresh is not None:
+            self._idle_refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._idle_refresh
+            self._idle_refresh = None
         await self.batcher.close()
         self._executor.shutdown(wait=True)
+
+    async def _refresh_while_idle(self) -> None:
+        """Every IDLE_REFRESH_S, what a request does first: open the newest generation. A worker
+        that no request reaches thus lets go of the generation a compaction replaced (its maps
+        and its record cache segment, which the other workers may have left already)."""
+        while True:
+            await asyncio.sleep(IDLE_REFRESH_S)
+            try:
+                await asyncio.to_thread(self.live.refresh)
+            except Exception:  # noqa: BLE001 - the next request (or tick) tries again
+                logger.warning("the idle refresh of the index failed", exc_info=True)
 
     def warmup(self) -> None:
         with self.live.lease() as searcher:
