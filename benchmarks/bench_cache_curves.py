@@ -66,7 +66,11 @@ class Child:
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         text=True, cwd=ROOT, env={**os.environ, **OMP_ENV},
                                         preexec_fn=self.cgroup.enter if self.cgroup else None)
-        self.ready = self._answer()
+        try:
+            self.ready = self._answer()
+        except BaseException:  # it did not start: its cgroup goes with it
+            self.close()
+            raise
 
     def _answer(self) -> dict[str, Any]:
         assert self.process.stdout is not None

@@ -149,6 +149,7 @@ def test_bench_cache_curves(tiny_index: Path, results: Path, capsys) -> None:
     assert bench_cache_curves.main(argv) == 0
     payload = _check(results, "cache_curves", capsys)
     ok = [r for r in payload["runs"] if "error" not in r]
+    assert ok == payload["runs"], [r["error"] for r in payload["runs"] if "error" in r]
     assert {r["config"] for r in ok} == {"posix", "posix+cache", "mmap", "memory"}
     assert all(r["record_cache"]["hits"] > 0 for r in ok if r["config"] == "posix+cache")
     assert sum(r["disagree"] for r in ok) == 0, "every configuration ranks alike"

@@ -95,6 +95,17 @@ def test_every_record_has_a_class_and_a_cache_of_the_table_holds_all(store: Stor
         assert batch.bytes_read == 0 and reader.stats()["too_large"] == 0
 
 
+def test_a_budget_of_the_table_or_more_plans_one_slot_a_record(store: Store) -> None:
+    """A budget above what every record takes plans exactly one slot per record (it
+    planned more slots than records, and then a plan larger than the budget: an error)."""
+    from espn.store.cache_slabs import plan_slabs
+
+    lengths = np.asarray(store.records["length"], dtype=np.int64)
+    for budget in (2 * int(lengths.sum()), 4 * int(lengths.sum())):
+        plan = plan_slabs(lengths, budget, len(lengths), "tinylfu")
+        assert int(plan.slots.sum()) == len(lengths) and plan.nbytes <= budget and not plan.short
+
+
 def test_a_scan_does_not_flush_the_hot_set(store: Store) -> None:
     with cached(store, 0.05) as reader:
         hot = np.arange(24)

@@ -129,7 +129,9 @@ def plan_slabs(lengths: np.ndarray, budget_bytes: int, n_documents: int, policy:
         room = budget_bytes - fixed
         for _ in range(8):  # the sketch's width is a power of two: shrink until the whole plan fits
             fraction = room / float(per_record.sum() + (SLOT_OVERHEAD + 8 * SKETCH_DEPTH) * counts.sum())
-            slots = np.maximum(least, np.floor(np.maximum(0.0, fraction) * counts)).astype(np.int64)
+            # never more slots than records of the class (a budget above the table's needs would
+            # otherwise plan slots no record fills, and a plan larger than the budget)
+            slots = np.minimum(counts, np.maximum(least, np.floor(np.maximum(0.0, fraction) * counts))).astype(np.int64)
             plan = SlabPlan(sizes, slots, map_capacity, FrequencySketch.width_for(int(slots.sum())), policy,
                             int(n_documents), bool((slots < counts).any()))
             if plan.nbytes <= budget_bytes or slots.sum() < 1 or room <= 0:
