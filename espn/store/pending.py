@@ -171,15 +171,15 @@ class PendingRead:
         the others are read. One read (self) when nothing or everything is in memory, or a part
         was started on an executor (its split is known only once it has been waited for)."""
         parts = self._parts
-        ready = [part for part in parts if part.future is None and part.fetch is not None and part.fetch.in_memory]
-        if not ready or len(ready) == len(parts) or any(part.future is not None for part in parts):
+        ready = [part.future is None and part.fetch is not None and part.fetch.in_memory for part in parts]
+        if not any(ready) or all(ready) or any(part.future is not None for part in parts):
             return [(np.concatenate([part.docs for part in parts] + [np.zeros(0, np.int64)]), self)]
         if self._result is not None:
             raise ValueError("this read has already been parsed")
-        rest = [part for part in parts if not (part.fetch is not None and part.fetch.in_memory)]
         self._parts = []
+        groups = ([p for p, r in zip(parts, ready) if r], [p for p, r in zip(parts, ready) if not r])
         return [(np.concatenate([part.docs for part in group]), PendingRead(self._reader, group, self._requests))
-                for group in (ready, rest)]
+                for group in groups]
 
     def discard(self) -> None:
         """Cancel what has not gone to the storage yet and wait for the rest without parsing
