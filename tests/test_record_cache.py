@@ -223,6 +223,24 @@ def test_a_read_splits_into_its_hits_then_its_misses(store: Store) -> None:
         assert reader.stats()["reads_in_flight"] == 0
 
 
+def test_a_newer_version_of_a_cached_record_takes_the_place_of_the_older(store: Store) -> None:
+    """A read that began before a write can offer a document's old record after the write's
+    `forget`: the new version, offered later, still comes in, and only it answers."""
+    with cached(store, 0.5) as reader:
+        doc, file = np.array([5]), np.frombuffer(store.path.read_bytes(), dtype=np.uint8)
+        old, length = int(store.records[5]["offset"]), int(store.records[5]["length"])
+        new = old + 4096  # where the new version would lie (its bytes do not matter here)
+        for offset in (old, new):
+            reader.cache.admit(doc, np.array([offset]), np.array([length]), file, np.array([old]))
+        found = {}
+        for offset in (old, new):
+            hit, _, read = reader.cache.lookup(doc, np.array([offset]))
+            reader.cache.end_read(read)
+            found[offset] = bool(hit[0])
+        assert found == {old: False, new: True}
+        assert reader.cache.cached_documents().tolist().count(5) == 1
+
+
 def test_no_slot_a_read_holds_changes_under_it(store: Store) -> None:
     """Hits are read in place: while a batch of them is held (unscored), heavy churn through a
     small cache must evict around them (here: the records cached before it), never over them."""

@@ -297,6 +297,13 @@ class SlabStore:
         current = self.map[docs[keep]].astype(np.int64) - 1
         resident = np.zeros(len(keep), dtype=bool)
         resident[current >= 0] = self.slot_doc[current[current >= 0]] == docs[keep][current >= 0]
+        # A resident record at another offset is an older version (a read that began before a write
+        # offered it after the write's `forget`): it gives way, or the new one could never come in.
+        stale = np.flatnonzero(resident)
+        stale = stale[self.slot_offset[current[stale]] != offsets[keep[stale]]]
+        if len(stale):
+            self.forget(docs[keep[stale]])
+            resident[stale] = False
         keep = keep[~resident]  # another search admitted them meanwhile
         keep = keep[np.argsort(cls[keep], kind="stable")]
         if not len(keep):
