@@ -469,6 +469,25 @@ def test_a_full_pool_keeps_the_buffers_given_back_last() -> None:
     assert pool.stats()["free"] == 0
 
 
+def test_the_pool_counts_the_buffers_it_hands_out_against_its_size() -> None:
+    """Free buffers make room for those handed out, so a pool's RAM peaks at its size: a batch's
+    large reads no longer come on top of a full pool of free buffers."""
+    pool = BufferPool(retain_bytes=1 << 20)
+    quarters = [pool.acquire(256 << 10) for _ in range(4)]
+    for buf in quarters:
+        pool.release(buf)
+    assert pool.stats()["retained_bytes"] == 1 << 20
+    half = pool.acquire(512 << 10)  # a new mapping: two free quarters make way for it
+    assert pool.stats()["retained_bytes"] == 512 << 10
+    quarter = pool.acquire(256 << 10)  # a free one, reused
+    assert quarter in quarters and pool.stats()["retained_bytes"] == 256 << 10
+    over = pool.acquire(2 << 20)  # more than the pool: handed out, nothing free is left
+    assert pool.stats()["retained_bytes"] == 0
+    for buf in (over, half, quarter):  # the one larger than the pool is dropped, the others kept
+        pool.release(buf)
+    assert pool.stats()["retained_bytes"] == (512 << 10) + (256 << 10)
+
+
 # -- ring indices: acquire / release ---------------------------------------------------------
 
 

@@ -37,10 +37,11 @@ class BufferPool:
 
     A fresh mapping costs a page fault per 4 KiB on first touch (and an munmap when dropped);
     reusing buffers keeps that off the read path. Buffers are kept in power-of-two size classes
-    up to `retain_bytes` in total; a buffer given back when the pool is full makes room by
-    dropping the free buffers given back longest ago, so the sizes in use now stay pooled (a
-    few large buffers of a one-off read, such as a cache being filled, do not keep every later
-    read on fresh mappings).
+    while the buffers handed out and the free ones together stay within `retain_bytes`; a
+    buffer given back, or a new one, makes room by dropping the free buffers given back longest
+    ago, so the sizes in use now stay pooled (a few large buffers of a one-off read, such as a
+    cache being filled, do not keep every later read on fresh mappings) and the pool's RAM
+    peaks at `retain_bytes` or what is handed out at once, not their sum.
 
     Every buffer that comes back passes the ownership check (`engines.ownership.ReturnGuard`):
     one that a read in flight still targets is quarantined, never reused, until the read
@@ -49,12 +50,20 @@ class BufferPool:
 
     MIN_BYTES = 1 << 16
 
-    def __init__(self, retain_bytes: int = 64 << 20) -> None:
+    #: The pool's RAM, handed out and free together. Counting only the free buffers (64 MiB
+    #: of them) let a batch's waves (`espn.search.centroid_stage.READ_BYTES_IN_FLIGHT`) add
+    #: their 32 MiB on top: the posix reader's peak was 354 MiB on SciFact (300 queries and 8
+    #: batches of 32). Keeping 32 MiB free instead cut that to 327 MiB, but cost a record cache's
+    #: single queries 3-12% of their p50 (their misses vary in size, and fewer sizes stayed pooled).
+    RETAIN_BYTES = 64 << 20
+
+    def __init__(self, retain_bytes: int = RETAIN_BYTES) -> None:
         self.retain_bytes = retain_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
         self._given_back: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()  # free, oldest first
         self._retained = 0
         self._in_use = 0
+        self._in_use_bytes = 0
         self._lock = threading.Lock()
         self._guard = ReturnGuard("host read buffer", _mmap_span, _mmap_fill, _mmap_intact)
 
@@ -67,8 +76,10 @@ class BufferPool:
             for buf in self._guard.reclaim():
                 self._keep(buf)
         size = self.size_class(nbytes)
+        dropped: list[mmap.mmap] = []
         with self._lock:
             self._in_use += 1
+            self._in_use_bytes += size
             free = self._free.get(size)
             if free:
                 self._retained -= size
@@ -76,6 +87,9 @@ class BufferPool:
                 del self._given_back[id(buf)]
             else:
                 buf = None
+                dropped = self._make_room(0)
+        for old in dropped:
+            self._guard.forget(old)
         if buf is None:
             return mmap.mmap(-1, size)
         try:
@@ -91,24 +105,34 @@ class BufferPool:
         it could not drain): it is quarantined until they have drained, without an error."""
         with self._lock:
             self._in_use -= 1
+            self._in_use_bytes -= len(buf)
         if self._guard.give_back(buf, known_in_flight=in_flight):
             self._keep(buf)
+
+    def _make_room(self, size: int) -> list[mmap.mmap]:
+        """Drop free buffers, longest given back first, until `size` more bytes fit beside what is
+        handed out and kept (or none is left); under the lock. The dropped, for the guard."""
+        dropped = []
+        while self._given_back and self._retained + self._in_use_bytes + size > self.retain_bytes:
+            _, old = self._given_back.popitem(last=False)
+            bufs = self._free[len(old)]
+            bufs.pop(next(i for i, b in enumerate(bufs) if b is old))
+            self._retained -= len(old)
+            dropped.append(old)
+        return dropped
 
     def _keep(self, buf: mmap.mmap) -> None:
         size = len(buf)
         dropped = [buf]
         with self._lock:
             if size == self.size_class(size) and size <= self.retain_bytes:
-                dropped = []
-                while self._retained + size > self.retain_bytes:
-                    _, old = self._given_back.popitem(last=False)
-                    bufs = self._free[len(old)]
-                    bufs.pop(next(i for i, b in enumerate(bufs) if b is old))
-                    self._retained -= len(old)
-                    dropped.append(old)
-                self._free.setdefault(size, []).append(buf)
-                self._given_back[id(buf)] = buf
-                self._retained += size
+                dropped = self._make_room(size)
+                if self._retained + self._in_use_bytes + size <= self.retain_bytes:
+                    self._free.setdefault(size, []).append(buf)
+                    self._given_back[id(buf)] = buf
+                    self._retained += size
+                else:  # what is handed out fills the pool: this one goes too
+                    dropped.append(buf)
         for old in dropped:
             self._guard.forget(old)
 
