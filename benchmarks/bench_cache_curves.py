@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     write_results(args.name, {"machine": info, "index": str(args.index), "table_bytes": table, "base": base,
                               "runs": runs, "table_md": table_md, "ratios": ratios, "cgroups": args.cgroups,
                               "stream": args.stream},
-                  figure=plot(rows, fractions, f"{args.index.name}: {args.stream} stream, memory cgroup = base + budget"))
+                  figure=plot(rows, fractions, f"{args.name} ({table / 2**20:.0f} MiB table): {args.stream} stream, "
+                                               f"memory cgroup = base + budget"))
     return 0
 
 

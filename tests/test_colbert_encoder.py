@@ -438,10 +438,14 @@ def test_onnx_query_path_matches_torch(pylate_dir: Path, tmp_path: Path, monkeyp
     np.testing.assert_allclose(onnx.encode_queries(QUERIES).bow, torch_path.encode_queries(QUERIES).bow, atol=1e-4)
 
 
-def test_a_written_colbert_index_filtered_hybrid_explained_after_a_restart(colbert_index: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("record_cache", [False, True], ids=["memory", "posix-half-cached"])
+def test_a_written_colbert_index_filtered_hybrid_explained_after_a_restart(colbert_index: Path, tmp_path: Path,
+                                                                           record_cache: bool) -> None:
     """Where the features meet: a ColBERT index takes an upsert (with metadata) and a delete, is
     reopened, and its centroid first stage under a filter, explained and in hybrid mode, returns the
-    exhaustive MaxSim ranking of the allowed documents: never the deleted or the filtered-out."""
+    exhaustive MaxSim ranking of the allowed documents: never the deleted or the filtered-out. Also
+    read through a record cache holding half the table, so that searches score its hits while its
+    misses are read (and, asked twice, what the first asking admitted)."""
     import shutil
 
     from espn.live.checks import NewDocument
@@ -454,13 +458,20 @@ def test_a_written_colbert_index_filtered_hybrid_explained_after_a_restart(colbe
         writer.upsert([NewDocument("new-1", text, metadata={"topic": "astronomy", "year": 2026})])
         writer.delete(["s0001"])  # an astronomy passage: the filter alone would let it through
     astronomy = {"topic": "astronomy"}
-    with Searcher.open(index) as searcher:  # a restart: everything comes from disk
+    half = (index / "embeddings.bin").stat().st_size / 2**21
+    opened = {"reader": "posix", "reader_options": {"record_cache_mb": half, "record_cache_warm": True}} \
+        if record_cache else {}
+    with Searcher.open(index, **opened) as searcher:  # a restart: everything comes from disk
         assert searcher.first_stage.kind == "centroids"
         n = searcher.num_documents
         everything = {"first_stage_probe": 64, "first_stage_candidates": n}  # the stage hands MaxSim every match
-        dense = searcher.search([text], k=5, filter=astronomy, explain=True, **everything)[0]
-        default = searcher.search([text], k=5, filter=astronomy)[0]
-        hybrid = searcher.search([text], k=5, filter=astronomy, mode="hybrid")[0]
+        for _ in range(2 if record_cache else 1):
+            dense = searcher.search([text], k=5, filter=astronomy, explain=True, **everything)[0]
+            default = searcher.search([text], k=5, filter=astronomy)[0]
+            hybrid = searcher.search([text], k=5, filter=astronomy, mode="hybrid")[0]
+        if record_cache:
+            cache = searcher.reader.describe()["record_cache"]
+            assert 0 < cache["hits"] < cache["requests"], cache
         ids = searcher.ids.external(np.arange(n))
         live = searcher.live if searcher.live is not None else np.ones(n, dtype=bool)
         allowed = np.array([bool(ok) and searcher.document(doc_id).metadata.get("topic") == "astronomy"
