@@ -104,9 +104,16 @@ def test_idle_sockets_and_a_trickling_body_under_ulimit_256_do_not_stop_searches
             for sock in [*idle, trickle]:
                 sock.close()
         assert HTTP.get(f"{server.base_url}/readyz").status_code == 200
+
+        def grown_lines() -> list[str]:
+            return server.log().encode()[before:].decode(errors="replace").splitlines()
+
+        # The access line follows the answer, so on a busy machine ours may not be written yet.
+        wait_until(lambda: any('"/readyz"' in line and '"msg": "request"' in line for line in grown_lines()),
+                   "the access line of our /readyz", timeout_s=30)
         # One access line per answered request (as many as the 4 s loop fits), and besides them
         # one summary per minute: nothing per idle connection.
-        grown = server.log().encode()[before:].decode(errors="replace").splitlines()
+        grown = grown_lines()
         others = [line for line in grown if '"msg": "request"' not in line]
         access = Counter((record["path"], record["status"])
                          for record in (json.loads(line) for line in grown if '"msg": "request"' in line))
