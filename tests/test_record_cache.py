@@ -26,7 +26,7 @@ from espn.store.cache_policy import FrequencySketch
 from espn.store.cache_segment import SEGMENT_PREFIX, SHM_DIR, open_segment, remove_stale_segments
 from espn.store.cache_slabs import class_sizes
 from espn.store.engines import FaultInjector, ReadError, inject_faults
-from espn.store.record_cache import segment_documents
+from espn.store.record_cache import OFFER_ONE_READ_IN, segment_documents
 from helpers import run_threads
 from test_store import Store, assert_batch_equal, random_counts, write_store
 
@@ -117,6 +117,26 @@ def test_a_scan_does_not_flush_the_hot_set(store: Store) -> None:
         batch = reader.read(hot)
         assert batch.bytes_read == 0, "the scan evicted hot records"
         assert reader.stats()["rejected"] > 0
+
+
+def _offered(reader: CachedReader) -> int:
+    """Records offered to the cache so far (each is admitted or refused)."""
+    stats = reader.cache.stats()
+    return stats["admitted"] + stats["rejected"]
+
+
+def test_a_full_cache_is_offered_one_read_in_four_and_one_with_room_every_read(store: Store) -> None:
+    with cached(store, 0.05, record_cache_warm=True) as reader:
+        assert not reader.cache.free_slots().any(), "the warm fill left a class with room"
+        outside = np.setdiff1d(np.arange(len(store.records)), reader.cached_documents())[:12]
+        before = _offered(reader)
+        for doc in outside:
+            assert_batch_equal(reader.read(np.array([doc])), store.expected(np.array([doc])))
+        assert _offered(reader) - before == len(outside) // OFFER_ONE_READ_IN
+    with cached(store, 0.5) as reader:  # room in every class: each read's record is offered, and comes in
+        for doc in range(12):
+            reader.read(np.array([doc]))
+        assert _offered(reader) == reader.cache.stats()["admitted"] == 12
 
 
 def test_concurrent_readers_get_exact_records(store: Store) -> None:

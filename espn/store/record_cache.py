@@ -49,6 +49,14 @@ WARM_CHUNK_BYTES = 32 << 20
 #: share of the records asked for are misses, as a running mean with MISS_SHARE_WEIGHT per request.
 IO_BOUND_MISSES = 0.02
 MISS_SHARE_WEIGHT = 0.1
+#: Once the size classes of a read's records are full, its records are offered to the cache on one
+#: read in this many. A full cache refuses most of what it is offered (at 5% of SciFact's table,
+#: 95%), and an offer costs 0.4-0.5 ms whatever it brings in (the policy and the copy, numpy calls on
+#: small arrays); the sketch still counts every request at lookup, so a record asked for often
+#: comes in a few reads later. Measured on three Zipf streams, one process, query by query against
+#: offering every read: p50 0.2-1.6 ms lower at 5% and 0.03-0.3 ms at 25% in all six, hit rate
+#: 0.015 lower at 25% (docs/benchmarks/io.md).
+OFFER_ONE_READ_IN = 4
 _MiB = 1 << 20
 
 
@@ -211,7 +219,7 @@ class CachedReader(Reader):
         self.inner = inner
         self.budget_bytes = int(budget_bytes)
         self.cache = RecordCache.open(inner.path, inner.records, self.budget_bytes, share, policy)
-        self._requests = self._hits = 0
+        self._requests = self._hits = self._reads = 0
         self._miss_share = 1.0  # running mean over requests (the first sets it): what `io_bound` reads
 
     @property
@@ -304,11 +312,22 @@ class CachedReader(Reader):
     def _misses(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, miss: np.ndarray | None) -> FetchPart:
         """The part read from storage: the documents of `miss` (None: all), offered to the cache."""
         wanted = docs if miss is None else docs[miss]
+        if miss is not None:
+            offsets, lengths = offsets[miss], lengths[miss]
         got_docs, n_bow, fetch = self.inner.start_fetch(wanted)
-        if fetch is not None:
-            fetch = _AdmittingFetch(fetch, self.cache, wanted, offsets if miss is None else offsets[miss],
-                                    lengths if miss is None else lengths[miss])
+        if fetch is not None and self._offer_this_read(lengths):
+            fetch = _AdmittingFetch(fetch, self.cache, wanted, offsets, lengths)
         return FetchPart(got_docs, n_bow, fetch, None if miss is None else np.flatnonzero(miss))
+
+    def _offer_this_read(self, lengths: np.ndarray) -> bool:
+        """Whether the records of a read (of these lengths) are offered to the cache: always while
+        a class of theirs has a free slot, else on one read in OFFER_ONE_READ_IN."""
+        self._reads += 1
+        free = self.cache.store.free_count  # read without the lock: a stale count only shifts one read
+        cls = self.cache.store.class_of(lengths)
+        if bool(free[cls[cls < len(free)]].any()):
+            return True
+        return self._reads % OFFER_ONE_READ_IN == 0
 
     def warm(self, limit_bytes: int | None = None) -> int:
         """Fill the free slots from the file, in file order, each class with the first records of
