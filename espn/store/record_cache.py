@@ -53,9 +53,9 @@ MISS_SHARE_WEIGHT = 0.1
 #: read in this many. A full cache refuses most of what it is offered (at 5% of SciFact's table,
 #: 95%), and an offer costs 0.4-0.5 ms whatever it brings in (the policy and the copy, numpy calls on
 #: small arrays); the sketch still counts every request at lookup, so a record asked for often
-#: comes in a few reads later. Measured on three Zipf streams, one process, query by query against
-#: offering every read: p50 0.2-1.6 ms lower at 5% and 0.03-0.3 ms at 25% in all six, hit rate
-#: 0.015 lower at 25% (docs/benchmarks/io.md).
+#: comes in a few reads later. Against offering every read, query by query in one process on five
+#: Zipf streams at 5% and 25% of SciFact's table, p50 was lower in ten pairs of ten (0.002-0.13 of
+#: posix's p50) and the hit rate 0.015 lower at 25% (docs/benchmarks/io.md).
 OFFER_ONE_READ_IN = 4
 _MiB = 1 << 20
 
