@@ -125,14 +125,30 @@ def _offered(reader: CachedReader) -> int:
     return stats["admitted"] + stats["rejected"]
 
 
-def test_a_full_cache_is_offered_one_read_in_four_and_one_with_room_every_read(store: Store) -> None:
+def test_a_full_cache_that_refuses_is_offered_one_read_in_four_until_it_takes_records_in(store: Store) -> None:
     with cached(store, 0.05, record_cache_warm=True) as reader:
         assert not reader.cache.free_slots().any(), "the warm fill left a class with room"
-        outside = np.setdiff1d(np.arange(len(store.records)), reader.cached_documents())[:12]
-        before = _offered(reader)
-        for doc in outside:
-            assert_batch_equal(reader.read(np.array([doc])), store.expected(np.array([doc])))
-        assert _offered(reader) - before == len(outside) // OFFER_ONE_READ_IN
+        outside = iter(np.setdiff1d(np.arange(len(store.records)), reader.cached_documents()))
+
+        def read_each(docs: list[int]) -> int:
+            """Read the documents one by one; the records offered meanwhile."""
+            before = _offered(reader)
+            for doc in docs:
+                assert_batch_equal(reader.read(np.array([doc])), store.expected(np.array([doc])))
+            return _offered(reader) - before
+
+        # Each asked for once, so refused (TinyLFU's doorkeeper): at first every read is offered ...
+        assert read_each([next(outside) for _ in range(10)]) == 10
+        read_each([next(outside) for _ in range(30)])
+        # ... then, the cache having taken in none of them, one read in four.
+        assert read_each([next(outside) for _ in range(12)]) == 12 // OFFER_ONE_READ_IN
+        # Documents asked for again come in when offered; once the cache takes records in, it is
+        # offered every read again, so all of them come in (one read in four, in a cycle of eight,
+        # would offer the same two for ever).
+        hot = [next(outside) for _ in range(2 * OFFER_ONE_READ_IN)]
+        for _ in range(6):
+            read_each(hot)
+        assert set(hot) <= set(reader.cached_documents().tolist())
     with cached(store, 0.5) as reader:  # room in every class: each read's record is offered, and comes in
         for doc in range(12):
             reader.read(np.array([doc]))

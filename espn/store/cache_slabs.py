@@ -287,10 +287,11 @@ class SlabStore:
         return self.slot_at[slots]
 
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
-              starts: np.ndarray) -> None:
+              starts: np.ndarray) -> int:
         """Offer records just read (record i at `starts[i]` of `buffer`, `lengths[i]` bytes): each
         takes a free slot of its class, or competes by the policy for a resident of its class that
-        no read in flight may be reading. Unique `docs` only. Vectorised over every class at once."""
+        no read in flight may be reading. Unique `docs` only. Vectorised over every class at once.
+        Returns how many came in."""
         cls = self.class_of(lengths)
         self.count("too_large", int((cls >= len(self.arenas)).sum()))
         keep = np.flatnonzero((cls < len(self.arenas)) & (docs < self.plan.map_capacity))
@@ -307,7 +308,7 @@ class SlabStore:
         keep = keep[~resident]  # another search admitted them meanwhile
         keep = keep[np.argsort(cls[keep], kind="stable")]
         if not len(keep):
-            return
+            return 0
         docs, offsets, lengths, starts, cls = docs[keep], offsets[keep], lengths[keep], starts[keep], cls[keep]
         self.header[_H_DIRTY] = 1
         rank = np.arange(len(cls)) - np.searchsorted(cls, cls, side="left")  # place within its class
@@ -330,6 +331,7 @@ class SlabStore:
         self.map[docs] = (slots + 1).astype(np.int32)
         self.count("admitted", len(slots))
         self.header[_H_DIRTY] = 0
+        return len(slots)
 
     def _compete(self, docs: np.ndarray, cls: np.ndarray) -> np.ndarray:
         """[n] the slot each candidate (of a full class) takes, -1 where it stays out: the candidates

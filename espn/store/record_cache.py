@@ -49,14 +49,18 @@ WARM_CHUNK_BYTES = 32 << 20
 #: share of the records asked for are misses, as a running mean with MISS_SHARE_WEIGHT per request.
 IO_BOUND_MISSES = 0.02
 MISS_SHARE_WEIGHT = 0.1
-#: Once the size classes of a read's records are full, its records are offered to the cache on one
-#: read in this many. A full cache refuses most of what it is offered (at 5% of SciFact's table,
-#: 95%), and an offer costs 0.4-0.5 ms whatever it brings in (the policy and the copy, numpy calls on
-#: small arrays); the sketch still counts every request at lookup, so a record asked for often
-#: comes in a few reads later. Against offering every read, query by query in one process on five
-#: Zipf streams at 5% and 25% of SciFact's table, p50 was lower in ten pairs of ten (0.002-0.13 of
-#: posix's p50) and the hit rate 0.015 lower at 25% (docs/benchmarks/io.md).
+#: A read's records are offered to the cache on one read in OFFER_ONE_READ_IN while the cache takes
+#: in fewer than ADMIT_YIELD of the records offered to it (a running mean per process, YIELD_WEIGHT
+#: per offer) and their size classes have no free slot; otherwise on every read. An offer costs
+#: 0.4-0.5 ms whatever it brings in (the policy and the copy: numpy calls on small arrays), and a
+#: full cache at its steady state takes in 2-4% of what it is offered (SciFact, 5-50% of the
+#: table). The sketch still counts every request at lookup, so a record asked for often comes in a
+#: few reads later. A cache still learning a stream (the 100,000-document token index at 25% and
+#: 50%: 14% and 21% came in) is offered every read, or it would learn four times slower.
+#: Measured in docs/benchmarks/io.md.
 OFFER_ONE_READ_IN = 4
+ADMIT_YIELD = 0.1
+YIELD_WEIGHT = 0.1
 _MiB = 1 << 20
 
 
@@ -115,14 +119,15 @@ class RecordCache:
                 self.store.end_read(read)
 
     def admit(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
-              starts: np.ndarray) -> None:
-        """Offer records just read (doc i's record at `starts[i]` of `buffer`); duplicates allowed."""
+              starts: np.ndarray) -> int:
+        """Offer records just read (doc i's record at `starts[i]` of `buffer`); duplicates allowed.
+        Returns how many came in."""
         if not len(docs):
-            return
+            return 0
         docs, first = np.unique(docs, return_index=True)
         with self.segment.lock():
             self.store.recover()
-            self.store.admit(docs, offsets[first], lengths[first], buffer, starts[first])
+            return self.store.admit(docs, offsets[first], lengths[first], buffer, starts[first])
 
     def forget(self, docs: np.ndarray) -> int:
         with self.segment.lock():
@@ -178,15 +183,15 @@ class _ArenaFetch(Fetch):
 class _AdmittingFetch(Fetch):
     """The wrapped reader's fetch of the misses; what it brings is offered to the cache."""
 
-    def __init__(self, inner: Fetch, cache: RecordCache, docs: np.ndarray, offsets: np.ndarray,
+    def __init__(self, inner: Fetch, reader: "CachedReader", docs: np.ndarray, offsets: np.ndarray,
                  lengths: np.ndarray) -> None:
-        self._inner, self._cache = inner, cache
+        self._inner, self._reader = inner, reader
         self._docs, self._offsets, self._lengths = docs, offsets, lengths
 
     def complete(self) -> tuple[Any, np.ndarray, int, int]:
         done = self._inner.complete()  # a failed read raises here: nothing is offered
         buffer, starts = done[0], np.asarray(done[1], dtype=np.int64)
-        self._cache.admit(self._docs, self._offsets, self._lengths, np.asarray(buffer), starts)
+        self._reader.offer(self._docs, self._offsets, self._lengths, np.asarray(buffer), starts)
         return done
 
     def release(self) -> None:
@@ -221,6 +226,7 @@ class CachedReader(Reader):
         self.cache = RecordCache.open(inner.path, inner.records, self.budget_bytes, share, policy)
         self._requests = self._hits = self._reads = 0
         self._miss_share = 1.0  # running mean over requests (the first sets it): what `io_bound` reads
+        self._admit_yield = 1.0  # running mean of the share of offered records that came in
 
     @property
     def io_bound(self) -> bool:  # type: ignore[override]  # a class constant in the readers that know it
@@ -316,18 +322,30 @@ class CachedReader(Reader):
             offsets, lengths = offsets[miss], lengths[miss]
         got_docs, n_bow, fetch = self.inner.start_fetch(wanted)
         if fetch is not None and self._offer_this_read(lengths):
-            fetch = _AdmittingFetch(fetch, self.cache, wanted, offsets, lengths)
+            fetch = _AdmittingFetch(fetch, self, wanted, offsets, lengths)
         return FetchPart(got_docs, n_bow, fetch, None if miss is None else np.flatnonzero(miss))
 
     def _offer_this_read(self, lengths: np.ndarray) -> bool:
         """Whether the records of a read (of these lengths) are offered to the cache: always while
-        a class of theirs has a free slot, else on one read in OFFER_ONE_READ_IN."""
+        it takes in ADMIT_YIELD of what it is offered or a class of theirs has a free slot, else
+        on one read in OFFER_ONE_READ_IN."""
         self._reads += 1
+        if self._admit_yield >= ADMIT_YIELD:
+            return True
         free = self.cache.store.free_count  # read without the lock: a stale count only shifts one read
         cls = self.cache.store.class_of(lengths)
         if bool(free[cls[cls < len(free)]].any()):
             return True
         return self._reads % OFFER_ONE_READ_IN == 0
+
+    def offer(self, docs: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, buffer: np.ndarray,
+              starts: np.ndarray) -> None:
+        """Offer the records of a read from storage to the cache (`RecordCache.admit`), and count
+        the share that came in."""
+        if not len(docs):
+            return
+        admitted = self.cache.admit(docs, offsets, lengths, buffer, starts)
+        self._admit_yield += YIELD_WEIGHT * (admitted / len(docs) - self._admit_yield)
 
     def warm(self, limit_bytes: int | None = None) -> int:
         """Fill the free slots from the file, in file order, each class with the first records of
