@@ -450,6 +450,19 @@ def test_the_canary_catches_a_write_into_a_buffer_given_back() -> None:
         pool.acquire(1 << 16)
 
 
+def test_a_buffer_refused_by_the_canary_is_not_counted_as_handed_out() -> None:
+    """An acquire that fails its ownership check hands nothing out: the pool's room is as before."""
+    pool = BufferPool(retain_bytes=1 << 16)
+    buf = pool.acquire(1 << 16)
+    pool.release(buf)
+    np.frombuffer(buf, dtype=np.uint8)[0] = 7
+    with pytest.raises(OwnershipError, match="changed after it was given back"):
+        pool.acquire(1 << 16)
+    again = pool.acquire(1 << 16)
+    pool.release(again)
+    assert pool.stats() == {"free": 1, "retained_bytes": 1 << 16, "in_use": 0, "quarantined": 0}
+
+
 def test_a_full_pool_keeps_the_buffers_given_back_last() -> None:
     """Large buffers of a one-off read (a cache being filled) must not hold the pool's room so
     that every later, smaller read maps a fresh buffer: the oldest free buffers make way."""

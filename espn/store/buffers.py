@@ -97,6 +97,7 @@ class BufferPool:
         except BaseException:
             with self._lock:
                 self._in_use -= 1
+                self._in_use_bytes -= size
             raise
         return buf
 
