@@ -501,6 +501,24 @@ def test_the_pool_counts_the_buffers_it_hands_out_against_its_size() -> None:
     assert pool.stats()["retained_bytes"] == (512 << 10) + (256 << 10)
 
 
+def test_a_read_takes_the_smallest_free_buffer_up_to_four_times_its_size() -> None:
+    """A record cache's misses vary in size from query to query: a free buffer somewhat larger
+    than a read needs serves it instead of a fresh mapping, and only the smallest such, so large
+    ones stay for large reads; a free buffer far larger stays for a read that needs it."""
+    assert BufferPool.REUSE_LARGER == 4
+    pool = BufferPool(retain_bytes=4 << 20)
+    bufs = {size: pool.acquire(size) for size in (128 << 10, 512 << 10, 2 << 20)}
+    for buf in bufs.values():
+        pool.release(buf)
+    assert pool.acquire(100 << 10) is bufs[128 << 10]  # its own class
+    assert pool.acquire(200 << 10) is bufs[512 << 10]  # 256 KiB class: the 512 KiB buffer, not the 2 MiB one
+    fresh = pool.acquire(64 << 10)  # the 2 MiB buffer is 32 times its class: a new mapping
+    assert fresh is not bufs[2 << 20] and len(fresh) == 64 << 10
+    assert pool.stats()["in_use"] == 3 and pool.stats()["retained_bytes"] == 2 << 20
+    data = np.frombuffer(pool.acquire(3 << 20), dtype=np.uint8)  # a fresh private mapping, page-aligned
+    assert data.__array_interface__["data"][0] % mmap.PAGESIZE == 0 and not data.any()
+
+
 # -- ring indices: acquire / release ---------------------------------------------------------
 
 

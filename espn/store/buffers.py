@@ -5,6 +5,7 @@ page-aligned host mappings (`BufferPool`) and the kvikio reader's device tensors
 from __future__ import annotations
 
 import collections
+import contextlib
 import mmap
 import threading
 from typing import Protocol
@@ -18,6 +19,22 @@ __all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES"]
 
 #: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
 DEFAULT_DEVICE_POOL_BYTES = 256 << 20
+
+
+#: Buffers this large or larger ask for transparent huge pages.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def allocate(nbytes: int) -> mmap.mmap:
+    """A fresh page-aligned buffer: a private anonymous mapping, with huge pages asked for where it
+    spans one. Its first touch is the cost (the kernel faults it in under a direct read): for 4 MiB,
+    2.8 ms in 4 KiB faults of a shared mapping (`mmap.mmap(-1, n)`, shared memory that a forked
+    child would also see), 1.5 ms private, 0.1 ms with huge pages (THP in "madvise" mode)."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
 
 
 def _mmap_span(buf: mmap.mmap) -> tuple[int, int]:
@@ -37,7 +54,7 @@ class BufferPool:
 
     A fresh mapping costs a page fault per 4 KiB on first touch (and an munmap when dropped);
     reusing buffers keeps that off the read path. Buffers are kept in power-of-two size classes
-    while the buffers handed out and the free ones together stay within `retain_bytes`; a
+    (a read takes the smallest free one of its class or up to REUSE_LARGER times it) while the buffers handed out and the free ones together stay within `retain_bytes`; a
     buffer given back, or a new one, makes room by dropping the free buffers given back longest
     ago, so the sizes in use now stay pooled (a few large buffers of a one-off read, such as a
     cache being filled, do not keep every later read on fresh mappings) and the pool's RAM
@@ -53,9 +70,15 @@ class BufferPool:
     #: The pool's RAM, handed out and free together. Counting only the free buffers (64 MiB
     #: of them) let a batch's waves (`espn.search.centroid_stage.READ_BYTES_IN_FLIGHT`) add
     #: their 32 MiB on top: the posix reader's peak was 354 MiB on SciFact (300 queries and 8
-    #: batches of 32). Keeping 32 MiB free instead cut that to 327 MiB, but cost a record cache's
-    #: single queries 3-12% of their p50 (their misses vary in size, and fewer sizes stayed pooled).
-    RETAIN_BYTES = 64 << 20
+    #: batches of 32). With buffers that a read may reuse when larger (REUSE_LARGER) and that are
+    #: cheap to make afresh (`allocate`: huge pages), 24 MiB costs no latency: side by side on
+    #: SciFact, the posix process's memory cgroup peaked 27-30 MiB lower than at 64 MiB with
+    #: shared 4 KiB-page buffers, single-query p50 0.87-0.97x and batch-32 0.87-0.98x, with a
+    #: record cache or without (docs/benchmarks/io.md). At 16 MiB batches took 1.1x as long.
+    RETAIN_BYTES = 24 << 20
+    #: A read may take a free buffer up to this many times the size it needs: the pool holds fewer
+    #: sizes, and a read whose size varies (a record cache's misses) finds one more often.
+    REUSE_LARGER = 4
 
     def __init__(self, retain_bytes: int = RETAIN_BYTES) -> None:
         self.retain_bytes = retain_bytes
@@ -78,12 +101,13 @@ class BufferPool:
         size = self.size_class(nbytes)
         dropped: list[mmap.mmap] = []
         with self._lock:
+            fit = min((s for s, bufs in self._free.items() if bufs and size <= s <= size * self.REUSE_LARGER),
+                      default=0)
             self._in_use += 1
-            self._in_use_bytes += size
-            free = self._free.get(size)
-            if free:
-                self._retained -= size
-                buf = free.pop()
+            self._in_use_bytes += fit or size
+            if fit:
+                self._retained -= fit
+                buf = self._free[fit].pop()
                 del self._given_back[id(buf)]
             else:
                 buf = None
@@ -91,13 +115,13 @@ class BufferPool:
         for old in dropped:
             self._guard.forget(old)
         if buf is None:
-            return mmap.mmap(-1, size)
+            return allocate(size)
         try:
             self._guard.handing_out(buf)
         except BaseException:
             with self._lock:
                 self._in_use -= 1
-                self._in_use_bytes -= size
+                self._in_use_bytes -= fit
             raise
         return buf
 
