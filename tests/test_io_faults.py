@@ -519,6 +519,37 @@ def test_a_read_takes_the_smallest_free_buffer_up_to_four_times_its_size() -> No
     assert data.__array_interface__["data"][0] % mmap.PAGESIZE == 0 and not data.any()
 
 
+def test_every_posix_reader_of_a_process_reads_into_one_pool_and_a_forked_child_gets_its_own(store: Store) -> None:
+    """A server of many indexes keeps one pool of read buffers, not one per index; closing one
+    index's reader leaves the others' buffers alone; a child forked while it is held starts afresh
+    (the parent's lock may be held at the fork, and its buffers are not the child's to reuse)."""
+    first, second = open_posix(store, "threads"), open_posix(store, "threads")
+    try:
+        assert first.buffer_pool is second.buffer_pool
+        with first.submit(np.arange(64)).records() as batch:
+            assert len(batch.docs) == 64
+        free = first.buffer_pool.stats()["free"]
+        assert free >= 1
+        first.close()
+        assert second.buffer_pool.stats()["free"] == free  # still there for the other reader
+        with second.submit(np.arange(64)).records():
+            assert second.buffer_pool.stats()["free"] == free - 1  # it took the one the first gave back
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: a new, empty pool
+            from espn.store.buffers import process_pool
+            os.write(write, b"1" if process_pool() is not second.buffer_pool and not process_pool().stats()["free"]
+                     else b"0")
+            os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.close(read)
+        os.waitpid(pid, 0)
+    finally:
+        first.close()
+        second.close()
+
+
 # -- ring indices: acquire / release ---------------------------------------------------------
 
 

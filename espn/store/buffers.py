@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import mmap
+import os
 import threading
 from typing import Protocol
 
@@ -15,7 +16,7 @@ import torch
 
 from .engines.ownership import CANARY, ReturnGuard
 
-__all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES"]
+__all__ = ["BufferPool", "DeviceBufferPool", "DEFAULT_DEVICE_POOL_BYTES", "process_pool", "allocate"]
 
 #: Device bytes the buffer pool keeps for reuse (beyond it, released buffers are freed).
 DEFAULT_DEVICE_POOL_BYTES = 256 << 20
@@ -67,7 +68,8 @@ class BufferPool:
 
     MIN_BYTES = 1 << 16
 
-    #: The pool's RAM, handed out and free together. Counting only the free buffers (64 MiB
+    #: The pool's RAM, handed out and free together (the posix readers of a process share one pool:
+    #: `process_pool`). Counting only the free buffers (64 MiB
     #: of them) let a batch's waves (`espn.search.centroid_stage.READ_BYTES_IN_FLIGHT`) add
     #: their 32 MiB on top: the posix reader's peak was 354 MiB on SciFact (300 queries and 8
     #: batches of 32). With buffers that a read may reuse when larger (REUSE_LARGER) and that are
@@ -182,6 +184,31 @@ class BufferPool:
             self._free.clear()
             self._given_back.clear()
             self._retained = 0
+
+
+_process_pool: BufferPool | None = None
+_process_pool_lock = threading.Lock()
+
+
+def process_pool() -> BufferPool:
+    """The host read buffers of this process, shared by every posix reader: a server of many
+    indexes (or a live index between two generations) keeps `BufferPool.RETAIN_BYTES` of them in
+    all, not that much per index."""
+    global _process_pool
+    with _process_pool_lock:
+        if _process_pool is None:
+            _process_pool = BufferPool()
+        return _process_pool
+
+
+def _new_pool_after_fork() -> None:
+    """A forked child starts its own pool (its copy of the parent's lock may be held)."""
+    global _process_pool, _process_pool_lock
+    _process_pool, _process_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pool_after_fork)
 
 
 # -- device buffers --------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidParameterError
-from .buffers import BufferPool
+from .buffers import BufferPool, process_pool
 from .engines import EngineRead, IoLimits, StoreClosedError, open_engine
 from .engines.threads import read_fully
 from .extents import DEFAULT_MAX_EXTENT_BYTES, ExtentPlan, plan_extents
@@ -143,7 +143,7 @@ class PosixReader(Reader):
         self.io_depth = io_depth
         self.max_extent_bytes = max(layout.block_size, max_extent_bytes - max_extent_bytes % layout.block_size)
         self._engine = open_engine(io_engine, io_depth, io_limits)
-        self._pool = BufferPool()
+        self._pool = process_pool()
         self._close_lock = threading.Lock()
         self._fd: int | None = None
         self.direct = False
@@ -164,7 +164,7 @@ class PosixReader(Reader):
 
     @property
     def buffer_pool(self) -> BufferPool:
-        """The pool of read buffers (its `stats()`; tests `check()` its canaries)."""
+        """The pool of read buffers, the process's (its `stats()`; tests `check()` its canaries)."""
         return self._pool
 
     def describe(self) -> dict[str, Any]:
@@ -232,7 +232,6 @@ class PosixReader(Reader):
                 return
             super().close()
         self._engine.close()  # every thread's reads drain before a ring goes
-        self._pool.clear()
         fd, self._fd = self._fd, None
         if fd is not None:  # once no read is in flight: a queued one must not find the number reused
             self._engine.when_idle(lambda: os.close(fd))
