@@ -211,15 +211,17 @@ def test_record_batches_give_their_buffers_back(tmp_path) -> None:
     layout = StoreLayout(d_cls=16, d_bow=8, block_size=4096, dtype="int8")
     records = _write_records(tmp_path / "embeddings.bin", layout, rng, 40)
     with open_reader("posix", tmp_path / "embeddings.bin", records, layout) as reader:
-        pool = reader._pool
+        pool = reader.buffer_pool  # the process's: other tests' readers may have left free buffers in it
+        in_use, free = pool.stats()["in_use"], pool.stats()["free"]
         with reader.submit(np.arange(40)).records() as batch:
-            assert pool._retained == 0 and len(batch.addresses()) == 40
-        assert pool._retained > 0 and batch.buffers == []  # back in the pool, and the batch forgets it
-        retained = pool._retained
+            assert pool.stats()["in_use"] == in_use + 1 and len(batch.addresses()) == 40
+        assert pool.stats()["in_use"] == in_use and batch.buffers == []  # back, and the batch forgets it
+        assert pool.stats()["free"] >= max(1, free)
         pending = reader.submit(np.arange(10))
+        assert pool.stats()["in_use"] == in_use + 1
         with pytest.raises(ValueError, match="never submitted"):
             pending.records(select=np.array([11]))
-        assert pool._retained == retained  # the failed hand-over released its buffer too
+        assert pool.stats()["in_use"] == in_use  # the failed hand-over released its buffer too
 
 
 def test_searcher_ranks_alike_with_and_without_the_kernel(sample_index, monkeypatch) -> None:
