@@ -2,10 +2,11 @@
 real HTTP against a running `espn serve`.
 
 Every client sends a batch of queries at the longest text a query may have, as many as the
-largest body holds, with the largest k HTTP allows, all clients at once, twice. Every answer must be complete, and the server's peak
-resident set must grow by at most a stated amount per hit returned (the hits of every request in
-flight are Python objects until they are written as JSON) plus a fixed allowance for encoding
-the queries, and not at all from one round to the next (nothing is kept between requests).
+largest body holds, with the largest k HTTP allows, all clients at once, twice. Every answer
+must be complete, and the server's peak resident set must grow by at most a stated amount per
+hit returned (the hits of every request in flight are Python objects until they are written as
+JSON) plus a fixed allowance for encoding the queries, and not at all from one round to the
+next (nothing is kept between requests).
 """
 
 from __future__ import annotations

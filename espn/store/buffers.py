@@ -55,11 +55,12 @@ class BufferPool:
 
     A fresh mapping costs a page fault per 4 KiB on first touch (and an munmap when dropped);
     reusing buffers keeps that off the read path. Buffers are kept in power-of-two size classes
-    (a read takes the smallest free one of its class or up to REUSE_LARGER times it) while the buffers handed out and the free ones together stay within `retain_bytes`; a
-    buffer given back, or a new one, makes room by dropping the free buffers given back longest
-    ago, so the sizes in use now stay pooled (a few large buffers of a one-off read, such as a
-    cache being filled, do not keep every later read on fresh mappings) and the pool's RAM
-    peaks at `retain_bytes` or what is handed out at once, not their sum.
+    (a read takes the smallest free one of its class or up to REUSE_LARGER times it) while the
+    buffers handed out and the free ones together stay within `retain_bytes`; a buffer given
+    back, or a new one, makes room by dropping the free buffers given back longest ago, so the
+    sizes in use now stay pooled (a few large buffers of a one-off read, such as a cache being
+    filled, do not keep every later read on fresh mappings) and the pool's RAM peaks at
+    `retain_bytes` or what is handed out at once, not their sum.
 
     Every buffer that comes back passes the ownership check (`engines.ownership.ReturnGuard`):
     one that a read in flight still targets is quarantined, never reused, until the read
@@ -68,15 +69,15 @@ class BufferPool:
 
     MIN_BYTES = 1 << 16
 
-    #: The pool's RAM, handed out and free together (the posix readers of a process share one pool:
-    #: `process_pool`). Counting only the free buffers (64 MiB
-    #: of them) let a batch's waves (`espn.search.centroid_stage.READ_BYTES_IN_FLIGHT`) add
-    #: their 32 MiB on top: the posix reader's peak was 354 MiB on SciFact (300 queries and 8
-    #: batches of 32). With buffers that a read may reuse when larger (REUSE_LARGER) and that are
-    #: cheap to make afresh (`allocate`: huge pages), 24 MiB costs no latency: side by side on
-    #: SciFact, the posix process's memory cgroup peaked 27-30 MiB lower than at 64 MiB with
-    #: shared 4 KiB-page buffers, single-query p50 0.87-0.97x and batch-32 0.87-0.98x, with a
-    #: record cache or without (docs/benchmarks/io.md). At 16 MiB batches took 1.1x as long.
+    #: The pool's RAM, handed out and free together (the posix readers of a process share one
+    #: pool: `process_pool`). Counting only the free buffers (64 MiB of them) let a batch's waves
+    #: (`espn.search.centroid_stage.READ_BYTES_IN_FLIGHT`) add their 32 MiB on top: the posix
+    #: reader's peak was 354 MiB on SciFact (300 queries and 8 batches of 32). With buffers that a
+    #: read may reuse when larger (REUSE_LARGER) and that are cheap to make afresh (`allocate`:
+    #: huge pages), 24 MiB costs no latency: side by side on SciFact, the posix process's memory
+    #: cgroup peaked 27-30 MiB lower than at 64 MiB with shared 4 KiB-page buffers, single-query
+    #: p50 0.87-0.97x and batch-32 0.87-0.98x, with a record cache or without
+    #: (docs/benchmarks/io.md). At 16 MiB batches took 1.1x as long.
     RETAIN_BYTES = 24 << 20
     #: A read may take a free buffer up to this many times the size it needs: the pool holds fewer
     #: sizes, and a read whose size varies (a record cache's misses) finds one more often.
