@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from benchmarks.common import rss_pss
 from espn.partitioning import HASH_NAME, owner
 from espn_server.router.answers import MAX_ANSWER_BYTES, MAX_SMALL_ANSWER_BYTES
 from fakes.partition import BAD_MODES, FakePartition
@@ -204,15 +205,6 @@ def test_a_writer_readyz_of_any_shape_gets_no_write_and_no_500(partitions: list[
         assert HTTP.put(f"{server.base_url}/v1/documents/{b}", json={"text": "x"}).status_code in (200, 201)
 
 
-def _memory_kib(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
-
-
 def test_an_oversized_answer_costs_the_router_at_most_the_limit(
         partitions: list[FakePartition], tmp_path: Path, record_property: Any) -> None:
     """A partition streaming 1 GiB: the router stops reading past MAX_ANSWER_BYTES and its peak
@@ -220,18 +212,18 @@ def test_an_oversized_answer_costs_the_router_at_most_the_limit(
     with _router(partitions, tmp_path, "route") as server:
         for _ in range(20):  # the code paths warm, so that what grows after is the answer
             assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}).status_code == 200
-        before = _memory_kib(server.pid)
+        before = rss_pss(server.pid)["peak_rss"] / (1 << 20)
         partitions[1].mode = "huge"
         answer = HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}, timeout=120)
-        after = _memory_kib(server.pid)
+        after = rss_pss(server.pid)["peak_rss"] / (1 << 20)
         assert answer.status_code == 200 and answer.json()["failed_shards"][0]["error"] == "too_large"
         partitions[1].mode = "good"
         assert HTTP.post(f"{server.base_url}/v1/search", json={"query": "q"}).json()["partial"] is False
-    grown_mib = (after["VmHWM"] - before["VmHWM"]) / 1024
+    grown_mib = after - before
     streamed_mib = partitions[1].streamed / (1 << 20)
-    record_property("router_peak_before_mib", before["VmHWM"] / 1024)
-    record_property("router_peak_after_mib", after["VmHWM"] / 1024)
-    print(f"router peak RSS {before['VmHWM'] / 1024:.0f} -> {after['VmHWM'] / 1024:.0f} MiB "
+    record_property("router_peak_before_mib", before)
+    record_property("router_peak_after_mib", after)
+    print(f"router peak RSS {before:.0f} -> {after:.0f} MiB "
           f"(+{grown_mib:.0f}); the partition got {streamed_mib:.0f} MiB of its 1024 out")
     limit_mib = MAX_ANSWER_BYTES / (1 << 20)
     # The read stopped near the limit (socket buffers hold a few MiB more) ...

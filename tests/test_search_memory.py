@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 from pathlib import Path
 
+from benchmarks.common import rss_pss
 from espn_server.schemas import MAX_HTTP_K, MAX_QUERY_CHARS
 from espn_server.settings import ServerSettings
 from server_fixtures import HTTP, running_server
@@ -33,15 +34,6 @@ FIXED_BYTES = 256 << 20
 TIMEOUT_S = 600  # 6 x 104 long queries on a busy 2-core machine
 
 
-def _status_kib(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
-
-
 def test_many_batches_at_their_limits_at_once_answer_in_full_within_a_stated_memory(
         sample_index: Path, tmp_path: Path) -> None:
     words = "how do ocean tides follow the moon and what trains the immune system "
@@ -52,7 +44,7 @@ def test_many_batches_at_their_limits_at_once_answer_in_full_within_a_stated_mem
         for _ in range(3):  # the code paths warm, so that what grows after is the requests'
             assert HTTP.post(f"{server.base_url}/v1/search/batch", json={**body, "queries": body["queries"][:8]},
                              timeout=TIMEOUT_S).status_code == 200
-        ready = _status_kib(server.pid)["VmRSS"] << 10
+        ready = rss_pss(server.pid)["rss"]
 
         def ask(_: int) -> tuple[int, int]:
             answer = HTTP.post(f"{server.base_url}/v1/search/batch", json=body, timeout=TIMEOUT_S)
@@ -65,7 +57,7 @@ def test_many_batches_at_their_limits_at_once_answer_in_full_within_a_stated_mem
         for _ in range(2):
             with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
                 answered = list(pool.map(ask, range(CLIENTS)))
-            peaks.append(_status_kib(server.pid)["VmHWM"] << 10)
+            peaks.append(rss_pss(server.pid)["peak_rss"])
         assert "Traceback" not in server.log()
     hits = sum(h for _, h in answered)
     assert hits == CLIENTS * QUERIES * min(documents, MAX_HTTP_K)  # every query answered in full
